@@ -1,0 +1,129 @@
+"""Agreement with the float64 reference across shapes and dtypes, and the attention weights."""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.api import AttentionConfig
+from harness.casekit import (CaseFailure, Measurement, assert_close, case, check_against_reference, primary_dtype,
+                             require, run, tolerance_for)
+from harness.params import make_inputs, make_params
+from harness.reference import reference_attention
+from harness.tolerance import naive_dtype, tolerance_from
+
+# (batch, heads, d_head, Tq, Tk, bias, kv_heads): covers batch {1, 3}, T {1, 7, 64, 129, 1000}, Tq != Tk,
+# d_head {8, 64, 80}, heads {1, 2, 8}, with and without biases, grouped- and multi-query heads.
+GRID = (
+    (1, 1, 8, 1, 1, False, None),
+    (3, 2, 8, 7, 7, True, None),
+    (3, 8, 8, 64, 64, False, None),
+    (1, 2, 64, 129, 129, True, None),
+    (3, 8, 80, 129, 129, False, None),
+    (1, 8, 64, 1000, 1000, True, None),
+    (3, 2, 8, 7, 64, False, None),
+    (1, 8, 8, 129, 1000, True, None),
+    (3, 8, 8, 64, 1, False, None),
+    (3, 8, 8, 64, 64, True, 2),
+    (1, 8, 64, 129, 129, False, 1),
+)
+
+
+def _grid_variants(backend):
+    caps = backend.capabilities
+    out = []
+    for dtype in caps.dtypes:
+        for batch, heads, d_head, tq, tk, bias, kv in GRID:
+            if (tq != tk and not caps.cross_attention) or (kv and not caps.grouped_query) or (bias and not caps.bias):
+                continue
+            if caps.max_seq_len and max(tq, tk) > caps.max_seq_len:
+                continue
+            v = {"dtype": dtype, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq, "tk": tk, "bias": bias}
+            if kv:
+                v["kv_heads"] = kv
+            out.append(v)
+    return out
+
+
+@case(variants=_grid_variants)
+def check_output_matches_reference(backend, *, dtype, batch, heads, d_head, seq, tk, bias, kv_heads=None):
+    """Over a grid of batch sizes, sequence lengths (self and cross), head counts and widths, with and without
+    biases, in every declared dtype, the output equals the float64 reference within the tolerance rule."""
+    config = AttentionConfig(heads * d_head, heads, kv_heads, bias=bias)
+    params = make_params(config, seed=seq + tk)
+    inputs = make_inputs(config, batch, seq, tk, seed=batch + heads)
+    return Measurement(max_error=check_against_reference(backend, params, inputs, dtype))
+
+
+def _long_variants(backend):
+    caps = backend.capabilities
+    if caps.max_seq_len and caps.max_seq_len < 8192:
+        return []
+    out = [{"dtype": primary_dtype(backend), "seq": 8192, "causal": False}]
+    if "top-left" in caps.causal_alignments:
+        out.append({"dtype": primary_dtype(backend), "seq": 8192, "causal": True})
+    return out
+
+
+@case(variants=_long_variants, slow=True)
+def check_long_sequence_sampled_rows_match_reference(backend, *, dtype, seq, causal):
+    """At T = 8192 a seeded sample of query rows (first, last and random) equals the row-subset reference,
+    which costs O(rows * T) instead of O(T^2)."""
+    config = AttentionConfig(16, 2)
+    params = make_params(config, seed=8)
+    inputs = make_inputs(config, 1, seq, seed=8, causal="top-left" if causal else None)
+    rows = np.unique(np.concatenate([[0, 1, seq // 2, seq - 1], np.random.default_rng(8).integers(0, seq, 12)]))
+    return Measurement(max_error=check_against_reference(backend, params, inputs, dtype, "long-sequence rows", rows=rows))
+
+
+def _weight_variants(backend):
+    caps = backend.capabilities
+    out = [{"dtype": primary_dtype(backend), "masked": False}]
+    if caps.key_padding_mask or caps.causal_alignments:
+        out.append({"dtype": primary_dtype(backend), "masked": True})
+    return out
+
+
+@case(requires=("attention_weights",), variants=_weight_variants)
+def check_attention_weights_match_reference(backend, *, dtype, masked):
+    """Per-head weights (batch, heads, Tq, Tk) sum to 1 over keys, equal the reference, and masked keys
+    have weight exactly 0."""
+    config = AttentionConfig(32, 4, bias=backend.capabilities.bias)
+    params = make_params(config, seed=6)
+    masks = {}
+    if masked:
+        caps = backend.capabilities
+        if caps.key_padding_mask:
+            masks["key_padding_mask"] = np.arange(9)[None, :] >= np.array([9, 5])[:, None]
+        if "top-left" in caps.causal_alignments:
+            masks["causal"] = "top-left"
+    inputs = make_inputs(config, 2, 9, seed=6, self_attention=False, **masks)
+    got = run(backend, params, inputs, dtype, need_weights=True).weights
+    ref = reference_attention(params, inputs, need_weights=True).weights
+    naive = reference_attention(params, inputs, need_weights=True, dtype=naive_dtype(dtype)).weights
+    tol = tolerance_from(ref, naive, dtype)
+    labels = ("batch", "head", "query", "key")
+    live = ref.sum(axis=-1, keepdims=True) > 0  # rows with at least one allowed key
+    if masked:
+        must_be_zero = (ref == 0) & live
+        if np.any(got[must_be_zero] != 0):
+            idx = tuple(int(i) for i in np.argwhere(must_be_zero & (got != 0))[0])
+            raise CaseFailure(f"weights: masked entry at {dict(zip(labels, idx))} is {got[idx]:.3g}; expected exactly 0")
+    sums = np.where(live[..., 0], got.sum(axis=-1), 1.0)
+    assert_close(sums, np.ones_like(sums), tol, "weight row sums", labels=labels[:3])
+    return Measurement(max_error=assert_close(np.where(live, got, 0), np.where(live, ref, 0), tol, "attention weights",
+                                              labels=labels))
+
+
+@case(variants=lambda b: [{"dtype": d} for d in b.capabilities.dtypes])
+def check_lesson_worked_example_head_weights(backend, *, dtype):
+    """The lesson's worked example (default_rng(7), T=4, d_model=8, h=2, weights * 0.5) gives the printed
+    head weights to the printed two decimals, and the reference output."""
+    from .golden import LESSON_HEAD_WEIGHTS, lesson_example
+    params, inputs = lesson_example()
+    if backend.capabilities.attention_weights:
+        weights = run(backend, params, inputs, dtype, need_weights=True).weights[0]
+        err = float(np.max(np.abs(weights - LESSON_HEAD_WEIGHTS)))
+        if not err <= 0.005 + 0.5e-2 * (dtype in ("float16", "bfloat16")):
+            h, r, c = np.unravel_index(int(np.argmax(np.abs(weights - LESSON_HEAD_WEIGHTS))), weights.shape)
+            raise CaseFailure(f"lesson example: head {h} weight [{r}, {c}] printed {LESSON_HEAD_WEIGHTS[h, r, c]:.2f}, "
+                              f"got {weights[h, r, c]:.4f}", max_error=err)
+    return Measurement(max_error=check_against_reference(backend, params, inputs, dtype, "lesson example output"))

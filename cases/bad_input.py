@@ -1,0 +1,56 @@
+"""Bad input reaches the caller as a clear ValueError/TypeError naming the parameter."""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.casekit import CaseFailure, Measurement, case
+
+from ._fixtures import separate_inputs, small_layer
+
+
+def _bad_calls(inputs, d_model):
+    """(parameter name that the message must contain, description, modified inputs)."""
+    q, k, v = inputs.query, inputs.key, inputs.value
+    return [
+        ("query", "query of width d_model + 1", inputs.replace(query=np.concatenate([q, q[..., :1]], -1))),
+        ("query", "query of rank 2", inputs.replace(query=q[0])),
+        ("key", "key with another batch size", inputs.replace(key=k[:1], value=v[:1])),
+        ("value", "value shorter than key", inputs.replace(value=v[:, :-1])),
+        ("query", "empty query sequence", inputs.replace(query=q[:, :0])),
+        ("query", "NaN in the query", inputs.replace(query=np.where(np.arange(q.shape[1])[None, :, None] == 2, np.nan, q))),
+        ("key_padding_mask", "key_padding_mask of the wrong shape", inputs.replace(key_padding_mask=np.zeros((1, 3), bool))),
+        ("key_padding_mask", "float key_padding_mask", inputs.replace(key_padding_mask=np.zeros(k.shape[:2]))),
+        ("attn_mask", "attn_mask of the wrong shape", inputs.replace(attn_mask=np.ones((2, 2), bool))),
+        ("attn_mask", "integer attn_mask", inputs.replace(attn_mask=np.ones((q.shape[1], k.shape[1]), np.int64))),
+        ("causal", "causal='diagonal'", inputs.replace(causal="diagonal")),
+    ]
+
+
+@case()
+def check_bad_input_raises_clear_error(backend, *, dtype):
+    """Each malformed call (wrong width, rank, batch, length, empty sequence, NaN query, bad mask shape or
+    dtype, unknown causal alignment, undeclared dtype) raises ValueError or TypeError whose message names
+    the offending parameter, instead of returning a wrong answer or crashing."""
+    params = small_layer(backend)
+    inputs = separate_inputs(params.config, 2, 6)
+    loaded = backend.load(params, dtype=dtype)
+    problems = []
+    for parameter, description, bad in _bad_calls(inputs, params.config.d_model):
+        try:
+            loaded.forward(bad)
+        except (ValueError, TypeError) as exc:
+            if parameter not in str(exc):
+                problems.append(f"{description}: raised {type(exc).__name__}({exc}) which does not name {parameter!r}")
+        except Exception as exc:  # noqa: BLE001 - any other exception is the finding
+            problems.append(f"{description}: raised {type(exc).__name__} instead of ValueError/TypeError: {exc}")
+        else:
+            problems.append(f"{description}: accepted silently (no error)")
+    try:
+        backend.load(params, dtype="float8")
+        problems.append("dtype='float8' at load: accepted silently")
+    except (ValueError, TypeError) as exc:
+        if "dtype" not in str(exc):
+            problems.append(f"dtype='float8' at load: message does not name 'dtype': {exc}")
+    if problems:
+        raise CaseFailure("bad input not rejected clearly: " + "; ".join(problems))
+    return Measurement(observed=f"{len(_bad_calls(inputs, params.config.d_model)) + 1} bad calls rejected")

@@ -1,0 +1,50 @@
+"""Gradients (vector-Jacobian products) against the reference's exact gradients."""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.api import AttentionConfig
+from harness.casekit import CaseFailure, Measurement, assert_close, case, require
+from harness.params import make_inputs, make_params
+from harness.reference import reference_vjp
+from harness.tolerance import naive_dtype, tolerance_from
+
+
+def _gradient_variants(backend):
+    caps = backend.capabilities
+    out = []
+    for dtype in caps.dtypes:
+        out.append({"dtype": dtype, "causal": False, "bias": caps.bias, "kv_heads": 4})
+    if caps.causal_alignments:
+        out.append({"dtype": out[0]["dtype"] if "float32" not in caps.dtypes else "float32", "causal": True,
+                    "bias": False, "kv_heads": 4})
+    if caps.grouped_query:
+        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0], "causal": False,
+                    "bias": False, "kv_heads": 2})
+    return out
+
+
+@case(requires=("gradients",), variants=_gradient_variants)
+def check_gradients_match_reference(backend, *, dtype, causal, bias, kv_heads):
+    """Gradients of sum(output * cotangent) with respect to query, key, value and every parameter equal the
+    reference's, within the tolerance rule applied to the naive backward in the same dtype."""
+    config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias)
+    params = make_params(config, seed=21)
+    inputs = make_inputs(config, 2, 7, 9 if backend.capabilities.cross_attention and not causal else 7, seed=21,
+                         self_attention=False, causal=(backend.capabilities.causal_alignments[0] if causal else None))
+    require(backend, *inputs.features(), f"dtype:{dtype}")
+    cotangent = np.random.default_rng(22).standard_normal((2, 7, 32))
+    got = backend.load(params, dtype=dtype).vjp(inputs, cotangent)
+    exact = reference_vjp(params, inputs, cotangent)
+    naive = reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype))
+    worst = 0.0
+    for name, expected in exact.items():
+        if name not in got:
+            raise CaseFailure(f"gradients: the backend returned no gradient for {name}; returned {sorted(got)}")
+        actual = np.asarray(got[name], np.float64)
+        if actual.shape != expected.shape:
+            raise CaseFailure(f"gradient of {name}: expected shape {expected.shape}, got {actual.shape}")
+        labels = ("batch", "position", "feature") if expected.ndim == 3 else ("row", "column")[:expected.ndim]
+        worst = max(worst, assert_close(actual, expected, tolerance_from(expected, naive[name], dtype),
+                                        f"gradient of {name}", labels=labels))
+    return Measurement(max_error=worst)

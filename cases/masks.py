@@ -1,0 +1,225 @@
+"""Masking: causal and padding leakage, attention masks, fully masked rows."""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.casekit import (CaseFailure, CaseSkipped, Measurement, assert_close, case, check_against_reference,
+                             on_primary_dtype, primary_dtype, require, run, tolerance_for)
+from harness.reference import reference_attention, reference_vjp
+
+from ._fixtures import causal_variants, key_limit, separate_inputs, small_layer, with_keys_replaced
+
+POISONS = ("random", "nan", "inf")
+
+
+def _unchanged(before, after, rows, tol, what):
+    """Rows of ``after`` must equal ``before`` within the tolerance (NaN counts as a change)."""
+    assert_close(after[:, rows], before[:, rows], tol, what, row_ids=rows)
+
+
+def _poisoned(variants):
+    return lambda backend: [{**v, "poison": kind} for v in variants(backend) for kind in POISONS]
+
+
+@case(requires=("causal",), variants=_poisoned(causal_variants))
+def check_causal_mask_blocks_future_keys(backend, *, dtype, alignment, seq, tk, poison):
+    """Changing keys/values after position i (to large random values, NaN or inf) leaves every output that
+    may only see keys <= i unchanged: no future information leaks through the causal mask."""
+    params = small_layer(backend)
+    inputs = separate_inputs(params.config, 2, seq, tk, causal=alignment)
+    require(backend, *inputs.features(), f"dtype:{dtype}")
+    loaded = backend.load(params, dtype=dtype)
+    base = run(backend, params, inputs, dtype, loaded=loaded).output
+    _, tol = tolerance_for(params, inputs, dtype)
+    worst = 0.0
+    for cut in sorted({0, tk // 2, tk - 2}):
+        rows = [r for r in range(seq) if 0 <= key_limit(alignment, r, seq, tk) <= cut]
+        if not rows:
+            continue
+        poisoned = run(backend, params, with_keys_replaced(inputs, slice(cut + 1, None), poison), dtype,
+                       loaded=loaded).output
+        _unchanged(base, poisoned, rows, tol,
+                   f"{alignment} causal leak: keys/values after position {cut} set to {poison} changed the output")
+        worst = max(worst, float(np.max(np.abs(poisoned[:, rows] - base[:, rows]))))
+    return Measurement(max_error=worst)
+
+
+@case(requires=("causal",), variants=causal_variants)
+def check_causal_output_matches_reference(backend, *, dtype, alignment, seq, tk):
+    """With a causal mask of the declared alignment (top-left, or bottom-right when Tq != Tk) the output
+    equals the reference: the diagonal is kept, the future removed, and the alignment is the one declared."""
+    params = small_layer(backend, bias=True)
+    inputs = separate_inputs(params.config, 2, seq, tk, causal=alignment)
+    try:
+        err = check_against_reference(backend, params, inputs, dtype, what=f"{alignment} causal output")
+    except CaseFailure as failure:
+        other = "bottom-right" if alignment == "top-left" else "top-left"
+        got = run(backend, params, inputs, dtype).output
+        hint = ""
+        if seq != tk and np.allclose(got, reference_attention(params, inputs.replace(causal=other)).output, atol=1e-3):
+            hint = f"; the output matches {other} alignment instead"
+        diag = inputs.replace(attn_mask=~np.eye(seq, tk, k=0 if alignment == "top-left" else tk - seq, dtype=bool))
+        if seq == tk and np.allclose(got, reference_attention(params, diag).output, atol=1e-3, equal_nan=True):
+            hint = "; the output matches a causal mask that excludes the diagonal (query i cannot see key i)"
+        raise CaseFailure(str(failure) + hint, failure.max_error) from None
+    return Measurement(max_error=err)
+
+
+@case(requires=("causal", "gradients"), variants=causal_variants)
+def check_causal_jacobian_zero_for_future_inputs(backend, *, dtype, alignment, seq, tk):
+    """The Jacobian of outputs at positions <= i with respect to keys and values after i is exactly zero."""
+    params = small_layer(backend)
+    inputs = separate_inputs(params.config, 2, seq, tk, causal=alignment)
+    require(backend, *inputs.features(), f"dtype:{dtype}")
+    loaded = backend.load(params, dtype=dtype)
+    for cut in sorted({0, tk // 2}):
+        rows = [r for r in range(seq) if 0 <= key_limit(alignment, r, seq, tk) <= cut]
+        if not rows:
+            continue
+        cotangent = np.zeros((2, seq, params.config.d_model))
+        cotangent[:, rows] = np.random.default_rng(5).standard_normal((2, len(rows), params.config.d_model))
+        grads = loaded.vjp(inputs, cotangent)
+        for name in ("key", "value"):
+            future = np.asarray(grads[name], np.float64)[:, cut + 1:]
+            if np.any(future != 0):
+                b, t, f = np.argwhere(future != 0)[0]
+                raise CaseFailure(f"{alignment} causal leak in gradients: d(output rows <= {cut})/d{name} at position "
+                                  f"{cut + 1 + t} is {future[b, t, f]:.3g} (batch {b}, feature {f}); expected exactly 0")
+    return Measurement(max_error=0.0)
+
+
+def _padding(batch: int, tk: int) -> np.ndarray:
+    """Item 0 unpadded, item 1 half padded, item 2 all but one key padded (True = padding)."""
+    lengths = [tk, tk // 2, 1][:batch]
+    return np.arange(tk)[None, :] >= np.asarray(lengths)[:, None]
+
+
+@case(requires=("key_padding_mask",), variants=_poisoned(on_primary_dtype))
+def check_padding_mask_blocks_padded_keys(backend, *, dtype, poison):
+    """Changing padded key/value positions (to large random values, NaN or inf) leaves the outputs of real queries
+    unchanged. Outputs at padded query positions are unspecified and not compared."""
+    params = small_layer(backend, bias=True)
+    tk = 10
+    mask = _padding(3, tk)
+    inputs = separate_inputs(params.config, 3, tk, key_padding_mask=mask)
+    loaded = backend.load(params, dtype=dtype)
+    base = run(backend, params, inputs, dtype, loaded=loaded).output
+    _, tol = tolerance_for(params, inputs, dtype)
+    poisoned = with_keys_replaced(inputs, slice(None), poison)
+    key, value = inputs.key.copy(), inputs.value.copy()
+    key[mask], value[mask] = poisoned.key[mask], poisoned.value[mask]
+    after = run(backend, params, inputs.replace(key=key, value=value), dtype, loaded=loaded).output
+    real = ~mask[:, :, None]
+    diff = np.where(real, np.abs(after - base), 0)
+    bad = np.argwhere(real & ~(diff <= tol.bound))
+    if len(bad):
+        b, t, f = bad[0]
+        raise CaseFailure(f"padding leak: padded keys/values set to {poison} changed the output of real query "
+                          f"(batch {b}, position {t}, feature {f}) from {base[b, t, f]:.6g} to {after[b, t, f]:.6g}; "
+                          f"{tol.describe()}", max_error=float(np.nanmax(diff)))
+    worst = float(np.max(diff))
+    return Measurement(max_error=worst)
+
+
+@case(requires=("key_padding_mask",))
+def check_padding_mask_output_matches_reference(backend, *, dtype):
+    """With a key padding mask (True = padding) the outputs of real queries equal the reference."""
+    params = small_layer(backend, bias=True)
+    mask = _padding(3, 10)
+    inputs = separate_inputs(params.config, 3, 10, key_padding_mask=mask)
+    got = run(backend, params, inputs, dtype).output
+    expected, tol = tolerance_for(params, inputs, dtype)
+    real = ~mask[:, :, None]
+    return Measurement(max_error=assert_close(np.where(real, got, 0), np.where(real, expected, 0), tol,
+                                              "padding-masked output (real queries)"))
+
+
+def _bool_mask(tq: int, tk: int, seed: int = 3) -> np.ndarray:
+    """A random "may attend" mask with every row keeping at least one key."""
+    rng = np.random.default_rng(seed)
+    m = rng.random((tq, tk)) < 0.6
+    m[np.arange(tq), rng.integers(0, tk, tq)] = True
+    return m
+
+
+def _mask_variants(backend):
+    dtype = primary_dtype(backend)
+    shapes = [(8, 8)] + ([(6, 11)] if backend.capabilities.cross_attention else [])
+    return [{"dtype": dtype, "seq": tq, "tk": tk, "per_head": per_head} for tq, tk in shapes for per_head in (False, True)]
+
+
+@case(requires=("bool_attn_mask",), variants=_mask_variants)
+def check_bool_attn_mask_matches_reference(backend, *, dtype, seq, tk, per_head):
+    """An arbitrary boolean attn_mask (True = may attend), shared or per batch and head, gives the reference output."""
+    params = small_layer(backend, bias=True)
+    mask = _bool_mask(seq, tk)
+    if per_head:
+        mask = np.stack([[_bool_mask(seq, tk, seed=10 * b + h) for h in range(4)] for b in range(2)])
+    inputs = separate_inputs(params.config, 2, seq, tk, attn_mask=mask)
+    try:
+        return Measurement(max_error=check_against_reference(backend, params, inputs, dtype, "bool-masked output"))
+    except CaseFailure as failure:
+        inverted = reference_attention(params, inputs.replace(attn_mask=~mask)).output
+        got = run(backend, params, inputs, dtype).output
+        if np.allclose(got, inverted, atol=1e-3):
+            raise CaseFailure(f"{failure}; the output matches the INVERTED mask (True read as 'masked out'): "
+                              "mask polarity is reversed", failure.max_error) from None
+        raise
+
+
+@case(requires=("additive_attn_mask",), variants=_mask_variants)
+def check_additive_attn_mask_matches_reference(backend, *, dtype, seq, tk, per_head):
+    """A float attn_mask is added to the scaled scores (finite biases and -inf), giving the reference output."""
+    params = small_layer(backend, bias=True)
+    rng = np.random.default_rng(4)
+    shape = (2, 4, seq, tk) if per_head else (seq, tk)
+    mask = rng.standard_normal(shape) * 2.0
+    mask = np.where(np.broadcast_to(_bool_mask(seq, tk), shape), mask, -np.inf)
+    inputs = separate_inputs(params.config, 2, seq, tk, attn_mask=mask)
+    return Measurement(max_error=check_against_reference(backend, params, inputs, dtype, "additive-masked output"))
+
+
+def classify_fully_masked_rows(rows: np.ndarray, zero_out: np.ndarray, uniform_out: np.ndarray) -> str:
+    """Name what a backend outputs for fully masked query rows."""
+    if np.all(np.isnan(rows)):
+        return "NaN"
+    if np.any(np.isnan(rows)):
+        return "partly NaN"
+    if np.allclose(rows, zero_out, atol=1e-4):
+        return "zeros"
+    if np.allclose(rows, uniform_out, atol=1e-4):
+        return "uniform average of V"
+    return "other"
+
+
+@case(requires=())
+def check_fully_masked_rows_output_zeros(backend, *, dtype):
+    """A query row whose keys are all masked outputs zeros before W_o (the output row equals b_o),
+    the flash-attention / SDPA convention; the observed behaviour is named (zeros, NaN, uniform average of V)."""
+    params = small_layer(backend, bias=True)
+    tk = 6
+    if backend.capabilities.key_padding_mask:
+        mask = np.zeros((2, tk), bool)
+        mask[1] = True
+        inputs = separate_inputs(params.config, 2, tk, key_padding_mask=mask)
+        rows = (1, slice(None))
+    elif backend.capabilities.bool_attn_mask:
+        mask = np.ones((tk, tk), bool)
+        mask[2] = False
+        inputs = separate_inputs(params.config, 2, tk, attn_mask=mask)
+        rows = (slice(None), 2)
+    else:
+        raise CaseSkipped(f"{backend.name} declares neither key_padding_mask nor bool_attn_mask")
+    got = run(backend, params, inputs, dtype).output
+    expected = reference_attention(params, inputs).output
+    uniform = reference_attention(params, inputs.replace(key_padding_mask=None, attn_mask=None)
+                                  .replace(query=np.zeros_like(inputs.query))).output
+    if params.b_q is not None:  # zero queries still carry b_q; remove it for the uniform-average prediction
+        uniform = reference_attention(params.replace(b_q=np.zeros_like(params.b_q)),
+                                      inputs.replace(key_padding_mask=None, attn_mask=None,
+                                                     query=np.zeros_like(inputs.query))).output
+    observed = classify_fully_masked_rows(got[rows], expected[rows], uniform[rows])
+    if observed != "zeros":
+        raise CaseFailure(f"fully masked rows: expected zeros before W_o (output = b_o), observed {observed}",
+                          observed=observed)
+    return Measurement(max_error=float(np.max(np.abs(got[rows] - expected[rows]))), observed=observed)

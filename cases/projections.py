@@ -1,0 +1,161 @@
+"""Scaling, head separation, the output projection and the parameter count."""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.api import AttentionConfig, AttentionInputs, AttentionParams
+from harness.casekit import (CaseFailure, CaseSkipped, Measurement, assert_close, case, primary_dtype, require,
+                             run, tolerance_for)
+from harness.params import make_params
+from harness.reference import reference_attention
+
+from ._fixtures import separate_inputs, small_layer
+
+
+def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
+    """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
+    b_q = None if params.b_q is None else params.b_q * factor
+    return params.replace(W_q=params.W_q * factor, b_q=b_q)
+
+
+@case()
+def check_scores_scaled_by_sqrt_d_head(backend, *, dtype):
+    """Scores are divided by sqrt(d_head), not by sqrt(d_model) and not left unscaled; on failure the
+    message names the wrong scale the output matches."""
+    config = AttentionConfig(64, 4)  # d_head 8, d_model 64: the three candidate scales differ by 2.8x and 8x
+    params = make_params(config, seed=2, scale=0.6)  # large enough that softmax is far from uniform
+    inputs = separate_inputs(config, 2, 12)
+    got = run(backend, params, inputs, dtype).output
+    expected, tol = tolerance_for(params, inputs, dtype)
+    try:
+        return Measurement(max_error=assert_close(got, expected, tol, "scaled attention output"))
+    except CaseFailure as failure:
+        d_head, d_model = config.d_head, config.d_model
+        candidates = {"1/sqrt(d_model)": np.sqrt(d_head / d_model), "no scaling (1)": np.sqrt(d_head),
+                      "1/d_head": 1 / np.sqrt(d_head)}
+        errors = {label: float(np.max(np.abs(got - reference_attention(_with_score_scale(params, f), inputs).output)))
+                  for label, f in candidates.items()}
+        label, err = min(errors.items(), key=lambda item: item[1])
+        if err <= max(tol.bound * 10, 1e-3):
+            raise CaseFailure(f"{failure}; the output matches scores scaled by {label} instead of 1/sqrt(d_head)",
+                              failure.max_error) from None
+        raise
+
+
+def token_split_attention(params: AttentionParams, inputs: AttentionInputs) -> np.ndarray:
+    """The lesson's wrong reshape: (T, d_model) split into heads as reshape(h, T, d_head), i.e. tokens not features."""
+    c = params.config
+    def split(x):
+        b, t, w = x.shape
+        return x.reshape(b, c.num_heads, t, c.d_head)
+    q, k, v = (split(x @ w) for x, w in ((inputs.query, params.W_q), (inputs.key, params.W_k), (inputs.value, params.W_v)))
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    heads = p @ v
+    b, h, t, dh = heads.shape
+    return heads.reshape(b, t, h * dh) @ params.W_o
+
+
+def _identity_output(params: AttentionParams) -> AttentionParams:
+    return params.replace(W_o=np.eye(params.config.d_model))
+
+
+def _split_hint(backend, params, inputs, dtype) -> str:
+    got = run(backend, params, inputs, dtype).output
+    if np.allclose(got, token_split_attention(params, inputs), atol=1e-4):
+        return "; the output matches the 'split tokens instead of features' mistake (reshape(h, T, d_head))"
+    return ""
+
+
+@case(variants=lambda b: [{"dtype": primary_dtype(b), "kv_heads": kv}
+                          for kv in ((4, 2) if b.capabilities.grouped_query else (4,))])
+def check_heads_are_separated(backend, *, dtype, kv_heads):
+    """With W_o = identity, perturbing only head k's block of W_q, W_k or W_v changes only head k's
+    slice of the concatenated output (for grouped-query: the query heads sharing that kv head)."""
+    params = _identity_output(small_layer(backend, num_kv_heads=kv_heads))
+    c = params.config
+    inputs = separate_inputs(c, 2, 7)
+    loaded = backend.load(params, dtype=dtype)
+    base = run(backend, params, inputs, dtype, loaded=loaded).output
+    _, tol = tolerance_for(params, inputs, dtype)
+    rng = np.random.default_rng(9)
+    for name in ("W_q", "W_k", "W_v"):
+        n_blocks = c.num_heads if name == "W_q" else c.kv_heads
+        for block in range(n_blocks):
+            w = getattr(params, name).copy()
+            w[:, block * c.d_head:(block + 1) * c.d_head] += rng.standard_normal((c.d_model, c.d_head))
+            changed = params.replace(**{name: w})
+            after = run(backend, changed, inputs, dtype).output
+            owners = [block] if name == "W_q" else list(range(block * c.group, (block + 1) * c.group))
+            for head in range(c.num_heads):
+                cols = slice(head * c.d_head, (head + 1) * c.d_head)
+                diff = float(np.nanmax(np.abs(after[..., cols] - base[..., cols])))
+                if head not in owners and not diff <= tol.bound:
+                    raise CaseFailure(f"head separation: changing head {block}'s block of {name} changed head {head}'s "
+                                      f"output slice (features {cols.start}:{cols.stop}) by {diff:.3g}; "
+                                      f"expected no change ({tol.describe()})" + _split_hint(backend, params, inputs, dtype))
+                if head in owners and not diff > tol.bound:
+                    raise CaseFailure(f"head separation: changing head {block}'s block of {name} left head {head}'s "
+                                      f"own output slice unchanged; expected it to change")
+    return Measurement()
+
+
+@case()
+def check_head_split_keeps_features_together(backend, *, dtype):
+    """The lesson's labelled-numbers test: with W_q = W_k = 0 (uniform attention) and W_v = W_o = I, head k
+    must hold features k*d_head..(k+1)*d_head of every token, so each output row is the column mean of X."""
+    c = AttentionConfig(8, 2)
+    zeros = np.zeros((8, 8))
+    params = AttentionParams(c, W_q=zeros, W_k=zeros, W_v=np.eye(8), W_o=np.eye(8))
+    t = 5
+    x = np.array([[[10.0 * tok + f for f in range(8)] for tok in range(t)]]) / 10.0  # entry = token + feature/10
+    inputs = AttentionInputs(x, x.copy(), x.copy())
+    got = run(backend, params, inputs, dtype).output
+    expected, tol = tolerance_for(params, inputs, dtype)
+    try:
+        return Measurement(max_error=assert_close(got, expected, tol, "labelled-numbers head split"))
+    except CaseFailure as failure:
+        raise CaseFailure(str(failure) + _split_hint(backend, params, inputs, dtype), failure.max_error) from None
+
+
+@case()
+def check_output_projection_mixes_heads(backend, *, dtype):
+    """The output is concat(heads) @ W_o + b_o with a random W_o, not the bare concatenation: W_o mixes the heads."""
+    params = small_layer(backend, bias=True)
+    inputs = separate_inputs(params.config, 2, 7)
+    concat = run(backend, _identity_output(params).replace(b_o=None if params.b_o is None else np.zeros_like(params.b_o)),
+                 inputs, dtype).output
+    got = run(backend, params, inputs, dtype).output
+    expected, tol = tolerance_for(params, inputs, dtype)
+    if np.allclose(got, concat, atol=1e-6) or (params.b_o is not None and np.allclose(got, concat + params.b_o, atol=1e-6)):
+        raise CaseFailure("output projection: the output equals the concatenated heads: W_o was not applied",
+                          max_error=float(np.max(np.abs(got - expected))))
+    mixed = concat @ params.W_o + (0 if params.b_o is None else params.b_o)
+    assert_close(got, mixed, tol, "output vs concat(heads) @ W_o")
+    return Measurement(max_error=assert_close(got, expected, tol, "output projection"))
+
+
+def _count_variants(backend):
+    caps = backend.capabilities
+    out = [{"bias": False, "kv_heads": 8}]
+    if caps.bias:
+        out.append({"bias": True, "kv_heads": 8})
+    if caps.grouped_query:
+        out += [{"bias": False, "kv_heads": 2}, {"bias": False, "kv_heads": 1}]
+    return out
+
+
+@case(requires=("native_parameters",), variants=_count_variants)
+def check_parameter_count_is_4_d_model_squared(backend, *, bias, kv_heads):
+    """The parameters the backend itself allocates number 4*d_model^2 (+4*d_model with biases); with
+    num_kv_heads < num_heads, 2*d_model^2 + 2*d_model*kv_heads*d_head (+ biases of those widths)."""
+    config = AttentionConfig(64, 8, None if kv_heads == 8 else kv_heads, bias=bias)
+    shapes = backend.native_parameter_shapes(config)
+    count = int(sum(int(np.prod(s)) for s in shapes.values()))
+    expected = config.expected_parameter_count()
+    if count != expected:
+        listing = ", ".join(f"{k}{tuple(v)}" for k, v in shapes.items())
+        raise CaseFailure(f"parameter count: expected {expected} for d_model=64, heads=8, kv_heads={kv_heads}, "
+                          f"bias={bias}; the backend allocates {count} ({listing})")
+    return Measurement(observed=str(count))

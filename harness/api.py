@@ -1,0 +1,287 @@
+"""The plugin API: what a backend declares and what it must do.
+
+A backend is a factory (:class:`AttentionBackend`) that declares its capabilities as
+data and, given canonical parameters, loads them into its own native form
+(:class:`LoadedAttention`). Everything framework-specific lives behind these two
+classes; the harness and the cases only ever see NumPy arrays.
+
+Conventions (pinned by the float64 reference in :mod:`harness.reference`):
+
+* weights use the ``x @ W`` convention: ``W_q`` is (d_model, d_model), ``W_k`` and
+  ``W_v`` are (d_model, num_kv_heads * d_head), ``W_o`` is (d_model, d_model);
+* query head ``n`` uses key/value head ``n // (num_heads // num_kv_heads)``;
+* ``attn_mask`` boolean: True means *may attend*; float: added to the scaled scores;
+* ``key_padding_mask`` boolean (batch, Tk): True marks a *padding* key to ignore;
+* ``causal`` is None, ``"top-left"`` (query i sees keys j <= i) or ``"bottom-right"``
+  (query i sees keys j <= i + Tk - Tq, the KV-cache convention);
+* a query row with no key it may attend to outputs zeros before W_o (so the output
+  row equals the bias of W_o), the flash-attention / torch SDPA >= 2.5 convention.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+PARAM_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")
+INPUT_NAMES = ("query", "key", "value")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports, as data. Cases that need a missing capability skip with its name."""
+
+    causal_alignments: tuple[str, ...] = CAUSAL_ALIGNMENTS
+    key_padding_mask: bool = True
+    bool_attn_mask: bool = True
+    additive_attn_mask: bool = True
+    cross_attention: bool = True
+    attention_weights: bool = True
+    gradients: bool = False
+    grouped_query: bool = True
+    bias: bool = True
+    native_parameters: bool = True
+    dtypes: tuple[str, ...] = ("float32", "float64")
+    devices: tuple[str, ...] = ("cpu",)
+    max_seq_len: int | None = None
+
+    def has(self, capability: str) -> bool:
+        """True when the named boolean capability, or ``causal:<alignment>``, ``dtype:<name>``, is declared."""
+        if capability.startswith("causal:"):
+            return capability.split(":", 1)[1] in self.causal_alignments
+        if capability.startswith("dtype:"):
+            return capability.split(":", 1)[1] in self.dtypes
+        if capability == "causal":
+            return bool(self.causal_alignments)
+        value = getattr(self, capability, None)
+        if not isinstance(value, bool):
+            raise ValueError(f"capability: unknown capability {capability!r}; accepted: "
+                             f"{sorted(f.name for f in dataclasses.fields(self) if f.type == 'bool')}"
+                             " or causal, causal:<alignment>, dtype:<name>")
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A declared, reasoned difference between a backend and the harness's convention.
+
+    ``case`` names the check; ``when`` restricts it to case parameters (e.g. ``{"dtype": "float16"}``);
+    ``observed`` says what the backend does; ``reason`` why (library behaviour and version).
+    If the case passes anyway, the run reports an *unexpected pass* and fails, so declarations cannot rot.
+    """
+
+    case: str
+    observed: str
+    reason: str
+    when: Mapping[str, Any] = field(default_factory=dict)
+
+    def matches(self, case: str, params: Mapping[str, Any]) -> bool:
+        return case == self.case and all(params.get(k) == v for k, v in self.when.items())
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Shape of one attention layer."""
+
+    d_model: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    bias: bool = False
+
+    def __post_init__(self):
+        from .validation import validate_config
+        validate_config(self)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.kv_heads
+
+    def expected_parameter_count(self) -> int:
+        """4*d_model^2 (+4*d_model with biases); K/V shrink to num_kv_heads*d_head columns for grouped-query."""
+        kv_width = self.kv_heads * self.d_head
+        count = 2 * self.d_model * self.d_model + 2 * self.d_model * kv_width
+        if self.bias:
+            count += 2 * self.d_model + 2 * kv_width
+        return count
+
+
+@dataclass
+class AttentionParams:
+    """Canonical parameters in the ``x @ W`` convention (float64 NumPy arrays)."""
+
+    config: AttentionConfig
+    W_q: np.ndarray
+    W_k: np.ndarray
+    W_v: np.ndarray
+    W_o: np.ndarray
+    b_q: np.ndarray | None = None
+    b_k: np.ndarray | None = None
+    b_v: np.ndarray | None = None
+    b_o: np.ndarray | None = None
+
+    def __post_init__(self):
+        from .validation import validate_params
+        validate_params(self)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {n: getattr(self, n) for n in PARAM_NAMES if getattr(self, n) is not None}
+
+    def replace(self, **arrays) -> "AttentionParams":
+        return dataclasses.replace(self, **arrays)
+
+
+@dataclass
+class AttentionInputs:
+    """One call's inputs: (batch, T, d_model) arrays and masks in the harness's conventions."""
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    causal: str | None = None
+    key_padding_mask: np.ndarray | None = None
+    attn_mask: np.ndarray | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def tq(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def tk(self) -> int:
+        return self.key.shape[1]
+
+    @property
+    def is_self_attention(self) -> bool:
+        return self.query is self.key and self.key is self.value
+
+    def replace(self, **fields) -> "AttentionInputs":
+        return dataclasses.replace(self, **fields)
+
+    def features(self) -> set[str]:
+        """Capabilities this call needs from a backend."""
+        needs = set()
+        if self.causal:
+            needs.add(f"causal:{self.causal}")
+        if self.key_padding_mask is not None:
+            needs.add("key_padding_mask")
+        if self.attn_mask is not None:
+            needs.add("bool_attn_mask" if self.attn_mask.dtype == np.bool_ else "additive_attn_mask")
+        if self.tq != self.tk:
+            needs.add("cross_attention")
+        return needs
+
+
+@dataclass
+class AttentionOutput:
+    """Output (batch, Tq, d_model) and optional per-head weights (batch, heads, Tq, Tk)."""
+
+    output: np.ndarray
+    weights: np.ndarray | None = None
+
+
+class LoadedAttention:
+    """A backend holding one set of parameters in its native form, on its device, in its dtype."""
+
+    #: set by the backend's ``load``: the layer's shape
+    config: AttentionConfig
+
+    def forward(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
+        """Validate, then run the layer on NumPy inputs and return NumPy outputs."""
+        from .validation import validate_inputs
+        validate_inputs(inputs, self.config)
+        return self.compute(inputs, need_weights=need_weights)
+
+    def compute(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
+        """The backend's computation on already-validated inputs. Backends implement this."""
+        raise NotImplementedError
+
+    def vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
+        """Vector-Jacobian product of the output with ``cotangent``.
+
+        Returns gradients keyed by ``query``, ``key``, ``value`` and the parameter names
+        (``W_q`` ...), all in the canonical layout. Only for backends declaring ``gradients``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not compute gradients")
+
+    def prepare(self, inputs: AttentionInputs, *, backward: bool = False) -> Callable[[], Any]:
+        """A zero-argument callable that runs the native op on already-converted inputs.
+
+        It excludes conversion to and from NumPy and returns only after the device finished
+        (synchronises). With ``backward=True`` it runs forward plus backward.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no prepared callable")
+
+
+class AttentionBackend:
+    """Base class of every backend. Subclasses set ``name`` and ``capabilities`` and implement ``load``."""
+
+    name: str = ""
+    capabilities: Capabilities = Capabilities()
+    divergences: tuple[Divergence, ...] = ()
+    #: what the backend's own API takes as masks, shown in the policy table
+    native_mask_polarity: str = "harness convention (attn_mask True = attend; key_padding_mask True = ignore)"
+    device: str = "cpu"
+
+    def availability(self) -> str | None:
+        """None when usable here, else a human reason ("jax is not installed", "no CUDA device")."""
+        return None
+
+    def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:
+        """Allocate the backend's own parameters for ``config`` and report their shapes.
+
+        Measured from what the backend really allocates (module.parameters(), a param tree),
+        never from a formula.
+        """
+        raise NotImplementedError(f"{self.name} does not allocate native parameters")
+
+    def load(self, params: AttentionParams, *, dtype: str = "float32") -> LoadedAttention:
+        """Validate, then load canonical ``params`` into the backend's native form in ``dtype``."""
+        from .validation import validate_dtype
+        if not isinstance(params, AttentionParams):
+            raise TypeError(f"params: got {type(params).__name__}; accepted: harness.AttentionParams")
+        validate_dtype(dtype, self.capabilities.dtypes)
+        if params.config.bias and not self.capabilities.bias:
+            raise ValueError(f"params: got biases but {self.name} does not support them; accepted: config.bias=False")
+        if params.config.kv_heads != params.config.num_heads and not self.capabilities.grouped_query:
+            raise ValueError(f"num_kv_heads: got {params.config.kv_heads} but {self.name} does not support "
+                             f"grouped-query heads; accepted: num_kv_heads == num_heads ({params.config.num_heads})")
+        loaded = self.load_native(params, dtype)
+        loaded.config = params.config
+        return loaded
+
+    def load_native(self, params: AttentionParams, dtype: str) -> LoadedAttention:
+        """Convert canonical parameters to the backend's own layout. Backends implement this."""
+        raise NotImplementedError(f"{type(self).__name__} must implement load_native(params, dtype)")
+
+    def versions(self) -> dict[str, str]:
+        """Library versions this backend runs on, recorded in reports."""
+        return {"numpy": np.__version__}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+def supported(backend: AttentionBackend, features: Sequence[str] | set[str]) -> str | None:
+    """None if the backend declares every feature, else the reason naming the first missing one."""
+    for feature in sorted(features):
+        if not backend.capabilities.has(feature):
+            return f"{backend.name} does not declare capability {feature!r}"
+    return None

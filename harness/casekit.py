@@ -1,0 +1,177 @@
+"""What a conformance case is, how it is declared, and the helpers every case shares.
+
+A case is a plain function ``check_<property>(backend, **params)`` whose docstring states
+the property. It raises :class:`CaseFailure` (with a message saying what was expected,
+what came out, where and by how much) or :class:`CaseSkipped` (with the reason), and
+returns an optional dict of measurements (``max_error``, ``observed``...).
+Variants (explicit, seeded parameters) are generated from the backend's capabilities.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from .api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, supported
+from .reference import reference_attention
+from .tolerance import Tolerance, max_abs_error, naive_dtype, tolerance_from
+
+
+class CaseFailure(AssertionError):
+    """The backend violates the property the case proves."""
+
+    def __init__(self, message: str, max_error: float | None = None, observed: str | None = None):
+        super().__init__(message)
+        self.max_error = max_error
+        self.observed = observed
+
+
+class CaseSkipped(Exception):
+    """The case does not apply to this backend; the message is the reason."""
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    func: Callable[..., Any]
+    requires: tuple[str, ...]
+    variants: Callable[[AttentionBackend], list[dict]]
+    doc: str
+    slow: bool = False
+
+    def variants_for(self, backend: AttentionBackend) -> list[dict]:
+        return self.variants(backend)
+
+
+_REGISTRY: dict[str, Case] = {}
+
+
+def primary_dtype(backend: AttentionBackend) -> str:
+    dtypes = backend.capabilities.dtypes
+    return "float32" if "float32" in dtypes else dtypes[0]
+
+
+def on_primary_dtype(backend: AttentionBackend) -> list[dict]:
+    return [{"dtype": primary_dtype(backend)}]
+
+
+def case(*, requires: Iterable[str] = (), variants: Callable[[AttentionBackend], list[dict]] = on_primary_dtype,
+         slow: bool = False):
+    """Register a ``check_*`` function as a conformance case."""
+    def register(func):
+        if not func.__name__.startswith("check_"):
+            raise ValueError(f"case name: got {func.__name__!r}; accepted: a name starting with 'check_'")
+        if func.__name__ in _REGISTRY:
+            raise ValueError(f"case name: {func.__name__!r} is registered twice")
+        _REGISTRY[func.__name__] = Case(func.__name__, func, tuple(requires), variants,
+                                        inspect.cleandoc(func.__doc__ or ""), slow)
+        return func
+    return register
+
+
+def all_cases() -> dict[str, Case]:
+    """Every registered case, importing the shared cases package first."""
+    import cases  # noqa: F401  (registers on import)
+    return dict(_REGISTRY)
+
+
+def variant_id(backend_name: str, params: Mapping[str, Any]) -> str:
+    """Readable id such as ``torch-sdpa-float32-b3-h8-t129``."""
+    short = {"batch": "b", "heads": "h", "seq": "t", "tk": "tk", "d_head": "dh", "kv_heads": "kv"}
+    parts = [backend_name]
+    for key, value in params.items():
+        if key == "dtype":
+            parts.append(str(value))
+        elif key in short:
+            parts.append(f"{short[key]}{value}")
+        elif isinstance(value, bool):
+            if value:
+                parts.append(key.replace("_", ""))
+        else:
+            parts.append(f"{key.replace('_', '')}{value}")
+    return "-".join(parts)
+
+
+def require(backend: AttentionBackend, *features: str) -> None:
+    reason = supported(backend, features)
+    if reason:
+        raise CaseSkipped(reason)
+
+
+def run(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str,
+        *, need_weights: bool = False, loaded=None) -> AttentionOutput:
+    """Load ``params`` into the backend and run one forward; check shapes before anyone compares values."""
+    require(backend, *inputs.features(), f"dtype:{dtype}")
+    if need_weights:
+        require(backend, "attention_weights")
+    loaded = loaded or backend.load(params, dtype=dtype)
+    out = loaded.forward(inputs, need_weights=need_weights)
+    expected = (inputs.batch, inputs.tq, params.config.d_model)
+    output = np.asarray(out.output)
+    if output.shape != expected:
+        raise CaseFailure(f"output shape: expected {expected}, got {output.shape}")
+    weights = None
+    if need_weights:
+        if out.weights is None:
+            raise CaseFailure("weights: the backend declares attention_weights but returned None")
+        weights = np.asarray(out.weights, np.float64)
+        w_expected = (inputs.batch, params.config.num_heads, inputs.tq, inputs.tk)
+        if weights.shape != w_expected:
+            raise CaseFailure(f"weights shape: expected (batch, heads, Tq, Tk) = {w_expected}, got {weights.shape}")
+    return AttentionOutput(output.astype(np.float64), weights)
+
+
+def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str, rows=None) -> tuple[np.ndarray, Tolerance]:
+    """The float64 reference output and the tolerance for a backend in ``dtype``."""
+    expected = reference_attention(params, inputs, rows=rows).output
+    naive = reference_attention(params, inputs, rows=rows, dtype=naive_dtype(dtype)).output
+    return expected, tolerance_from(expected, naive, dtype)
+
+
+def locate(diff: np.ndarray, labels=("batch", "position", "feature")) -> str:
+    idx = np.unravel_index(int(np.nanargmax(diff)), diff.shape)
+    return ", ".join(f"{label} {int(i)}" for label, i in zip(labels, idx))
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what: str,
+                 labels=("batch", "position", "feature"), row_ids=None) -> float:
+    """Fail with location and size of the largest error when ``actual`` is outside ``tol`` of ``expected``."""
+    actual = np.asarray(actual, np.float64)
+    if not np.all(np.isfinite(actual)):
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(actual))[0])
+        where = ", ".join(f"{label} {i}" for label, i in zip(labels, bad))
+        raise CaseFailure(f"{what}: expected finite values, got {actual[bad]} at {where}")
+    diff = np.abs(actual - expected)
+    err = float(diff.max()) if diff.size else 0.0
+    if err > tol.bound:
+        idx = np.unravel_index(int(diff.argmax()), diff.shape)
+        where = ", ".join(f"{label} {int(row_ids[i]) if (row_ids is not None and label == 'position') else int(i)}"
+                          for label, i in zip(labels, idx))
+        raise CaseFailure(f"{what}: expected {expected[idx]:.6g}, got {actual[idx]:.6g} at {where}; "
+                          f"max error {err:.3g} exceeds {tol.describe()}", max_error=err)
+    return err
+
+
+def check_against_reference(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs,
+                            dtype: str, what: str = "output", rows=None) -> float:
+    """Run the backend and compare its output (or the sampled ``rows``) with the reference."""
+    got = run(backend, params, inputs, dtype).output
+    if rows is not None:
+        got = got[:, rows]
+    expected, tol = tolerance_for(params, inputs, dtype, rows=rows)
+    return assert_close(got, expected, tol, what, row_ids=rows)
+
+
+def max_error(actual, expected) -> float:
+    return max_abs_error(actual, expected)
+
+
+@dataclass
+class Measurement:
+    """What a case may return besides pass/fail."""
+
+    max_error: float | None = None
+    observed: str | None = None
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,34 @@
+"""Seeded, deterministic canonical parameters and inputs for cases, tests and benchmarks."""
+from __future__ import annotations
+
+import numpy as np
+
+from .api import AttentionConfig, AttentionInputs, AttentionParams
+
+
+def make_params(config: AttentionConfig, seed: int = 0, scale: float | None = None) -> AttentionParams:
+    """Random parameters with std ``scale`` (default 1/sqrt(d_model), which keeps activations O(1))."""
+    rng = np.random.default_rng(seed)
+    s = 1.0 / np.sqrt(config.d_model) if scale is None else scale
+    kv = config.kv_heads * config.d_head
+    d = config.d_model
+    arrays = {"W_q": rng.standard_normal((d, d)) * s, "W_k": rng.standard_normal((d, kv)) * s,
+              "W_v": rng.standard_normal((d, kv)) * s, "W_o": rng.standard_normal((d, d)) * s}
+    if config.bias:
+        arrays.update(b_q=rng.standard_normal(d) * 0.5, b_k=rng.standard_normal(kv) * 0.5,
+                      b_v=rng.standard_normal(kv) * 0.5, b_o=rng.standard_normal(d) * 0.5)
+    return AttentionParams(config, **arrays)
+
+
+def make_inputs(config: AttentionConfig, batch: int, tq: int, tk: int | None = None, seed: int = 1,
+                self_attention: bool | None = None, **masks) -> AttentionInputs:
+    """Standard-normal query/key/value of shape (batch, T, d_model); self-attention shares one array."""
+    rng = np.random.default_rng(seed)
+    tk = tq if tk is None else tk
+    x = rng.standard_normal((batch, tq, config.d_model))
+    if self_attention is None:
+        self_attention = tk == tq
+    if self_attention and tk == tq:
+        return AttentionInputs(x, x, x, **masks)
+    return AttentionInputs(x, rng.standard_normal((batch, tk, config.d_model)),
+                           rng.standard_normal((batch, tk, config.d_model)), **masks)

@@ -1,0 +1,135 @@
+"""The float64 reference: the semantics every conformance case compares against.
+
+Batched multi-head attention with optional biases, causal masking in both alignments,
+key padding masks, boolean and additive attention masks, cross-attention, grouped- and
+multi-query heads (query head n uses key/value head n // group) and per-head weights.
+
+Fully masked rows: a query row whose keys are all masked outputs **zeros** before W_o
+(its attention weights are all zero), following flash-attention and torch SDPA >= 2.5.
+Backends that give NaN or a uniform average declare a divergence.
+
+``rows`` restricts the computation to a subset of query rows, so a check at T = 8192
+costs O(len(rows) * T) rather than O(T^2).
+
+The same code, run with ``dtype`` other than float64, is "the naive algorithm in that
+dtype" (rounding after every stage), whose error against float64 sets the tolerance.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .api import AttentionInputs, AttentionOutput, AttentionParams
+from .dtypes import round_to
+from .numerics import weighted_values
+
+
+def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.ndarray | None = None):
+    """Boolean "may attend" mask and additive bias, each broadcastable to (B, H, R, Tk)."""
+    b, tq, tk = inputs.batch, inputs.tq, inputs.tk
+    q_idx = np.arange(tq) if rows is None else np.asarray(rows)
+    allowed = np.ones((1, 1, len(q_idx), tk), dtype=bool)
+    additive = None
+    if inputs.causal:
+        offset = 0 if inputs.causal == "top-left" else tk - tq
+        allowed = allowed & (np.arange(tk)[None, :] <= q_idx[:, None] + offset)[None, None]
+    if inputs.key_padding_mask is not None:
+        allowed = allowed & ~inputs.key_padding_mask[:, None, None, :]
+    if inputs.attn_mask is not None:
+        m = inputs.attn_mask
+        m = m.reshape((1, 1) + m.shape) if m.ndim == 2 else m
+        m = m[:, :, q_idx, :]
+        if m.dtype == np.bool_:
+            allowed = allowed & m
+        else:
+            additive = m.astype(np.float64)
+            allowed = allowed & ~np.isneginf(additive)
+            additive = np.where(np.isneginf(additive), 0.0, additive)
+    return allowed, additive
+
+
+def _heads(x: np.ndarray, n: int) -> np.ndarray:
+    b, t, w = x.shape
+    return x.reshape(b, t, n, w // n).transpose(0, 2, 1, 3)
+
+
+def _project(x, w, bias, dtype):
+    y = round_to(x, dtype) @ round_to(w, dtype)
+    if bias is not None:
+        y = y + round_to(bias, dtype)
+    return round_to(y, dtype)
+
+
+def _masked_softmax(scores, allowed):
+    scores = np.where(allowed, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    any_allowed = np.isfinite(row_max)
+    e = np.exp(scores - np.where(any_allowed, row_max, 0.0))
+    e = np.where(allowed, e, 0.0)
+    total = e.sum(axis=-1, keepdims=True)
+    return np.where(any_allowed, e / np.where(total == 0, 1, total), 0.0)
+
+
+def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype: str):
+    c = params.config
+    query = inputs.query if rows is None else inputs.query[:, np.asarray(rows)]
+    q = _heads(_project(query, params.W_q, params.b_q, dtype), c.num_heads)
+    k = np.repeat(_heads(_project(inputs.key, params.W_k, params.b_k, dtype), c.kv_heads), c.group, axis=1)
+    v = np.repeat(_heads(_project(inputs.value, params.W_v, params.b_v, dtype), c.kv_heads), c.group, axis=1)
+    scale = 1.0 / np.sqrt(c.d_head)
+    scores = round_to(q @ k.transpose(0, 1, 3, 2) * scale, dtype)
+    allowed, additive = allowed_and_bias(params, inputs, rows)
+    if additive is not None:
+        scores = round_to(scores + additive, dtype)
+    weights = round_to(_masked_softmax(scores, np.broadcast_to(allowed, scores.shape)), dtype)
+    heads = round_to(weighted_values(weights, v), dtype)
+    b, h, r, dh = heads.shape
+    concat = heads.transpose(0, 2, 1, 3).reshape(b, r, h * dh)
+    return q, k, v, weights, concat, scale, allowed
+
+
+def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, rows=None,
+                        need_weights: bool = False, dtype: str = "float64") -> AttentionOutput:
+    """Multi-head attention by the definition, in float64 unless ``dtype`` says otherwise.
+
+    With ``rows`` only those query rows are computed (output shape (B, len(rows), d_model)).
+    """
+    *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype)
+    out = _project(concat, params.W_o, params.b_o, dtype)
+    return AttentionOutput(out.astype(np.float64), weights.astype(np.float64) if need_weights else None)
+
+
+def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray,
+                  dtype: str = "float64") -> dict[str, np.ndarray]:
+    """Gradients of sum(output * cotangent) with respect to inputs and parameters.
+
+    Exact in float64; with another ``dtype`` it is the naive backward in that format
+    (rounding after every stage), whose error sets the gradient tolerance.
+    """
+    c = params.config
+    r = lambda x: round_to(x, dtype)  # noqa: E731
+    q, k, v, p, concat, scale, _ = _forward_parts(params, inputs, None, dtype)
+    g = r(cotangent)
+    grads = {"W_o": r(np.einsum("btd,bte->de", concat, g))}
+    d_o = _heads(r(g @ r(params.W_o).T), c.num_heads)
+    d_p = r(d_o @ v.transpose(0, 1, 3, 2))
+    d_v = r(p.transpose(0, 1, 3, 2) @ d_o)
+    d_s = r(p * (d_p - (d_p * p).sum(axis=-1, keepdims=True)))
+    d_q = r(d_s @ k * scale)
+    d_k = r(d_s.transpose(0, 1, 3, 2) @ q * scale)
+
+    def merge(d, n_heads):
+        b, h, t, dh = d.shape
+        if h != n_heads:
+            d = d.reshape(b, n_heads, h // n_heads, t, dh).sum(axis=2)
+        return r(d.transpose(0, 2, 1, 3).reshape(b, t, n_heads * dh))
+
+    for name, d_heads, x, n in (("q", d_q, inputs.query, c.num_heads), ("k", d_k, inputs.key, c.kv_heads),
+                                ("v", d_v, inputs.value, c.kv_heads)):
+        d_proj = merge(d_heads, n)
+        grads[f"W_{name}"] = r(np.einsum("btd,bte->de", r(x), d_proj))
+        grads[{"q": "query", "k": "key", "v": "value"}[name]] = r(d_proj @ r(getattr(params, f"W_{name}")).T)
+        if c.bias:
+            grads[f"b_{name}"] = r(d_proj.sum(axis=(0, 1)))
+    if c.bias:
+        grads["b_o"] = r(g.sum(axis=(0, 1)))
+    return {name: grad.astype(np.float64) for name, grad in grads.items()}

@@ -1,0 +1,55 @@
+"""The one tolerance rule every case uses (the flash-attention method).
+
+A backend computing in ``dtype`` may differ from the float64 reference by at most
+``FACTOR`` times the error that the naive algorithm *in the same dtype* makes against
+that reference, plus a tiny floor of ``FLOOR_ULPS`` units of ``dtype``'s epsilon times
+the output's magnitude. So a float16 backend is held to float16's own honest error,
+not to a fixed atol that is loose for float64 and impossible for bfloat16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dtypes import EPS
+
+FACTOR = 3.0
+FLOOR_ULPS = 4.0
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The bound and the naive same-dtype error it was derived from."""
+
+    bound: float
+    naive_error: float
+    dtype: str
+
+    def describe(self) -> str:
+        return (f"tolerance {self.bound:.3g} = {FACTOR:g} x naive {self.dtype} error {self.naive_error:.3g}"
+                f" + {FLOOR_ULPS:g} eps floor")
+
+
+def max_abs_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    diff = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64))
+    return float(np.nanmax(diff)) if diff.size else 0.0
+
+
+def tolerance_from(expected64: np.ndarray, naive_same_dtype: np.ndarray, dtype: str) -> Tolerance:
+    """Bound for a backend in ``dtype`` given the reference and the naive algorithm in ``dtype``.
+
+    For float64 the reference *is* the naive algorithm, so its own error cannot be measured
+    against itself: pass the naive float32 result instead, and its error is scaled by the
+    ratio of the unit roundoffs (2^-52 / 2^-23), rounding error being linear in it.
+    """
+    naive_error = max_abs_error(naive_same_dtype, expected64)
+    if dtype == "float64":
+        naive_error *= EPS["float64"] / EPS["float32"]
+    magnitude = max(1.0, float(np.max(np.abs(expected64)))) if expected64.size else 1.0
+    return Tolerance(FACTOR * naive_error + FLOOR_ULPS * EPS[dtype] * magnitude, naive_error, dtype)
+
+
+def naive_dtype(dtype: str) -> str:
+    """The dtype to run the naive algorithm in, to estimate a backend's honest error in ``dtype``."""
+    return "float32" if dtype == "float64" else dtype

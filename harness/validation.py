@@ -1,0 +1,130 @@
+"""Input validation shared by every public entry point.
+
+Each failure is a ValueError or TypeError whose message names the parameter, what it got
+and what it accepts, so a user can fix the call without reading the source.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .api import AttentionConfig, AttentionInputs, AttentionParams
+
+
+def _int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: got {value!r} of type {type(value).__name__}; accepted: an integer >= {minimum}")
+    if value < minimum:
+        raise ValueError(f"{name}: got {value}; accepted: an integer >= {minimum}")
+    return int(value)
+
+
+def validate_config(config: "AttentionConfig") -> None:
+    d_model = _int("d_model", config.d_model)
+    num_heads = _int("num_heads", config.num_heads)
+    if d_model % num_heads:
+        raise ValueError(f"num_heads: got {num_heads}, which does not divide d_model={d_model}; "
+                         f"accepted: a divisor of d_model, e.g. {[h for h in (1, 2, 4, 8, 16) if d_model % h == 0]}")
+    if config.num_kv_heads is not None:
+        kv = _int("num_kv_heads", config.num_kv_heads)
+        if num_heads % kv:
+            raise ValueError(f"num_kv_heads: got {kv}, which does not divide num_heads={num_heads}; "
+                             f"accepted: a divisor of num_heads {[k for k in range(1, num_heads + 1) if num_heads % k == 0]}")
+    if not isinstance(config.bias, (bool, np.bool_)):
+        raise TypeError(f"bias: got {config.bias!r}; accepted: True or False")
+
+
+def validate_dtype(dtype: str, allowed=None) -> str:
+    from .api import DTYPES
+    allowed = tuple(allowed or DTYPES)
+    if not isinstance(dtype, str) or dtype not in allowed:
+        raise ValueError(f"dtype: got {dtype!r}; accepted: {', '.join(allowed)}")
+    return dtype
+
+
+def _array(name: str, value, ndim: int | None = None) -> np.ndarray:
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"{name}: got {type(value).__name__}; accepted: a numpy.ndarray")
+    if ndim is not None and value.ndim != ndim:
+        raise ValueError(f"{name}: got rank {value.ndim} with shape {value.shape}; accepted: rank {ndim}")
+    return value
+
+
+def _finite(name: str, array: np.ndarray) -> None:
+    if not np.issubdtype(array.dtype, np.floating):
+        raise TypeError(f"{name}: got dtype {array.dtype}; accepted: a floating dtype (float16/32/64)")
+    if not np.all(np.isfinite(array)):
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+        raise ValueError(f"{name}: got a non-finite value {array[bad]} at index {bad}; accepted: finite values only")
+
+
+def validate_params(params: "AttentionParams") -> None:
+    c = params.config
+    kv_width = c.kv_heads * c.d_head
+    shapes = {"W_q": (c.d_model, c.d_model), "W_k": (c.d_model, kv_width),
+              "W_v": (c.d_model, kv_width), "W_o": (c.d_model, c.d_model),
+              "b_q": (c.d_model,), "b_k": (kv_width,), "b_v": (kv_width,), "b_o": (c.d_model,)}
+    for name, shape in shapes.items():
+        value = getattr(params, name)
+        if value is None:
+            if c.bias or name.startswith("W"):
+                raise ValueError(f"{name}: got None; accepted: an array of shape {shape}"
+                                 + (" (config.bias is True)" if name.startswith("b") else ""))
+            continue
+        if name.startswith("b") and not c.bias:
+            raise ValueError(f"{name}: got an array but config.bias is False; accepted: None")
+        _array(name, value)
+        if value.shape != shape:
+            raise ValueError(f"{name}: got shape {value.shape}; accepted: {shape} "
+                             f"for d_model={c.d_model}, num_heads={c.num_heads}, num_kv_heads={c.kv_heads}")
+        _finite(name, value)
+
+
+def validate_inputs(inputs: "AttentionInputs", config: "AttentionConfig") -> None:
+    """Check ranks, widths, batch sizes, mask shapes/dtypes and finiteness before any computation.
+
+    query must be finite; key/value may hold NaN/inf only where a mask can hide it
+    (the leakage cases put poison there on purpose).
+    """
+    from .api import CAUSAL_ALIGNMENTS
+    q = _array("query", inputs.query, 3)
+    k = _array("key", inputs.key, 3)
+    v = _array("value", inputs.value, 3)
+    for name, arr in (("query", q), ("key", k), ("value", v)):
+        if arr.shape[-1] != config.d_model:
+            raise ValueError(f"{name}: got width {arr.shape[-1]} (shape {arr.shape}); accepted: width d_model={config.d_model}")
+        if arr.shape[1] == 0:
+            raise ValueError(f"{name}: got an empty sequence (shape {arr.shape}); accepted: sequence length >= 1")
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise TypeError(f"{name}: got dtype {arr.dtype}; accepted: a floating dtype")
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"key/value: got batch sizes {k.shape[0]}/{v.shape[0]} but query has batch {q.shape[0]}; "
+                         "accepted: the same batch size as query")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"value: got sequence length {v.shape[1]} but key has {k.shape[1]}; accepted: equal lengths")
+    if inputs.causal is not None and inputs.causal not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal: got {inputs.causal!r}; accepted: None, 'top-left' or 'bottom-right'")
+    b, tq, tk = q.shape[0], q.shape[1], k.shape[1]
+    if inputs.key_padding_mask is not None:
+        m = _array("key_padding_mask", inputs.key_padding_mask)
+        if m.dtype != np.bool_:
+            raise TypeError(f"key_padding_mask: got dtype {m.dtype}; accepted: bool (True = padding key to ignore)")
+        if m.shape != (b, tk):
+            raise ValueError(f"key_padding_mask: got shape {m.shape}; accepted: (batch, Tk) = {(b, tk)}")
+    if inputs.attn_mask is not None:
+        m = _array("attn_mask", inputs.attn_mask)
+        allowed = [(tq, tk), (b, 1, tq, tk), (b, config.num_heads, tq, tk), (1, config.num_heads, tq, tk)]
+        if m.shape not in allowed:
+            raise ValueError(f"attn_mask: got shape {m.shape}; accepted: one of {allowed}")
+        if m.dtype != np.bool_ and not np.issubdtype(m.dtype, np.floating):
+            raise TypeError(f"attn_mask: got dtype {m.dtype}; accepted: bool (True = may attend) or float (additive)")
+        if m.dtype != np.bool_ and np.any(np.isnan(m)):
+            raise ValueError("attn_mask: got NaN in an additive mask; accepted: finite values or -inf")
+    _finite("query", q)
+    if inputs.causal is None and inputs.attn_mask is None:
+        keep = slice(None) if inputs.key_padding_mask is None else ~inputs.key_padding_mask
+        # NaN/inf is only allowed where a mask hides it: padded keys, or (with causal or attn_mask) keys some query skips
+        _finite("key", k[keep])
+        _finite("value", v[keep])

@@ -1,0 +1,38 @@
+"""Mask construction for the NumPy backends, per block of queries and keys."""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.api import AttentionInputs
+
+
+def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, invert_attn_mask: bool = False):
+    """Allowed (bool) and additive (float or None) masks for queries q0:q1 and keys k0:k1.
+
+    Shapes broadcast to (batch, heads, q1 - q0, k1 - k0).
+    """
+    tq, tk = inputs.tq, inputs.tk
+    allowed = np.ones((1, 1, q1 - q0, k1 - k0), dtype=bool)
+    if inputs.causal:
+        offset = 0 if inputs.causal == "top-left" else tk - tq
+        allowed = allowed & (np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None] + offset)
+    if inputs.key_padding_mask is not None:
+        allowed = allowed & ~inputs.key_padding_mask[:, None, None, k0:k1]
+    additive = None
+    if inputs.attn_mask is not None:
+        m = inputs.attn_mask
+        m = (m.reshape((1, 1) + m.shape) if m.ndim == 2 else m)[:, :, q0:q1, k0:k1]
+        if m.dtype == np.bool_:
+            allowed = allowed & (~m if invert_attn_mask else m)
+        else:
+            allowed = allowed & ~np.isneginf(m)
+            additive = np.where(np.isneginf(m), 0.0, m)
+    return allowed, additive
+
+
+def causal_key_limit(inputs: AttentionInputs, q1: int) -> int:
+    """Exclusive upper bound of keys any query below q1 may see under the causal mask."""
+    if not inputs.causal:
+        return inputs.tk
+    offset = 0 if inputs.causal == "top-left" else inputs.tk - inputs.tq
+    return int(min(inputs.tk, max(0, q1 + offset)))

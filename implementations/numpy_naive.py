@@ -1,0 +1,94 @@
+"""numpy-naive: the lesson's algorithm, vectorised over batch and heads.
+
+Project, split the feature axis into heads, softmax(Q K^T / sqrt(d_head)) V per head,
+concatenate, multiply by W_o. Materialises the (batch, heads, Tq, Tk) score matrix.
+Each step is a method so the mutant zoo can break exactly one of them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.numerics import weighted_values
+from harness.api import (AttentionBackend, AttentionConfig, AttentionInputs, AttentionOutput,
+                         AttentionParams, Capabilities, LoadedAttention)
+
+from ._numpy_masks import block_mask
+
+
+class NumpyNaiveLoaded(LoadedAttention):
+    def __init__(self, params: AttentionParams, dtype: str):
+        self.config = params.config
+        self.dtype = np.dtype(dtype)
+        self.weights = {name: array.astype(self.dtype) for name, array in params.arrays().items()}
+
+    # --- the algorithm, one overridable step each -------------------------------------
+    def project(self, x: np.ndarray, which: str) -> np.ndarray:
+        y = x @ self.weights[f"W_{which}"]
+        bias = self.weights.get(f"b_{which}")
+        return y if bias is None else y + bias
+
+    def split_heads(self, x: np.ndarray, n_heads: int) -> np.ndarray:
+        """(B, T, n*d_head) -> (B, n, T, d_head): split the *feature* axis."""
+        b, t, w = x.shape
+        return x.reshape(b, t, n_heads, w // n_heads).transpose(0, 2, 1, 3)
+
+    def scale(self) -> float:
+        return 1.0 / np.sqrt(self.config.d_head)
+
+    def masks(self, inputs: AttentionInputs):
+        return block_mask(inputs, 0, inputs.tq, 0, inputs.tk)
+
+    def softmax(self, scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+        scores = np.where(allowed, scores, -np.inf)
+        row_max = scores.max(axis=-1, keepdims=True)
+        row_max = np.where(np.isfinite(row_max), row_max, 0)
+        e = np.exp(scores - row_max)
+        total = e.sum(axis=-1, keepdims=True)
+        return e / np.where(total == 0, 1, total)
+
+    def merge_heads(self, heads: np.ndarray) -> np.ndarray:
+        """(B, H, T, d_head) -> (B, T, H*d_head): heads side by side in order."""
+        b, h, t, dh = heads.shape
+        return heads.transpose(0, 2, 1, 3).reshape(b, t, h * dh)
+
+    def output_projection(self, concat: np.ndarray) -> np.ndarray:
+        return self.project(concat, "o")
+
+    def prepare(self, inputs: AttentionInputs, *, backward: bool = False):
+        if backward:
+            raise NotImplementedError(f"{type(self).__name__} computes no gradients")
+        ready = inputs.replace(**{n: np.asarray(getattr(inputs, n), self.dtype) for n in ("query", "key", "value")})
+        return lambda: self.compute(ready)
+
+    def compute(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
+        with np.errstate(invalid="ignore", over="ignore"):  # poison in masked keys is expected, and handled
+            return self.attend(inputs, need_weights)
+
+    def attend(self, inputs: AttentionInputs, need_weights: bool) -> AttentionOutput:
+        c = self.config
+        cast = lambda a: np.asarray(a, self.dtype)  # noqa: E731
+        q = self.split_heads(self.project(cast(inputs.query), "q"), c.num_heads)
+        k = self.split_heads(self.project(cast(inputs.key), "k"), c.kv_heads)
+        v = self.split_heads(self.project(cast(inputs.value), "v"), c.kv_heads)
+        if c.group > 1:
+            k, v = np.repeat(k, c.group, axis=1), np.repeat(v, c.group, axis=1)
+        scores = (q @ k.transpose(0, 1, 3, 2)) * self.dtype.type(self.scale())
+        allowed, additive = self.masks(inputs)
+        if additive is not None:
+            scores = scores + additive.astype(self.dtype)
+        weights = self.softmax(scores, allowed)
+        out = self.output_projection(self.merge_heads(weighted_values(weights, v)))
+        return AttentionOutput(out, weights if need_weights else None)
+
+
+class NumpyNaive(AttentionBackend):
+    name = "numpy-naive"
+    capabilities = Capabilities(dtypes=("float32", "float64"))
+    loaded_class = NumpyNaiveLoaded
+
+    def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:
+        from harness.params import make_params
+        return {name: array.shape for name, array in self.load_native(make_params(config), "float32").weights.items()}
+
+    def load_native(self, params: AttentionParams, dtype: str) -> LoadedAttention:
+        return self.loaded_class(params, dtype)

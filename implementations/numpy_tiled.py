@@ -1,0 +1,85 @@
+"""numpy-tiled: online softmax over key blocks (the flash-attention recurrence) in NumPy.
+
+Queries are processed in blocks of ``block_q`` rows and keys in blocks of ``block_k``;
+for each query block a running row maximum ``m``, normaliser ``l`` and accumulator are
+updated per key block, so no Tq x Tk matrix is ever materialised: the extra memory per
+call is O(batch * heads * block_q * block_k) besides the projections. Key blocks wholly
+above the causal diagonal are skipped. Rows whose keys are all masked output zeros.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.numerics import weighted_values
+from harness.api import AttentionInputs, AttentionOutput, AttentionParams, Capabilities
+
+from ._numpy_masks import block_mask, causal_key_limit
+from .numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+
+class NumpyTiledLoaded(NumpyNaiveLoaded):
+    def __init__(self, params: AttentionParams, dtype: str, block_q: int, block_k: int):
+        super().__init__(params, dtype)
+        self.block_q, self.block_k = block_q, block_k
+
+    def attend(self, inputs: AttentionInputs, need_weights: bool) -> AttentionOutput:
+        c = self.config
+        cast = lambda a: np.asarray(a, self.dtype)  # noqa: E731
+        q = self.split_heads(self.project(cast(inputs.query), "q"), c.num_heads)
+        k = self.split_heads(self.project(cast(inputs.key), "k"), c.kv_heads)
+        v = self.split_heads(self.project(cast(inputs.value), "v"), c.kv_heads)
+        b, tq, tk = inputs.batch, inputs.tq, inputs.tk
+        # (B, kv, group, T, dh) view of queries lets each kv head serve its group without copying K/V
+        q = q.reshape(b, c.kv_heads, c.group, tq, c.d_head) * self.dtype.type(self.scale())
+        k, v = k[:, :, None], v[:, :, None]
+        out = np.empty((b, c.kv_heads, c.group, tq, c.d_head), dtype=self.dtype)
+        for q0 in range(0, tq, self.block_q):
+            q1 = min(tq, q0 + self.block_q)
+            out[:, :, :, q0:q1] = self._query_block(q[:, :, :, q0:q1], k, v, inputs, q0, q1)
+        heads = out.reshape(b, c.num_heads, tq, c.d_head)
+        return AttentionOutput(self.output_projection(self.merge_heads(heads)), None)
+
+    def _query_block(self, qb, k, v, inputs, q0, q1):
+        c = self.config
+        b = qb.shape[0]
+        rows = q1 - q0
+        m = np.full((b, c.kv_heads, c.group, rows, 1), -np.inf, dtype=self.dtype)
+        l = np.zeros((b, c.kv_heads, c.group, rows, 1), dtype=self.dtype)
+        acc = np.zeros((b, c.kv_heads, c.group, rows, c.d_head), dtype=self.dtype)
+        for k0 in range(0, causal_key_limit(inputs, q1), self.block_k):
+            k1 = min(inputs.tk, k0 + self.block_k)
+            s = qb @ k[:, :, :, k0:k1].swapaxes(-1, -2)
+            allowed, additive = block_mask(inputs, q0, q1, k0, k1)
+            allowed = self._group_view(allowed)
+            if additive is not None:
+                s = s + self._group_view(additive).astype(self.dtype)
+            s = np.where(allowed, s, -np.inf)
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            m_safe = np.where(np.isfinite(m_new), m_new, 0).astype(self.dtype)
+            p = np.exp(s - m_safe)
+            correction = np.exp(np.where(np.isfinite(m), m - m_safe, -np.inf))
+            l = l * correction + p.sum(axis=-1, keepdims=True)
+            acc = acc * correction + weighted_values(p, v[:, :, :, k0:k1])
+            m = m_new
+        return acc / np.where(l == 0, 1, l)
+
+    def _group_view(self, mask: np.ndarray) -> np.ndarray:
+        """Reshape a (B|1, H|1, q, k) mask to broadcast against (B, kv, group, q, k)."""
+        c = self.config
+        if mask.shape[1] == 1:
+            return mask[:, :, None]
+        return mask.reshape(mask.shape[0], c.kv_heads, c.group, *mask.shape[2:])
+
+
+class NumpyTiled(NumpyNaive):
+    name = "numpy-tiled"
+    capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=False)
+
+    def __init__(self, block_q: int = 256, block_k: int = 512):
+        for label, value in (("block_q", block_q), ("block_k", block_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{label}: got {value!r}; accepted: a positive integer")
+        self.block_q, self.block_k = block_q, block_k
+
+    def load_native(self, params: AttentionParams, dtype: str) -> NumpyTiledLoaded:
+        return NumpyTiledLoaded(params, dtype, self.block_q, self.block_k)
