@@ -99,7 +99,7 @@ def check_attention_weights_match_reference(backend, *, dtype, masked):
     got = run(backend, params, inputs, dtype, need_weights=True).weights
     ref = reference_attention(params, inputs, need_weights=True).weights
     naive = reference_attention(params, inputs, need_weights=True, dtype=naive_dtype(dtype)).weights
-    tol = tolerance_from(ref, naive, dtype)
+    tol = tolerance_from(ref, naive, dtype, length=inputs.tk)
     labels = ("batch", "head", "query", "key")
     live = ref.sum(axis=-1, keepdims=True) > 0  # rows with at least one allowed key
     if masked:

@@ -45,6 +45,6 @@ def check_gradients_match_reference(backend, *, dtype, causal, bias, kv_heads):
         if actual.shape != expected.shape:
             raise CaseFailure(f"gradient of {name}: expected shape {expected.shape}, got {actual.shape}")
         labels = ("batch", "position", "feature") if expected.ndim == 3 else ("row", "column")[:expected.ndim]
-        worst = max(worst, assert_close(actual, expected, tolerance_from(expected, naive[name], dtype),
+        worst = max(worst, assert_close(actual, expected, tolerance_from(expected, naive[name], dtype, length=inputs.batch * max(inputs.tq, inputs.tk)),
                                         f"gradient of {name}", labels=labels))
     return Measurement(max_error=worst)

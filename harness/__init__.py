@@ -8,7 +8,7 @@ Public API::
     harness.load_registry()                         # every built-in and plugin backend
 """
 from .api import (AttentionBackend, AttentionConfig, AttentionInputs, AttentionOutput, AttentionParams,
-                  Capabilities, Divergence, LoadedAttention)
+                  Capabilities, Divergence, LoadedAttention, Unsupported)
 from .checking import check, repro
 from .function_backend import function_backend
 from .params import make_inputs, make_params
@@ -19,4 +19,4 @@ from .report import Report
 __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
            "Capabilities", "Divergence", "LoadedAttention", "Report", "check", "function_backend", "load_registry",
-           "make_inputs", "make_params", "reference_attention", "reference_vjp", "repro"]
+           "make_inputs", "make_params", "reference_attention", "reference_vjp", "repro", "Unsupported"]

@@ -31,6 +31,13 @@ PARAM_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")
 INPUT_NAMES = ("query", "key", "value")
 
 
+class Unsupported(Exception):
+    """Raised by a backend for an input it cannot run (e.g. a kernel that refuses masks on this device).
+
+    The case is reported as skipped with this message as the reason, never as passed.
+    """
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend supports, as data. Cases that need a missing capability skip with its name."""
@@ -72,7 +79,8 @@ class Capabilities:
 class Divergence:
     """A declared, reasoned difference between a backend and the harness's convention.
 
-    ``case`` names the check; ``when`` restricts it to case parameters (e.g. ``{"dtype": "float16"}``);
+    ``case`` names the check; ``when`` restricts it to case parameters (e.g. ``{"dtype": "float16"}``;
+    a list or tuple value means "any of these");
     ``observed`` says what the backend does; ``reason`` why (library behaviour and version).
     If the case passes anyway, the run reports an *unexpected pass* and fails, so declarations cannot rot.
     """
@@ -83,7 +91,11 @@ class Divergence:
     when: Mapping[str, Any] = field(default_factory=dict)
 
     def matches(self, case: str, params: Mapping[str, Any]) -> bool:
-        return case == self.case and all(params.get(k) == v for k, v in self.when.items())
+        def fits(key, wanted):
+            if isinstance(wanted, (list, tuple, set, frozenset)):
+                return params.get(key) in wanted
+            return params.get(key) == wanted
+        return case == self.case and all(fits(k, v) for k, v in self.when.items())
 
 
 @dataclass(frozen=True)

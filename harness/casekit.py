@@ -127,7 +127,7 @@ def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str, 
     """The float64 reference output and the tolerance for a backend in ``dtype``."""
     expected = reference_attention(params, inputs, rows=rows).output
     naive = reference_attention(params, inputs, rows=rows, dtype=naive_dtype(dtype)).output
-    return expected, tolerance_from(expected, naive, dtype)
+    return expected, tolerance_from(expected, naive, dtype, length=inputs.tk)
 
 
 def locate(diff: np.ndarray, labels=("batch", "position", "feature")) -> str:

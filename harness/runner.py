@@ -5,7 +5,7 @@ import time
 import traceback
 from typing import Iterable
 
-from .api import AttentionBackend, supported
+from .api import AttentionBackend, Unsupported, supported
 from .casekit import Case, CaseFailure, CaseSkipped, Measurement, all_cases, variant_id
 from .results import (ERROR, EXPECTED_DIVERGENCE, FAILED, PASSED, SKIPPED, UNEXPECTED_PASS, CaseResult,
                       repro_command)
@@ -66,7 +66,7 @@ def run_case(backend: AttentionBackend, case: Case, params: dict) -> CaseResult:
         measurement = case.func(backend, **params)
         if isinstance(measurement, Measurement):
             result.max_error, result.observed = measurement.max_error, measurement.observed
-    except CaseSkipped as skip:
+    except (CaseSkipped, Unsupported) as skip:
         result.status, result.message = SKIPPED, str(skip)
     except CaseFailure as failure:
         result.status, result.message = FAILED, str(failure)

@@ -1,0 +1,169 @@
+"""What the JAX backends share: availability, dtypes, devices, masks, jit caching, vjp and timing.
+
+jax is imported lazily. Compiled functions are module-level ``jax.jit`` objects, so XLA's
+cache is keyed by shape and shared by every loaded layer: the suite compiles each shape once.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+
+from harness.api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, LoadedAttention
+
+JAX_DTYPES = ("float32", "float64", "bfloat16", "float16")
+GPU_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def jax_reason(device: str = "cpu", needs_flax: bool = False) -> str | None:
+    if importlib.util.find_spec("jax") is None:
+        return "jax is not installed (pip install 'mha-harness[jax]')"
+    if needs_flax and importlib.util.find_spec("flax") is None:
+        return "flax is not installed (pip install 'mha-harness[jax]')"
+    if device == "gpu":
+        import jax
+        try:
+            jax.devices("gpu")
+        except RuntimeError:
+            return f"no GPU device for jax {jax.__version__} (jax.devices('gpu') found none)"
+    return None
+
+
+_CONFIGURED = False
+
+
+def configure_jax() -> None:
+    """Once per process: float64 support, and XLA's persistent compilation cache.
+
+    The cache (``$MHA_HARNESS_JAX_CACHE``, default ~/.cache/mha-harness/jax; set it to an empty
+    string to disable) makes a second conformance run skip most compilation.
+    """
+    global _CONFIGURED
+    if _CONFIGURED:
+        return
+    import os
+
+    import jax
+    jax.config.update("jax_enable_x64", True)  # float64 needs it; explicit dtypes everywhere keep float32 float32
+    cache = os.environ.get("MHA_HARNESS_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "mha-harness", "jax"))
+    if cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _CONFIGURED = True
+
+
+def jax_dtype(name: str):
+    configure_jax()
+    import jax.numpy as jnp
+    return {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+def masks_for(inputs: AttentionInputs):
+    """(bool "may attend" mask (B|1, 1|H, Tq, Tk) or None, additive (.., Tq, Tk) or None) as NumPy."""
+    tq, tk = inputs.tq, inputs.tk
+    allowed = None
+    if inputs.causal:
+        offset = 0 if inputs.causal == "top-left" else tk - tq
+        allowed = (np.arange(tk)[None, :] <= np.arange(tq)[:, None] + offset)[None, None]
+    if inputs.key_padding_mask is not None:
+        pad = ~inputs.key_padding_mask[:, None, None, :]
+        allowed = pad if allowed is None else allowed & pad
+    additive = None
+    if inputs.attn_mask is not None:
+        m = inputs.attn_mask.reshape((1, 1) + inputs.attn_mask.shape) if inputs.attn_mask.ndim == 2 else inputs.attn_mask
+        if m.dtype == np.bool_:
+            allowed = m if allowed is None else allowed & m
+        else:
+            allowed = (~np.isneginf(m)) if allowed is None else allowed & ~np.isneginf(m)
+            additive = np.where(np.isneginf(m), 0.0, m)
+    return allowed, additive
+
+
+class JaxLoaded(LoadedAttention):
+    """Parameters as jax arrays on the backend's device. Subclasses give ``apply`` (a jitted pure function)."""
+
+    def __init__(self, backend: "JaxBackend", params: AttentionParams, dtype: str):
+        import jax
+        self.jax = jax
+        self.backend, self.dtype_name, self.config = backend, dtype, params.config
+        self.dtype = jax_dtype(dtype)
+        self.device = jax.devices(backend.device)[0]
+        self.setup(params)
+
+    def setup(self, params: AttentionParams) -> None:
+        raise NotImplementedError
+
+    def array(self, x):
+        if x is None:
+            return None
+        x = np.asarray(x)
+        dtype = x.dtype if x.dtype == np.bool_ else self.dtype
+        return self.jax.device_put(self.jax.numpy.asarray(x, dtype=dtype), self.device)
+
+    def to_numpy(self, x):
+        return None if x is None else np.asarray(x.astype(self.jax.numpy.float64) if x.dtype != np.float64 else x)
+
+    def native_inputs(self, inputs: AttentionInputs) -> dict:
+        """Device arrays and static options for ``apply``."""
+        raise NotImplementedError
+
+    def call(self, params, arrays: dict, need_weights: bool):
+        """(output, weights or None) from device arrays."""
+        raise NotImplementedError
+
+    def compute(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
+        out, weights = self.call(self.params, self.native_inputs(inputs), need_weights)
+        return AttentionOutput(self.to_numpy(out), self.to_numpy(weights) if need_weights else None)
+
+    def canonical_gradients(self, grads) -> dict:
+        """The parameter gradient tree in canonical names and layout."""
+        raise NotImplementedError
+
+    def vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
+        from harness.validation import validate_inputs
+        validate_inputs(inputs, self.config)
+        arrays = self.native_inputs(inputs)
+
+        def f(params, q, k, v):
+            return self.call(params, {**arrays, "query": q, "key": k, "value": v}, False)[0]
+        _, pullback = self.jax.vjp(f, self.params, arrays["query"], arrays["key"], arrays["value"])
+        g_params, gq, gk, gv = pullback(self.array(cotangent))
+        out = {"query": self.to_numpy(gq), "key": self.to_numpy(gk), "value": self.to_numpy(gv)}
+        out.update({n: self.to_numpy(g) for n, g in self.canonical_gradients(g_params).items()})
+        return out
+
+    def prepare(self, inputs: AttentionInputs, *, backward: bool = False):
+        jax = self.jax
+        arrays = self.native_inputs(inputs)
+        if not backward:
+            fn = jax.jit(lambda params, a: self.call(params, a, False)[0])
+        else:
+            def loss(params, a):
+                return self.call(params, a, False)[0].astype(jax.numpy.float32).sum()
+            fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        jax.block_until_ready(fn(self.params, arrays))  # compile here, outside any timing
+
+        def run():
+            return jax.block_until_ready(fn(self.params, arrays))
+        return run
+
+
+class JaxBackend(AttentionBackend):
+    device = "cpu"
+    needs_flax = False
+
+    def availability(self) -> str | None:
+        return jax_reason(self.device, self.needs_flax)
+
+    def versions(self) -> dict[str, str]:
+        import jax
+        out = {"numpy": np.__version__, "jax": jax.__version__}
+        if self.needs_flax:
+            import flax
+            out["flax"] = flax.__version__
+        return out
+
+
+def linear_tree(loaded: JaxLoaded, params: AttentionParams) -> dict:
+    return {name: loaded.array(a) for name, a in params.arrays().items()}

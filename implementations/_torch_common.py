@@ -1,0 +1,164 @@
+"""What every torch backend shares: availability, dtypes, devices, masks, autograd and timing.
+
+torch is imported lazily, so listing backends never fails where torch is missing.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+
+from harness.api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, LoadedAttention
+
+TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
+GPU_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_reason(device: str = "cpu") -> str | None:
+    """None when torch (and, for device 'cuda', a CUDA device) is usable, else the reason."""
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install 'mha-harness[torch]' -c constraints.txt)"
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            return f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)"
+    return None
+
+
+def torch_dtype(name: str):
+    import torch
+    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def allowed_mask(inputs: AttentionInputs, num_heads: int):
+    """(bool "may attend" mask, additive float mask or None) as NumPy, broadcastable to (B, H, Tq, Tk)."""
+    tq, tk = inputs.tq, inputs.tk
+    allowed = np.ones((1, 1, tq, tk), bool)
+    if inputs.causal:
+        offset = 0 if inputs.causal == "top-left" else tk - tq
+        allowed = allowed & (np.arange(tk)[None, :] <= np.arange(tq)[:, None] + offset)
+    if inputs.key_padding_mask is not None:
+        allowed = allowed & ~inputs.key_padding_mask[:, None, None, :]
+    additive = None
+    if inputs.attn_mask is not None:
+        m = inputs.attn_mask.reshape((1, 1) + inputs.attn_mask.shape) if inputs.attn_mask.ndim == 2 else inputs.attn_mask
+        if m.dtype == np.bool_:
+            allowed = allowed & m
+        else:
+            additive = m
+    return allowed, additive
+
+
+class TorchLoaded(LoadedAttention):
+    """Parameters as torch tensors on the backend's device; subclasses implement ``forward_tensors``."""
+
+    def __init__(self, backend: "TorchBackend", params: AttentionParams, dtype: str):
+        import torch
+        self.torch = torch
+        self.backend, self.device, self.dtype_name = backend, backend.device, dtype
+        self.dtype = torch_dtype(dtype)
+        self.config = params.config
+        self.setup(params)
+
+    def setup(self, params: AttentionParams) -> None:
+        raise NotImplementedError
+
+    def tensor(self, array, requires_grad: bool = False):
+        t = self.torch.as_tensor(np.asarray(array, np.float64), device=self.device).to(self.dtype)
+        return t.requires_grad_(requires_grad)
+
+    def mask_tensor(self, array):
+        if array is None:
+            return None
+        array = np.array(array)  # a writable, contiguous copy (broadcast views are read-only)
+        if array.dtype == np.bool_:
+            return self.torch.as_tensor(array, device=self.device)
+        return self.torch.as_tensor(array, device=self.device).to(self.dtype)
+
+    def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
+        """Return (output tensor, weights tensor or None)."""
+        raise NotImplementedError
+
+    def to_numpy(self, t):
+        return None if t is None else t.detach().to(self.torch.float64 if self.dtype != self.torch.float64
+                                                      else self.dtype).cpu().numpy()
+
+    def compute(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
+        with self.torch.no_grad():
+            q, k, v = (self.tensor(getattr(inputs, n)) for n in ("query", "key", "value"))
+            out, weights = self.forward_tensors(q, k, v, inputs, need_weights)
+        return AttentionOutput(self.to_numpy(out), self.to_numpy(weights) if need_weights else None)
+
+    def parameter_tensors(self) -> dict:
+        """Canonical name -> leaf tensor, and how to turn its gradient into the canonical layout."""
+        raise NotImplementedError
+
+    def vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
+        from harness.validation import validate_inputs
+        validate_inputs(inputs, self.config)
+        torch = self.torch
+        leaves = {n: self.tensor(getattr(inputs, n), requires_grad=True) for n in ("query", "key", "value")}
+        params = self.parameter_tensors()
+        with torch.enable_grad():
+            out, _ = self.forward_tensors(leaves["query"], leaves["key"], leaves["value"], inputs, False)
+            tensors = list(leaves.values()) + [t for t, _ in params.values()]
+            grads = torch.autograd.grad(out, tensors, self.tensor(cotangent), allow_unused=True)
+        result = {n: self.to_numpy(g) for n, g in zip(leaves, grads[:3])}
+        for (name, (tensor, to_canonical)), g in zip(params.items(), grads[3:]):
+            result.update(to_canonical(np.zeros(tuple(tensor.shape)) if g is None else self.to_numpy(g)))
+        return result
+
+    def prepare(self, inputs: AttentionInputs, *, backward: bool = False):
+        torch = self.torch
+        q, k, v = (self.tensor(getattr(inputs, n), requires_grad=backward) for n in ("query", "key", "value"))
+        device = self.device
+        if not backward:
+            def run():
+                with torch.no_grad():
+                    out, _ = self.forward_tensors(q, k, v, inputs, False)
+                synchronize(device)
+                return out
+            return run
+        self.parameter_tensors()  # parameters take gradients too, as in training
+        grad = torch.ones((inputs.batch, inputs.tq, self.config.d_model), dtype=self.dtype, device=device)
+
+        def run_backward():
+            out, _ = self.forward_tensors(q, k, v, inputs, False)
+            out.backward(grad)
+            synchronize(device)
+            return out
+        return run_backward
+
+
+class TorchBackend(AttentionBackend):
+    device = "cpu"
+
+    def availability(self) -> str | None:
+        return torch_reason(self.device)
+
+    def versions(self) -> dict[str, str]:
+        import torch
+        out = {"numpy": np.__version__, "torch": torch.__version__}
+        if self.device == "cuda" and torch.cuda.is_available():
+            out["gpu"] = torch.cuda.get_device_name()
+        return out
+
+
+def linear_params(loaded: TorchLoaded, params: AttentionParams):
+    """Canonical x @ W parameters as leaf tensors (used by the backends that project with explicit matmuls)."""
+    loaded.w = {name: loaded.tensor(array) for name, array in params.arrays().items()}
+
+
+def linear_parameter_tensors(loaded: TorchLoaded) -> dict:
+    out = {}
+    for name, t in loaded.w.items():
+        t.requires_grad_(True)
+        out[name] = (t, lambda g, n=name: {n: g})
+    return out

@@ -1,0 +1,126 @@
+"""flax-mha: an adapter over the real flax.linen.MultiHeadDotProductAttention.
+
+Canonical weights are reshaped into flax's kernels: query/key/value kernels (d_model, heads,
+d_head) and biases (heads, d_head); the out kernel (heads, d_head, d_model). Masks go through
+flax's boolean ``mask`` (True = attend; shape (batch, heads|1, Tq, Tk)); causal masks of either
+alignment become explicit masks. Per-head weights are captured with ``sow_weights=True``.
+The parameter count comes from the module's own initialised param tree.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Divergence
+
+from ._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, masks_for
+
+_FINITE_MIN = ("flax's dot_product_attention masks logits with the dtype's most negative finite value, so a row "
+               "with every key masked softmaxes to uniform weights (observed on flax 0.12.8 / jax 0.10.2 CPU)")
+DIVERGENCES = (
+    Divergence("check_fully_masked_rows_output_zeros", observed="uniform average of V", reason=_FINITE_MIN),
+    Divergence("check_causal_output_matches_reference", observed="query rows with no visible key (bottom-right, "
+               "Tq > Tk) output the uniform average of V", reason=_FINITE_MIN,
+               when={"alignment": "bottom-right", "seq": 11, "tk": 6}),
+) + tuple(
+    Divergence(case, observed=f"{kind} in a masked key/value reaches the output",
+               reason="flax multiplies masked (zero-weight) values in the weights @ V einsum, and 0 * NaN = NaN "
+                      "(observed on flax 0.12.8 CPU)", when={"poison": kind})
+    for case in ("check_causal_mask_blocks_future_keys", "check_padding_mask_blocks_padded_keys")
+    for kind in ("nan", "inf"))
+
+
+def to_flax_tree(params: AttentionParams) -> dict:
+    """Canonical x @ W parameters as flax's {'query': {'kernel', 'bias'}, ..., 'out': {...}} tree."""
+    c = params.config
+    h, dh, d = c.num_heads, c.d_head, c.d_model
+    tree = {name: {"kernel": getattr(params, f"W_{w}").reshape(d, h, dh)} for name, w in
+            (("query", "q"), ("key", "k"), ("value", "v"))}
+    tree["out"] = {"kernel": params.W_o.reshape(h, dh, d)}
+    if c.bias:
+        for name, w in (("query", "q"), ("key", "k"), ("value", "v")):
+            tree[name]["bias"] = getattr(params, f"b_{w}").reshape(h, dh)
+        tree["out"]["bias"] = params.b_o
+    return tree
+
+
+def from_flax_tree(tree, config: AttentionConfig) -> dict:
+    d = config.d_model
+    out = {f"W_{w}": tree[name]["kernel"].reshape(d, d) for name, w in (("query", "q"), ("key", "k"), ("value", "v"))}
+    out["W_o"] = tree["out"]["kernel"].reshape(d, d)
+    if "bias" in tree["out"]:
+        out.update({f"b_{w}": tree[name]["bias"].reshape(d) for name, w in (("query", "q"), ("key", "k"), ("value", "v"))})
+        out["b_o"] = tree["out"]["bias"]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _module(num_heads: int, d_model: int, bias: bool, dtype_name: str):
+    import flax.linen as nn
+
+    from ._jax_common import jax_dtype
+    dtype = jax_dtype(dtype_name)
+    return nn.MultiHeadDotProductAttention(num_heads=num_heads, qkv_features=d_model, out_features=d_model,
+                                           use_bias=bias, dtype=dtype, param_dtype=dtype, deterministic=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(num_heads: int, d_model: int, bias: bool, dtype_name: str, need_weights: bool):
+    import jax
+    module = _module(num_heads, d_model, bias, dtype_name)
+
+    def apply(tree, query, key, value, mask):
+        if not need_weights:
+            return module.apply({"params": tree}, query, key, value, mask=mask), None
+        out, state = module.apply({"params": tree}, query, key, value, mask=mask, sow_weights=True,
+                                  mutable=["intermediates"])
+        return out, state["intermediates"]["attention_weights"][0]
+    return jax.jit(apply)
+
+
+class FlaxMhaLoaded(JaxLoaded):
+    def setup(self, params: AttentionParams) -> None:
+        self.params = self.jax.tree_util.tree_map(self.array, to_flax_tree(params))
+
+    def native_inputs(self, inputs: AttentionInputs) -> dict:
+        allowed, _ = masks_for(inputs)
+        return {"query": self.array(inputs.query), "key": self.array(inputs.key), "value": self.array(inputs.value),
+                "mask": self.array(allowed)}
+
+    def call(self, params, a: dict, need_weights: bool):
+        c = self.config
+        fn = _compiled(c.num_heads, c.d_model, c.bias, self.dtype_name, need_weights)
+        return fn(params, a["query"], a["key"], a["value"], a["mask"])
+
+    def canonical_gradients(self, grads) -> dict:
+        return from_flax_tree(grads, self.config)
+
+
+class FlaxMha(JaxBackend):
+    needs_flax = True
+    divergences = DIVERGENCES
+    native_mask_polarity = "mask bool: True = attend, shape (batch, heads|1, Tq, Tk); no additive masks"
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self.name = "flax-mha" if device == "cpu" else f"flax-mha-{device}"
+        self.capabilities = Capabilities(additive_attn_mask=False, grouped_query=False, gradients=True,
+                                         devices=(device,),
+                                         dtypes=("float32", "float64", "bfloat16") if device == "cpu" else GPU_DTYPES)
+
+    def native_parameter_shapes(self, config: AttentionConfig):
+        import jax
+        import jax.numpy as jnp
+        module = _module(config.num_heads, config.d_model, config.bias, "float32")
+        x = jnp.zeros((1, 2, config.d_model), jnp.float32)
+        tree = module.init(jax.random.key(0), x, x, x)["params"]
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {jax.tree_util.keystr(path): tuple(np.shape(leaf)) for path, leaf in leaves}
+
+    def load_native(self, params: AttentionParams, dtype: str) -> FlaxMhaLoaded:
+        return FlaxMhaLoaded(self, params, dtype)
+
+
+def backends():
+    return [FlaxMha("cpu"), FlaxMha("gpu")]

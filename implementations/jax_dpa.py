@@ -1,0 +1,103 @@
+"""jax-dpa: projections in JAX, core through jax.nn.dot_product_attention.
+
+implementation="xla" on CPU (and a "cudnn" variant on GPU). Layout (batch, T, heads, d_head);
+grouped-query heads are native. Causal: top-left through ``is_causal=True`` (JAX's flag is
+top-left when Tq != Tk), bottom-right and every other mask through the boolean ``mask``
+(True = take part in attention); additive masks through ``bias``.
+"""
+from __future__ import annotations
+
+import functools
+
+from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Divergence, Unsupported
+
+from ._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, linear_tree, masks_for
+
+_UNIFORM = ("jax.nn.dot_product_attention (xla) masks logits with a large finite negative value, so a row "
+            "with every key masked softmaxes to uniform weights (observed on jax 0.10.2 CPU)")
+_FLOAT32_INSIDE = ("jax.nn.dot_product_attention computes float64 inputs at float32 precision inside (observed max "
+                   "error ~1e-7 against the float64 reference on jax 0.10.2 CPU)")
+DIVERGENCES = (
+    Divergence("check_fully_masked_rows_output_zeros", observed="uniform average of V", reason=_UNIFORM),
+    Divergence("check_causal_output_matches_reference", observed="query rows with no visible key (bottom-right, "
+               "Tq > Tk) output the uniform average of V", reason=_UNIFORM,
+               when={"alignment": "bottom-right", "seq": 11, "tk": 6}),
+    # with a single key the softmax is exactly 1 and no precision is lost, so Tk = 1 is not included
+    Divergence("check_output_matches_reference", observed="float64 results only float32-accurate",
+               reason=_FLOAT32_INSIDE, when={"dtype": "float64", "tk": (7, 64, 129, 1000)}),
+) + tuple(Divergence(case, observed="float64 results only float32-accurate", reason=_FLOAT32_INSIDE,
+                     when={"dtype": "float64"})
+          for case in ("check_lesson_worked_example_head_weights", "check_gradients_match_reference")) + tuple(
+    Divergence(case, observed=f"{kind} in a masked key/value reaches the output",
+               reason="dot_product_attention multiplies masked (zero-weight) values in P @ V, and 0 * NaN = NaN "
+                      "(observed on jax 0.10.2 CPU)", when={"poison": kind})
+    for case in ("check_causal_mask_blocks_future_keys", "check_padding_mask_blocks_padded_keys")
+    for kind in ("nan", "inf"))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(num_heads: int, kv_heads: int, is_causal: bool, implementation: str):
+    import jax
+
+    def apply(w, query, key, value, mask, bias):
+        def proj(x, which, n):
+            y = x @ w[f"W_{which}"]
+            y = y + w[f"b_{which}"] if f"b_{which}" in w else y
+            b, t, width = y.shape
+            return y.reshape(b, t, n, width // n)
+        out = jax.nn.dot_product_attention(proj(query, "q", num_heads), proj(key, "k", kv_heads),
+                                           proj(value, "v", kv_heads), bias=bias, mask=mask, is_causal=is_causal,
+                                           implementation=implementation)
+        b, t, h, dh = out.shape
+        y = out.reshape(b, t, h * dh) @ w["W_o"]
+        return (y + w["b_o"] if "b_o" in w else y), None
+    return jax.jit(apply)
+
+
+class JaxDpaLoaded(JaxLoaded):
+    def setup(self, params: AttentionParams) -> None:
+        self.params = linear_tree(self, params)
+
+    def native_inputs(self, inputs: AttentionInputs) -> dict:
+        is_causal = inputs.causal == "top-left" and inputs.key_padding_mask is None and inputs.attn_mask is None
+        allowed, additive = masks_for(inputs.replace(causal=None) if is_causal else inputs)
+        return {"query": self.array(inputs.query), "key": self.array(inputs.key), "value": self.array(inputs.value),
+                "mask": self.array(allowed), "bias": self.array(additive), "is_causal": is_causal}
+
+    def call(self, params, a: dict, need_weights: bool):
+        fn = _compiled(self.config.num_heads, self.config.kv_heads, a["is_causal"], self.backend.implementation)
+        try:
+            return fn(params, a["query"], a["key"], a["value"], a["mask"], a["bias"])
+        except Exception as exc:  # noqa: BLE001 - only jax's own refusals are turned into skips
+            text = str(exc)
+            if "not supported" in text.lower() or self.backend.implementation == "cudnn":
+                raise Unsupported(f"jax refuses dot_product_attention(implementation={self.backend.implementation!r}) "
+                                  f"in {self.dtype_name} on {self.backend.device} for this input: "
+                                  f"{text.splitlines()[0][:200]}") from None
+            raise
+
+    def canonical_gradients(self, grads) -> dict:
+        return dict(grads)
+
+
+class JaxDpa(JaxBackend):
+    divergences = DIVERGENCES
+    native_mask_polarity = "mask bool: True = take part in attention; additive masks go to bias"
+
+    def __init__(self, implementation: str = "xla", device: str = "cpu"):
+        self.implementation, self.device = implementation, device
+        self.name = "jax-dpa" if device == "cpu" else f"jax-dpa-{implementation}-{device}"
+        # float16 on CPU: jax refuses every call ("precision F16_F16_F32 is not supported by dot_general on CPU")
+        self.capabilities = Capabilities(attention_weights=False, gradients=True, devices=(device,),
+                                         dtypes=("float32", "float64", "bfloat16") if device == "cpu" else GPU_DTYPES)
+
+    def native_parameter_shapes(self, config: AttentionConfig):
+        from harness.params import make_params
+        return {n: tuple(a.shape) for n, a in JaxDpaLoaded(self, make_params(config), "float32").params.items()}
+
+    def load_native(self, params: AttentionParams, dtype: str) -> JaxDpaLoaded:
+        return JaxDpaLoaded(self, params, dtype)
+
+
+def backends():
+    return [JaxDpa("xla", "cpu"), JaxDpa("xla", "gpu"), JaxDpa("cudnn", "gpu")]

@@ -1,0 +1,96 @@
+"""jax-explicit: multi-head attention in jax.numpy, jitted per shape, jax.vjp for gradients.
+
+Masked keys contribute exactly nothing even when they hold NaN or inf: when the values are
+not all finite (checked with lax.cond, so the common case pays nothing) the product is taken
+with them zeroed and the poison re-added only to rows that give them weight.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
+
+from ._jax_common import GPU_DTYPES, JAX_DTYPES, JaxBackend, JaxLoaded, linear_tree, masks_for
+
+
+def _weighted_values(jnp, lax, p, v):
+    def safe(p, v):
+        finite = jnp.isfinite(v)
+        out = p @ jnp.where(finite, v, 0)
+        touched = (p != 0).astype(v.dtype)
+        nan_hit = touched @ jnp.isnan(v).astype(v.dtype) > 0
+        out = jnp.where(touched @ (v == jnp.inf).astype(v.dtype) > 0, out + jnp.inf, out)
+        out = jnp.where(touched @ (v == -jnp.inf).astype(v.dtype) > 0, out - jnp.inf, out)
+        return jnp.where(nan_hit, jnp.nan, out)
+    return lax.cond(jnp.all(jnp.isfinite(v)), lambda p, v: p @ v, safe, p, v)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(num_heads: int, kv_heads: int, need_weights: bool):
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def apply(w, query, key, value, allowed, additive):
+        def proj(x, which):
+            y = x @ w[f"W_{which}"]
+            return y + w[f"b_{which}"] if f"b_{which}" in w else y
+
+        def heads(x, n):
+            b, t, width = x.shape
+            return x.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
+        group = num_heads // kv_heads
+        q = heads(proj(query, "q"), num_heads)
+        k = jnp.repeat(heads(proj(key, "k"), kv_heads), group, axis=1)
+        v = jnp.repeat(heads(proj(value, "v"), kv_heads), group, axis=1)
+        scores = q @ k.transpose(0, 1, 3, 2) / jnp.asarray(math.sqrt(q.shape[-1]), q.dtype)
+        if additive is not None:
+            scores = scores + additive
+        if allowed is not None:
+            scores = jnp.where(allowed, scores, -jnp.inf)
+        row_max = lax.stop_gradient(scores.max(axis=-1, keepdims=True))
+        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
+        e = jnp.exp(scores - row_max)
+        total = e.sum(axis=-1, keepdims=True)
+        weights = e / jnp.where(total == 0, 1, total)
+        out = _weighted_values(jnp, lax, weights, v)
+        b, h, t, dh = out.shape
+        return proj(out.transpose(0, 2, 1, 3).reshape(b, t, h * dh), "o"), (weights if need_weights else None)
+    return jax.jit(apply)
+
+
+class JaxExplicitLoaded(JaxLoaded):
+    def setup(self, params: AttentionParams) -> None:
+        self.params = linear_tree(self, params)
+
+    def native_inputs(self, inputs: AttentionInputs) -> dict:
+        allowed, additive = masks_for(inputs)
+        return {"query": self.array(inputs.query), "key": self.array(inputs.key), "value": self.array(inputs.value),
+                "allowed": self.array(allowed), "additive": self.array(additive)}
+
+    def call(self, params, a: dict, need_weights: bool):
+        fn = _compiled(self.config.num_heads, self.config.kv_heads, need_weights)
+        return fn(params, a["query"], a["key"], a["value"], a["allowed"], a["additive"])
+
+    def canonical_gradients(self, grads) -> dict:
+        return dict(grads)
+
+
+class JaxExplicit(JaxBackend):
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self.name = "jax-explicit" if device == "cpu" else f"jax-explicit-{device}"
+        self.capabilities = Capabilities(gradients=True, devices=(device,),
+                                         dtypes=JAX_DTYPES if device == "cpu" else GPU_DTYPES)
+
+    def native_parameter_shapes(self, config: AttentionConfig):
+        from harness.params import make_params
+        return {n: tuple(a.shape) for n, a in JaxExplicitLoaded(self, make_params(config), "float32").params.items()}
+
+    def load_native(self, params: AttentionParams, dtype: str) -> JaxExplicitLoaded:
+        return JaxExplicitLoaded(self, params, dtype)
+
+
+def backends():
+    return [JaxExplicit("cpu"), JaxExplicit("gpu")]

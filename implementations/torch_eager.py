@@ -1,0 +1,90 @@
+"""torch-eager: multi-head attention written with explicit torch ops (matmul, softmax, masks).
+
+Autograd gives the gradients. Masked keys contribute exactly nothing, even when they hold
+NaN or inf (the zero-weight trick of harness.numerics, in torch).
+"""
+from __future__ import annotations
+
+import math
+
+from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
+
+from ._torch_common import (GPU_DTYPES, TORCH_DTYPES, TorchBackend, TorchLoaded, allowed_mask, linear_parameter_tensors,
+                            linear_params)
+
+
+def weighted_values(torch, weights, values):
+    """weights @ values where zero weights ignore non-finite values (see harness.numerics.weighted_values)."""
+    finite = torch.isfinite(values)
+    if bool(finite.all()):
+        return weights @ values
+    out = weights @ torch.where(finite, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    touched = (weights != 0).to(values.dtype)
+    nan_hit = touched @ torch.isnan(values).to(values.dtype) > 0
+    pos_hit = touched @ (values == math.inf).to(values.dtype) > 0
+    neg_hit = touched @ (values == -math.inf).to(values.dtype) > 0
+    out = torch.where(pos_hit, out + math.inf, out)
+    out = torch.where(neg_hit, out - math.inf, out)
+    return torch.where(nan_hit, torch.full_like(out, math.nan), out)
+
+
+class TorchEagerLoaded(TorchLoaded):
+    def setup(self, params: AttentionParams) -> None:
+        linear_params(self, params)
+
+    def parameter_tensors(self):
+        return linear_parameter_tensors(self)
+
+    def _project(self, x, which: str):
+        y = x @ self.w[f"W_{which}"]
+        bias = self.w.get(f"b_{which}")
+        return y if bias is None else y + bias
+
+    def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
+        torch, c = self.torch, self.config
+
+        def heads(x, n):
+            b, t, _ = x.shape
+            return x.reshape(b, t, n, c.d_head).transpose(1, 2)
+
+        qh = heads(self._project(q, "q"), c.num_heads)
+        kh = heads(self._project(k, "k"), c.kv_heads).repeat_interleave(c.group, dim=1)
+        vh = heads(self._project(v, "v"), c.kv_heads).repeat_interleave(c.group, dim=1)
+        scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(c.d_head)
+        allowed, additive = allowed_mask(inputs, c.num_heads)
+        if additive is not None:
+            scores = scores + self.mask_tensor(additive)
+        allowed_t = self.mask_tensor(allowed)
+        scores = scores.masked_fill(~allowed_t, -math.inf)
+        row_max = scores.amax(dim=-1, keepdim=True)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+        e = torch.exp(scores - row_max)
+        total = e.sum(dim=-1, keepdim=True)
+        weights = e / torch.where(total == 0, torch.ones_like(total), total)
+        out = weighted_values(torch, weights, vh)
+        b, h, t, dh = out.shape
+        concat = out.transpose(1, 2).reshape(b, t, h * dh)
+        return self._project(concat, "o"), weights if need_weights else None
+
+
+class TorchEager(TorchBackend):
+    name = "torch-eager"
+    capabilities = Capabilities(gradients=True, dtypes=TORCH_DTYPES)
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self.name = "torch-eager" if device == "cpu" else f"torch-eager-{device}"
+        if device != "cpu":
+            self.capabilities = Capabilities(gradients=True, dtypes=GPU_DTYPES, devices=(device,))
+
+    def native_parameter_shapes(self, config: AttentionConfig):
+        from harness.params import make_params
+        loaded = TorchEagerLoaded(self, make_params(config), "float32")
+        return {name: tuple(t.shape) for name, t in loaded.w.items()}
+
+    def load_native(self, params: AttentionParams, dtype: str) -> TorchEagerLoaded:
+        return TorchEagerLoaded(self, params, dtype)
+
+
+def backends():
+    return [TorchEager("cpu"), TorchEager("cuda")]

@@ -1,0 +1,172 @@
+"""torch-sdpa: projections in torch, core through torch.nn.functional.scaled_dot_product_attention.
+
+One backend per SDPA kernel (math, flash, efficient, cudnn) and device (cpu, cuda), each pinned
+with ``torch.nn.attention.sdpa_kernel([kernel])`` so torch cannot fall back to another kernel.
+On the first call for each input signature the dispatched aten ops are recorded and the call
+fails unless the pinned kernel's op really ran. A kernel torch refuses for this device or
+input raises harness.Unsupported with torch's own message.
+
+Causal masks: top-left through ``is_causal=True`` (SDPA's flag is top-left when Tq != Tk),
+bottom-right through ``torch.nn.attention.bias.causal_lower_right``; combined with other masks,
+one explicit boolean mask (True = take part in attention).
+"""
+from __future__ import annotations
+
+from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Divergence, Unsupported
+
+from ._torch_common import (GPU_DTYPES, TORCH_DTYPES, TorchBackend, TorchLoaded, allowed_mask, linear_parameter_tensors,
+                            linear_params, torch_reason)
+
+KERNELS = ("math", "flash", "efficient", "cudnn")
+#: the aten op whose presence proves the kernel ran (math shows only its decomposition)
+KERNEL_OPS = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
+              "cudnn": "_scaled_dot_product_cudnn_attention"}
+
+POISON_DIVERGENCES = tuple(
+    Divergence(case, observed=f"{kind} in a masked key/value reaches the output",
+               reason="SDPA multiplies masked (zero-weight) values in P @ V, and 0 * NaN = NaN "
+                      "(observed on torch 2.13.0 CPU, math and flash kernels)",
+               when={"poison": kind})
+    for case in ("check_causal_mask_blocks_future_keys", "check_padding_mask_blocks_padded_keys")
+    for kind in ("nan", "inf"))
+
+
+def _sdp_backend(kernel: str):
+    from torch.nn.attention import SDPBackend
+    return {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[kernel]
+
+
+def _recorder():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpRecorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+    return OpRecorder()
+
+
+class TorchSdpaLoaded(TorchLoaded):
+    def setup(self, params: AttentionParams) -> None:
+        linear_params(self, params)
+        self.verified: set = set()
+
+    def parameter_tensors(self):
+        return linear_parameter_tensors(self)
+
+    def _project(self, x, which):
+        y = x @ self.w[f"W_{which}"]
+        bias = self.w.get(f"b_{which}")
+        return y if bias is None else y + bias
+
+    def _mask_arguments(self, inputs: AttentionInputs):
+        """SDPA keyword arguments for the masks: is_causal alone, causal_lower_right alone, or one explicit mask."""
+        only_causal = inputs.key_padding_mask is None and inputs.attn_mask is None
+        if only_causal and inputs.causal == "top-left":
+            return {"is_causal": True}
+        if only_causal and inputs.causal == "bottom-right":
+            from torch.nn.attention.bias import causal_lower_right
+            return {"attn_mask": causal_lower_right(inputs.tq, inputs.tk)}
+        if only_causal:
+            return {}
+        allowed, additive = allowed_mask(inputs, self.config.num_heads)
+        if additive is None:
+            return {"attn_mask": self.mask_tensor(allowed)}
+        torch = self.torch
+        bias = self.mask_tensor(additive)
+        return {"attn_mask": bias.masked_fill(~self.mask_tensor(allowed), -torch.inf)}
+
+    def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
+        torch, c = self.torch, self.config
+        from torch.nn.attention import sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        def heads(x, n):
+            b, t, _ = x.shape
+            return x.reshape(b, t, n, c.d_head).transpose(1, 2)
+
+        qh = heads(self._project(q, "q"), c.num_heads)
+        kh = heads(self._project(k, "k"), c.kv_heads)
+        vh = heads(self._project(v, "v"), c.kv_heads)
+        kwargs = self._mask_arguments(inputs)
+        if c.group > 1:
+            kwargs["enable_gqa"] = True
+        signature = (tuple(q.shape), tuple(k.shape), tuple(sorted(kwargs)), q.requires_grad)
+        kernel = self.backend.kernel
+        try:
+            with sdpa_kernel([_sdp_backend(kernel)]):
+                if signature in self.verified:
+                    out = sdpa(qh, kh, vh, **kwargs)
+                else:
+                    with _recorder() as recorder:
+                        out = sdpa(qh, kh, vh, **kwargs)
+                    self._verify_kernel(recorder.ops)
+                    self.verified.add(signature)
+        except RuntimeError as exc:
+            if "No available kernel" in str(exc) or "No viable backend" in str(exc):
+                raise Unsupported(f"torch refuses the {kernel} kernel on {self.device} for this input: "
+                                  f"{str(exc).splitlines()[0]}") from None
+            raise
+        b, h, t, dh = out.shape
+        return self._project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), None
+
+    def _verify_kernel(self, ops: list[str]) -> None:
+        kernel = self.backend.kernel
+        fused = [op for op in ops if "_scaled_dot_product_" in op and "attention" in op]
+        if kernel == "math":
+            if fused:
+                raise RuntimeError(f"the math kernel was requested but torch ran {fused[0]}")
+        elif not any(KERNEL_OPS[kernel] in op for op in fused):
+            raise RuntimeError(f"the {kernel} kernel was requested but torch ran {fused or 'the math decomposition'}")
+
+
+class TorchSdpa(TorchBackend):
+    native_mask_polarity = "attn_mask bool: True = take part in attention; float: added to scores"
+    divergences = POISON_DIVERGENCES
+
+    def __init__(self, kernel: str = "math", device: str = "cpu"):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel: got {kernel!r}; accepted: {', '.join(KERNELS)}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device: got {device!r}; accepted: cpu, cuda")
+        self.kernel, self.device = kernel, device
+        self.name = f"torch-sdpa-{kernel}-{device}"
+        self.capabilities = Capabilities(attention_weights=False, gradients=True, devices=(device,),
+                                         dtypes=TORCH_DTYPES if device == "cpu" else GPU_DTYPES)
+        self._refusal = None
+
+    def availability(self) -> str | None:
+        reason = torch_reason(self.device)
+        if reason:
+            return reason
+        if self._refusal is None:
+            self._refusal = self._probe()
+        return self._refusal or None
+
+    def _probe(self) -> str:
+        """'' when the kernel runs a plain float32 call on this device, else torch's refusal."""
+        import torch
+        from torch.nn.attention import sdpa_kernel
+        x = torch.randn(1, 2, 8, 16, device=self.device)
+        try:
+            with sdpa_kernel([_sdp_backend(self.kernel)]):
+                torch.nn.functional.scaled_dot_product_attention(x, x, x)
+        except RuntimeError as exc:
+            return f"torch refuses the {self.kernel} kernel on {self.device}: {str(exc).splitlines()[0]}"
+        return ""
+
+    def native_parameter_shapes(self, config: AttentionConfig):
+        from harness.params import make_params
+        return {n: tuple(t.shape) for n, t in TorchSdpaLoaded(self, make_params(config), "float32").w.items()}
+
+    def load_native(self, params: AttentionParams, dtype: str) -> TorchSdpaLoaded:
+        return TorchSdpaLoaded(self, params, dtype)
+
+
+def backends():
+    return [TorchSdpa(kernel, device) for device in ("cpu", "cuda") for kernel in KERNELS]
