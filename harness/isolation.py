@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from pebble import ProcessExpired, ProcessPool
 
 from .api import AttentionBackend
 from .casekit import Case, variant_id
@@ -24,6 +23,14 @@ from .runner import plan, run_case
 
 MAX_CONSECUTIVE_LOSSES = 2
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def require_pebble() -> None:
+    """Worker isolation needs pebble; say how to get it (or how to do without) in one line."""
+    import importlib.util
+    if importlib.util.find_spec("pebble") is None:
+        raise ModuleNotFoundError("isolation: pebble is not installed (pip install 'mha-harness[isolation]'); "
+                                  "or run without worker processes (--no-isolate / isolate=False)")
 
 
 @dataclass
@@ -86,6 +93,7 @@ def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, th
     except Exception as exc:  # noqa: BLE001 - an unpicklable object: run nothing, say why
         return [_lost(target, c, p, ERROR, f"cannot send the backend to a worker process ({exc}); "
                       "give it as module:object or pass isolate=False") for c, p in plan(target.backend, cases)]
+    from pebble import ProcessExpired, ProcessPool
     context = multiprocessing.get_context("spawn")
     pool = ProcessPool(max_workers=1, initializer=_init_worker, initargs=(threads,), context=context)
     losses = 0
@@ -120,6 +128,7 @@ def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, th
 def run_isolated(targets: list[Target], cases: list[Case], *, timeout: float = 120.0, jobs: int | None = None,
                  progress=None, on_backend_done=None) -> dict[str, list[CaseResult]]:
     """Run several backends, ``jobs`` at a time, each in its own worker; results keyed by backend name."""
+    require_pebble()
     jobs = max(1, jobs or min(len(targets), os.cpu_count() or 1))
     threads = 1 if jobs > 1 else None
     out: dict[str, list[CaseResult]] = {}

@@ -37,6 +37,7 @@ class Report:
     backends: dict[str, BackendInfo] = field(default_factory=dict)
     mutation: dict | None = None
     seconds: float = 0.0
+    complete: bool = True
 
     @property
     def ok(self) -> bool:
@@ -85,7 +86,7 @@ class Report:
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "processor": platform.processor() or platform.machine()},
-            "seconds": round(self.seconds, 2), "ok": self.ok,
+            "seconds": round(self.seconds, 2), "ok": self.ok, "complete": self.complete,
             "summary": {name: dict(self.counts(name)) for name in self.backends},
             "backends": {name: vars(info) for name, info in self.backends.items()},
             "policies": self.policies(), "mutation": self.mutation,
@@ -96,7 +97,8 @@ class Report:
         names = [n for n, info in self.backends.items() if info.available]
         cases = list(dict.fromkeys(r.case for r in self.results))
         lines = ["# mha-harness conformance report", "",
-                 f"Run took {self.seconds:.1f} s. Overall: **{'OK' if self.ok else 'FAILED'}**.", "",
+                 f"Run took {self.seconds:.1f} s. Overall: **{'OK' if self.ok else 'FAILED'}**"
+                 + ("" if self.complete else " (INCOMPLETE: the run was interrupted)") + ".", "",
                  "| case | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
         for case in cases:
             lines.append(f"| {case} | " + " | ".join(_SYMBOL.get(self.cell(n, case), "") for n in names) + " |")

@@ -1,0 +1,217 @@
+"""The ``mha-harness`` command line: list, check, bench and run.
+
+Usage errors (unknown backend or case, malformed spec, bad sequence lengths, unwritable results
+directory, missing optional dependency) print one line and exit with status 2; failing
+conformance exits 1; an interrupted run (Ctrl-C, SIGTERM) keeps every finished result and exits 130.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(Exception):
+    """A mistake in the command line; printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, status 2, no usage dump
+        raise UsageError(message)
+
+
+def _seq_lens(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--seq-lens: got {text!r}; accepted: comma-separated positive integers, "
+                                         "e.g. 128,256,512")
+    return values
+
+
+def _add_selection(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", action="append", default=[], metavar="NAME",
+                   help="a registered backend name (repeatable); default: every available backend")
+    p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT",
+                   help="also load a backend from 'package.module:object' (an instance, class or factory)")
+    p.add_argument("--results", default="results", metavar="DIR", help="where results are written (default: results)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mha-harness", description="Conformance and benchmarks for multi-head attention backends.")
+    sub = parser.add_subparsers(dest="command", metavar="{list,check,bench,run}", parser_class=_Parser)
+
+    p = sub.add_parser("list", help="every backend: available or why not, and its capabilities")
+    p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT")
+    p.add_argument("--verbose", "-v", action="store_true", help="show every capability and the source")
+
+    p = sub.add_parser("check", help="run the conformance cases (each backend in its own worker process)")
+    _add_selection(p)
+    p.add_argument("--case", action="append", default=[], metavar="CASE", help="run only this case (repeatable)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case before the worker is killed")
+    p.add_argument("--jobs", type=int, default=None, help="backends checked at once (default: CPU count)")
+    p.add_argument("--no-isolate", action="store_true", help="run in this process (faster start; no crash isolation)")
+    p.add_argument("--quick", action="store_true", help="skip the slow cases (T = 8192)")
+    p.add_argument("--mutants", action="store_true", help="also compute the mutation score")
+
+    p = sub.add_parser("bench", help="time and peak memory across sequence lengths; tables, JSON and plots")
+    _add_selection(p)
+    p.add_argument("--seq-lens", type=_seq_lens, default=None, metavar="N,N,...",
+                   help="sequence lengths (default 128,256,512,1024,2048)")
+    p.add_argument("--causal", choices=("off", "on", "both"), default="off")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per point (default 5)")
+    p.add_argument("--backward", action="store_true", help="also time forward + backward where gradients exist")
+
+    p = sub.add_parser("run", help="the main job: conformance of every available backend, mutation score and a "
+                                   "quick benchmark sweep, written under results/")
+    _add_selection(p)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--seq-lens", type=_seq_lens, default=None, metavar="N,N,...")
+    p.add_argument("--skip-bench", action="store_true", help="conformance and mutation score only")
+    return parser
+
+
+def _registry(specs):
+    from .registry import load_registry
+    return load_registry(specs)
+
+
+def _targets(args, registry):
+    names = args.backend or [e.name for e in registry.entries.values()
+                             if e.backend is not None and (not args.backend_spec or e.spec in args.backend_spec)]
+    if args.backend:
+        for name in names:
+            reason = registry.get(name).reason_unavailable  # unknown names are usage errors
+            if reason:
+                raise UsageError(f"--backend {name}: not available here: {reason}")
+    return names
+
+
+def cmd_list(args) -> int:
+    registry = _registry(args.backend_spec)
+    width = max(len(n) for n in registry.names())
+    for entry in registry.entries.values():
+        reason = entry.reason_unavailable
+        status = "available" if reason is None else f"unavailable: {reason}"
+        print(f"{entry.name:<{width}}  {status}")
+        if entry.backend is not None:
+            caps = entry.backend.capabilities
+            flags = [f for f in ("key_padding_mask", "bool_attn_mask", "additive_attn_mask", "cross_attention",
+                                 "attention_weights", "gradients", "grouped_query", "bias") if caps.has(f)]
+            causal = "/".join(caps.causal_alignments) or "none"
+            print(f"{'':<{width}}  dtypes {','.join(caps.dtypes)}; devices {','.join(caps.devices)}; causal {causal}; "
+                  f"{', '.join(flags)}")
+            if args.verbose:
+                print(f"{'':<{width}}  source: {entry.source}; divergences declared: {len(entry.backend.divergences)}")
+    return EXIT_OK
+
+
+def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, mutants=False):
+    from .atomic import check_writable
+    from .checking import check
+    from .mutation import mutation_score
+    check_writable(results_dir / "conformance", "--results")
+    names = _targets(args, registry)
+    start = time.perf_counter()
+    partial = {}
+
+    def write_partial(backend_name, results):  # every finished backend is on disk, complete or not
+        partial[backend_name] = results
+        report = _assemble(registry, names, partial, start)
+        report.complete = False
+        report.write(results_dir / "conformance")
+
+    def progress(result):
+        if result.status not in ("passed", "skipped", "expected-divergence"):
+            print(f"  {result.status.upper():<8} {result.case}[{result.variant}]: {result.message[:160]}", flush=True)
+
+    report = check(names, cases=cases or None, isolate=not getattr(args, "no_isolate", False),
+                   timeout=args.timeout, jobs=args.jobs, include_slow=include_slow, registry=registry,
+                   progress=progress, on_backend_done=write_partial)
+    if mutants:
+        print("computing the mutation score ...", flush=True)
+        report.mutation = mutation_score()
+    report.seconds = time.perf_counter() - start
+    paths = report.write(results_dir / "conformance")
+    print(f"\nconformance ({report.seconds:.1f} s):")
+    print("\n".join(report.summary_lines()))
+    if report.mutation:
+        m = report.mutation
+        print(f"  mutation score: {m['caught']}/{m['total']} mutants caught")
+    print(f"  report: {paths['markdown']}  json: {paths['json']}")
+    return report
+
+
+def _assemble(registry, names, partial, start):
+    from .report import Report, backend_info
+    report = Report(seconds=time.perf_counter() - start)
+    for name in names:
+        report.backends[name] = backend_info(registry.get(name))
+        report.results += partial.get(name, [])
+    return report
+
+
+def cmd_check(args) -> int:
+    registry = _registry(args.backend_spec)
+    from .runner import select_cases
+    select_cases(args.case or None)  # unknown case names are usage errors, before any work
+    report = _check(args, registry, Path(args.results), cases=args.case, include_slow=not args.quick,
+                    mutants=args.mutants)
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    registry = _registry(args.backend_spec)
+    names = _targets(args, registry)
+    run_bench(registry, names, Path(args.results), seq_lens=args.seq_lens, causal=args.causal,
+              repeats=args.repeats, backward=args.backward)
+    return EXIT_OK
+
+
+def cmd_run(args) -> int:
+    registry = _registry(args.backend_spec)
+    results = Path(args.results)
+    report = _check(args, registry, results, include_slow=True, mutants=True)
+    if not args.skip_bench:
+        from .bench import QUICK_SEQ_LENS, run_bench
+        names = [n for n in _targets(args, registry) if registry.get(n).available]
+        run_bench(registry, names, results, seq_lens=args.seq_lens or QUICK_SEQ_LENS, causal="off", repeats=3,
+                  backward=False, quick=True)
+    print(f"\nmha-harness run: conformance {'OK' if report.ok else 'FAILED'}; results under {results}/")
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not args.command:
+            parser.print_help()
+            return EXIT_USAGE
+        signal.signal(signal.SIGTERM, _sigterm)
+        return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "run": cmd_run}[args.command](args)
+    except UsageError as exc:
+        print(f"mha-harness: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, TypeError, ModuleNotFoundError) as exc:
+        print(f"mha-harness: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("mha-harness: interrupted; finished results are on disk", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
