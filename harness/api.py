@@ -251,6 +251,8 @@ class AttentionBackend:
     #: what the backend's own API takes as masks, shown in the policy table
     native_mask_polarity: str = "harness convention (attn_mask True = attend; key_padding_mask True = ignore)"
     device: str = "cpu"
+    #: how harness.memory measures this backend's peak extra memory: tracemalloc, rss, cuda, jax-device
+    memory_method: str = "rss"
 
     def availability(self) -> str | None:
         """None when usable here, else a human reason ("jax is not installed", "no CUDA device")."""

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from .atomic import check_writable
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -78,9 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _usage(fn, *args, **kwargs):
+    """Run a resolution step; its ValueError/TypeError is the user's mistake (exit 2), not a crash."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _registry(specs):
     from .registry import load_registry
-    return load_registry(specs)
+    return _usage(load_registry, specs)
 
 
 def _targets(args, registry):
@@ -88,7 +98,7 @@ def _targets(args, registry):
                              if e.backend is not None and (not args.backend_spec or e.spec in args.backend_spec)]
     if args.backend:
         for name in names:
-            reason = registry.get(name).reason_unavailable  # unknown names are usage errors
+            reason = _usage(registry.get, name).reason_unavailable  # unknown names are usage errors
             if reason:
                 raise UsageError(f"--backend {name}: not available here: {reason}")
     return names
@@ -114,10 +124,9 @@ def cmd_list(args) -> int:
 
 
 def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, mutants=False):
-    from .atomic import check_writable
     from .checking import check
     from .mutation import mutation_score
-    check_writable(results_dir / "conformance", "--results")
+    _usage(check_writable, results_dir / "conformance", "--results")
     names = _targets(args, registry)
     start = time.perf_counter()
     partial = {}
@@ -132,7 +141,10 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
         if result.status not in ("passed", "skipped", "expected-divergence"):
             print(f"  {result.status.upper():<8} {result.case}[{result.variant}]: {result.message[:160]}", flush=True)
 
-    report = check(names, cases=cases or None, isolate=not getattr(args, "no_isolate", False),
+    isolate = not getattr(args, "no_isolate", False)
+    if isolate:
+        _require("pebble", "isolation")
+    report = check(names, cases=cases or None, isolate=isolate,
                    timeout=args.timeout, jobs=args.jobs, include_slow=include_slow, registry=registry,
                    progress=progress, on_backend_done=write_partial)
     if mutants:
@@ -161,7 +173,7 @@ def _assemble(registry, names, partial, start):
 def cmd_check(args) -> int:
     registry = _registry(args.backend_spec)
     from .runner import select_cases
-    select_cases(args.case or None)  # unknown case names are usage errors, before any work
+    _usage(select_cases, args.case or None)  # unknown case names are usage errors, before any work
     report = _check(args, registry, Path(args.results), cases=args.case, include_slow=not args.quick,
                     mutants=args.mutants)
     return EXIT_OK if report.ok else EXIT_FAILED
@@ -171,6 +183,8 @@ def cmd_bench(args) -> int:
     from .bench import run_bench
     registry = _registry(args.backend_spec)
     names = _targets(args, registry)
+    _usage(check_writable, Path(args.results) / "bench", "--results")
+    _require("matplotlib", "bench")
     run_bench(registry, names, Path(args.results), seq_lens=args.seq_lens, causal=args.causal,
               repeats=args.repeats, backward=args.backward)
     return EXIT_OK
@@ -189,6 +203,12 @@ def cmd_run(args) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
+def _require(module: str, extra: str) -> None:
+    import importlib.util
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(f"{module} is not installed; it is needed here (pip install 'mha-harness[{extra}]')")
+
+
 def _sigterm(signum, frame):
     raise KeyboardInterrupt
 
@@ -205,7 +225,7 @@ def main(argv=None) -> int:
     except UsageError as exc:
         print(f"mha-harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (ValueError, TypeError, ModuleNotFoundError) as exc:
+    except ModuleNotFoundError as exc:  # a missing optional dependency
         print(f"mha-harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -135,12 +135,14 @@ class JaxLoaded(LoadedAttention):
 
     def prepare(self, inputs: AttentionInputs, *, backward: bool = False):
         jax = self.jax
-        arrays = self.native_inputs(inputs)
+        native = self.native_inputs(inputs)
+        static = {k: v for k, v in native.items() if isinstance(v, (bool, int, str))}
+        arrays = {k: v for k, v in native.items() if k not in static}
         if not backward:
-            fn = jax.jit(lambda params, a: self.call(params, a, False)[0])
+            fn = jax.jit(lambda params, a: self.call(params, {**a, **static}, False)[0])
         else:
             def loss(params, a):
-                return self.call(params, a, False)[0].astype(jax.numpy.float32).sum()
+                return self.call(params, {**a, **static}, False)[0].astype(jax.numpy.float32).sum()
             fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
         jax.block_until_ready(fn(self.params, arrays))  # compile here, outside any timing
 
@@ -152,6 +154,10 @@ class JaxLoaded(LoadedAttention):
 class JaxBackend(AttentionBackend):
     device = "cpu"
     needs_flax = False
+
+    @property
+    def memory_method(self) -> str:
+        return "jax-device" if self.device == "gpu" else "rss"
 
     def availability(self) -> str | None:
         return jax_reason(self.device, self.needs_flax)

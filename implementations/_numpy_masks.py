@@ -9,9 +9,11 @@ from harness.api import AttentionInputs
 def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, invert_attn_mask: bool = False):
     """Allowed (bool) and additive (float or None) masks for queries q0:q1 and keys k0:k1.
 
-    Shapes broadcast to (batch, heads, q1 - q0, k1 - k0).
+    Shapes broadcast to (batch, heads, q1 - q0, k1 - k0); ``allowed`` is None when nothing is masked.
     """
     tq, tk = inputs.tq, inputs.tk
+    if inputs.causal is None and inputs.key_padding_mask is None and inputs.attn_mask is None:
+        return None, None
     allowed = np.ones((1, 1, q1 - q0, k1 - k0), dtype=bool)
     if inputs.causal:
         offset = 0 if inputs.causal == "top-left" else tk - tq

@@ -140,6 +140,10 @@ class TorchLoaded(LoadedAttention):
 class TorchBackend(AttentionBackend):
     device = "cpu"
 
+    @property
+    def memory_method(self) -> str:
+        return "cuda" if self.device == "cuda" else "rss"
+
     def availability(self) -> str | None:
         return torch_reason(self.device)
 

@@ -38,13 +38,17 @@ class NumpyNaiveLoaded(LoadedAttention):
     def masks(self, inputs: AttentionInputs):
         return block_mask(inputs, 0, inputs.tq, 0, inputs.tk)
 
-    def softmax(self, scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-        scores = np.where(allowed, scores, -np.inf)
+    def softmax(self, scores: np.ndarray) -> np.ndarray:
+        """Row softmax with the row maximum subtracted; a row of -inf (all masked) gives zeros.
+
+        Three score-sized arrays are live at the peak: ``scores``, ``scores - max`` and its exp.
+        """
         row_max = scores.max(axis=-1, keepdims=True)
         row_max = np.where(np.isfinite(row_max), row_max, 0)
         e = np.exp(scores - row_max)
         total = e.sum(axis=-1, keepdims=True)
-        return e / np.where(total == 0, 1, total)
+        e /= np.where(total == 0, 1, total)
+        return e
 
     def merge_heads(self, heads: np.ndarray) -> np.ndarray:
         """(B, H, T, d_head) -> (B, T, H*d_head): heads side by side in order."""
@@ -72,17 +76,21 @@ class NumpyNaiveLoaded(LoadedAttention):
         v = self.split_heads(self.project(cast(inputs.value), "v"), c.kv_heads)
         if c.group > 1:
             k, v = np.repeat(k, c.group, axis=1), np.repeat(v, c.group, axis=1)
-        scores = (q @ k.transpose(0, 1, 3, 2)) * self.dtype.type(self.scale())
+        scores = q @ k.transpose(0, 1, 3, 2)
+        scores *= self.dtype.type(self.scale())
         allowed, additive = self.masks(inputs)
         if additive is not None:
-            scores = scores + additive.astype(self.dtype)
-        weights = self.softmax(scores, allowed)
+            scores += additive.astype(self.dtype)
+        if allowed is not None:
+            np.copyto(scores, -np.inf, where=~allowed)
+        weights = self.softmax(scores)
         out = self.output_projection(self.merge_heads(weighted_values(weights, v)))
         return AttentionOutput(out, weights if need_weights else None)
 
 
 class NumpyNaive(AttentionBackend):
     name = "numpy-naive"
+    memory_method = "tracemalloc"
     capabilities = Capabilities(dtypes=("float32", "float64"))
     loaded_class = NumpyNaiveLoaded
 

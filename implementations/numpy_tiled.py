@@ -50,10 +50,10 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
             k1 = min(inputs.tk, k0 + self.block_k)
             s = qb @ k[:, :, :, k0:k1].swapaxes(-1, -2)
             allowed, additive = block_mask(inputs, q0, q1, k0, k1)
-            allowed = self._group_view(allowed)
             if additive is not None:
-                s = s + self._group_view(additive).astype(self.dtype)
-            s = np.where(allowed, s, -np.inf)
+                s += self._group_view(additive).astype(self.dtype)
+            if allowed is not None:
+                np.copyto(s, -np.inf, where=~self._group_view(allowed))
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
             m_safe = np.where(np.isfinite(m_new), m_new, 0).astype(self.dtype)
             p = np.exp(s - m_safe)

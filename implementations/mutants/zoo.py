@@ -49,12 +49,16 @@ class NoOutputProjection(NumpyNaiveLoaded):
         return concat
 
 
+def _with_mask(allowed, extra):
+    return extra if allowed is None else allowed & extra
+
+
 class CausalOneFutureToken(NumpyNaiveLoaded):
     def masks(self, inputs):
         allowed, additive = block_mask(inputs.replace(causal=None), 0, inputs.tq, 0, inputs.tk)
         if inputs.causal:
             offset = 0 if inputs.causal == "top-left" else inputs.tk - inputs.tq
-            allowed = allowed & (np.arange(inputs.tk)[None, :] <= np.arange(inputs.tq)[:, None] + offset + 1)
+            allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] <= np.arange(inputs.tq)[:, None] + offset + 1)
         return allowed, additive
 
 
@@ -63,7 +67,7 @@ class CausalExcludesDiagonal(NumpyNaiveLoaded):
         allowed, additive = block_mask(inputs.replace(causal=None), 0, inputs.tq, 0, inputs.tk)
         if inputs.causal:
             offset = 0 if inputs.causal == "top-left" else inputs.tk - inputs.tq
-            allowed = allowed & (np.arange(inputs.tk)[None, :] < np.arange(inputs.tq)[:, None] + offset)
+            allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] < np.arange(inputs.tq)[:, None] + offset)
         return allowed, additive
 
 
@@ -83,15 +87,14 @@ class MaskPolarityInverted(NumpyNaiveLoaded):
 
 
 class SoftmaxWithoutMaxSubtraction(NumpyNaiveLoaded):
-    def softmax(self, scores, allowed):
-        e = np.where(allowed, np.exp(scores), 0)
+    def softmax(self, scores):
+        e = np.exp(scores)
         total = e.sum(axis=-1, keepdims=True)
         return e / np.where(total == 0, 1, total)
 
 
 class FullyMaskedRowsNaN(NumpyNaiveLoaded):
-    def softmax(self, scores, allowed):
-        scores = np.where(allowed, scores, -np.inf)
+    def softmax(self, scores):
         e = np.exp(scores - scores.max(axis=-1, keepdims=True))
         return e / e.sum(axis=-1, keepdims=True)
 
@@ -102,8 +105,7 @@ class HeadsConcatenatedReversed(NumpyNaiveLoaded):
 
 
 class BatchNormalisedTogether(NumpyNaiveLoaded):
-    def softmax(self, scores, allowed):
-        scores = np.where(allowed, scores, -np.inf)
+    def softmax(self, scores):
         e = np.exp(scores - scores.max(axis=(0, -1), keepdims=True))
         total = e.sum(axis=(0, -1), keepdims=True) / scores.shape[0]
         return e / np.where(total == 0, 1, total)
@@ -117,8 +119,8 @@ class ValueBiasDropped(NumpyNaiveLoaded):
 
 
 class DropoutAtInference(NumpyNaiveLoaded):
-    def softmax(self, scores, allowed):
-        weights = super().softmax(scores, allowed)
+    def softmax(self, scores):
+        weights = super().softmax(scores)
         keep = np.random.default_rng().random(weights.shape) >= 0.1
         return weights * keep / 0.9
 

@@ -1,0 +1,89 @@
+"""Peak extra memory of one call, measured per kind of backend rather than the process as a whole.
+
+* ``tracemalloc`` (NumPy): NumPy reports its buffers to tracemalloc; peak minus the traced size before.
+* ``rss`` (torch CPU, JAX CPU, plugins): Linux's peak resident size, reset just before the call by
+  writing 5 to /proc/self/clear_refs, read from VmHWM; minus VmRSS before. Freed memory that the
+  allocator kept would hide new allocations, so glibc's malloc_trim(0) returns it to the system
+  first. Page-granular, and it counts every thread of the process: keep other work out of it.
+* ``cuda`` (torch CUDA): torch.cuda.reset_peak_memory_stats, then max_memory_allocated minus
+  memory_allocated before.
+* ``jax-device`` (JAX GPU): the device's memory_stats() peak_bytes_in_use minus bytes_in_use before
+  (XLA has no reset, so the figure is exact only when this call sets a new peak).
+"""
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from typing import Callable
+
+METHODS = ("tracemalloc", "rss", "cuda", "jax-device")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _malloc_trim() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: measure as is
+        pass
+
+
+def rss_supported() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        _status_kib("VmHWM")
+        return True
+    except OSError:
+        return False
+
+
+def peak_extra_bytes(fn: Callable[[], object], method: str) -> int:
+    """Run ``fn`` once and return the peak memory it needed beyond what was in use before."""
+    gc.collect()
+    if method == "tracemalloc":
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            result = fn()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        del result
+        return max(0, peak - before)
+    if method == "rss":
+        _malloc_trim()
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # resets VmHWM to the current resident size
+        before = _status_kib("VmRSS")
+        result = fn()
+        peak = _status_kib("VmHWM")
+        del result
+        return max(0, peak - before) * 1024
+    if method == "cuda":
+        import torch
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del result
+        return max(0, peak - before)
+    if method == "jax-device":
+        import jax
+        device = jax.devices()[0]
+        before = device.memory_stats()["bytes_in_use"]
+        result = fn()
+        peak = device.memory_stats()["peak_bytes_in_use"]
+        del result
+        return max(0, peak - before)
+    raise ValueError(f"memory method: got {method!r}; accepted: {', '.join(METHODS)}")
