@@ -47,7 +47,7 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mha-harness", description="Conformance and benchmarks for multi-head attention backends.")
-    sub = parser.add_subparsers(dest="command", metavar="{list,check,bench,run}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{list,check,bench,fidelity,run}", parser_class=_Parser)
 
     p = sub.add_parser("list", help="every backend: available or why not, and its capabilities")
     p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT")
@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", choices=("off", "on", "both"), default="off")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per point (default 5)")
     p.add_argument("--backward", action="store_true", help="also time forward + backward where gradients exist")
+
+    p = sub.add_parser("fidelity", help="figures proving the benchmarks: harness overhead, memory accuracy, "
+                                        "numpy-tiled vs numpy-naive")
+    p.add_argument("--results", default="results", metavar="DIR")
+    p.add_argument("--repeats", type=int, default=60)
 
     p = sub.add_parser("run", help="the main job: conformance of every available backend, mutation score and a "
                                    "quick benchmark sweep, written under results/")
@@ -190,6 +195,13 @@ def cmd_bench(args) -> int:
     return EXIT_OK
 
 
+def cmd_fidelity(args) -> int:
+    from .fidelity import run_fidelity
+    _usage(check_writable, Path(args.results) / "bench", "--results")
+    run_fidelity(Path(args.results), repeats=args.repeats)
+    return EXIT_OK
+
+
 def cmd_run(args) -> int:
     registry = _registry(args.backend_spec)
     results = Path(args.results)
@@ -221,7 +233,8 @@ def main(argv=None) -> int:
             parser.print_help()
             return EXIT_USAGE
         signal.signal(signal.SIGTERM, _sigterm)
-        return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "run": cmd_run}[args.command](args)
+        return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "fidelity": cmd_fidelity,
+                "run": cmd_run}[args.command](args)
     except UsageError as exc:
         print(f"mha-harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

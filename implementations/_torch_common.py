@@ -125,6 +125,7 @@ class TorchLoaded(LoadedAttention):
                     out, _ = self.forward_tensors(q, k, v, inputs, False)
                 synchronize(device)
                 return out
+            run.native_inputs = (q, k, v)  # so a direct baseline can run on the very same tensors
             return run
         self.parameter_tensors()  # parameters take gradients too, as in training
         grad = torch.ones((inputs.batch, inputs.tq, self.config.d_model), dtype=self.dtype, device=device)
