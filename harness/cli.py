@@ -94,17 +94,27 @@ def _usage(fn, *args, **kwargs):
 
 
 def _registry(specs):
+    import os
     from .registry import load_registry
+    if specs and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # module:object resolves from the working directory, as with python -m
     return _usage(load_registry, specs)
 
 
 def _targets(args, registry):
-    names = args.backend or [e.name for e in registry.entries.values()
-                             if e.backend is not None and (not args.backend_spec or e.spec in args.backend_spec)]
+    """Names to run: --backend names, else the --backend-spec backends, else every registered one.
+
+    Sources that failed to load are included (reported as load errors, which fail the run)."""
+    if args.backend or args.backend_spec:
+        names = list(args.backend) + [e.name for e in registry.entries.values()
+                                      if e.spec in args.backend_spec and e.name not in args.backend]
+    else:
+        names = list(registry.entries)
     if args.backend:
         for name in names:
-            reason = _usage(registry.get, name).reason_unavailable  # unknown names are usage errors
-            if reason:
+            entry = _usage(registry.get, name)  # unknown names are usage errors
+            reason = entry.reason_unavailable
+            if reason and entry.error is None:
                 raise UsageError(f"--backend {name}: not available here: {reason}")
     return names
 
@@ -149,9 +159,15 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
     isolate = not getattr(args, "no_isolate", False)
     if isolate:
         _require("pebble", "isolation")
-    report = check(names, cases=cases or None, isolate=isolate,
+    runnable = [n for n in names if registry.get(n).backend is not None]
+    report = check(runnable, cases=cases or None, isolate=isolate,
                    timeout=args.timeout, jobs=args.jobs, include_slow=include_slow, registry=registry,
                    progress=progress, on_backend_done=write_partial)
+    for name in names:
+        entry = registry.get(name)
+        if entry.backend is None:
+            from .report import backend_info
+            report.backends[name] = backend_info(entry)
     if mutants:
         print("computing the mutation score ...", flush=True)
         report.mutation = mutation_score()
@@ -208,7 +224,7 @@ def cmd_run(args) -> int:
     report = _check(args, registry, results, include_slow=True, mutants=True)
     if not args.skip_bench:
         from .bench import QUICK_SEQ_LENS, run_bench
-        names = [n for n in _targets(args, registry) if registry.get(n).available]
+        names = [n for n in _targets(args, registry) if registry.get(n).backend is not None and registry.get(n).available]
         run_bench(registry, names, results, seq_lens=args.seq_lens or QUICK_SEQ_LENS, causal="off", repeats=3,
                   backward=False, quick=True)
     print(f"\nmha-harness run: conformance {'OK' if report.ok else 'FAILED'}; results under {results}/")

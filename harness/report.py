@@ -22,6 +22,7 @@ class BackendInfo:
     source: str = ""
     available: bool = True
     reason: str | None = None
+    load_error: bool = False  # the plugin failed to import or construct: a failure, not mere unavailability
     capabilities: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
     mask_polarity: str = ""
@@ -41,7 +42,8 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not any(r.status in BAD for r in self.results)
+        return not any(r.status in BAD for r in self.results) and not any(
+            info.load_error for info in self.backends.values())
 
     def counts(self, backend: str | None = None) -> Counter:
         return Counter(r.status for r in self.results if backend is None or r.backend == backend)
@@ -119,9 +121,10 @@ class Report:
             lines += ["", "## Declared divergences", "", "| backend | case | when | observed | reason |", "|---|---|---|---|---|"]
             for n, d in divergent:
                 lines.append(f"| {n} | {d['case']} | {d.get('when') or 'always'} | {d['observed']} | {d['reason']} |")
-        unavailable = [(n, i.reason) for n, i in self.backends.items() if not i.available]
+        unavailable = [(n, i) for n, i in self.backends.items() if not i.available]
         if unavailable:
-            lines += ["", "## Not run here", ""] + [f"- **{n}**: {reason}" for n, reason in unavailable]
+            lines += ["", "## Not run here", ""] + [
+                f"- **{n}**: {'**failed to load** ' if i.load_error else ''}{i.reason}" for n, i in unavailable]
         if self.mutation:
             m = self.mutation
             lines += ["", "## Mutation score", "",
@@ -145,7 +148,8 @@ class Report:
         out = []
         for name, info in self.backends.items():
             if not info.available:
-                out.append(f"  {name:<28} not run: {info.reason}")
+                label = "ERROR" if info.load_error else "not run"
+                out.append(f"  {name:<28} {label}: {info.reason}")
                 continue
             c = self.counts(name)
             bad = sum(c.get(s, 0) for s in BAD)
@@ -160,7 +164,8 @@ def backend_info(entry_or_backend, source: str = "") -> BackendInfo:
     reason = getattr(entry_or_backend, "reason_unavailable", None) if hasattr(entry_or_backend, "spec") else None
     name = getattr(entry_or_backend, "name", None) or backend.name
     if backend is None:
-        return BackendInfo(name, source or entry_or_backend.source, False, reason)
+        return BackendInfo(name, source=source or entry_or_backend.source, available=False, reason=reason,
+                           load_error=True)
     if reason is None and not hasattr(entry_or_backend, "spec"):
         try:
             reason = backend.availability()
@@ -170,10 +175,12 @@ def backend_info(entry_or_backend, source: str = "") -> BackendInfo:
         versions = backend.versions() if reason is None else {}
     except Exception:  # noqa: BLE001
         versions = {}
-    return BackendInfo(name, source or getattr(entry_or_backend, "source", "python object"), reason is None, reason,
-                       backend.capabilities.to_dict(), versions, backend.native_mask_polarity,
-                       [{"case": d.case, "when": dict(d.when), "observed": d.observed, "reason": d.reason}
-                        for d in backend.divergences])
+    return BackendInfo(name, source=source or getattr(entry_or_backend, "source", "python object"),
+                       available=reason is None, reason=reason, capabilities=backend.capabilities.to_dict(),
+                       versions=versions, mask_polarity=backend.native_mask_polarity,
+                       divergences=[{"case": d.case, "when": {k: list(v) if isinstance(v, tuple) else v
+                                                              for k, v in d.when.items()},
+                                     "observed": d.observed, "reason": d.reason} for d in backend.divergences])
 
 
 def group_by_backend(results: list[CaseResult]) -> dict[str, list[CaseResult]]:

@@ -81,6 +81,12 @@ class PaddingIgnored(NumpyNaiveLoaded):
         return block_mask(inputs.replace(key_padding_mask=None), 0, inputs.tq, 0, inputs.tk)
 
 
+class AdditiveMaskIgnored(NumpyNaiveLoaded):
+    def masks(self, inputs):
+        allowed, _ = block_mask(inputs, 0, inputs.tq, 0, inputs.tk)
+        return allowed, None
+
+
 class MaskPolarityInverted(NumpyNaiveLoaded):
     def masks(self, inputs):
         return block_mask(inputs, 0, inputs.tq, 0, inputs.tk, invert_attn_mask=True)
@@ -187,6 +193,8 @@ MUTANTS = (
     Mutant("mutant-causal-always-top-left", "bottom-right causal treated as top-left when Tq != Tk",
            CausalAlwaysTopLeft, "top-left alignment"),
     Mutant("mutant-padding-ignored", "ignores the key padding mask", PaddingIgnored, "padding"),
+    Mutant("mutant-additive-mask-ignored", "drops the finite values of a float attn_mask (keeps only -inf)",
+           AdditiveMaskIgnored, "additive-masked output"),
     Mutant("mutant-mask-polarity-inverted", "reads attn_mask True as 'masked out'", MaskPolarityInverted, "INVERTED"),
     Mutant("mutant-softmax-no-max-subtraction", "softmax without subtracting the row maximum",
            SoftmaxWithoutMaxSubtraction, "row maximum"),
