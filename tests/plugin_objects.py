@@ -1,0 +1,40 @@
+"""Backends defined in a test module: the module:object route, a lesson-style function, and duplicates."""
+from __future__ import annotations
+
+import numpy as np
+
+import harness
+from implementations.numpy_naive import NumpyNaive
+
+
+def lesson_mha(query, key, value, W_q, W_k, W_v, W_o, num_heads, causal=False):
+    """The lesson's multi_head.py as a plain function of (T, d_model) arrays."""
+    t_q, d_model = query.shape
+    t_k, d_head = key.shape[0], d_model // num_heads
+
+    def split_heads(m, t):
+        return m.reshape(t, num_heads, d_head).transpose(1, 0, 2)
+    q, k, v = split_heads(query @ W_q, t_q), split_heads(key @ W_k, t_k), split_heads(value @ W_v, t_k)
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(d_head)
+    if causal:
+        scores = np.where(np.tril(np.ones((t_q, t_k), bool)), scores, -np.inf)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores) / np.exp(scores).sum(axis=-1, keepdims=True)
+    return (weights @ v).transpose(1, 0, 2).reshape(t_q, d_model) @ W_o
+
+
+LessonFunction = harness.function_backend(lesson_mha, name="lesson-function", causal=True)
+
+
+class RenamedNaive(NumpyNaive):
+    name = "my-naive"
+
+
+class DuplicateOfNaive(NumpyNaive):
+    name = "numpy-naive"
+
+
+def two_backends():
+    """A factory registering several backends from one entry point."""
+    return [type("OtherNaive", (NumpyNaive,), {"name": "other-naive"})(),
+            harness.function_backend(lesson_mha, name="lesson-function-2")]

@@ -1,0 +1,72 @@
+"""The registry: built-ins, entry points, module:object, failing and duplicate plugins."""
+from __future__ import annotations
+
+import pytest
+
+import harness
+from harness.registry import BUILTIN_SPECS, RegistryError, load_registry
+
+
+def test_builtins_include_every_backend_the_product_promises():
+    names = load_registry(entry_points=False).names()
+    for name in ("numpy-naive", "numpy-tiled", "torch-eager", "torch-sdpa-math-cpu", "torch-sdpa-flash-cpu",
+                 "torch-sdpa-efficient-cuda", "torch-sdpa-cudnn-cuda", "torch-nn-mha", "jax-explicit", "jax-dpa",
+                 "jax-dpa-cudnn-gpu", "flax-mha"):
+        assert name in names
+
+
+def test_numpy_backends_are_available_and_gpu_variants_say_why_not():
+    registry = load_registry()
+    assert registry.get("numpy-naive").available and registry.get("numpy-tiled").available
+    import importlib.util
+    if importlib.util.find_spec("torch"):
+        import torch
+        if not torch.cuda.is_available():
+            assert "no CUDA device" in registry.get("torch-sdpa-flash-cuda").reason_unavailable
+
+
+def test_the_builtins_are_also_declared_as_entry_points_without_duplicates():
+    from importlib import metadata
+    values = {ep.value for ep in metadata.entry_points(group="mha_harness.backends")}
+    assert set(BUILTIN_SPECS) <= values
+    load_registry()  # the same object reached twice is not a duplicate
+
+
+def test_module_object_spec_loads_instances_classes_and_factories():
+    registry = load_registry(["tests.plugin_objects:LessonFunction", "tests.plugin_objects:RenamedNaive",
+                              "tests.plugin_objects:two_backends"], entry_points=False)
+    assert {"lesson-function", "my-naive", "other-naive", "lesson-function-2"} <= set(registry.names())
+    assert registry.get("my-naive").source.startswith("--backend-spec")
+
+
+def test_a_plugin_that_fails_to_import_is_recorded_and_does_not_abort():
+    registry = load_registry(["tests.hostile_import:Backend"], entry_points=False)
+    entry = registry.get("tests.hostile_import:Backend")
+    assert entry.backend is None and "ImportError: hostile plugin" in entry.error
+    assert registry.get("numpy-naive").available
+
+
+def test_a_missing_attribute_is_recorded_with_its_error():
+    entry = load_registry(["tests.plugin_objects:Nothing"], entry_points=False).get("tests.plugin_objects:Nothing")
+    assert "AttributeError" in entry.error
+
+
+def test_two_backends_with_one_name_is_an_error_naming_both_sources():
+    with pytest.raises(RegistryError) as info:
+        load_registry(["tests.plugin_objects:DuplicateOfNaive"], entry_points=False)
+    message = str(info.value)
+    assert "numpy-naive" in message and "implementations.numpy_naive:NumpyNaive" in message
+    assert "tests.plugin_objects:DuplicateOfNaive" in message
+
+
+def test_check_accepts_an_object_defined_in_a_test_file():
+    """The lesson's plain function passes everything it declares except NaN/inf poisoning of masked future
+    keys: its dense weights @ V computes 0 * NaN = NaN, a real finding the suite must report."""
+    from tests.plugin_objects import LessonFunction
+    report = harness.check(LessonFunction, include_slow=False)
+    failures = report.failures()
+    assert {(r.case, r.params["poison"]) for r in failures} == {("check_causal_mask_blocks_future_keys", "nan"),
+                                                                ("check_causal_mask_blocks_future_keys", "inf")}
+    skipped = {r.case: r.message for r in report.results if r.status == "skipped"}
+    assert "key_padding_mask" in skipped["check_padding_mask_blocks_padded_keys"]
+    assert report.counts()["passed"] >= 25
