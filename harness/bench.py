@@ -107,6 +107,8 @@ def _prepare(backend, config: BenchConfig, seq_len: int, causal: bool, backward:
         return None, str(exc) or type(exc).__name__
     except MemoryError:
         return None, "out of memory"
+    except Exception as exc:  # noqa: BLE001 - a plugin's failure is reported, the sweep goes on
+        return None, f"error: {type(exc).__name__}: {exc}"
     return fn, None
 
 
@@ -145,13 +147,21 @@ def sweep(backends: list, seq_lens, *, causal_modes=(False,), repeats: int = 5, 
                 names = list(ready)
                 for r in range(repeats):  # interleaved: each repeat times every backend once, rotating order
                     for name in names[r % max(1, len(names)):] + names[:r % max(1, len(names))]:
-                        elapsed = _timed(ready[name][1])
-                        next(p for p in here if p.backend == name).times_s.append(elapsed)
+                        point = next(p for p in here if p.backend == name)
+                        if point.skipped:
+                            continue
+                        try:
+                            point.times_s.append(_timed(ready[name][1]))
+                        except Exception as exc:  # noqa: BLE001
+                            point.skipped = f"error: {type(exc).__name__}: {exc}"
                 flops = attention_flops(config, seq_len, causal, mode_backward)
                 for point in here:
                     if point.skipped:
                         continue
                     backend, fn = ready[point.backend]
+                    if not point.times_s:
+                        point.skipped = point.skipped or "no timing"
+                        continue
                     point.median_s = statistics.median(point.times_s)
                     point.min_s, point.max_s = min(point.times_s), max(point.times_s)
                     point.spread = round(point.max_s / point.min_s, 3)

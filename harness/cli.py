@@ -224,7 +224,11 @@ def cmd_run(args) -> int:
     report = _check(args, registry, results, include_slow=True, mutants=True)
     if not args.skip_bench:
         from .bench import QUICK_SEQ_LENS, run_bench
-        names = [n for n in _targets(args, registry) if registry.get(n).backend is not None and registry.get(n).available]
+        lost = {r.backend for r in report.results if r.status in ("crashed", "timeout", "error")}
+        names = [n for n in _targets(args, registry) if registry.get(n).backend is not None
+                 and registry.get(n).available and n not in lost]
+        for name in sorted(lost):  # benchmarks run in this process: never with a backend that crashed or hung
+            print(f"  not benchmarked: {name} (errors, crashes or timeouts in conformance)")
         run_bench(registry, names, results, seq_lens=args.seq_lens or QUICK_SEQ_LENS, causal="off", repeats=3,
                   backward=False, quick=True)
     print(f"\nmha-harness run: conformance {'OK' if report.ok else 'FAILED'}; results under {results}/")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -51,6 +51,8 @@ class Target:
 
 
 _WORKER_CACHE: dict = {}
+_ACTIVE_POOLS: set = set()
+_STOPPING = threading.Event()
 
 
 def _init_worker(threads: int | None) -> None:
@@ -96,9 +98,12 @@ def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, th
     from pebble import ProcessExpired, ProcessPool
     context = multiprocessing.get_context("spawn")
     pool = ProcessPool(max_workers=1, initializer=_init_worker, initargs=(threads,), context=context)
+    _ACTIVE_POOLS.add(pool)
     losses = 0
     try:
         for case, params in plan(target.backend, cases):
+            if _STOPPING.is_set():
+                break
             if losses >= MAX_CONSECUTIVE_LOSSES:
                 result = _lost(target, case, params, ERROR, f"not run: {target.name}'s worker was lost "
                                f"{MAX_CONSECUTIVE_LOSSES} times in a row (timeouts or crashes)")
@@ -120,6 +125,7 @@ def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, th
             if progress:
                 progress(result)
     finally:
+        _ACTIVE_POOLS.discard(pool)
         pool.stop()
         pool.join(timeout=10)
     return results
@@ -138,7 +144,33 @@ def run_isolated(targets: list[Target], cases: list[Case], *, timeout: float = 1
         if on_backend_done:
             on_backend_done(target.name, out[target.name])
 
-    with ThreadPoolExecutor(max_workers=jobs) as executor:
-        for future in [executor.submit(one, t) for t in targets]:
-            future.result()
+    _STOPPING.clear()
+    # daemon threads (not a ThreadPoolExecutor, whose threads the interpreter joins at exit): after Ctrl-C or
+    # SIGTERM the process must exit at once even while a worker is stuck in a hanging plugin
+    slots = threading.Semaphore(jobs)
+    errors: list[BaseException] = []
+
+    def guarded(target: Target):
+        with slots:
+            if _STOPPING.is_set():
+                return
+            try:
+                one(target)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+                errors.append(exc)
+
+    threads_ = [threading.Thread(target=guarded, args=(t,), daemon=True, name=f"check-{t.name}") for t in targets]
+    try:
+        for thread in threads_:
+            thread.start()
+        for thread in threads_:
+            while thread.is_alive():
+                thread.join(0.2)
+    except BaseException:  # Ctrl-C / SIGTERM: kill every worker now; finished results are already kept
+        _STOPPING.set()
+        for pool in list(_ACTIVE_POOLS):
+            pool.stop()
+        raise
+    if errors:
+        raise errors[0]
     return out

@@ -1,0 +1,91 @@
+"""The command line: list, check, usage errors (one line, exit status 2)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def test_help_lists_every_subcommand():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for word in ("list", "check", "bench", "fidelity", "run"):
+        assert word in out.stdout
+    for sub in ("list", "check", "bench", "fidelity", "run"):
+        assert run_cli(sub, "--help").returncode == 0
+
+
+def test_list_shows_numpy_backends_available_and_reasons_for_the_rest():
+    out = run_cli("list")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("numpy-naive") and "available" in line for line in lines)
+    assert any(line.startswith("numpy-tiled") and "available" in line for line in lines)
+    assert "torch-sdpa-flash-cuda" in out.stdout and "cuda" in out.stdout.lower()
+
+
+def test_check_one_backend_writes_json_and_markdown(tmp_path):
+    out = run_cli("check", "--backend", "numpy-tiled", "--quick", "--results", tmp_path, "--jobs", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads((tmp_path / "conformance" / "conformance.json").read_text())
+    assert doc["schema"] == "mha-harness/conformance" and doc["ok"] and doc["complete"]
+    assert doc["summary"]["numpy-tiled"]["passed"] > 50
+    md = (tmp_path / "conformance" / "conformance.md").read_text()
+    assert "| case | numpy-tiled |" in md and "Policies that backends legitimately differ on" in md
+
+
+@pytest.mark.parametrize("args, words", [
+    (["check", "--backend", "no-such-backend"], ["backend: got 'no-such-backend'", "accepted"]),
+    (["check", "--case", "check_nothing"], ["case: got 'check_nothing'", "accepted"]),
+    (["bench", "--seq-lens", "12,abc"], ["--seq-lens", "accepted: comma-separated positive integers"]),
+    (["bench", "--seq-lens", "0"], ["--seq-lens", "accepted"]),
+    (["check", "--backend-spec", "not a spec"], ["backend spec: got 'not a spec'", "accepted"]),
+    (["check", "--no-such-flag"], ["unrecognized arguments"]),
+])
+def test_usage_errors_print_one_line_and_exit_2(args, words):
+    out = run_cli(*args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mha-harness: error:"), out.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere; the read-only case is covered below")
+def test_unwritable_results_directory_is_a_usage_error(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    out = run_cli("check", "--backend", "numpy-naive", "--results", locked / "sub")
+    assert out.returncode == 2 and "--results" in out.stderr and "not writable" in out.stderr
+
+
+def test_results_path_that_is_a_file_is_a_usage_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = run_cli("check", "--backend", "numpy-naive", "--results", blocker)
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1 and "--results" in out.stderr and "not writable" in out.stderr
+
+
+def test_missing_optional_dependency_is_one_line_and_exit_2(monkeypatch, capsys):
+    import importlib.util
+
+    from harness import cli
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cli.main(["bench", "--backend", "numpy-naive", "--seq-lens", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "matplotlib is not installed" in err[0] and "mha-harness[bench]" in err[0]
+
+
+def test_requesting_a_backend_whose_framework_is_missing_is_one_line_and_exit_2(monkeypatch, capsys):
+    from harness import cli
+    from implementations import _torch_common
+    monkeypatch.setattr(_torch_common, "torch_reason", lambda device="cpu": "torch is not installed (pip install ...)")
+    assert cli.main(["check", "--backend", "torch-eager"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torch-eager" in err[0] and "torch is not installed" in err[0]
