@@ -63,8 +63,10 @@ def case(*, requires: Iterable[str] = (), variants: Callable[[AttentionBackend],
     def register(func):
         if not func.__name__.startswith("check_"):
             raise ValueError(f"case name: got {func.__name__!r}; accepted: a name starting with 'check_'")
-        if func.__name__ in _REGISTRY:
-            raise ValueError(f"case name: {func.__name__!r} is registered twice")
+        existing = _REGISTRY.get(func.__name__)
+        if existing is not None and existing.func.__module__ != func.__module__:  # a re-import replaces itself
+            raise ValueError(f"case name: {func.__name__!r} is registered twice, by {existing.func.__module__} "
+                             f"and {func.__module__}")
         _REGISTRY[func.__name__] = Case(func.__name__, func, tuple(requires), variants,
                                         inspect.cleandoc(func.__doc__ or ""), slow)
         return func

@@ -24,12 +24,12 @@ def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Ta
             parse_spec(item)
             from .registry import backends_from_spec
             for b in backends_from_spec(item):
-                (targets.append(Target(b, item)) if b.availability() is None else unavailable.append(b))
+                (targets.append(Target(b, item, f"spec {item}")) if b.availability() is None else unavailable.append(b))
         elif isinstance(item, str):
             registry = registry or load_registry()
             entry = registry.get(item)
             if entry.backend is not None and entry.available:
-                targets.append(Target(entry.backend, entry.spec))
+                targets.append(Target(entry.backend, entry.spec, entry.source))
             else:
                 unavailable.append(entry)
         else:
@@ -51,7 +51,7 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
     targets, unavailable = resolve_targets(backends, registry)
     report = Report()
     for t in targets:
-        report.backends[t.name] = backend_info(t.backend, t.spec or "python object")
+        report.backends[t.name] = backend_info(t.backend, t.source)
     for u in unavailable:
         info = backend_info(u)
         report.backends[info.name] = info

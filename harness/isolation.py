@@ -39,6 +39,7 @@ class Target:
 
     backend: AttentionBackend
     spec: str | None = None  # ``module:object`` that produces it, when known
+    source: str = "python object"  # where it came from, for the report
 
     @property
     def name(self) -> str:

@@ -1,0 +1,66 @@
+"""asv: offline recording in the current environment, two machines merged into one published dashboard."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytest.importorskip("asv")
+
+
+def asv_config(tmp_path):
+    """The project's asv.conf.json, with results and html redirected into ``tmp_path``."""
+    text = (ROOT / "asv.conf.json").read_text()
+    text = text.replace('"results/asv"', json.dumps(str(tmp_path / "asv"))).replace(
+        '"results/html"', json.dumps(str(tmp_path / "html")))
+    text = text.replace('"benchmark_dir": "benchmarks"', f'"benchmark_dir": {json.dumps(str(ROOT / "benchmarks"))}')
+    text = text.replace('"repo": "."', f'"repo": {json.dumps(str(ROOT))}')
+    path = tmp_path / "asv.conf.json"
+    path.write_text(text)
+    return path
+
+
+def run_asv(config, *args, env=None):
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    extra = ["--set-commit-hash", commit] if args and args[0] == "run" else []
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    for machine in re.findall(r"--machine (\S+)", " ".join(args)):
+        subprocess.run([sys.executable, "-m", "asv", "machine", "--yes", "--machine", machine,
+                        "--config", str(config)], cwd=ROOT, capture_output=True, text=True, env=full_env)
+    return subprocess.run([sys.executable, "-m", "asv", args[0], "--config", str(config), *extra, *args[1:]],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=full_env)
+
+
+def test_two_machines_merge_into_one_dashboard(tmp_path):
+    config = asv_config(tmp_path)
+    env = {"MHA_ASV_BACKENDS": "numpy-naive", "MHA_ASV_SEQ_LENS": "64"}
+    for machine in ("cpu-box", "gpu-box"):
+        out = run_asv(config, "run", "--python=same", "--quick", "--machine", machine, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert (tmp_path / "asv" / machine / "machine.json").exists()
+    out = run_asv(config, "publish", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    index = json.loads((tmp_path / "html" / "index.json").read_text())
+    assert {"cpu-box", "gpu-box"} <= set(index["params"]["machine"])
+    names = set(index["benchmarks"])
+    for name in ("bench_time.TimeForward.time_forward", "bench_time.TimeForwardBackward.time_forward_backward",
+                 "bench_memory.PeakMemory.track_peak_extra_memory", "bench_throughput.Throughput.track_gflops",
+                 "bench_throughput.Throughput.track_fraction_of_gemm_peak"):
+        assert name in names
+    assert (tmp_path / "html" / "index.html").exists()
+    assert index["benchmarks"]["bench_memory.PeakMemory.track_peak_extra_memory"]["unit"] == "bytes"
+
+
+def test_benchmark_files_import_without_any_backend_available(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MHA_ASV_BACKENDS": "does-not-exist"}
+    code = "import benchmarks.bench_time, benchmarks.bench_memory, benchmarks.bench_throughput\n" \
+           "from benchmarks._common import prepared\n" \
+           "try:\n    prepared('does-not-exist', 64, False)\nexcept NotImplementedError as e:\n    print('skip:', e)\n"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "skip: backend: got 'does-not-exist'" in out.stdout, out.stderr

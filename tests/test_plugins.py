@@ -1,0 +1,99 @@
+"""The three plugin routes, end to end: entry point package, module:object, and the pytest plugin."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(scope="module")
+def installed_example(tmp_path_factory):
+    """examples/lesson_plugin pip-installed into a private target directory (the test environment is untouched)."""
+    target = tmp_path_factory.mktemp("site")
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                          "--target", str(target), str(ROOT / "examples" / "lesson_plugin")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return {"PYTHONPATH": os.pathsep.join([str(target), str(ROOT)])}
+
+
+def test_entry_point_plugin_appears_in_list(installed_example):
+    out = run_cli("list", env=installed_example)
+    assert out.returncode == 0, out.stderr
+    line = next(line for line in out.stdout.splitlines() if line.startswith("lesson-mha"))
+    assert "available" in line
+
+
+def test_entry_point_plugin_is_checked(installed_example, tmp_path):
+    out = run_cli("check", "--backend", "lesson-mha", "--quick", "--results", tmp_path, env=installed_example)
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads((tmp_path / "conformance" / "conformance.json").read_text())
+    assert doc["summary"]["lesson-mha"]["passed"] > 40
+    assert doc["backends"]["lesson-mha"]["source"].startswith("entry point lesson-mha")
+
+
+def test_entry_point_plugin_is_benchmarked_by_asv_with_no_harness_change(installed_example, tmp_path):
+    from tests.test_asv import asv_config, run_asv
+    config = asv_config(tmp_path)
+    env = {**installed_example, "MHA_ASV_BACKENDS": "lesson-mha", "MHA_ASV_SEQ_LENS": "64"}
+    out = run_asv(config, "run", "--python=same", "--quick", "--machine", "plugin-box",
+                  "--bench", "TimeForward", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result_files = [p for p in (tmp_path / "asv" / "plugin-box").glob("*.json") if p.name != "machine.json"]
+    results = json.loads(result_files[0].read_text())["results"]
+    timed = results["bench_time.TimeForward.time_forward"]
+    assert timed[0][0] is not None  # lesson-mha at T=64 was measured, not skipped
+
+
+def test_module_object_route_on_the_command_line(tmp_path):
+    out = run_cli("check", "--backend-spec", "tests.plugin_objects:RenamedNaive", "--quick", "--results", tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads((tmp_path / "conformance" / "conformance.json").read_text())
+    assert list(doc["summary"]) == ["my-naive"] and doc["summary"]["my-naive"]["passed"] > 60
+
+
+def test_pytest_plugin_runs_the_conformance_suite_on_a_third_party_backend(pytester):
+    pytester.makepyfile(my_attention="""
+        from implementations.numpy_tiled import NumpyTiled
+
+        class MyAttention(NumpyTiled):
+            name = "my-attention"
+    """)
+    pytester.syspathinsert()
+    result = pytester.runpytest("--pyargs", "cases", "--mha-backend", "my_attention:MyAttention", "-q",
+                                "-k", "check_scores or check_padding or check_heads")
+    result.assert_outcomes(passed=7)
+    result.stdout.no_fnmatch_line("*error*")
+
+
+def test_pytest_plugin_reports_a_broken_backend_as_failures_with_readable_ids(pytester):
+    pytester.makepyfile(broken="""
+        from implementations.mutants.zoo import MUTANTS, MutantBackend
+        Broken = MutantBackend(next(m for m in MUTANTS if m.name == "mutant-scale-sqrt-d-model"))
+    """)
+    pytester.syspathinsert()
+    result = pytester.runpytest("--pyargs", "cases", "--mha-backend", "broken:Broken", "-q", "-rf",
+                                "-k", "check_scores_scaled_by_sqrt_d_head")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*check_scores_scaled_by_sqrt_d_head[[]mutant-scale-sqrt-d-model-float32[]]*",
+                                 "*1/sqrt(d_model)*"])
+
+
+def test_pytest_plugin_turns_declared_divergences_into_xfail(pytester):
+    pytest.importorskip("jax")
+    result = pytester.runpytest("--pyargs", "cases", "--mha-backend", "jax-dpa", "-q",
+                                "-k", "check_fully_masked_rows_output_zeros")
+    result.assert_outcomes(xfailed=1)
+
+
+def test_pytest_plugin_is_inert_in_other_projects(pytester):
+    pytester.makepyfile(test_other="def test_one():\n    assert True\n")
+    result = pytester.runpytest("-q")
+    result.assert_outcomes(passed=1)
