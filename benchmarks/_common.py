@@ -69,6 +69,8 @@ def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = Fal
     if reason:
         raise NotImplementedError(reason)
     backend = entry.backend
+    from harness.memory import pin_mmap_threshold
+    pin_mmap_threshold()
     if backend.device == "cpu" and seq_len > MAX_CPU_SEQ:
         raise NotImplementedError(f"T={seq_len} is a GPU-only length (CPU sweep stops at {MAX_CPU_SEQ})")
     config = BenchConfig(dtype=half_dtype(backend))

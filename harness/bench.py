@@ -23,7 +23,7 @@ import numpy as np
 
 from .api import AttentionConfig, Unsupported
 from .atomic import check_writable, write_bytes_atomic, write_json_atomic
-from .memory import peak_extra_bytes
+from .memory import peak_extra_bytes, pin_mmap_threshold
 from .params import make_inputs, make_params
 
 DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
@@ -126,51 +126,57 @@ def fit_exponent(xs, ys, largest: int = 3) -> float | None:
 
 def sweep(backends: list, seq_lens, *, causal_modes=(False,), repeats: int = 5, backward: bool = False,
           config: BenchConfig | None = None, progress: bool = True) -> list[BenchPoint]:
+    """Time every point (interleaved per point), then measure every point's peak memory.
+
+    Memory comes last, in a second pass over the same prepared callables, because the RSS method
+    pins glibc's mmap threshold, which would otherwise slow allocation-heavy backends' timings."""
     config = config or BenchConfig()
     modes = [False, True] if backward else [False]
     total = len(seq_lens) * len(causal_modes) * len(modes)
     bar = _progress(total, progress)
     points: list[BenchPoint] = []
+    prepared: list[tuple[BenchPoint, object, object]] = []
     for seq_len in sorted(seq_lens):
         for causal in causal_modes:
             for mode_backward in modes:
                 mode = "forward+backward" if mode_backward else "forward"
-                ready, here = {}, []
+                here, ready = [], {}
                 for backend in backends:
                     point = BenchPoint(backend.name, seq_len, causal, mode)
                     fn, reason = _prepare(backend, config, seq_len, causal, mode_backward)
-                    if fn is None:
-                        point.skipped = reason
-                    else:
-                        ready[backend.name] = (backend, fn)
+                    point.skipped = reason
+                    if fn is not None:
+                        ready[backend.name] = (backend, fn, point)
                     here.append(point)
                 names = list(ready)
                 for r in range(repeats):  # interleaved: each repeat times every backend once, rotating order
                     for name in names[r % max(1, len(names)):] + names[:r % max(1, len(names))]:
-                        point = next(p for p in here if p.backend == name)
+                        backend, fn, point = ready[name]
                         if point.skipped:
                             continue
                         try:
-                            point.times_s.append(_timed(ready[name][1]))
-                        except Exception as exc:  # noqa: BLE001
+                            point.times_s.append(_timed(fn))
+                        except Exception as exc:  # noqa: BLE001 - a plugin's failure is reported, the sweep goes on
                             point.skipped = f"error: {type(exc).__name__}: {exc}"
                 flops = attention_flops(config, seq_len, causal, mode_backward)
-                for point in here:
-                    if point.skipped:
-                        continue
-                    backend, fn = ready[point.backend]
-                    if not point.times_s:
+                for backend, fn, point in ready.values():
+                    if point.skipped or not point.times_s:
                         point.skipped = point.skipped or "no timing"
                         continue
                     point.median_s = statistics.median(point.times_s)
                     point.min_s, point.max_s = min(point.times_s), max(point.times_s)
                     point.spread = round(point.max_s / point.min_s, 3)
                     point.gflops = round(flops / point.median_s / 1e9, 3)
-                    point.memory_method = backend.memory_method
-                    point.peak_extra_bytes = peak_extra_bytes(fn, backend.memory_method)
-                ready.clear()
+                    prepared.append((point, backend, fn))
                 points += here
                 bar(f"T={seq_len}{' causal' if causal else ''} {mode}")
+    pin_mmap_threshold()
+    for point, backend, fn in prepared:
+        point.memory_method = backend.memory_method
+        try:
+            point.peak_extra_bytes = peak_extra_bytes(fn, backend.memory_method)
+        except Exception as exc:  # noqa: BLE001
+            point.skipped = f"memory measurement failed: {type(exc).__name__}: {exc}"
     return points
 
 

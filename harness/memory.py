@@ -4,7 +4,9 @@
 * ``rss`` (torch CPU, JAX CPU, plugins): Linux's peak resident size, reset just before the call by
   writing 5 to /proc/self/clear_refs, read from VmHWM; minus VmRSS before. Freed memory that the
   allocator kept would hide new allocations, so glibc's malloc_trim(0) returns it to the system
-  first. Page-granular, and it counts every thread of the process: keep other work out of it.
+  first, and :func:`pin_mmap_threshold` (called once by the benchmarks) stops glibc from serving
+  large buffers out of recycled heap, which would never raise the resident size. Page-granular,
+  and it counts every thread of the process: keep other work out of it.
 * ``cuda`` (torch CUDA): torch.cuda.reset_peak_memory_stats, then max_memory_allocated minus
   memory_allocated before.
 * ``jax-device`` (JAX GPU): the device's memory_stats() peak_bytes_in_use minus bytes_in_use before
@@ -33,6 +35,17 @@ def _malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: measure as is
         pass
+
+
+def pin_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
+    """Fix glibc's mmap threshold (its initial default, 128 KiB) so buffers above it are always fresh
+    mappings whose pages count in VmHWM. glibc otherwise raises the threshold after the first large
+    free, up to 32 MiB, and serves later buffers from already-resident heap, invisible to VmHWM."""
+    try:
+        import ctypes
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, nbytes))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
 
 
 def rss_supported() -> bool:
