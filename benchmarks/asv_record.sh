@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Record this machine's asv results into results/asv/<machine>/ and publish the dashboard to results/html/.
+#
+#   benchmarks/asv_record.sh [MACHINE_NAME]      # default: this host's name
+#
+# Runs offline in the current environment (asv.conf.json: environment_type "existing"); results are saved
+# against the current commit (--set-commit-hash). Narrow a run with MHA_ASV_BACKENDS / MHA_ASV_SEQ_LENS,
+# e.g. MHA_ASV_SEQ_LENS=128,512,2048 benchmarks/asv_record.sh cpu-box. Results from other machines (a GPU box)
+# copied into results/asv/<their machine>/ are merged by the same `asv publish` into one dashboard with a
+# machine selector. Preview: asv preview (serves results/html on http://127.0.0.1:8080).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+machine="${1:-$(hostname)}"
+python -m asv machine --yes --machine "$machine"
+python -m asv run --python=same --set-commit-hash "$(git rev-parse HEAD)" --machine "$machine" ${ASV_ARGS:-}
+python -m asv publish
+echo "dashboard: results/html/index.html (machine $machine)"
