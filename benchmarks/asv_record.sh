@@ -11,7 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 machine="${1:-$(hostname)}"
-python -m asv machine --yes --machine "$machine"
+python -m asv machine --yes --machine "$machine" --os "$(uname -sr)" --arch "$(uname -m)" \
+    --cpu "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs || uname -p)" --num_cpu "$(nproc)" \
+    --ram "$(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo)"
 python -m asv run --python=same --set-commit-hash "$(git rev-parse HEAD)" --machine "$machine" ${ASV_ARGS:-}
 python -m asv publish
+python benchmarks/asv_offline.py results/html
 echo "dashboard: results/html/index.html (machine $machine)"

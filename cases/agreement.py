@@ -5,7 +5,7 @@ import numpy as np
 
 from harness.api import AttentionConfig
 from harness.casekit import (CaseFailure, Measurement, assert_close, case, check_against_reference, primary_dtype,
-                             require, run, tolerance_for)
+                             run)
 from harness.params import make_inputs, make_params
 from harness.reference import reference_attention
 from harness.tolerance import naive_dtype, tolerance_from

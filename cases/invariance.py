@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness.api import AttentionConfig
-from harness.casekit import CaseFailure, Measurement, assert_close, case, primary_dtype, run, tolerance_for
+from harness.casekit import CaseFailure, Measurement, assert_close, case, run, tolerance_for
 from harness.params import make_inputs, make_params
 
 from ._fixtures import separate_inputs, small_layer

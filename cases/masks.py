@@ -5,7 +5,7 @@ import numpy as np
 
 from harness.casekit import (CaseFailure, CaseSkipped, Measurement, assert_close, case, check_against_reference,
                              on_primary_dtype, primary_dtype, require, run, tolerance_for)
-from harness.reference import reference_attention, reference_vjp
+from harness.reference import reference_attention
 
 from ._fixtures import causal_variants, key_limit, separate_inputs, small_layer, with_keys_replaced
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness.api import AttentionConfig, AttentionInputs, AttentionParams
-from harness.casekit import (CaseFailure, CaseSkipped, Measurement, assert_close, case, primary_dtype, require,
-                             run, tolerance_for)
+from harness.casekit import CaseFailure, Measurement, assert_close, case, primary_dtype, run, tolerance_for
 from harness.params import make_params
 from harness.reference import reference_attention
 

@@ -11,7 +11,6 @@ log-log per backend and shown in the plot legends and the JSON.
 """
 from __future__ import annotations
 
-import math
 import platform
 import statistics
 import time

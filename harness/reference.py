@@ -25,7 +25,7 @@ from .numerics import weighted_values
 
 def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.ndarray | None = None):
     """Boolean "may attend" mask and additive bias, each broadcastable to (B, H, R, Tk)."""
-    b, tq, tk = inputs.batch, inputs.tq, inputs.tk
+    tq, tk = inputs.tq, inputs.tk
     q_idx = np.arange(tq) if rows is None else np.asarray(rows)
     allowed = np.ones((1, 1, len(q_idx), tk), dtype=bool)
     additive = None

@@ -157,13 +157,29 @@ class TorchBackend(AttentionBackend):
 
 
 def linear_params(loaded: TorchLoaded, params: AttentionParams):
-    """Canonical x @ W parameters as leaf tensors (used by the backends that project with explicit matmuls)."""
+    """Canonical x @ W parameters as tensors (used by the backends that project with explicit matmuls)."""
     loaded.w = {name: loaded.tensor(array) for name, array in params.arrays().items()}
 
 
-def linear_parameter_tensors(loaded: TorchLoaded) -> dict:
-    out = {}
-    for name, t in loaded.w.items():
-        t.requires_grad_(True)
-        out[name] = (t, lambda g, n=name: {n: g})
-    return out
+class LinearTorchLoaded(TorchLoaded):
+    """Parameters kept in the canonical x @ W layout; projections and head split with explicit torch ops."""
+
+    def setup(self, params: AttentionParams) -> None:
+        linear_params(self, params)
+
+    def parameter_tensors(self) -> dict:
+        out = {}
+        for name, t in self.w.items():
+            t.requires_grad_(True)
+            out[name] = (t, lambda g, n=name: {n: g})
+        return out
+
+    def project(self, x, which: str):
+        y = x @ self.w[f"W_{which}"]
+        bias = self.w.get(f"b_{which}")
+        return y if bias is None else y + bias
+
+    def split_heads(self, x, n_heads: int):
+        """(B, T, n*d_head) -> (B, n, T, d_head)."""
+        b, t, _ = x.shape
+        return x.reshape(b, t, n_heads, self.config.d_head).transpose(1, 2)

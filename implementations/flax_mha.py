@@ -12,23 +12,16 @@ import functools
 
 import numpy as np
 
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Divergence
+from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 
+from ._divergences import masked_poison_divergences, uniform_fully_masked_divergences
 from ._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, masks_for
 
 _FINITE_MIN = ("flax's dot_product_attention masks logits with the dtype's most negative finite value, so a row "
                "with every key masked softmaxes to uniform weights (observed on flax 0.12.8 / jax 0.10.2 CPU)")
-DIVERGENCES = (
-    Divergence("check_fully_masked_rows_output_zeros", observed="uniform average of V", reason=_FINITE_MIN),
-    Divergence("check_causal_output_matches_reference", observed="query rows with no visible key (bottom-right, "
-               "Tq > Tk) output the uniform average of V", reason=_FINITE_MIN,
-               when={"alignment": "bottom-right", "seq": 11, "tk": 6}),
-) + tuple(
-    Divergence(case, observed=f"{kind} in a masked key/value reaches the output",
-               reason="flax multiplies masked (zero-weight) values in the weights @ V einsum, and 0 * NaN = NaN "
-                      "(observed on flax 0.12.8 CPU)", when={"poison": kind})
-    for case in ("check_causal_mask_blocks_future_keys", "check_padding_mask_blocks_padded_keys")
-    for kind in ("nan", "inf"))
+DIVERGENCES = uniform_fully_masked_divergences(_FINITE_MIN) + masked_poison_divergences(
+    "flax multiplies masked (zero-weight) values in the weights @ V einsum, and 0 * NaN = NaN "
+    "(observed on flax 0.12.8 CPU)")
 
 
 def to_flax_tree(params: AttentionParams) -> dict:

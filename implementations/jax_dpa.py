@@ -11,28 +11,22 @@ import functools
 
 from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Divergence, Unsupported
 
+from ._divergences import masked_poison_divergences, uniform_fully_masked_divergences
 from ._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, linear_tree, masks_for
 
 _UNIFORM = ("jax.nn.dot_product_attention (xla) masks logits with a large finite negative value, so a row "
             "with every key masked softmaxes to uniform weights (observed on jax 0.10.2 CPU)")
 _FLOAT32_INSIDE = ("jax.nn.dot_product_attention computes float64 inputs at float32 precision inside (observed max "
                    "error ~1e-7 against the float64 reference on jax 0.10.2 CPU)")
-DIVERGENCES = (
-    Divergence("check_fully_masked_rows_output_zeros", observed="uniform average of V", reason=_UNIFORM),
-    Divergence("check_causal_output_matches_reference", observed="query rows with no visible key (bottom-right, "
-               "Tq > Tk) output the uniform average of V", reason=_UNIFORM,
-               when={"alignment": "bottom-right", "seq": 11, "tk": 6}),
+DIVERGENCES = uniform_fully_masked_divergences(_UNIFORM) + (
     # with a single key the softmax is exactly 1 and no precision is lost, so Tk = 1 is not included
     Divergence("check_output_matches_reference", observed="float64 results only float32-accurate",
                reason=_FLOAT32_INSIDE, when={"dtype": "float64", "tk": (7, 64, 129, 1000)}),
 ) + tuple(Divergence(case, observed="float64 results only float32-accurate", reason=_FLOAT32_INSIDE,
                      when={"dtype": "float64"})
-          for case in ("check_lesson_worked_example_head_weights", "check_gradients_match_reference")) + tuple(
-    Divergence(case, observed=f"{kind} in a masked key/value reaches the output",
-               reason="dot_product_attention multiplies masked (zero-weight) values in P @ V, and 0 * NaN = NaN "
-                      "(observed on jax 0.10.2 CPU)", when={"poison": kind})
-    for case in ("check_causal_mask_blocks_future_keys", "check_padding_mask_blocks_padded_keys")
-    for kind in ("nan", "inf"))
+          for case in ("check_lesson_worked_example_head_weights", "check_gradients_match_reference")
+          ) + masked_poison_divergences("dot_product_attention multiplies masked (zero-weight) values in P @ V, and "
+                                        "0 * NaN = NaN (observed on jax 0.10.2 CPU)")
 
 
 @functools.lru_cache(maxsize=None)

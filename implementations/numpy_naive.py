@@ -68,12 +68,17 @@ class NumpyNaiveLoaded(LoadedAttention):
         with np.errstate(invalid="ignore", over="ignore"):  # poison in masked keys is expected, and handled
             return self.attend(inputs, need_weights)
 
+    def heads(self, inputs: AttentionInputs):
+        """Projected Q (B, H, Tq, d_head), K and V (B, kv_heads, Tk, d_head) in this layer's dtype."""
+        c = self.config
+        q, k, v = (self.split_heads(self.project(np.asarray(getattr(inputs, name), self.dtype), which), n)
+                   for name, which, n in (("query", "q", c.num_heads), ("key", "k", c.kv_heads),
+                                          ("value", "v", c.kv_heads)))
+        return q, k, v
+
     def attend(self, inputs: AttentionInputs, need_weights: bool) -> AttentionOutput:
         c = self.config
-        cast = lambda a: np.asarray(a, self.dtype)  # noqa: E731
-        q = self.split_heads(self.project(cast(inputs.query), "q"), c.num_heads)
-        k = self.split_heads(self.project(cast(inputs.key), "k"), c.kv_heads)
-        v = self.split_heads(self.project(cast(inputs.value), "v"), c.kv_heads)
+        q, k, v = self.heads(inputs)
         if c.group > 1:
             k, v = np.repeat(k, c.group, axis=1), np.repeat(v, c.group, axis=1)
         scores = q @ k.transpose(0, 1, 3, 2)

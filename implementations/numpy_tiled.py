@@ -24,11 +24,8 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
 
     def attend(self, inputs: AttentionInputs, need_weights: bool) -> AttentionOutput:
         c = self.config
-        cast = lambda a: np.asarray(a, self.dtype)  # noqa: E731
-        q = self.split_heads(self.project(cast(inputs.query), "q"), c.num_heads)
-        k = self.split_heads(self.project(cast(inputs.key), "k"), c.kv_heads)
-        v = self.split_heads(self.project(cast(inputs.value), "v"), c.kv_heads)
-        b, tq, tk = inputs.batch, inputs.tq, inputs.tk
+        q, k, v = self.heads(inputs)
+        b, tq = inputs.batch, inputs.tq
         # (B, kv, group, T, dh) view of queries lets each kv head serve its group without copying K/V
         q = q.reshape(b, c.kv_heads, c.group, tq, c.d_head) * self.dtype.type(self.scale())
         k, v = k[:, :, None], v[:, :, None]

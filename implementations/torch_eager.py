@@ -9,8 +9,7 @@ import math
 
 from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 
-from ._torch_common import (GPU_DTYPES, TORCH_DTYPES, TorchBackend, TorchLoaded, allowed_mask, linear_parameter_tensors,
-                            linear_params)
+from ._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend, allowed_mask
 
 
 def weighted_values(torch, weights, values):
@@ -28,28 +27,12 @@ def weighted_values(torch, weights, values):
     return torch.where(nan_hit, torch.full_like(out, math.nan), out)
 
 
-class TorchEagerLoaded(TorchLoaded):
-    def setup(self, params: AttentionParams) -> None:
-        linear_params(self, params)
-
-    def parameter_tensors(self):
-        return linear_parameter_tensors(self)
-
-    def _project(self, x, which: str):
-        y = x @ self.w[f"W_{which}"]
-        bias = self.w.get(f"b_{which}")
-        return y if bias is None else y + bias
-
+class TorchEagerLoaded(LinearTorchLoaded):
     def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
         torch, c = self.torch, self.config
-
-        def heads(x, n):
-            b, t, _ = x.shape
-            return x.reshape(b, t, n, c.d_head).transpose(1, 2)
-
-        qh = heads(self._project(q, "q"), c.num_heads)
-        kh = heads(self._project(k, "k"), c.kv_heads).repeat_interleave(c.group, dim=1)
-        vh = heads(self._project(v, "v"), c.kv_heads).repeat_interleave(c.group, dim=1)
+        qh = self.split_heads(self.project(q, "q"), c.num_heads)
+        kh = self.split_heads(self.project(k, "k"), c.kv_heads).repeat_interleave(c.group, dim=1)
+        vh = self.split_heads(self.project(v, "v"), c.kv_heads).repeat_interleave(c.group, dim=1)
         scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(c.d_head)
         allowed, additive = allowed_mask(inputs, c.num_heads)
         if additive is not None:
@@ -64,7 +47,7 @@ class TorchEagerLoaded(TorchLoaded):
         out = weighted_values(torch, weights, vh)
         b, h, t, dh = out.shape
         concat = out.transpose(1, 2).reshape(b, t, h * dh)
-        return self._project(concat, "o"), weights if need_weights else None
+        return self.project(concat, "o"), weights if need_weights else None
 
 
 class TorchEager(TorchBackend):

@@ -12,23 +12,19 @@ one explicit boolean mask (True = take part in attention).
 """
 from __future__ import annotations
 
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Divergence, Unsupported
+from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Unsupported
 
-from ._torch_common import (GPU_DTYPES, TORCH_DTYPES, TorchBackend, TorchLoaded, allowed_mask, linear_parameter_tensors,
-                            linear_params, torch_reason)
+from ._divergences import masked_poison_divergences
+from ._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend, allowed_mask, torch_reason
 
 KERNELS = ("math", "flash", "efficient", "cudnn")
 #: the aten op whose presence proves the kernel ran (math shows only its decomposition)
 KERNEL_OPS = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
               "cudnn": "_scaled_dot_product_cudnn_attention"}
 
-POISON_DIVERGENCES = tuple(
-    Divergence(case, observed=f"{kind} in a masked key/value reaches the output",
-               reason="SDPA multiplies masked (zero-weight) values in P @ V, and 0 * NaN = NaN "
-                      "(observed on torch 2.13.0 CPU, math and flash kernels)",
-               when={"poison": kind})
-    for case in ("check_causal_mask_blocks_future_keys", "check_padding_mask_blocks_padded_keys")
-    for kind in ("nan", "inf"))
+POISON_DIVERGENCES = masked_poison_divergences(
+    "SDPA multiplies masked (zero-weight) values in P @ V, and 0 * NaN = NaN (observed on torch 2.13.0 CPU, "
+    "math and flash kernels)")
 
 
 def _sdp_backend(kernel: str):
@@ -51,18 +47,10 @@ def _recorder():
     return OpRecorder()
 
 
-class TorchSdpaLoaded(TorchLoaded):
+class TorchSdpaLoaded(LinearTorchLoaded):
     def setup(self, params: AttentionParams) -> None:
-        linear_params(self, params)
+        super().setup(params)
         self.verified: set = set()
-
-    def parameter_tensors(self):
-        return linear_parameter_tensors(self)
-
-    def _project(self, x, which):
-        y = x @ self.w[f"W_{which}"]
-        bias = self.w.get(f"b_{which}")
-        return y if bias is None else y + bias
 
     def _mask_arguments(self, inputs: AttentionInputs):
         """SDPA keyword arguments for the masks: is_causal alone, causal_lower_right alone, or one explicit mask."""
@@ -86,17 +74,13 @@ class TorchSdpaLoaded(TorchLoaded):
         return {"attn_mask": bias.masked_fill(~self.mask_tensor(allowed), -torch.inf)}
 
     def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
-        torch, c = self.torch, self.config
+        c = self.config
         from torch.nn.attention import sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-        def heads(x, n):
-            b, t, _ = x.shape
-            return x.reshape(b, t, n, c.d_head).transpose(1, 2)
-
-        qh = heads(self._project(q, "q"), c.num_heads)
-        kh = heads(self._project(k, "k"), c.kv_heads)
-        vh = heads(self._project(v, "v"), c.kv_heads)
+        qh = self.split_heads(self.project(q, "q"), c.num_heads)
+        kh = self.split_heads(self.project(k, "k"), c.kv_heads)
+        vh = self.split_heads(self.project(v, "v"), c.kv_heads)
         kwargs = self._mask_arguments(inputs)
         if c.group > 1:
             kwargs["enable_gqa"] = True
@@ -117,7 +101,7 @@ class TorchSdpaLoaded(TorchLoaded):
                                   f"{str(exc).splitlines()[0]}") from None
             raise
         b, h, t, dh = out.shape
-        return self._project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), None
+        return self.project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), None
 
     def _verify_kernel(self, ops: list[str]) -> None:
         kernel = self.backend.kernel

@@ -40,8 +40,9 @@ if importlib.util.find_spec("flax"):
     from implementations.flax_mha import to_flax_tree as _ORIGINAL_FLAX_TREE
 
 ADAPTERS = [
-    pytest.param("implementations.torch_eager", "linear_params", _transposed_linear, "torch-eager", marks=torch_only),
-    pytest.param("implementations.torch_sdpa", "linear_params", _transposed_linear, "torch-sdpa-math-cpu",
+    pytest.param("implementations._torch_common", "linear_params", _transposed_linear, "torch-eager",
+                 marks=torch_only),
+    pytest.param("implementations._torch_common", "linear_params", _transposed_linear, "torch-sdpa-math-cpu",
                  marks=torch_only),
     pytest.param("implementations.torch_nn_mha", "pack_in_proj", _wrong_in_proj, "torch-nn-mha", marks=torch_only),
     pytest.param("implementations.jax_explicit", "linear_tree", _transposed_tree, "jax-explicit", marks=jax_only),

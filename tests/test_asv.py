@@ -27,9 +27,10 @@ def asv_config(tmp_path):
 
 
 def run_asv(config, *args, env=None):
+    """Run asv with HOME pointing next to the config, so the user's ~/.asv-machine.json is never touched."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     extra = ["--set-commit-hash", commit] if args and args[0] == "run" else []
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(config.parent), **(env or {})}
     for machine in re.findall(r"--machine (\S+)", " ".join(args)):
         subprocess.run([sys.executable, "-m", "asv", "machine", "--yes", "--machine", machine,
                         "--config", str(config)], cwd=ROOT, capture_output=True, text=True, env=full_env)
@@ -53,8 +54,14 @@ def test_two_machines_merge_into_one_dashboard(tmp_path):
                  "bench_memory.PeakMemory.track_peak_extra_memory", "bench_throughput.Throughput.track_gflops",
                  "bench_throughput.Throughput.track_fraction_of_gemm_peak"):
         assert name in names
-    assert (tmp_path / "html" / "index.html").exists()
     assert index["benchmarks"]["bench_memory.PeakMemory.track_peak_extra_memory"]["unit"] == "bytes"
+    # the dashboard must work offline: every CDN asset is served from results/html/vendor
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "asv_offline.py"), str(tmp_path / "html")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    page = (tmp_path / "html" / "index.html").read_text()
+    assert "https://cdn" not in page and "integrity=" not in page
+    assert (tmp_path / "html" / "vendor" / "jquery.min.js").exists()
 
 
 def test_benchmark_files_import_without_any_backend_available(tmp_path):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cases.golden import LESSON_HEAD_WEIGHTS, lesson_example
-from harness.api import AttentionConfig, AttentionInputs
+from harness.api import AttentionConfig
 from harness.dtypes import round_to
 from harness.params import make_inputs, make_params
 from harness.reference import reference_attention, reference_vjp

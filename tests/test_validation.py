@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import harness
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams
+from harness.api import AttentionConfig, AttentionParams
 from harness.params import make_inputs, make_params
 from harness.registry import RegistryError, load_registry, parse_spec
 from implementations.numpy_naive import NumpyNaive
