@@ -250,6 +250,8 @@ class AttentionBackend:
     divergences: tuple[Divergence, ...] = ()
     #: what the backend's own API takes as masks, shown in the policy table
     native_mask_polarity: str = "harness convention (attn_mask True = attend; key_padding_mask True = ignore)"
+    #: what the backend's own causal flag does, shown in the policy table next to the verified alignments
+    native_causal: str = "explicit masks in both alignments"
     device: str = "cpu"
     #: how harness.memory measures this backend's peak extra memory: tracemalloc, rss, cuda, jax-device
     memory_method: str = "rss"

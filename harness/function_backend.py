@@ -57,4 +57,6 @@ def function_backend(fn: Callable, *, name: str, causal: bool = False, cross_att
                         bool_attn_mask=False, additive_attn_mask=False, cross_attention=cross_attention,
                         attention_weights=False, gradients=False, grouped_query=False, bias=False,
                         native_parameters=False, dtypes=tuple(dtypes))
-    return FunctionBackend(fn, name, caps, batched)
+    backend = FunctionBackend(fn, name, caps, batched)
+    backend.native_causal = "causal=True passed to the function (top-left)" if causal else "none"
+    return backend

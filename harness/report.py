@@ -26,6 +26,7 @@ class BackendInfo:
     capabilities: dict = field(default_factory=dict)
     versions: dict = field(default_factory=dict)
     mask_polarity: str = ""
+    native_causal: str = ""
     divergences: list = field(default_factory=list)
 
 
@@ -79,7 +80,8 @@ class Report:
                 alignment = " and ".join(verified) + " (verified with Tq != Tk)"
             else:
                 alignment = ", ".join(info.capabilities.get("causal_alignments", [])) + " (declared; not verified)"
-            table[name] = {"fully_masked_rows": fully, "causal_alignment": alignment, "mask_polarity": info.mask_polarity}
+            table[name] = {"fully_masked_rows": fully, "causal_alignment": alignment, "native_causal": info.native_causal,
+                           "mask_polarity": info.mask_polarity}
         return table
 
     def to_json(self) -> dict:
@@ -111,11 +113,13 @@ class Report:
         lines += ["", "## Policies that backends legitimately differ on", "",
                   "The harness pins: fully masked rows output zeros; both causal alignments; "
                   "attn_mask True = may attend, key_padding_mask True = ignore.", "",
-                  "| backend | fully masked rows | causal alignment (is_causal / causal) | mask polarity at its own API |",
-                  "|---|---|---|---|"]
+                  "| backend | fully masked rows | causal alignments verified | its own causal flag | "
+                  "mask polarity at its own API |",
+                  "|---|---|---|---|---|"]
         for n, row in self.policies().items():
             if self.backends[n].available:
-                lines.append(f"| {n} | {row['fully_masked_rows']} | {row['causal_alignment']} | {row['mask_polarity']} |")
+                lines.append(f"| {n} | {row['fully_masked_rows']} | {row['causal_alignment']} | {row['native_causal']} "
+                             f"| {row['mask_polarity']} |")
         divergent = [(n, d) for n, info in self.backends.items() for d in info.divergences]
         if divergent:
             lines += ["", "## Declared divergences", "", "| backend | case | when | observed | reason |", "|---|---|---|---|---|"]
@@ -178,6 +182,7 @@ def backend_info(entry_or_backend, source: str = "") -> BackendInfo:
     return BackendInfo(name, source=source or getattr(entry_or_backend, "source", "python object"),
                        available=reason is None, reason=reason, capabilities=backend.capabilities.to_dict(),
                        versions=versions, mask_polarity=backend.native_mask_polarity,
+                       native_causal=backend.native_causal,
                        divergences=[{"case": d.case, "when": {k: list(v) if isinstance(v, tuple) else v
                                                               for k, v in d.when.items()},
                                      "observed": d.observed, "reason": d.reason} for d in backend.divergences])

@@ -94,6 +94,7 @@ class FlaxMha(JaxBackend):
     needs_flax = True
     divergences = DIVERGENCES
     native_mask_polarity = "mask bool: True = attend, shape (batch, heads|1, Tq, Tk); no additive masks"
+    native_causal = "no causal flag (flax's make_causal_mask is top-left); masks passed explicitly"
 
     def __init__(self, device: str = "cpu"):
         self.device = device

@@ -77,6 +77,7 @@ class JaxDpaLoaded(JaxLoaded):
 class JaxDpa(JaxBackend):
     divergences = DIVERGENCES
     native_mask_polarity = "mask bool: True = take part in attention; additive masks go to bias"
+    native_causal = "is_causal=True is top-left (the top-left variants run through it); bottom-right via mask"
 
     def __init__(self, implementation: str = "xla", device: str = "cpu"):
         self.implementation, self.device = implementation, device

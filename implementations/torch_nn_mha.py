@@ -70,6 +70,7 @@ class TorchNnMha(TorchBackend):
     native_mask_polarity = ("attn_mask bool: True = NOT allowed (opposite of SDPA); key_padding_mask: True = ignore; "
                             "is_causal only a hint that needs attn_mask")
     divergences = POISON_DIVERGENCES
+    native_causal = "is_causal is only a hint that needs attn_mask; causal masks passed explicitly"
 
     def __init__(self, device: str = "cpu"):
         self.device = device

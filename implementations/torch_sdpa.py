@@ -115,6 +115,7 @@ class TorchSdpaLoaded(LinearTorchLoaded):
 
 class TorchSdpa(TorchBackend):
     native_mask_polarity = "attn_mask bool: True = take part in attention; float: added to scores"
+    native_causal = "is_causal=True is top-left (the top-left variants run through it); bottom-right via causal_lower_right"
     divergences = POISON_DIVERGENCES
 
     def __init__(self, kernel: str = "math", device: str = "cpu"):
