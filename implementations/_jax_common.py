@@ -95,14 +95,17 @@ class JaxLoaded(LoadedAttention):
         raise NotImplementedError
 
     def array(self, x):
+        """NumPy -> device array in this layer's dtype. The cast happens on the host (ml_dtypes covers
+        bfloat16): casting on the device would compile one tiny XLA program per shape and dtype."""
         if x is None:
             return None
         x = np.asarray(x)
-        dtype = x.dtype if x.dtype == np.bool_ else self.dtype
-        return self.jax.device_put(self.jax.numpy.asarray(x, dtype=dtype), self.device)
+        if x.dtype != np.bool_:
+            x = x.astype(np.dtype(self.dtype))
+        return self.jax.device_put(x, self.device)
 
     def to_numpy(self, x):
-        return None if x is None else np.asarray(x.astype(self.jax.numpy.float64) if x.dtype != np.float64 else x)
+        return None if x is None else np.asarray(x).astype(np.float64)
 
     def native_inputs(self, inputs: AttentionInputs) -> dict:
         """Device arrays and static options for ``apply``."""
