@@ -81,3 +81,15 @@ def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = Fal
     if fn is None:
         raise NotImplementedError(why)
     return backend, fn, config
+
+
+class PreparedBenchmark:
+    """Base of the asv benchmark classes: backend x sequence length x causal, prepared callable in setup."""
+
+    params = PARAMS
+    param_names = PARAM_NAMES
+    timeout = 600
+    backward = False
+
+    def setup(self, backend, seq_len, causal):
+        self.backend, self.fn, self.config = prepared(backend, seq_len, causal, backward=self.backward)

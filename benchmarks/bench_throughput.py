@@ -2,7 +2,7 @@
 import statistics
 import time
 
-from ._common import PARAM_NAMES, PARAMS, prepared
+from ._common import PreparedBenchmark
 
 _PEAK = {}
 
@@ -14,20 +14,16 @@ def _gemm_peak() -> float:
     return _PEAK["gflops"]
 
 
-class Throughput:
-    params = PARAMS
-    param_names = PARAM_NAMES
-    timeout = 600
-
+class Throughput(PreparedBenchmark):
     def setup(self, backend, seq_len, causal):
         from harness.bench import attention_flops
-        self.backend, self.fn, config = prepared(backend, seq_len, causal)
+        super().setup(backend, seq_len, causal)
         times = []
         for _ in range(3):
             start = time.perf_counter()
             self.fn()
             times.append(time.perf_counter() - start)
-        self.gflops = attention_flops(config, seq_len, causal, False) / statistics.median(times) / 1e9
+        self.gflops = attention_flops(self.config, seq_len, causal, False) / statistics.median(times) / 1e9
 
     def track_gflops(self, backend, seq_len, causal):
         return self.gflops
