@@ -28,7 +28,6 @@ import numpy as np
 CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
 DTYPES = ("float64", "float32", "float16", "bfloat16")
 PARAM_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")
-INPUT_NAMES = ("query", "key", "value")
 
 
 class Unsupported(Exception):

@@ -16,7 +16,7 @@ import numpy as np
 
 from .api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, supported
 from .reference import reference_attention
-from .tolerance import Tolerance, max_abs_error, naive_dtype, tolerance_from
+from .tolerance import Tolerance, naive_dtype, tolerance_from
 
 
 class CaseFailure(AssertionError):
@@ -132,11 +132,6 @@ def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str, 
     return expected, tolerance_from(expected, naive, dtype, length=inputs.tk)
 
 
-def locate(diff: np.ndarray, labels=("batch", "position", "feature")) -> str:
-    idx = np.unravel_index(int(np.nanargmax(diff)), diff.shape)
-    return ", ".join(f"{label} {int(i)}" for label, i in zip(labels, idx))
-
-
 def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what: str,
                  labels=("batch", "position", "feature"), row_ids=None) -> float:
     """Fail with location and size of the largest error when ``actual`` is outside ``tol`` of ``expected``."""
@@ -164,10 +159,6 @@ def check_against_reference(backend: AttentionBackend, params: AttentionParams, 
         got = got[:, rows]
     expected, tol = tolerance_for(params, inputs, dtype, rows=rows)
     return assert_close(got, expected, tol, what, row_ids=rows)
-
-
-def max_error(actual, expected) -> float:
-    return max_abs_error(actual, expected)
 
 
 @dataclass

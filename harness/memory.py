@@ -48,16 +48,6 @@ def pin_mmap_threshold(nbytes: int = 128 * 1024) -> bool:
         return False
 
 
-def rss_supported() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        _status_kib("VmHWM")
-        return True
-    except OSError:
-        return False
-
-
 def peak_extra_bytes(fn: Callable[[], object], method: str) -> int:
     """Run ``fn`` once and return the peak memory it needed beyond what was in use before."""
     gc.collect()

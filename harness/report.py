@@ -3,7 +3,7 @@ written as versioned JSON and a markdown matrix of backends x cases."""
 from __future__ import annotations
 
 import platform
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -187,9 +187,3 @@ def backend_info(entry_or_backend, source: str = "") -> BackendInfo:
                                                               for k, v in d.when.items()},
                                      "observed": d.observed, "reason": d.reason} for d in backend.divergences])
 
-
-def group_by_backend(results: list[CaseResult]) -> dict[str, list[CaseResult]]:
-    grouped = defaultdict(list)
-    for r in results:
-        grouped[r.backend].append(r)
-    return grouped
