@@ -59,27 +59,6 @@ def jax_dtype(name: str):
     return {"float32": jnp.float32, "float64": jnp.float64, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-def masks_for(inputs: AttentionInputs):
-    """(bool "may attend" mask (B|1, 1|H, Tq, Tk) or None, additive (.., Tq, Tk) or None) as NumPy."""
-    tq, tk = inputs.tq, inputs.tk
-    allowed = None
-    if inputs.causal:
-        offset = 0 if inputs.causal == "top-left" else tk - tq
-        allowed = (np.arange(tk)[None, :] <= np.arange(tq)[:, None] + offset)[None, None]
-    if inputs.key_padding_mask is not None:
-        pad = ~inputs.key_padding_mask[:, None, None, :]
-        allowed = pad if allowed is None else allowed & pad
-    additive = None
-    if inputs.attn_mask is not None:
-        m = inputs.attn_mask.reshape((1, 1) + inputs.attn_mask.shape) if inputs.attn_mask.ndim == 2 else inputs.attn_mask
-        if m.dtype == np.bool_:
-            allowed = m if allowed is None else allowed & m
-        else:
-            allowed = (~np.isneginf(m)) if allowed is None else allowed & ~np.isneginf(m)
-            additive = np.where(np.isneginf(m), 0.0, m)
-    return allowed, additive
-
-
 class JaxLoaded(LoadedAttention):
     """Parameters as jax arrays on the backend's device. Subclasses give ``apply`` (a jitted pure function)."""
 

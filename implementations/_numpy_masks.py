@@ -1,4 +1,6 @@
-"""Mask construction for the NumPy backends, per block of queries and keys."""
+"""Mask construction on the host, in NumPy, for every backend: per block of queries and keys (numpy-tiled)
+or over the whole (Tq, Tk) range (everyone else, through :func:`full_mask`). Framework backends convert the
+result to their own tensors and polarity."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,6 +32,11 @@ def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, inve
             allowed = allowed & ~np.isneginf(m)
             additive = np.where(np.isneginf(m), 0.0, m)
     return allowed, additive
+
+
+def full_mask(inputs: AttentionInputs, invert_attn_mask: bool = False):
+    """:func:`block_mask` over all queries and keys: (allowed or None, additive or None)."""
+    return block_mask(inputs, 0, inputs.tq, 0, inputs.tk, invert_attn_mask)
 
 
 def causal_key_limit(inputs: AttentionInputs, q1: int) -> int:

@@ -37,25 +37,6 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def allowed_mask(inputs: AttentionInputs, num_heads: int):
-    """(bool "may attend" mask, additive float mask or None) as NumPy, broadcastable to (B, H, Tq, Tk)."""
-    tq, tk = inputs.tq, inputs.tk
-    allowed = np.ones((1, 1, tq, tk), bool)
-    if inputs.causal:
-        offset = 0 if inputs.causal == "top-left" else tk - tq
-        allowed = allowed & (np.arange(tk)[None, :] <= np.arange(tq)[:, None] + offset)
-    if inputs.key_padding_mask is not None:
-        allowed = allowed & ~inputs.key_padding_mask[:, None, None, :]
-    additive = None
-    if inputs.attn_mask is not None:
-        m = inputs.attn_mask.reshape((1, 1) + inputs.attn_mask.shape) if inputs.attn_mask.ndim == 2 else inputs.attn_mask
-        if m.dtype == np.bool_:
-            allowed = allowed & m
-        else:
-            additive = m
-    return allowed, additive
-
-
 class TorchLoaded(LoadedAttention):
     """Parameters as torch tensors on the backend's device; subclasses implement ``forward_tensors``."""
 

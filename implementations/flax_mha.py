@@ -15,7 +15,8 @@ import numpy as np
 from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 
 from ._divergences import masked_poison_divergences, uniform_fully_masked_divergences
-from ._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, masks_for
+from ._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded
+from ._numpy_masks import full_mask
 
 _FINITE_MIN = ("flax's dot_product_attention masks logits with the dtype's most negative finite value, so a row "
                "with every key masked softmaxes to uniform weights (observed on flax 0.12.8 / jax 0.10.2 CPU)")
@@ -77,7 +78,7 @@ class FlaxMhaLoaded(JaxLoaded):
         self.params = self.jax.tree_util.tree_map(self.array, to_flax_tree(params))
 
     def native_inputs(self, inputs: AttentionInputs) -> dict:
-        allowed, _ = masks_for(inputs)
+        allowed, _ = full_mask(inputs)
         return {"query": self.array(inputs.query), "key": self.array(inputs.key), "value": self.array(inputs.value),
                 "mask": self.array(allowed)}
 

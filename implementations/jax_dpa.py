@@ -12,7 +12,8 @@ import functools
 from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Divergence, Unsupported
 
 from ._divergences import masked_poison_divergences, uniform_fully_masked_divergences
-from ._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, linear_tree, masks_for
+from ._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, linear_tree
+from ._numpy_masks import full_mask
 
 _UNIFORM = ("jax.nn.dot_product_attention (xla) masks logits with a large finite negative value, so a row "
             "with every key masked softmaxes to uniform weights (observed on jax 0.10.2 CPU)")
@@ -54,7 +55,7 @@ class JaxDpaLoaded(JaxLoaded):
 
     def native_inputs(self, inputs: AttentionInputs) -> dict:
         is_causal = inputs.causal == "top-left" and inputs.key_padding_mask is None and inputs.attn_mask is None
-        allowed, additive = masks_for(inputs.replace(causal=None) if is_causal else inputs)
+        allowed, additive = full_mask(inputs.replace(causal=None) if is_causal else inputs)
         return {"query": self.array(inputs.query), "key": self.array(inputs.key), "value": self.array(inputs.value),
                 "mask": self.array(allowed), "bias": self.array(additive), "is_causal": is_causal}
 

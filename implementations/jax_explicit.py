@@ -11,7 +11,8 @@ import math
 
 from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 
-from ._jax_common import GPU_DTYPES, JAX_DTYPES, JaxBackend, JaxLoaded, linear_tree, masks_for
+from ._jax_common import GPU_DTYPES, JAX_DTYPES, JaxBackend, JaxLoaded, linear_tree
+from ._numpy_masks import full_mask
 
 
 def _weighted_values(jnp, lax, p, v):
@@ -65,7 +66,7 @@ class JaxExplicitLoaded(JaxLoaded):
         self.params = linear_tree(self, params)
 
     def native_inputs(self, inputs: AttentionInputs) -> dict:
-        allowed, additive = masks_for(inputs)
+        allowed, additive = full_mask(inputs)
         return {"query": self.array(inputs.query), "key": self.array(inputs.key), "value": self.array(inputs.value),
                 "allowed": self.array(allowed), "additive": self.array(additive)}
 

@@ -12,7 +12,7 @@ from harness.numerics import weighted_values
 from harness.api import (AttentionBackend, AttentionConfig, AttentionInputs, AttentionOutput,
                          AttentionParams, Capabilities, LoadedAttention)
 
-from ._numpy_masks import block_mask
+from ._numpy_masks import full_mask
 
 
 class NumpyNaiveLoaded(LoadedAttention):
@@ -36,7 +36,7 @@ class NumpyNaiveLoaded(LoadedAttention):
         return 1.0 / np.sqrt(self.config.d_head)
 
     def masks(self, inputs: AttentionInputs):
-        return block_mask(inputs, 0, inputs.tq, 0, inputs.tk)
+        return full_mask(inputs)
 
     def softmax(self, scores: np.ndarray) -> np.ndarray:
         """Row softmax with the row maximum subtracted; a row of -inf (all masked) gives zeros.

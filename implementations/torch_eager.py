@@ -9,7 +9,8 @@ import math
 
 from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 
-from ._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend, allowed_mask
+from ._numpy_masks import full_mask
+from ._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend
 
 
 def weighted_values(torch, weights, values):
@@ -34,11 +35,11 @@ class TorchEagerLoaded(LinearTorchLoaded):
         kh = self.split_heads(self.project(k, "k"), c.kv_heads).repeat_interleave(c.group, dim=1)
         vh = self.split_heads(self.project(v, "v"), c.kv_heads).repeat_interleave(c.group, dim=1)
         scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(c.d_head)
-        allowed, additive = allowed_mask(inputs, c.num_heads)
+        allowed, additive = full_mask(inputs)
         if additive is not None:
             scores = scores + self.mask_tensor(additive)
-        allowed_t = self.mask_tensor(allowed)
-        scores = scores.masked_fill(~allowed_t, -math.inf)
+        if allowed is not None:
+            scores = scores.masked_fill(~self.mask_tensor(allowed), -math.inf)
         row_max = scores.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
         e = torch.exp(scores - row_max)

@@ -12,7 +12,8 @@ import numpy as np
 
 from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 
-from ._torch_common import GPU_DTYPES, TORCH_DTYPES, TorchBackend, TorchLoaded, allowed_mask
+from ._numpy_masks import full_mask
+from ._torch_common import GPU_DTYPES, TORCH_DTYPES, TorchBackend, TorchLoaded
 from .torch_sdpa import POISON_DIVERGENCES
 
 
@@ -54,7 +55,7 @@ class TorchNnMhaLoaded(TorchLoaded):
             kwargs["key_padding_mask"] = self.mask_tensor(inputs.key_padding_mask)  # True = ignore, as torch
         if inputs.causal is not None or inputs.attn_mask is not None:
             # key padding travels separately; causal and attn_mask become one (B*H, Tq, Tk) mask
-            allowed, additive = allowed_mask(inputs.replace(key_padding_mask=None), c.num_heads)
+            allowed, additive = full_mask(inputs.replace(key_padding_mask=None))
             b, tq, tk = inputs.batch, inputs.tq, inputs.tk
             full = (b, c.num_heads, tq, tk)
             if additive is not None:  # float mask: additive where allowed, -inf elsewhere

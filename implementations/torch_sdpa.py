@@ -15,7 +15,8 @@ from __future__ import annotations
 from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Unsupported
 
 from ._divergences import masked_poison_divergences
-from ._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend, allowed_mask, torch_reason
+from ._numpy_masks import full_mask
+from ._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend, torch_reason
 
 KERNELS = ("math", "flash", "efficient", "cudnn")
 #: the aten op whose presence proves the kernel ran (math shows only its decomposition)
@@ -66,7 +67,7 @@ class TorchSdpaLoaded(LinearTorchLoaded):
                 return {"attn_mask": causal_lower_right(inputs.tq, inputs.tk)}
         if only_causal:
             return {}
-        allowed, additive = allowed_mask(inputs, self.config.num_heads)
+        allowed, additive = full_mask(inputs)
         if additive is None:
             return {"attn_mask": self.mask_tensor(allowed)}
         torch = self.torch

@@ -8,7 +8,7 @@ import numpy as np
 from harness.api import AttentionConfig, AttentionInputs, Capabilities
 from harness.reference import reference_vjp
 
-from .._numpy_masks import block_mask
+from .._numpy_masks import full_mask
 from ..numpy_naive import NumpyNaive, NumpyNaiveLoaded
 
 
@@ -55,7 +55,7 @@ def _with_mask(allowed, extra):
 
 class CausalOneFutureToken(NumpyNaiveLoaded):
     def masks(self, inputs):
-        allowed, additive = block_mask(inputs.replace(causal=None), 0, inputs.tq, 0, inputs.tk)
+        allowed, additive = full_mask(inputs.replace(causal=None))
         if inputs.causal:
             offset = 0 if inputs.causal == "top-left" else inputs.tk - inputs.tq
             allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] <= np.arange(inputs.tq)[:, None] + offset + 1)
@@ -64,7 +64,7 @@ class CausalOneFutureToken(NumpyNaiveLoaded):
 
 class CausalExcludesDiagonal(NumpyNaiveLoaded):
     def masks(self, inputs):
-        allowed, additive = block_mask(inputs.replace(causal=None), 0, inputs.tq, 0, inputs.tk)
+        allowed, additive = full_mask(inputs.replace(causal=None))
         if inputs.causal:
             offset = 0 if inputs.causal == "top-left" else inputs.tk - inputs.tq
             allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] < np.arange(inputs.tq)[:, None] + offset)
@@ -73,23 +73,23 @@ class CausalExcludesDiagonal(NumpyNaiveLoaded):
 
 class CausalAlwaysTopLeft(NumpyNaiveLoaded):
     def masks(self, inputs):
-        return block_mask(inputs.replace(causal="top-left" if inputs.causal else None), 0, inputs.tq, 0, inputs.tk)
+        return full_mask(inputs.replace(causal="top-left" if inputs.causal else None))
 
 
 class PaddingIgnored(NumpyNaiveLoaded):
     def masks(self, inputs):
-        return block_mask(inputs.replace(key_padding_mask=None), 0, inputs.tq, 0, inputs.tk)
+        return full_mask(inputs.replace(key_padding_mask=None))
 
 
 class AdditiveMaskIgnored(NumpyNaiveLoaded):
     def masks(self, inputs):
-        allowed, _ = block_mask(inputs, 0, inputs.tq, 0, inputs.tk)
+        allowed, _ = full_mask(inputs)
         return allowed, None
 
 
 class MaskPolarityInverted(NumpyNaiveLoaded):
     def masks(self, inputs):
-        return block_mask(inputs, 0, inputs.tq, 0, inputs.tk, invert_attn_mask=True)
+        return full_mask(inputs, invert_attn_mask=True)
 
 
 class SoftmaxWithoutMaxSubtraction(NumpyNaiveLoaded):
