@@ -229,7 +229,14 @@ class LoadedAttention:
 
         Returns gradients keyed by ``query``, ``key``, ``value`` and the parameter names
         (``W_q`` ...), all in the canonical layout. Only for backends declaring ``gradients``.
+        Validates like :meth:`forward`, then calls :meth:`compute_vjp`.
         """
+        from .validation import validate_inputs
+        validate_inputs(inputs, self.config)
+        return self.compute_vjp(inputs, cotangent)
+
+    def compute_vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
+        """The backend's gradients on already-validated inputs. Backends with gradients implement this."""
         raise NotImplementedError(f"{type(self).__name__} does not compute gradients")
 
     def prepare(self, inputs: AttentionInputs, *, backward: bool = False) -> Callable[[], Any]:

@@ -102,9 +102,7 @@ class JaxLoaded(LoadedAttention):
         """The parameter gradient tree in canonical names and layout."""
         raise NotImplementedError
 
-    def vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
-        from harness.validation import validate_inputs
-        validate_inputs(inputs, self.config)
+    def compute_vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
         arrays = self.native_inputs(inputs)
 
         def f(params, q, k, v):

@@ -81,9 +81,7 @@ class TorchLoaded(LoadedAttention):
         """Canonical name -> leaf tensor, and how to turn its gradient into the canonical layout."""
         raise NotImplementedError
 
-    def vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
-        from harness.validation import validate_inputs
-        validate_inputs(inputs, self.config)
+    def compute_vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
         torch = self.torch
         leaves = {n: self.tensor(getattr(inputs, n), requires_grad=True) for n in ("query", "key", "value")}
         params = self.parameter_tensors()

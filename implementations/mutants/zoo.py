@@ -156,19 +156,18 @@ class NoInputValidation(NumpyNaiveLoaded):
 class _GradientMutant(NumpyNaiveLoaded):
     """numpy-naive forward with reference gradients, so gradient cases have something to catch."""
 
-    def vjp(self, inputs: AttentionInputs, cotangent):
-        params = self._params
-        return reference_vjp(params, inputs, cotangent)
+    def compute_vjp(self, inputs: AttentionInputs, cotangent):
+        return reference_vjp(self._params, inputs, cotangent)
 
 
 class GradientFlowsToFutureKeys(_GradientMutant):
-    def vjp(self, inputs, cotangent):
+    def compute_vjp(self, inputs, cotangent):
         return reference_vjp(self._params, inputs.replace(causal=None), cotangent)
 
 
 class GradientOfWoTransposed(_GradientMutant):
-    def vjp(self, inputs, cotangent):
-        grads = super().vjp(inputs, cotangent)
+    def compute_vjp(self, inputs, cotangent):
+        grads = super().compute_vjp(inputs, cotangent)
         grads["W_o"] = grads["W_o"].T.copy()
         return grads
 
