@@ -77,6 +77,22 @@ def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / best / 1e9
 
 
+def warm_up(fn, seconds: float):
+    """Call ``fn`` once, then until ``seconds`` have passed: compilation, thread-pool start and first-touch
+    allocation stay outside the timings."""
+    start = time.perf_counter()
+    fn()
+    while time.perf_counter() - start < seconds:
+        fn()
+    return fn
+
+
+def rotated(names: list, r: int) -> list:
+    """``names`` rotated by ``r``: repeat r starts with a different backend, so drift hits all alike."""
+    k = r % max(1, len(names))
+    return names[k:] + names[:k]
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -97,11 +113,8 @@ def _prepare(backend, config: BenchConfig, seq_len: int, causal: bool, backward:
     attn = AttentionConfig(config.d_model, config.num_heads)
     inputs = make_inputs(attn, config.batch, seq_len, seed=seq_len, causal="top-left" if causal else None)
     try:
-        fn = backend.load(make_params(attn, seed=0), dtype=config.dtype).prepare(inputs, backward=backward)
-        warm_start = time.perf_counter()
-        fn()  # warm-up: compilation, thread-pool start and first-touch allocation stay outside the timings
-        while time.perf_counter() - warm_start < 0.2:
-            fn()
+        fn = warm_up(backend.load(make_params(attn, seed=0), dtype=config.dtype).prepare(inputs, backward=backward),
+                     0.2)
     except (NotImplementedError, Unsupported) as exc:
         return None, str(exc) or type(exc).__name__
     except MemoryError:
@@ -149,7 +162,7 @@ def sweep(backends: list, seq_lens, *, causal_modes=(False,), repeats: int = 5, 
                     here.append(point)
                 names = list(ready)
                 for r in range(repeats):  # interleaved: each repeat times every backend once, rotating order
-                    for name in names[r % max(1, len(names)):] + names[:r % max(1, len(names))]:
+                    for name in rotated(names, r):
                         backend, fn, point = ready[name]
                         if point.skipped:
                             continue
@@ -201,16 +214,25 @@ def _progress(total: int, enabled: bool):
     return update
 
 
+def series(points: list[BenchPoint]) -> dict[tuple, list[BenchPoint]]:
+    """Measured points per (backend, causal, mode), sorted by sequence length."""
+    out: dict[tuple, list[BenchPoint]] = {}
+    for p in sorted((p for p in points if not p.skipped), key=lambda p: p.seq_len):
+        out.setdefault((p.backend, p.causal, p.mode), []).append(p)
+    return dict(sorted(out.items()))
+
+
+def series_key(backend: str, causal: bool, mode: str) -> str:
+    return f"{backend}|{'causal' if causal else 'full'}|{mode}"
+
+
 def fits(points: list[BenchPoint]) -> dict:
     out = {}
-    groups = {(p.backend, p.causal, p.mode) for p in points if not p.skipped}
-    for backend, causal, mode in sorted(groups):
-        series = sorted((p for p in points if (p.backend, p.causal, p.mode) == (backend, causal, mode) and not p.skipped),
-                        key=lambda p: p.seq_len)
-        key = f"{backend}|{'causal' if causal else 'full'}|{mode}"
-        out[key] = {"time_exponent": fit_exponent([p.seq_len for p in series], [p.median_s for p in series]),
-                    "memory_exponent": fit_exponent([p.seq_len for p in series],
-                                                    [p.peak_extra_bytes for p in series])}
+    for (backend, causal, mode), series_ in series(points).items():
+        lengths = [p.seq_len for p in series_]
+        out[series_key(backend, causal, mode)] = {
+            "time_exponent": fit_exponent(lengths, [p.median_s for p in series_]),
+            "memory_exponent": fit_exponent(lengths, [p.peak_extra_bytes for p in series_])}
     return out
 
 
@@ -241,12 +263,10 @@ def plot(points: list[BenchPoint], exponents: dict, directory: Path) -> dict[str
                                          ("peak_extra_bytes", "peak extra memory (bytes)", "memory_exponent",
                                           "memory_vs_seq_len.png")):
         fig, ax = plt.subplots(figsize=(8, 5.5))
-        for (backend, causal, mode) in sorted({(p.backend, p.causal, p.mode) for p in points if not p.skipped}):
-            series = sorted((p for p in points if (p.backend, p.causal, p.mode) == (backend, causal, mode)
-                             and not p.skipped), key=lambda p: p.seq_len)
-            exp = exponents.get(f"{backend}|{'causal' if causal else 'full'}|{mode}", {}).get(key)
+        for (backend, causal, mode), line in series(points).items():
+            exp = exponents.get(series_key(backend, causal, mode), {}).get(key)
             name = backend + (" causal" if causal else "") + (" fwd+bwd" if mode != "forward" else "")
-            ax.plot([p.seq_len for p in series], [getattr(p, metric) or np.nan for p in series],
+            ax.plot([p.seq_len for p in line], [getattr(p, metric) or np.nan for p in line],
                     marker="o", linestyle="--" if causal or mode != "forward" else "-",
                     label=f"{name} (exponent {exp:.2f})" if exp is not None else name)
         ax.set_xscale("log", base=2)

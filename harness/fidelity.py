@@ -18,27 +18,20 @@ from pathlib import Path
 
 from .api import AttentionConfig
 from .atomic import write_json_atomic
+from .bench import rotated, warm_up
 from .memory import peak_extra_bytes
 from .params import make_inputs, make_params
 
 
 def _interleaved(fns: dict, repeats: int) -> dict:
+    """Median time of each callable over ``repeats`` rounds, the order rotating each round."""
     times = {name: [] for name in fns}
-    names = list(fns)
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(list(fns), r):
             start = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
-
-
-def _warm(fn, seconds: float = 0.3):
-    start = time.perf_counter()
-    fn()
-    while time.perf_counter() - start < seconds:
-        fn()
-    return fn
 
 
 def torch_overhead(seq_len: int = 1024, repeats: int = 60, kernel: str = "flash") -> dict:
@@ -50,7 +43,7 @@ def torch_overhead(seq_len: int = 1024, repeats: int = 60, kernel: str = "flash"
     config = AttentionConfig(512, 8)
     params, inputs = make_params(config), make_inputs(config, 1, seq_len)
     loaded = TorchSdpa(kernel, "cpu").load(params, dtype="float32")
-    harness_fn = _warm(loaded.prepare(inputs))
+    harness_fn = warm_up(loaded.prepare(inputs), 0.3)
     w = {name: loaded.w[name] for name in ("W_q", "W_k", "W_v", "W_o")}
     xq, xk, xv = harness_fn.native_inputs
 
@@ -60,7 +53,7 @@ def torch_overhead(seq_len: int = 1024, repeats: int = 60, kernel: str = "flash"
                        for x, n in ((xq, "W_q"), (xk, "W_k"), (xv, "W_v")))
             out = F.scaled_dot_product_attention(q, k, v)
             return out.transpose(1, 2).reshape(1, seq_len, 512) @ w["W_o"]
-    medians = _interleaved({"harness": harness_fn, "direct": _warm(direct)}, repeats)
+    medians = _interleaved({"harness": harness_fn, "direct": warm_up(direct, 0.3)}, repeats)
     return {"backend": f"torch-sdpa-{kernel}-cpu", "seq_len": seq_len, "repeats": repeats,
             "harness_median_s": medians["harness"], "direct_median_s": medians["direct"],
             "ratio": round(medians["harness"] / medians["direct"], 4), "target": "<= 1.03"}
@@ -73,7 +66,7 @@ def jax_overhead(seq_len: int = 1024, repeats: int = 60) -> dict:
     config = AttentionConfig(512, 8)
     params, inputs = make_params(config), make_inputs(config, 1, seq_len)
     loaded = JaxDpa().load(params, dtype="float32")
-    harness_fn = _warm(loaded.prepare(inputs))
+    harness_fn = warm_up(loaded.prepare(inputs), 0.3)
     w = loaded.params
     x = loaded.array(inputs.query)
 
@@ -85,7 +78,7 @@ def jax_overhead(seq_len: int = 1024, repeats: int = 60) -> dict:
 
     def direct():
         return jax.block_until_ready(layer(w, x))
-    medians = _interleaved({"harness": harness_fn, "direct": _warm(direct)}, repeats)
+    medians = _interleaved({"harness": harness_fn, "direct": warm_up(direct, 0.3)}, repeats)
     return {"backend": "jax-dpa", "seq_len": seq_len, "repeats": repeats,
             "harness_median_s": medians["harness"], "direct_median_s": medians["direct"],
             "ratio": round(medians["harness"] / medians["direct"], 4), "target": "<= 1.03"}
@@ -111,7 +104,7 @@ def tiled_vs_naive(seq_len: int = 4096, repeats: int = 5) -> dict:
     from implementations.numpy_tiled import NumpyTiled
     config = AttentionConfig(512, 8)
     params, inputs = make_params(config), make_inputs(config, 1, seq_len)
-    fns = {b.name: _warm(b.load(params, dtype="float32").prepare(inputs), 0.0) for b in (NumpyNaive(), NumpyTiled())}
+    fns = {b.name: warm_up(b.load(params, dtype="float32").prepare(inputs), 0.0) for b in (NumpyNaive(), NumpyTiled())}
     memory = {name: peak_extra_bytes(fn, "tracemalloc") for name, fn in fns.items()}
     medians = _interleaved(fns, repeats)
     return {"seq_len": seq_len, "d_model": 512, "heads": 8, "dtype": "float32", "repeats": repeats,
