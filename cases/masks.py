@@ -212,12 +212,10 @@ def check_fully_masked_rows_output_zeros(backend, *, dtype):
         raise CaseSkipped(f"{backend.name} declares neither key_padding_mask nor bool_attn_mask")
     got = run(backend, params, inputs, dtype).output
     expected = reference_attention(params, inputs).output
-    uniform = reference_attention(params, inputs.replace(key_padding_mask=None, attn_mask=None)
-                                  .replace(query=np.zeros_like(inputs.query))).output
-    if params.b_q is not None:  # zero queries still carry b_q; remove it for the uniform-average prediction
-        uniform = reference_attention(params.replace(b_q=np.zeros_like(params.b_q)),
-                                      inputs.replace(key_padding_mask=None, attn_mask=None,
-                                                     query=np.zeros_like(inputs.query))).output
+    # uniform weights over every key: zero queries (and no b_q) make every score 0, with no mask
+    flat = params if params.b_q is None else params.replace(b_q=np.zeros_like(params.b_q))
+    uniform = reference_attention(flat, inputs.replace(key_padding_mask=None, attn_mask=None,
+                                                       query=np.zeros_like(inputs.query))).output
     observed = classify_fully_masked_rows(got[rows], expected[rows], uniform[rows])
     if observed != "zeros":
         raise CaseFailure(f"fully masked rows: expected zeros before W_o (output = b_o), observed {observed}",

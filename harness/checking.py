@@ -7,34 +7,42 @@ from typing import Iterable
 from .api import AttentionBackend
 from .casekit import all_cases
 from .isolation import Target, run_isolated
-from .registry import Registry, backends_from_object, load_registry, parse_spec
-from .report import Report, backend_info
+from .registry import (Registry, availability_reason, backends_from_object, backends_from_spec, load_registry,
+                       parse_spec)
+from .report import BackendInfo, Report, backend_info, entry_info
 from .runner import run_backend, run_case, select_cases
 
 
-def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Target], list]:
+def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Target], list[BackendInfo]]:
     """Turn names, ``module:object`` specs, instances or classes into check targets.
 
-    Returns (targets, unavailable registry entries or backends, for the report)."""
+    Returns (targets, descriptions of the backends that are not available here, for the report)."""
     if isinstance(backends, (str, AttentionBackend)) or (isinstance(backends, type)):
         backends = [backends]
     targets, unavailable = [], []
+
+    def add(backend, spec, source):
+        reason = availability_reason(backend)
+        if reason is None:
+            targets.append(Target(backend, spec, source))
+        else:
+            unavailable.append(backend_info(backend, source, reason))
+
     for item in backends:
         if isinstance(item, str) and ":" in item:
             parse_spec(item)
-            from .registry import backends_from_spec
             for b in backends_from_spec(item):
-                (targets.append(Target(b, item, f"spec {item}")) if b.availability() is None else unavailable.append(b))
+                add(b, item, f"spec {item}")
         elif isinstance(item, str):
             registry = registry or load_registry()
             entry = registry.get(item)
             if entry.backend is not None and entry.available:
                 targets.append(Target(entry.backend, entry.spec, entry.source))
             else:
-                unavailable.append(entry)
+                unavailable.append(entry_info(entry))
         else:
             for b in backends_from_object(item):
-                (targets.append(Target(b)) if b.availability() is None else unavailable.append(b))
+                add(b, None, "python object")
     return targets, unavailable
 
 
@@ -51,9 +59,8 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
     targets, unavailable = resolve_targets(backends, registry)
     report = Report()
     for t in targets:
-        report.backends[t.name] = backend_info(t.backend, t.source)
-    for u in unavailable:
-        info = backend_info(u)
+        report.backends[t.name] = backend_info(t.backend, t.source, None)
+    for info in unavailable:
         report.backends[info.name] = info
     if isolate:
         by_backend = run_isolated(targets, chosen, timeout=timeout, jobs=jobs, progress=progress,

@@ -166,8 +166,8 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
     for name in names:
         entry = registry.get(name)
         if entry.backend is None:
-            from .report import backend_info
-            report.backends[name] = backend_info(entry)
+            from .report import entry_info
+            report.backends[name] = entry_info(entry)
     if mutants:
         print("computing the mutation score ...", flush=True)
         report.mutation = mutation_score()
@@ -183,10 +183,10 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
 
 
 def _assemble(registry, names, partial, start):
-    from .report import Report, backend_info
+    from .report import Report, entry_info
     report = Report(seconds=time.perf_counter() - start)
     for name in names:
-        report.backends[name] = backend_info(registry.get(name))
+        report.backends[name] = entry_info(registry.get(name))
         report.results += partial.get(name, [])
     return report
 

@@ -51,16 +51,19 @@ class BackendEntry:
 
     @property
     def reason_unavailable(self) -> str | None:
-        if self.error:
-            return self.error
-        try:
-            return self.backend.availability()
-        except Exception as exc:  # a plugin's availability() must not take the run down
-            return f"availability() raised {type(exc).__name__}: {exc}"
+        return self.error or availability_reason(self.backend)
 
     @property
     def available(self) -> bool:
         return self.reason_unavailable is None
+
+
+def availability_reason(backend: AttentionBackend) -> str | None:
+    """``backend.availability()``, where a plugin that raises is unavailable for that reason, never fatal."""
+    try:
+        return backend.availability()
+    except Exception as exc:  # noqa: BLE001
+        return f"availability() raised {type(exc).__name__}: {exc}"
 
 
 def parse_spec(spec: str) -> tuple[str, str]:

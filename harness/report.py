@@ -162,28 +162,22 @@ class Report:
         return out
 
 
-def backend_info(entry_or_backend, source: str = "") -> BackendInfo:
-    """Describe a backend (or a registry entry) for the report."""
-    backend = getattr(entry_or_backend, "backend", entry_or_backend)
-    reason = getattr(entry_or_backend, "reason_unavailable", None) if hasattr(entry_or_backend, "spec") else None
-    name = getattr(entry_or_backend, "name", None) or backend.name
-    if backend is None:
-        return BackendInfo(name, source=source or entry_or_backend.source, available=False, reason=reason,
-                           load_error=True)
-    if reason is None and not hasattr(entry_or_backend, "spec"):
-        try:
-            reason = backend.availability()
-        except Exception as exc:  # noqa: BLE001
-            reason = f"availability() raised {type(exc).__name__}: {exc}"
+def backend_info(backend, source: str, reason: str | None) -> BackendInfo:
+    """Describe a loaded backend for the report; ``reason`` says why it is unavailable (None: available)."""
     try:
         versions = backend.versions() if reason is None else {}
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a plugin's versions() must not lose the report
         versions = {}
-    return BackendInfo(name, source=source or getattr(entry_or_backend, "source", "python object"),
-                       available=reason is None, reason=reason, capabilities=backend.capabilities.to_dict(),
-                       versions=versions, mask_polarity=backend.native_mask_polarity,
-                       native_causal=backend.native_causal,
+    return BackendInfo(backend.name, source=source, available=reason is None, reason=reason,
+                       capabilities=backend.capabilities.to_dict(), versions=versions,
+                       mask_polarity=backend.native_mask_polarity, native_causal=backend.native_causal,
                        divergences=[{"case": d.case, "when": {k: list(v) if isinstance(v, tuple) else v
                                                               for k, v in d.when.items()},
                                      "observed": d.observed, "reason": d.reason} for d in backend.divergences])
 
+
+def entry_info(entry) -> BackendInfo:
+    """Describe a registry entry; one whose plugin failed to load is a load error."""
+    if entry.backend is None:
+        return BackendInfo(entry.name, source=entry.source, available=False, reason=entry.error, load_error=True)
+    return backend_info(entry.backend, entry.source, entry.reason_unavailable)
