@@ -163,11 +163,9 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
     report = check(runnable, cases=cases or None, isolate=isolate,
                    timeout=args.timeout, jobs=args.jobs, include_slow=include_slow, registry=registry,
                    progress=progress, on_backend_done=write_partial)
-    for name in names:
-        entry = registry.get(name)
-        if entry.backend is None:
-            from .report import entry_info
-            report.backends[name] = entry_info(entry)
+    from .report import entry_info
+    for name in names:  # sources that failed to load were not run; they are reported as load errors
+        report.backends.setdefault(name, entry_info(registry.get(name)))
     if mutants:
         print("computing the mutation score ...", flush=True)
         report.mutation = mutation_score()
@@ -225,8 +223,7 @@ def cmd_run(args) -> int:
     if not args.skip_bench:
         from .bench import QUICK_SEQ_LENS, run_bench
         lost = {r.backend for r in report.results if r.status in ("crashed", "timeout", "error")}
-        names = [n for n in _targets(args, registry) if registry.get(n).backend is not None
-                 and registry.get(n).available and n not in lost]
+        names = [n for n, info in report.backends.items() if info.available and n not in lost]
         for name in sorted(lost):  # benchmarks run in this process: never with a backend that crashed or hung
             print(f"  not benchmarked: {name} (errors, crashes or timeouts in conformance)")
         run_bench(registry, names, results, seq_lens=args.seq_lens or QUICK_SEQ_LENS, causal="off", repeats=3,
