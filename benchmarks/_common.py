@@ -20,7 +20,7 @@ def _backend_names() -> list[str]:
     if wanted:
         return wanted
     try:
-        from harness.registry import load_registry
+        from mha_harness.registry import load_registry
         return [e.name for e in load_registry().entries.values() if e.backend is not None]
     except Exception:  # noqa: BLE001 - asv must still import this file
         return []
@@ -45,7 +45,7 @@ _REGISTRY = None
 def registry():
     global _REGISTRY
     if _REGISTRY is None:
-        from harness.registry import load_registry
+        from mha_harness.registry import load_registry
         _REGISTRY = load_registry()
     return _REGISTRY
 
@@ -59,8 +59,8 @@ def half_dtype(backend) -> str:
 
 def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = False):
     """(backend, prepared callable, BenchConfig) or NotImplementedError with the reason."""
-    from harness.api import Unsupported
-    from harness.bench import BenchConfig, _prepare
+    from mha_harness.contract.api import Unsupported
+    from mha_harness.bench.sweep import BenchConfig, _prepare
     try:
         entry = registry().get(backend_name)
     except ValueError as exc:
@@ -69,7 +69,7 @@ def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = Fal
     if reason:
         raise NotImplementedError(reason)
     backend = entry.backend
-    from harness.memory import pin_mmap_threshold
+    from mha_harness.bench.memory import pin_mmap_threshold
     pin_mmap_threshold()
     if backend.device == "cpu" and seq_len > MAX_CPU_SEQ:
         raise NotImplementedError(f"T={seq_len} is a GPU-only length (CPU sweep stops at {MAX_CPU_SEQ})")

@@ -6,5 +6,5 @@ class PeakMemory(PreparedBenchmark):
     unit = "bytes"
 
     def track_peak_extra_memory(self, backend, seq_len, causal):
-        from harness.memory import peak_extra_bytes
+        from mha_harness.bench.memory import peak_extra_bytes
         return peak_extra_bytes(self.fn, self.backend.memory_method)

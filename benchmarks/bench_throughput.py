@@ -9,14 +9,14 @@ _PEAK = {}
 
 def _gemm_peak() -> float:
     if "gflops" not in _PEAK:
-        from harness.bench import gemm_peak_gflops
+        from mha_harness.bench.sweep import gemm_peak_gflops
         _PEAK["gflops"] = gemm_peak_gflops()
     return _PEAK["gflops"]
 
 
 class Throughput(PreparedBenchmark):
     def setup(self, backend, seq_len, causal):
-        from harness.bench import attention_flops
+        from mha_harness.bench.sweep import attention_flops
         super().setup(backend, seq_len, causal)
         times = []
         for _ in range(3):

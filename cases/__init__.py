@@ -1,7 +1,7 @@
 """The shared conformance cases. Importing this package registers every ``check_*`` function.
 
-Each case is a plain function over any backend (see :mod:`harness.casekit`). Cases talk to
+Each case is a plain function over any backend (see :mod:`mha_harness.casekit`). Cases talk to
 backends only through the plugin API and never import torch or jax. Run them with
-``mha-harness check``, ``harness.check(backend)`` or ``pytest --pyargs cases``.
+``mha-harness check``, ``mha_harness.check(backend)`` or ``pytest --pyargs mha_harness.cases``.
 """
-from . import agreement, bad_input, gradients, invariance, masks, projections  # noqa: F401
+from mha_harness.cases import agreement, bad_input, gradients, invariance, masks, projections  # noqa: F401

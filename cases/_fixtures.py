@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.api import AttentionConfig, AttentionInputs
-from harness.casekit import primary_dtype
-from harness.params import make_inputs, make_params
+from mha_harness.contract.api import AttentionConfig, AttentionInputs
+from mha_harness.conformance.casekit import primary_dtype
+from mha_harness.contract.params import make_inputs, make_params
 
 SMALL = dict(d_model=32, num_heads=4)
 

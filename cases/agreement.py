@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.api import AttentionConfig
-from harness.casekit import (CaseFailure, Measurement, assert_close, case, check_against_reference, primary_dtype,
+from mha_harness.contract.api import AttentionConfig
+from mha_harness.conformance.casekit import (CaseFailure, Measurement, assert_close, case, check_against_reference, primary_dtype,
                              run)
-from harness.params import make_inputs, make_params
-from harness.reference import reference_attention
-from harness.tolerance import naive_dtype, tolerance_from
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import reference_attention
+from mha_harness.contract.tolerance import naive_dtype, tolerance_from
 
 # (batch, heads, d_head, Tq, Tk, bias, kv_heads): covers batch {1, 3}, T {1, 7, 64, 129, 1000}, Tq != Tk,
 # d_head {8, 64, 80}, heads {1, 2, 8}, with and without biases, grouped- and multi-query heads.
@@ -117,7 +117,7 @@ def check_attention_weights_match_reference(backend, *, dtype, masked):
 def check_lesson_worked_example_head_weights(backend, *, dtype):
     """The lesson's worked example (default_rng(7), T=4, d_model=8, h=2, weights * 0.5) gives the printed
     head weights to the printed two decimals, and the reference output."""
-    from .golden import LESSON_HEAD_WEIGHTS, lesson_example
+    from mha_harness.cases.golden import LESSON_HEAD_WEIGHTS, lesson_example
     params, inputs = lesson_example()
     if backend.capabilities.attention_weights:
         weights = run(backend, params, inputs, dtype, need_weights=True).weights[0]

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.casekit import CaseFailure, Measurement, case
+from mha_harness.conformance.casekit import CaseFailure, Measurement, case
 
-from ._fixtures import separate_inputs, small_layer
+from mha_harness.cases._fixtures import separate_inputs, small_layer
 
 
 def _bad_calls(inputs, d_model):

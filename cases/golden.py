@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 
 #: printed by the lesson for default_rng(7), T=4, d_model=8, h=2, weights scaled by 0.5
 LESSON_HEAD_WEIGHTS = np.array([

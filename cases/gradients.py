@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.api import AttentionConfig
-from harness.casekit import CaseFailure, Measurement, assert_close, case, require
-from harness.params import make_inputs, make_params
-from harness.reference import reference_vjp
-from harness.tolerance import naive_dtype, tolerance_from
+from mha_harness.contract.api import AttentionConfig
+from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_close, case, require
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import reference_vjp
+from mha_harness.contract.tolerance import naive_dtype, tolerance_from
 
 
 def _gradient_variants(backend):

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.api import AttentionConfig
-from harness.casekit import CaseFailure, Measurement, assert_close, case, run, tolerance_for
-from harness.params import make_inputs, make_params
+from mha_harness.contract.api import AttentionConfig
+from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_close, case, run, tolerance_for
+from mha_harness.contract.params import make_inputs, make_params
 
-from ._fixtures import separate_inputs, small_layer
+from mha_harness.cases._fixtures import separate_inputs, small_layer
 
 
 @case()

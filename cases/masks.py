@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.casekit import (CaseFailure, CaseSkipped, Measurement, assert_close, case, check_against_reference,
+from mha_harness.conformance.casekit import (CaseFailure, CaseSkipped, Measurement, assert_close, case, check_against_reference,
                              on_primary_dtype, primary_dtype, require, run, tolerance_for)
-from harness.reference import reference_attention
+from mha_harness.contract.reference import reference_attention
 
-from ._fixtures import causal_variants, key_limit, separate_inputs, small_layer, with_keys_replaced
+from mha_harness.cases._fixtures import causal_variants, key_limit, separate_inputs, small_layer, with_keys_replaced
 
 POISONS = ("random", "nan", "inf")
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams
-from harness.casekit import CaseFailure, Measurement, assert_close, case, primary_dtype, run, tolerance_for
-from harness.params import make_params
-from harness.reference import reference_attention
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
+from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_close, case, primary_dtype, run, tolerance_for
+from mha_harness.contract.params import make_params
+from mha_harness.contract.reference import reference_attention
 
-from ._fixtures import separate_inputs, small_layer
+from mha_harness.cases._fixtures import separate_inputs, small_layer
 
 
 def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:

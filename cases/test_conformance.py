@@ -1,14 +1,14 @@
 """The conformance cases as pytest tests (collected through the mha-harness pytest plugin).
 
-``pytest --pyargs cases --mha-backend NAME_OR_MODULE:OBJECT`` runs every case on that backend;
+``pytest --pyargs mha_harness.cases --mha-backend NAME_OR_MODULE:OBJECT`` runs every case on that backend;
 without ``--mha-backend`` every available registered backend is checked.
 """
-from harness.casekit import all_cases
+from mha_harness.conformance.casekit import all_cases
 
 
 def _make(case_name: str):
     def test(mha_backend, mha_params):
-        from harness.pytest_plugin import run_as_test
+        from mha_harness.pytest_plugin import run_as_test
         run_as_test(case_name, mha_backend, mha_params)
     test.__name__ = case_name
     test.__doc__ = all_cases()[case_name].doc

@@ -2,19 +2,19 @@
 
 Public API::
 
-    harness.check(backend_or_name, ...) -> Report   # run the conformance cases
-    harness.AttentionBackend, harness.LoadedAttention, harness.Capabilities, harness.Divergence
-    harness.function_backend(...)                   # the few-line adapter for a plain NumPy function
-    harness.load_registry()                         # every built-in and plugin backend
+    mha_harness.check(backend_or_name, ...) -> Report   # run the conformance cases
+    mha_harness.AttentionBackend, mha_harness.LoadedAttention, mha_harness.Capabilities, mha_harness.Divergence
+    mha_harness.function_backend(...)                   # the few-line adapter for a plain NumPy function
+    mha_harness.load_registry()                         # every built-in and plugin backend
 """
-from .api import (AttentionBackend, AttentionConfig, AttentionInputs, AttentionOutput, AttentionParams,
+from mha_harness.contract.api import (AttentionBackend, AttentionConfig, AttentionInputs, AttentionOutput, AttentionParams,
                   Capabilities, Divergence, LoadedAttention, Unsupported)
-from .checking import check, repro
-from .function_backend import function_backend
-from .params import make_inputs, make_params
-from .reference import reference_attention, reference_vjp
-from .registry import load_registry
-from .report import Report
+from mha_harness.checking import check, repro
+from mha_harness.toolkit.function_backend import function_backend
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import reference_attention, reference_vjp
+from mha_harness.registry import load_registry
+from mha_harness.conformance.report import Report
 
 __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",

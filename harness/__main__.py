@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from mha_harness.cli import main
 
 sys.exit(main())

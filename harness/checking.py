@@ -4,13 +4,13 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
-from .api import AttentionBackend
-from .casekit import all_cases
-from .isolation import Target, run_isolated
-from .registry import (Registry, availability_reason, backends_from_object, backends_from_spec, load_registry,
+from mha_harness.contract.api import AttentionBackend
+from mha_harness.conformance.casekit import all_cases
+from mha_harness.conformance.isolation import Target, run_isolated
+from mha_harness.registry import (Registry, availability_reason, backends_from_object, backends_from_spec, load_registry,
                        parse_spec)
-from .report import BackendInfo, Report, backend_info, entry_info
-from .runner import run_backend, run_case, select_cases
+from mha_harness.conformance.report import BackendInfo, Report, backend_info, entry_info
+from mha_harness.conformance.runner import run_backend, run_case, select_cases
 
 
 def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Target], list[BackendInfo]]:
@@ -79,7 +79,7 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
 
 def repro(backend, case: str, **params) -> None:
     """Rerun one case variant in this process and raise its failure (the one-line repro in reports)."""
-    from .casekit import CaseFailure
+    from mha_harness.conformance.casekit import CaseFailure
     targets, unavailable = resolve_targets(backend)
     if not targets:
         raise ValueError(f"backend: {backend!r} is not available here")

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .atomic import check_writable
+from mha_harness.util.atomic import check_writable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -95,7 +95,7 @@ def _usage(fn, *args, **kwargs):
 
 def _registry(specs):
     import os
-    from .registry import load_registry
+    from mha_harness.registry import load_registry
     if specs and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:object resolves from the working directory, as with python -m
     return _usage(load_registry, specs)
@@ -139,8 +139,8 @@ def cmd_list(args) -> int:
 
 
 def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, mutants=False):
-    from .checking import check
-    from .mutation import mutation_score
+    from mha_harness.checking import check
+    from mha_harness.conformance.mutation import mutation_score
     _usage(check_writable, results_dir / "conformance", "--results")
     names = _targets(args, registry)
     start = time.perf_counter()
@@ -163,7 +163,7 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
     report = check(runnable, cases=cases or None, isolate=isolate,
                    timeout=args.timeout, jobs=args.jobs, include_slow=include_slow, registry=registry,
                    progress=progress, on_backend_done=write_partial)
-    from .report import entry_info
+    from mha_harness.conformance.report import entry_info
     for name in names:  # sources that failed to load were not run; they are reported as load errors
         report.backends.setdefault(name, entry_info(registry.get(name)))
     if mutants:
@@ -181,7 +181,7 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
 
 
 def _assemble(registry, names, partial, start):
-    from .report import Report, entry_info
+    from mha_harness.conformance.report import Report, entry_info
     report = Report(seconds=time.perf_counter() - start)
     for name in names:
         report.backends[name] = entry_info(registry.get(name))
@@ -191,7 +191,7 @@ def _assemble(registry, names, partial, start):
 
 def cmd_check(args) -> int:
     registry = _registry(args.backend_spec)
-    from .runner import select_cases
+    from mha_harness.conformance.runner import select_cases
     _usage(select_cases, args.case or None)  # unknown case names are usage errors, before any work
     report = _check(args, registry, Path(args.results), cases=args.case, include_slow=not args.quick,
                     mutants=args.mutants)
@@ -199,7 +199,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bench
+    from mha_harness.bench.sweep import run_bench
     registry = _registry(args.backend_spec)
     names = _targets(args, registry)
     _usage(check_writable, Path(args.results) / "bench", "--results")
@@ -210,7 +210,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_fidelity(args) -> int:
-    from .fidelity import run_fidelity
+    from mha_harness.bench.fidelity import run_fidelity
     _usage(check_writable, Path(args.results) / "bench", "--results")
     run_fidelity(Path(args.results), repeats=args.repeats)
     return EXIT_OK
@@ -221,7 +221,7 @@ def cmd_run(args) -> int:
     results = Path(args.results)
     report = _check(args, registry, results, include_slow=True, mutants=True)
     if not args.skip_bench:
-        from .bench import QUICK_SEQ_LENS, run_bench
+        from mha_harness.bench.sweep import QUICK_SEQ_LENS, run_bench
         lost = {r.backend for r in report.results if r.status in ("crashed", "timeout", "error")}
         names = [n for n, info in report.backends.items() if info.available and n not in lost]
         for name in sorted(lost):  # benchmarks run in this process: never with a backend that crashed or hung

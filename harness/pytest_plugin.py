@@ -1,7 +1,7 @@
 """pytest plugin (entry point ``pytest11``): the conformance cases as ordinary pytest tests.
 
-    pytest --pyargs cases --mha-backend mypkg.attn:MyAttention
-    pytest --pyargs cases --mha-backend numpy-tiled -k check_scores_scaled
+    pytest --pyargs mha_harness.cases --mha-backend mypkg.attn:MyAttention
+    pytest --pyargs mha_harness.cases --mha-backend numpy-tiled -k check_scores_scaled
 
 Each case becomes a test named after it, parametrised over backends and variants with readable
 ids (``check_scores_scaled_by_sqrt_d_head[torch-sdpa-math-cpu-float32]``). Skips carry the
@@ -25,8 +25,8 @@ def pytest_addoption(parser):
 def _targets(config):
     cached = getattr(config, "_mha_targets", None)
     if cached is None:
-        from harness.checking import resolve_targets
-        from harness.registry import load_registry
+        from mha_harness.checking import resolve_targets
+        from mha_harness.registry import load_registry
         specs = config.getoption("--mha-backend")
         if specs:
             targets, _ = resolve_targets(specs)
@@ -47,7 +47,7 @@ def pytest_generate_tests(metafunc):
     case_name = getattr(metafunc.function, "_mha_case", None)
     if not case_name:
         return
-    from harness.casekit import all_cases, variant_id
+    from mha_harness.conformance.casekit import all_cases, variant_id
     case = all_cases()[case_name]
     params, ids = [], []
     for backend in _targets(metafunc.config):
@@ -63,8 +63,8 @@ def pytest_generate_tests(metafunc):
 
 def run_as_test(case_name: str, backend, params: dict) -> None:
     """Run one variant and translate its status into pytest's outcomes."""
-    from harness.casekit import all_cases
-    from harness.runner import run_case
+    from mha_harness.conformance.casekit import all_cases
+    from mha_harness.conformance.runner import run_case
     result = run_case(backend, all_cases()[case_name], params)
     if result.status == "skipped":
         pytest.skip(result.message)

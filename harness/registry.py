@@ -16,20 +16,20 @@ import traceback
 from dataclasses import dataclass
 from importlib import metadata
 
-from .api import AttentionBackend
+from mha_harness.contract.api import AttentionBackend
 
 ENTRY_POINT_GROUP = "mha_harness.backends"
 
 #: built-in backends; pyproject.toml registers the same objects in ENTRY_POINT_GROUP
 BUILTIN_SPECS = (
-    "implementations.numpy_naive:NumpyNaive",
-    "implementations.numpy_tiled:NumpyTiled",
-    "implementations.torch_eager:backends",
-    "implementations.torch_sdpa:backends",
-    "implementations.torch_nn_mha:backends",
-    "implementations.jax_explicit:backends",
-    "implementations.jax_dpa:backends",
-    "implementations.flax_mha:backends",
+    "mha_harness.implementations.numpy_naive:NumpyNaive",
+    "mha_harness.implementations.numpy_tiled:NumpyTiled",
+    "mha_harness.implementations.torch_eager:backends",
+    "mha_harness.implementations.torch_sdpa:backends",
+    "mha_harness.implementations.torch_nn_mha:backends",
+    "mha_harness.implementations.jax_explicit:backends",
+    "mha_harness.implementations.jax_dpa:backends",
+    "mha_harness.implementations.flax_mha:backends",
 )
 
 _SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
@@ -95,7 +95,7 @@ def backends_from_object(obj) -> list[AttentionBackend]:
         for item in items:
             if not isinstance(item, AttentionBackend):
                 raise TypeError(f"backend factory {obj!r}: produced {type(item).__name__}; "
-                                "accepted: harness.AttentionBackend instances")
+                                "accepted: mha_harness.AttentionBackend instances")
         return items
     raise TypeError(f"backend object: got {type(obj).__name__}; accepted: an AttentionBackend instance, "
                     "subclass, or a callable returning them")

@@ -9,7 +9,7 @@ import importlib.util
 
 import numpy as np
 
-from harness.api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, LoadedAttention
+from mha_harness.contract.api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, LoadedAttention
 
 JAX_DTYPES = ("float32", "float64", "bfloat16", "float16")
 GPU_DTYPES = ("float32", "bfloat16", "float16")

@@ -12,11 +12,11 @@ import functools
 
 import numpy as np
 
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 
-from ._divergences import masked_poison_divergences, uniform_fully_masked_divergences
-from ._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded
-from ._numpy_masks import full_mask
+from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
+from mha_harness.implementations._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded
+from mha_harness.toolkit.masks import full_mask
 
 _FINITE_MIN = ("flax's dot_product_attention masks logits with the dtype's most negative finite value, so a row "
                "with every key masked softmaxes to uniform weights (observed on flax 0.12.8 / jax 0.10.2 CPU)")
@@ -53,7 +53,7 @@ def from_flax_tree(tree, config: AttentionConfig) -> dict:
 def _module(num_heads: int, d_model: int, bias: bool, dtype_name: str):
     import flax.linen as nn
 
-    from ._jax_common import jax_dtype
+    from mha_harness.implementations._jax_common import jax_dtype
     dtype = jax_dtype(dtype_name)
     return nn.MultiHeadDotProductAttention(num_heads=num_heads, qkv_features=d_model, out_features=d_model,
                                            use_bias=bias, dtype=dtype, param_dtype=dtype, deterministic=True)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import functools
 
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Divergence, Unsupported
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Divergence, Unsupported
 
-from ._divergences import masked_poison_divergences, uniform_fully_masked_divergences
-from ._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, linear_tree
-from ._numpy_masks import full_mask
+from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
+from mha_harness.implementations._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, linear_tree
+from mha_harness.toolkit.masks import full_mask
 
 _UNIFORM = ("jax.nn.dot_product_attention (xla) masks logits with a large finite negative value, so a row "
             "with every key masked softmaxes to uniform weights (observed on jax 0.10.2 CPU)")
@@ -88,7 +88,7 @@ class JaxDpa(JaxBackend):
                                          dtypes=("float32", "float64", "bfloat16") if device == "cpu" else GPU_DTYPES)
 
     def native_parameter_shapes(self, config: AttentionConfig):
-        from harness.params import make_params
+        from mha_harness.contract.params import make_params
         return {n: tuple(a.shape) for n, a in JaxDpaLoaded(self, make_params(config), "float32").params.items()}
 
     def load_native(self, params: AttentionParams, dtype: str) -> JaxDpaLoaded:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 import math
 
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 
-from ._jax_common import GPU_DTYPES, JAX_DTYPES, JaxBackend, JaxLoaded, linear_tree
-from ._numpy_masks import full_mask
+from mha_harness.implementations._jax_common import GPU_DTYPES, JAX_DTYPES, JaxBackend, JaxLoaded, linear_tree
+from mha_harness.toolkit.masks import full_mask
 
 
 def _weighted_values(jnp, lax, p, v):
@@ -86,7 +86,7 @@ class JaxExplicit(JaxBackend):
                                          dtypes=JAX_DTYPES if device == "cpu" else GPU_DTYPES)
 
     def native_parameter_shapes(self, config: AttentionConfig):
-        from harness.params import make_params
+        from mha_harness.contract.params import make_params
         return {n: tuple(a.shape) for n, a in JaxExplicitLoaded(self, make_params(config), "float32").params.items()}
 
     def load_native(self, params: AttentionParams, dtype: str) -> JaxExplicitLoaded:

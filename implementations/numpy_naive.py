@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.numerics import weighted_values
-from harness.api import (AttentionBackend, AttentionConfig, AttentionInputs, AttentionOutput,
+from mha_harness.contract.numerics import weighted_values
+from mha_harness.contract.api import (AttentionBackend, AttentionConfig, AttentionInputs, AttentionOutput,
                          AttentionParams, Capabilities, LoadedAttention)
 
-from ._numpy_masks import full_mask
+from mha_harness.toolkit.masks import full_mask
 
 
 class NumpyNaiveLoaded(LoadedAttention):
@@ -100,7 +100,7 @@ class NumpyNaive(AttentionBackend):
     loaded_class = NumpyNaiveLoaded
 
     def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:
-        from harness.params import make_params
+        from mha_harness.contract.params import make_params
         return {name: array.shape for name, array in self.load_native(make_params(config), "float32").weights.items()}
 
     def load_native(self, params: AttentionParams, dtype: str) -> LoadedAttention:

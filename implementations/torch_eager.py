@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 
-from ._numpy_masks import full_mask
-from ._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend
+from mha_harness.toolkit.masks import full_mask
+from mha_harness.implementations._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend
 
 
 def weighted_values(torch, weights, values):
@@ -62,7 +62,7 @@ class TorchEager(TorchBackend):
             self.capabilities = Capabilities(gradients=True, dtypes=GPU_DTYPES, devices=(device,))
 
     def native_parameter_shapes(self, config: AttentionConfig):
-        from harness.params import make_params
+        from mha_harness.contract.params import make_params
         loaded = TorchEagerLoaded(self, make_params(config), "float32")
         return {name: tuple(t.shape) for name, t in loaded.w.items()}
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 
-from ._numpy_masks import full_mask
-from ._torch_common import GPU_DTYPES, TORCH_DTYPES, TorchBackend, TorchLoaded
-from .torch_sdpa import POISON_DIVERGENCES
+from mha_harness.toolkit.masks import full_mask
+from mha_harness.implementations._torch_common import GPU_DTYPES, TORCH_DTYPES, TorchBackend, TorchLoaded
+from mha_harness.implementations.torch_sdpa import POISON_DIVERGENCES
 
 
 def pack_in_proj(params: AttentionParams) -> np.ndarray:
@@ -80,7 +80,7 @@ class TorchNnMha(TorchBackend):
                                          dtypes=TORCH_DTYPES if device == "cpu" else GPU_DTYPES)
 
     def native_parameter_shapes(self, config: AttentionConfig):
-        from harness.params import make_params
+        from mha_harness.contract.params import make_params
         module = TorchNnMhaLoaded(self, make_params(config), "float32").module
         return {name: tuple(p.shape) for name, p in module.named_parameters()}
 

@@ -4,7 +4,7 @@ One backend per SDPA kernel (math, flash, efficient, cudnn) and device (cpu, cud
 with ``torch.nn.attention.sdpa_kernel([kernel])`` so torch cannot fall back to another kernel.
 On the first call for each input signature the dispatched aten ops are recorded and the call
 fails unless the pinned kernel's op really ran. A kernel torch refuses for this device or
-input raises harness.Unsupported with torch's own message.
+input raises mha_harness.Unsupported with torch's own message.
 
 Causal masks: top-left through ``is_causal=True`` (SDPA's flag is top-left when Tq != Tk),
 bottom-right through ``torch.nn.attention.bias.causal_lower_right``; combined with other masks,
@@ -12,11 +12,11 @@ one explicit boolean mask (True = take part in attention).
 """
 from __future__ import annotations
 
-from harness.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Unsupported
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Unsupported
 
-from ._divergences import masked_poison_divergences
-from ._numpy_masks import full_mask
-from ._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend, torch_reason
+from mha_harness.toolkit.divergences import masked_poison_divergences
+from mha_harness.toolkit.masks import full_mask
+from mha_harness.implementations._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend, torch_reason
 
 KERNELS = ("math", "flash", "efficient", "cudnn")
 #: the aten op whose presence proves the kernel ran (math shows only its decomposition)
@@ -151,7 +151,7 @@ class TorchSdpa(TorchBackend):
         return ""
 
     def native_parameter_shapes(self, config: AttentionConfig):
-        from harness.params import make_params
+        from mha_harness.contract.params import make_params
         return {n: tuple(t.shape) for n, t in TorchSdpaLoaded(self, make_params(config), "float32").w.items()}
 
     def load_native(self, params: AttentionParams, dtype: str) -> TorchSdpaLoaded:

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args, cwd=ROOT, timeout=600, env=None):
-    """Run ``python -m harness ARGS`` in a subprocess; returns CompletedProcess with text output."""
+    """Run ``python -m mha_harness ARGS`` in a subprocess; returns CompletedProcess with text output."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
@@ -25,6 +25,6 @@ def cli():
 
 @pytest.fixture(scope="session")
 def numpy_backends():
-    from implementations.numpy_naive import NumpyNaive
-    from implementations.numpy_tiled import NumpyTiled
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    from mha_harness.implementations.numpy_tiled import NumpyTiled
     return [NumpyNaive(), NumpyTiled()]

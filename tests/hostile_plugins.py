@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 
-from harness.api import AttentionOutput
-from implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+from mha_harness.contract.api import AttentionOutput
+from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
 
 
 class _Raises(NumpyNaiveLoaded):

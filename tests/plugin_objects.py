@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import harness
-from implementations.numpy_naive import NumpyNaive
+import mha_harness
+from mha_harness.implementations.numpy_naive import NumpyNaive
 
 
 def lesson_mha(query, key, value, W_q, W_k, W_v, W_o, num_heads, causal=False):
@@ -23,7 +23,7 @@ def lesson_mha(query, key, value, W_q, W_k, W_v, W_o, num_heads, causal=False):
     return (weights @ v).transpose(1, 0, 2).reshape(t_q, d_model) @ W_o
 
 
-LessonFunction = harness.function_backend(lesson_mha, name="lesson-function", causal=True)
+LessonFunction = mha_harness.function_backend(lesson_mha, name="lesson-function", causal=True)
 
 
 class RenamedNaive(NumpyNaive):
@@ -37,4 +37,4 @@ class DuplicateOfNaive(NumpyNaive):
 def two_backends():
     """A factory registering several backends from one entry point."""
     return [type("OtherNaive", (NumpyNaive,), {"name": "other-naive"})(),
-            harness.function_backend(lesson_mha, name="lesson-function-2")]
+            mha_harness.function_backend(lesson_mha, name="lesson-function-2")]

@@ -6,7 +6,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-import harness
+import mha_harness
 
 CASES = ["check_output_projection_mixes_heads", "check_heads_are_separated"]
 torch_only = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
@@ -37,34 +37,34 @@ def _wrong_flax_tree(params):
 
 
 if importlib.util.find_spec("flax"):
-    from implementations.flax_mha import to_flax_tree as _ORIGINAL_FLAX_TREE
+    from mha_harness.implementations.flax_mha import to_flax_tree as _ORIGINAL_FLAX_TREE
 
 ADAPTERS = [
-    pytest.param("implementations._torch_common", "linear_params", _transposed_linear, "torch-eager",
+    pytest.param("mha_harness.implementations._torch_common", "linear_params", _transposed_linear, "torch-eager",
                  marks=torch_only),
-    pytest.param("implementations._torch_common", "linear_params", _transposed_linear, "torch-sdpa-math-cpu",
+    pytest.param("mha_harness.implementations._torch_common", "linear_params", _transposed_linear, "torch-sdpa-math-cpu",
                  marks=torch_only),
-    pytest.param("implementations.torch_nn_mha", "pack_in_proj", _wrong_in_proj, "torch-nn-mha", marks=torch_only),
-    pytest.param("implementations.jax_explicit", "linear_tree", _transposed_tree, "jax-explicit", marks=jax_only),
-    pytest.param("implementations.jax_dpa", "linear_tree", _transposed_tree, "jax-dpa", marks=jax_only),
-    pytest.param("implementations.flax_mha", "to_flax_tree", _wrong_flax_tree, "flax-mha", marks=jax_only),
+    pytest.param("mha_harness.implementations.torch_nn_mha", "pack_in_proj", _wrong_in_proj, "torch-nn-mha", marks=torch_only),
+    pytest.param("mha_harness.implementations.jax_explicit", "linear_tree", _transposed_tree, "jax-explicit", marks=jax_only),
+    pytest.param("mha_harness.implementations.jax_dpa", "linear_tree", _transposed_tree, "jax-dpa", marks=jax_only),
+    pytest.param("mha_harness.implementations.flax_mha", "to_flax_tree", _wrong_flax_tree, "flax-mha", marks=jax_only),
 ]
 
 
 @pytest.mark.parametrize("module, attribute, wrong, backend", ADAPTERS)
 def test_adapter_loads_parameters_exactly_and_a_wrong_layout_fails(module, attribute, wrong, backend, monkeypatch):
-    registry = harness.load_registry()
-    good = harness.check(backend, cases=CASES, registry=registry)
+    registry = mha_harness.load_registry()
+    good = mha_harness.check(backend, cases=CASES, registry=registry)
     assert good.ok, [r.message for r in good.failures()]
     monkeypatch.setattr(importlib.import_module(module), attribute, wrong)
-    bad = harness.check(backend, cases=CASES, registry=registry)
+    bad = mha_harness.check(backend, cases=CASES, registry=registry)
     assert not bad.ok and any(r.status == "failed" for r in bad.results)
 
 
 @torch_only
 def test_nn_mha_parameter_count_comes_from_module_parameters():
-    from harness.api import AttentionConfig
-    from implementations.torch_nn_mha import TorchNnMha
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.implementations.torch_nn_mha import TorchNnMha
     shapes = TorchNnMha().native_parameter_shapes(AttentionConfig(64, 8, bias=True))
     assert shapes == {"in_proj_weight": (192, 64), "in_proj_bias": (192,), "out_proj.weight": (64, 64),
                       "out_proj.bias": (64,)}
@@ -72,8 +72,8 @@ def test_nn_mha_parameter_count_comes_from_module_parameters():
 
 @jax_only
 def test_flax_parameter_count_comes_from_its_param_tree():
-    from harness.api import AttentionConfig
-    from implementations.flax_mha import FlaxMha
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.implementations.flax_mha import FlaxMha
     shapes = FlaxMha().native_parameter_shapes(AttentionConfig(64, 8, bias=True))
     assert shapes["['query']['kernel']"] == (64, 8, 8) and shapes["['out']['kernel']"] == (8, 8, 64)
     assert sum(int(np.prod(s)) for s in shapes.values()) == 4 * 64 * 64 + 4 * 64
@@ -81,9 +81,9 @@ def test_flax_parameter_count_comes_from_its_param_tree():
 
 @torch_only
 def test_sdpa_kernel_check_rejects_a_kernel_that_did_not_run():
-    from harness.api import AttentionConfig
-    from harness.params import make_params
-    from implementations.torch_sdpa import TorchSdpa
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.contract.params import make_params
+    from mha_harness.implementations.torch_sdpa import TorchSdpa
     loaded = TorchSdpa("flash", "cpu").load(make_params(AttentionConfig(8, 2)), dtype="float32")
     with pytest.raises(RuntimeError, match="the flash kernel was requested but torch ran the math decomposition"):
         loaded._verify_kernel(["aten._safe_softmax.default", "aten.bmm.default"])
@@ -92,7 +92,7 @@ def test_sdpa_kernel_check_rejects_a_kernel_that_did_not_run():
 
 @torch_only
 def test_sdpa_kernels_torch_refuses_on_cpu_say_so():
-    from implementations.torch_sdpa import TorchSdpa
+    from mha_harness.implementations.torch_sdpa import TorchSdpa
     reason = TorchSdpa("efficient", "cpu").availability()
     assert reason.startswith("torch refuses the efficient kernel on cpu")
 
@@ -103,7 +103,7 @@ def test_sdpa_kernels_torch_refuses_on_cpu_say_so():
                                      pytest.param("flax-mha", marks=jax_only)])
 def test_declared_divergences_are_observed_not_assumed(backend):
     """Every declared divergence shows up as an expected divergence: none is an unexpected pass."""
-    report = harness.check(backend, cases=["check_fully_masked_rows_output_zeros", "check_padding_mask_blocks_padded_keys"])
+    report = mha_harness.check(backend, cases=["check_fully_masked_rows_output_zeros", "check_padding_mask_blocks_padded_keys"])
     statuses = {r.status for r in report.results}
     assert "unexpected-pass" not in statuses and "failed" not in statuses
     assert "expected-divergence" in statuses

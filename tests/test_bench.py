@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from harness.bench import BenchConfig, attention_flops, fit_exponent, run_bench
-from harness.memory import peak_extra_bytes
-from harness.registry import load_registry
+from mha_harness.bench.sweep import BenchConfig, attention_flops, fit_exponent, run_bench
+from mha_harness.bench.memory import peak_extra_bytes
+from mha_harness.registry import load_registry
 from tests.conftest import ROOT
 
 

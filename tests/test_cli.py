@@ -74,7 +74,7 @@ def test_results_path_that_is_a_file_is_a_usage_error(tmp_path):
 def test_missing_optional_dependency_is_one_line_and_exit_2(monkeypatch, capsys):
     import importlib.util
 
-    from harness import cli
+    from mha_harness import cli
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert cli.main(["bench", "--backend", "numpy-naive", "--seq-lens", "16"]) == 2
@@ -83,8 +83,8 @@ def test_missing_optional_dependency_is_one_line_and_exit_2(monkeypatch, capsys)
 
 
 def test_requesting_a_backend_whose_framework_is_missing_is_one_line_and_exit_2(monkeypatch, capsys):
-    from harness import cli
-    from implementations import _torch_common
+    from mha_harness import cli
+    from mha_harness.implementations import _torch_common
     monkeypatch.setattr(_torch_common, "torch_reason", lambda device="cpu": "torch is not installed (pip install ...)")
     assert cli.main(["check", "--backend", "torch-eager"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

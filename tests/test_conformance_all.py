@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from harness.registry import load_registry
+from mha_harness.registry import load_registry
 from tests.conftest import run_cli
 
 

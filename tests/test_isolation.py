@@ -101,7 +101,7 @@ def test_sigterm_leaves_every_finished_result_in_valid_json(tmp_path):
 
 
 def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch):
-    from harness import atomic
+    from mha_harness.util import atomic
     target = tmp_path / "r.json"
     atomic.write_json_atomic(target, {"v": 1})
 
@@ -115,9 +115,9 @@ def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch)
 
 
 def test_python_check_with_isolation_reports_crashes_too():
-    import harness
+    import mha_harness
     from tests.hostile_plugins import KillsProcess
-    report = harness.check(["tests.hostile_plugins:KillsProcess", "numpy-tiled"], isolate=True, timeout=30,
+    report = mha_harness.check(["tests.hostile_plugins:KillsProcess", "numpy-tiled"], isolate=True, timeout=30,
                            cases=["check_output_projection_mixes_heads"])
     statuses = {r.backend: r.status for r in report.results}
     assert statuses == {KillsProcess.name: "crashed", "numpy-tiled": "passed"}

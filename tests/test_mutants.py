@@ -6,16 +6,16 @@ import functools
 
 import pytest
 
-import harness
-from harness.casekit import all_cases
-from implementations.mutants import MUTANTS, mutant_backends
+import mha_harness
+from mha_harness.conformance.casekit import all_cases
+from mha_harness.implementations.mutants import MUTANTS, mutant_backends
 
 BACKENDS = {b.name: b for b in mutant_backends()}
 
 
 @functools.lru_cache(maxsize=None)
 def report_for(name: str):
-    return harness.check(BACKENDS[name], include_slow=True)
+    return mha_harness.check(BACKENDS[name], include_slow=True)
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
@@ -34,7 +34,7 @@ def test_every_case_fails_on_at_least_one_mutant(case_name):
 
 
 def test_mutation_score_counts_every_mutant():
-    from harness.mutation import mutation_score
+    from mha_harness.conformance.mutation import mutation_score
     score = mutation_score(cases=["check_scores_scaled_by_sqrt_d_head"])
     assert score["total"] == len(MUTANTS)
     caught = {row["name"] for row in score["mutants"] if row["caught_by"]}
@@ -42,5 +42,5 @@ def test_mutation_score_counts_every_mutant():
 
 
 def test_mutants_are_not_registered_by_default():
-    names = harness.load_registry().names()
+    names = mha_harness.load_registry().names()
     assert not [n for n in names if n.startswith("mutant-")]

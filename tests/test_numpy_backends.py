@@ -4,13 +4,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import harness
-from harness.api import AttentionConfig
-from harness.memory import peak_extra_bytes
-from harness.params import make_inputs, make_params
-from harness.reference import reference_attention
-from implementations.numpy_naive import NumpyNaive
-from implementations.numpy_tiled import NumpyTiled
+import mha_harness
+from mha_harness.contract.api import AttentionConfig
+from mha_harness.bench.memory import peak_extra_bytes
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import reference_attention
+from mha_harness.implementations.numpy_naive import NumpyNaive
+from mha_harness.implementations.numpy_tiled import NumpyTiled
 
 MASKS = {
     "none": {},
@@ -36,7 +36,7 @@ def test_tiled_matches_reference_for_every_mask_and_block_size(mask, blocks, kv_
 
 @pytest.mark.parametrize("backend", [NumpyNaive(), NumpyTiled()], ids=lambda b: b.name)
 def test_numpy_backends_pass_every_applicable_case(backend):
-    report = harness.check(backend, include_slow=False)
+    report = mha_harness.check(backend, include_slow=False)
     assert report.ok, [f"{r.case}[{r.variant}]: {r.message}" for r in report.failures()]
     assert report.counts()["passed"] > 60
 

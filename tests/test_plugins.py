@@ -61,7 +61,7 @@ def test_module_object_route_on_the_command_line(tmp_path):
 
 def test_pytest_plugin_runs_the_conformance_suite_on_a_third_party_backend(pytester):
     pytester.makepyfile(my_attention="""
-        from implementations.numpy_tiled import NumpyTiled
+        from mha_harness.implementations.numpy_tiled import NumpyTiled
 
         class MyAttention(NumpyTiled):
             name = "my-attention"
@@ -75,7 +75,7 @@ def test_pytest_plugin_runs_the_conformance_suite_on_a_third_party_backend(pytes
 
 def test_pytest_plugin_reports_a_broken_backend_as_failures_with_readable_ids(pytester):
     pytester.makepyfile(broken="""
-        from implementations.mutants.zoo import MUTANTS, MutantBackend
+        from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend
         Broken = MutantBackend(next(m for m in MUTANTS if m.name == "mutant-scale-sqrt-d-model"))
     """)
     pytester.syspathinsert()

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cases.golden import LESSON_HEAD_WEIGHTS, lesson_example
-from harness.api import AttentionConfig
-from harness.dtypes import round_to
-from harness.params import make_inputs, make_params
-from harness.reference import reference_attention, reference_vjp
+from mha_harness.cases.golden import LESSON_HEAD_WEIGHTS, lesson_example
+from mha_harness.contract.api import AttentionConfig
+from mha_harness.contract.conventions import round_to
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import reference_attention, reference_vjp
 
 
 def test_reference_reproduces_the_lessons_printed_head_weights():

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-import harness
-from harness.registry import BUILTIN_SPECS, RegistryError, load_registry
+import mha_harness
+from mha_harness.registry import BUILTIN_SPECS, RegistryError, load_registry
 
 
 def test_builtins_include_every_backend_the_product_promises():
@@ -55,7 +55,7 @@ def test_two_backends_with_one_name_is_an_error_naming_both_sources():
     with pytest.raises(RegistryError) as info:
         load_registry(["tests.plugin_objects:DuplicateOfNaive"], entry_points=False)
     message = str(info.value)
-    assert "numpy-naive" in message and "implementations.numpy_naive:NumpyNaive" in message
+    assert "numpy-naive" in message and "mha_harness.implementations.numpy_naive:NumpyNaive" in message
     assert "tests.plugin_objects:DuplicateOfNaive" in message
 
 
@@ -63,7 +63,7 @@ def test_check_accepts_an_object_defined_in_a_test_file():
     """The lesson's plain function passes everything it declares except NaN/inf poisoning of masked future
     keys: its dense weights @ V computes 0 * NaN = NaN, a real finding the suite must report."""
     from tests.plugin_objects import LessonFunction
-    report = harness.check(LessonFunction, include_slow=False)
+    report = mha_harness.check(LessonFunction, include_slow=False)
     failures = report.failures()
     assert {(r.case, r.params["poison"]) for r in failures} == {("check_causal_mask_blocks_future_keys", "nan"),
                                                                 ("check_causal_mask_blocks_future_keys", "inf")}

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import harness
-from harness.api import AttentionConfig, AttentionParams
-from harness.params import make_inputs, make_params
-from harness.registry import RegistryError, load_registry, parse_spec
-from implementations.numpy_naive import NumpyNaive
+import mha_harness
+from mha_harness.contract.api import AttentionConfig, AttentionParams
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.registry import RegistryError, load_registry, parse_spec
+from mha_harness.implementations.numpy_naive import NumpyNaive
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
@@ -70,7 +70,7 @@ def test_bad_inputs_are_rejected_before_computing(loaded, change, error, name):
 
 
 def test_load_rejects_an_undeclared_dtype_and_unsupported_features():
-    from implementations.flax_mha import FlaxMha
+    from mha_harness.implementations.flax_mha import FlaxMha
     with pytest.raises(ValueError, match="dtype: got 'float16'; accepted: float32, float64"):
         NumpyNaive().load(make_params(AttentionConfig(8, 2)), dtype="float16")
     with pytest.raises(ValueError, match="num_kv_heads: got 1 .* does not support grouped-query"):
@@ -92,11 +92,11 @@ def test_unknown_backend_name_lists_the_accepted_names():
 
 def test_unknown_case_name_lists_the_accepted_names():
     with pytest.raises(ValueError, match="case: got 'check_nothing'; accepted: .*check_scores_scaled_by_sqrt_d_head"):
-        harness.check(NumpyNaive(), cases=["check_nothing"])
+        mha_harness.check(NumpyNaive(), cases=["check_nothing"])
 
 
 def test_function_backend_rejects_non_callables():
     with pytest.raises(TypeError, match="fn: got int"):
-        harness.function_backend(3, name="x")
+        mha_harness.function_backend(3, name="x")
     with pytest.raises(ValueError, match="name: got ''"):
-        harness.function_backend(lambda *a: None, name="")
+        mha_harness.function_backend(lambda *a: None, name="")

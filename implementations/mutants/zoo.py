@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harness.api import AttentionConfig, AttentionInputs, Capabilities
-from harness.reference import reference_vjp
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, Capabilities
+from mha_harness.contract.reference import reference_vjp
 
-from .._numpy_masks import full_mask
-from ..numpy_naive import NumpyNaive, NumpyNaiveLoaded
+from mha_harness.toolkit.masks import full_mask
+from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
 
 
 @dataclass(frozen=True)
@@ -135,10 +135,10 @@ class NaNPoisonLeaks(NumpyNaiveLoaded):
     """Masked keys get weight 0, but P @ V still multiplies 0 by the NaN stored there."""
 
     def attend(self, inputs, need_weights):
-        import harness.numerics as numerics
+        import mha_harness.contract.numerics as numerics
         original = numerics.weighted_values
         try:
-            from implementations import numpy_naive
+            from mha_harness.implementations import numpy_naive
             numpy_naive.weighted_values = lambda w, v: w @ v
             return super().attend(inputs, need_weights)
         finally:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness import AttentionBackend, AttentionOutput, Capabilities, LoadedAttention
+from mha_harness import AttentionBackend, AttentionOutput, Capabilities, LoadedAttention
 
 
 def softmax(z):

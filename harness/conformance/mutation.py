@@ -1,13 +1,13 @@
 """The mutation score: how many deliberately broken backends the conformance cases catch."""
 from __future__ import annotations
 
-from .checking import check
+from mha_harness.checking import check
 
 
 def mutation_score(cases=None, *, include_slow: bool = False) -> dict:
-    """Run the cases on every mutant in implementations.mutants; a mutant is caught when at least one case
+    """Run the cases on every mutant in mha_harness.implementations.mutants; a mutant is caught when at least one case
     fails with a message naming its broken property."""
-    from implementations.mutants import mutant_backends
+    from mha_harness.implementations.mutants import mutant_backends
     rows = []
     for backend in mutant_backends():
         report = check(backend, cases=cases, include_slow=include_slow)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .atomic import write_json_atomic, write_text_atomic
-from .results import BAD, EXPECTED_DIVERGENCE, FAILED, PASSED, SKIPPED, STATUSES, UNEXPECTED_PASS, CaseResult
+from mha_harness.util.atomic import write_json_atomic, write_text_atomic
+from mha_harness.conformance.results import BAD, EXPECTED_DIVERGENCE, FAILED, PASSED, SKIPPED, STATUSES, UNEXPECTED_PASS, CaseResult
 
 SCHEMA_VERSION = "1.0"
 _SYMBOL = {PASSED: "pass", FAILED: "FAIL", SKIPPED: "skip", EXPECTED_DIVERGENCE: "diverges",

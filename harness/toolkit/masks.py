@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.api import AttentionInputs
+from mha_harness.contract.api import AttentionInputs
 
 
 def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, invert_attn_mask: bool = False):

@@ -3,7 +3,7 @@
 For each sequence length (and causal setting) every backend's prepared callable is warmed up,
 then timed in interleaved repeats (the backend order rotates each repeat, so drift on a noisy
 machine hits all backends alike); then one call's peak extra memory is measured with the
-backend's own method (harness.memory). Reported per point: median, min, max and spread
+backend's own method (mha_harness.bench.memory). Reported per point: median, min, max and spread
 (max/min) of the times, peak extra bytes, achieved GFLOP/s with the flash-attention formula
 4*B*h*Tq*Tk*d_head (half for causal; forward+backward counts 3.5x forward, backward being 2.5x)
 and its fraction of this machine's measured float32 GEMM peak. Growth exponents are fitted
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .api import AttentionConfig, Unsupported
-from .atomic import check_writable, write_bytes_atomic, write_json_atomic
-from .memory import peak_extra_bytes, pin_mmap_threshold
-from .params import make_inputs, make_params
+from mha_harness.contract.api import AttentionConfig, Unsupported
+from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
+from mha_harness.bench.memory import peak_extra_bytes, pin_mmap_threshold
+from mha_harness.contract.params import make_inputs, make_params
 
 DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 QUICK_SEQ_LENS = (128, 256, 512, 1024, 2048)

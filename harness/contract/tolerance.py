@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .dtypes import EPS
+from mha_harness.contract.conventions import EPS
 
 FACTOR = 3.0
 FLOOR_ULPS = 1.0

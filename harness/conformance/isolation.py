@@ -16,10 +16,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 
-from .api import AttentionBackend
-from .casekit import Case, variant_id
-from .results import CRASHED, ERROR, TIMEOUT, CaseResult, repro_command
-from .runner import plan, run_case
+from mha_harness.contract.api import AttentionBackend
+from mha_harness.conformance.casekit import Case, variant_id
+from mha_harness.conformance.results import CRASHED, ERROR, TIMEOUT, CaseResult, repro_command
+from mha_harness.conformance.runner import plan, run_case
 
 MAX_CONSECUTIVE_LOSSES = 2
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -67,7 +67,7 @@ def _backend_in_worker(payload) -> AttentionBackend:
     key = (kind, data if kind == "spec" else hash(data), name)
     if key not in _WORKER_CACHE:
         if kind == "spec":
-            from .registry import backends_from_spec
+            from mha_harness.registry import backends_from_spec
             matches = [b for b in backends_from_spec(data) if b.name == name]
             if not matches:
                 raise LookupError(f"{data} no longer produces a backend named {name!r}")
@@ -78,7 +78,7 @@ def _backend_in_worker(payload) -> AttentionBackend:
 
 
 def _run_in_worker(payload, case_name: str, params: dict) -> CaseResult:
-    from .casekit import all_cases
+    from mha_harness.conformance.casekit import all_cases
     return run_case(_backend_in_worker(payload), all_cases()[case_name], params)
 
 

@@ -2,8 +2,8 @@
 
     def my_mha(query, key, value, W_q, W_k, W_v, W_o, num_heads, causal=False):
         ...  # (T, d_model) arrays in, (T, d_model) out -- the lesson's style
-    backend = harness.function_backend(my_mha, name="my-mha", causal=True)
-    harness.check(backend).ok
+    backend = mha_harness.function_backend(my_mha, name="my-mha", causal=True)
+    mha_harness.check(backend).ok
 
 With ``batched=True`` the function gets (batch, T, d_model) arrays instead of one item at a time.
 Only what the function supports is declared: the cases that need more (padding masks, weights,
@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from .api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, Capabilities, LoadedAttention
+from mha_harness.contract.api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, Capabilities, LoadedAttention
 
 
 class _FunctionLoaded(LoadedAttention):

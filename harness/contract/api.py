@@ -5,7 +5,7 @@ data and, given canonical parameters, loads them into its own native form
 (:class:`LoadedAttention`). Everything framework-specific lives behind these two
 classes; the harness and the cases only ever see NumPy arrays.
 
-Conventions (pinned by the float64 reference in :mod:`harness.reference`):
+Conventions (pinned by the float64 reference in :mod:`mha_harness.reference`):
 
 * weights use the ``x @ W`` convention: ``W_q`` is (d_model, d_model), ``W_k`` and
   ``W_v`` are (d_model, num_kv_heads * d_head), ``W_o`` is (d_model, d_model);
@@ -107,7 +107,7 @@ class AttentionConfig:
     bias: bool = False
 
     def __post_init__(self):
-        from .validation import validate_config
+        from mha_harness.contract.validation import validate_config
         validate_config(self)
 
     @property
@@ -146,7 +146,7 @@ class AttentionParams:
     b_o: np.ndarray | None = None
 
     def __post_init__(self):
-        from .validation import validate_params
+        from mha_harness.contract.validation import validate_params
         validate_params(self)
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -216,7 +216,7 @@ class LoadedAttention:
 
     def forward(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
         """Validate, then run the layer on NumPy inputs and return NumPy outputs."""
-        from .validation import validate_inputs
+        from mha_harness.contract.validation import validate_inputs
         validate_inputs(inputs, self.config)
         return self.compute(inputs, need_weights=need_weights)
 
@@ -231,7 +231,7 @@ class LoadedAttention:
         (``W_q`` ...), all in the canonical layout. Only for backends declaring ``gradients``.
         Validates like :meth:`forward`, then calls :meth:`compute_vjp`.
         """
-        from .validation import validate_inputs
+        from mha_harness.contract.validation import validate_inputs
         validate_inputs(inputs, self.config)
         return self.compute_vjp(inputs, cotangent)
 
@@ -259,7 +259,7 @@ class AttentionBackend:
     #: what the backend's own causal flag does, shown in the policy table next to the verified alignments
     native_causal: str = "explicit masks in both alignments"
     device: str = "cpu"
-    #: how harness.memory measures this backend's peak extra memory: tracemalloc, rss, cuda, jax-device
+    #: how mha_harness.bench.memory measures this backend's peak extra memory: tracemalloc, rss, cuda, jax-device
     memory_method: str = "rss"
 
     def availability(self) -> str | None:
@@ -276,9 +276,9 @@ class AttentionBackend:
 
     def load(self, params: AttentionParams, *, dtype: str = "float32") -> LoadedAttention:
         """Validate, then load canonical ``params`` into the backend's native form in ``dtype``."""
-        from .validation import validate_dtype
+        from mha_harness.contract.validation import validate_dtype
         if not isinstance(params, AttentionParams):
-            raise TypeError(f"params: got {type(params).__name__}; accepted: harness.AttentionParams")
+            raise TypeError(f"params: got {type(params).__name__}; accepted: mha_harness.AttentionParams")
         validate_dtype(dtype, self.capabilities.dtypes)
         if params.config.bias and not self.capabilities.bias:
             raise ValueError(f"params: got biases but {self.name} does not support them; accepted: config.bias=False")

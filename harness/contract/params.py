@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .api import AttentionConfig, AttentionInputs, AttentionParams
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 
 
 def make_params(config: AttentionConfig, seed: int = 0, scale: float | None = None) -> AttentionParams:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .api import AttentionInputs, AttentionOutput, AttentionParams
-from .dtypes import round_to
-from .numerics import weighted_values
+from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams
+from mha_harness.contract.conventions import round_to
+from mha_harness.contract.numerics import weighted_values
 
 
 def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.ndarray | None = None):

@@ -16,11 +16,11 @@ import statistics
 import time
 from pathlib import Path
 
-from .api import AttentionConfig
-from .atomic import write_json_atomic
-from .bench import rotated, warm_up
-from .memory import peak_extra_bytes
-from .params import make_inputs, make_params
+from mha_harness.contract.api import AttentionConfig
+from mha_harness.util.atomic import write_json_atomic
+from mha_harness.bench.sweep import rotated, warm_up
+from mha_harness.bench.memory import peak_extra_bytes
+from mha_harness.contract.params import make_inputs, make_params
 
 
 def _interleaved(fns: dict, repeats: int) -> dict:
@@ -39,7 +39,7 @@ def torch_overhead(seq_len: int = 1024, repeats: int = 60, kernel: str = "flash"
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    from implementations.torch_sdpa import TorchSdpa, _sdp_backend
+    from mha_harness.implementations.torch_sdpa import TorchSdpa, _sdp_backend
     config = AttentionConfig(512, 8)
     params, inputs = make_params(config), make_inputs(config, 1, seq_len)
     loaded = TorchSdpa(kernel, "cpu").load(params, dtype="float32")
@@ -62,7 +62,7 @@ def torch_overhead(seq_len: int = 1024, repeats: int = 60, kernel: str = "flash"
 def jax_overhead(seq_len: int = 1024, repeats: int = 60) -> dict:
     import jax
 
-    from implementations.jax_dpa import JaxDpa
+    from mha_harness.implementations.jax_dpa import JaxDpa
     config = AttentionConfig(512, 8)
     params, inputs = make_params(config), make_inputs(config, 1, seq_len)
     loaded = JaxDpa().load(params, dtype="float32")
@@ -85,7 +85,7 @@ def jax_overhead(seq_len: int = 1024, repeats: int = 60) -> dict:
 
 
 def naive_memory_accuracy(seq_lens=(2048, 4096)) -> list[dict]:
-    from implementations.numpy_naive import NumpyNaive
+    from mha_harness.implementations.numpy_naive import NumpyNaive
     config = AttentionConfig(512, 8)
     out = []
     for t in seq_lens:
@@ -100,8 +100,8 @@ def naive_memory_accuracy(seq_lens=(2048, 4096)) -> list[dict]:
 
 
 def tiled_vs_naive(seq_len: int = 4096, repeats: int = 5) -> dict:
-    from implementations.numpy_naive import NumpyNaive
-    from implementations.numpy_tiled import NumpyTiled
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    from mha_harness.implementations.numpy_tiled import NumpyTiled
     config = AttentionConfig(512, 8)
     params, inputs = make_params(config), make_inputs(config, 1, seq_len)
     fns = {b.name: warm_up(b.load(params, dtype="float32").prepare(inputs), 0.0) for b in (NumpyNaive(), NumpyTiled())}

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from .api import AttentionConfig, AttentionInputs, AttentionParams
+    from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 
 
 def _int(name: str, value, minimum: int = 1) -> int:
@@ -37,7 +37,7 @@ def validate_config(config: "AttentionConfig") -> None:
 
 
 def validate_dtype(dtype: str, allowed=None) -> str:
-    from .api import DTYPES
+    from mha_harness.contract.api import DTYPES
     allowed = tuple(allowed or DTYPES)
     if not isinstance(dtype, str) or dtype not in allowed:
         raise ValueError(f"dtype: got {dtype!r}; accepted: {', '.join(allowed)}")
@@ -88,7 +88,7 @@ def validate_inputs(inputs: "AttentionInputs", config: "AttentionConfig") -> Non
     query must be finite; key/value may hold NaN/inf only where a mask can hide it
     (the leakage cases put poison there on purpose).
     """
-    from .api import CAUSAL_ALIGNMENTS
+    from mha_harness.contract.api import CAUSAL_ALIGNMENTS
     q = _array("query", inputs.query, 3)
     k = _array("key", inputs.key, 3)
     v = _array("value", inputs.value, 3)

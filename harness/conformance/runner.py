@@ -5,9 +5,9 @@ import time
 import traceback
 from typing import Iterable
 
-from .api import AttentionBackend, Unsupported, supported
-from .casekit import Case, CaseFailure, CaseSkipped, Measurement, all_cases, variant_id
-from .results import (ERROR, EXPECTED_DIVERGENCE, FAILED, PASSED, SKIPPED, UNEXPECTED_PASS, CaseResult,
+from mha_harness.contract.api import AttentionBackend, Unsupported, supported
+from mha_harness.conformance.casekit import Case, CaseFailure, CaseSkipped, Measurement, all_cases, variant_id
+from mha_harness.conformance.results import (ERROR, EXPECTED_DIVERGENCE, FAILED, PASSED, SKIPPED, UNEXPECTED_PASS, CaseResult,
                       repro_command)
 
 

@@ -1,7 +1,7 @@
 """Divergence declarations that several library backends share, built from each library's own reason."""
 from __future__ import annotations
 
-from harness.api import Divergence
+from mha_harness.contract.api import Divergence
 
 POISON_CASES = ("check_causal_mask_blocks_future_keys", "check_padding_mask_blocks_padded_keys")
 

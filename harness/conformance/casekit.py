@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from .api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, supported
-from .reference import reference_attention
-from .tolerance import Tolerance, naive_dtype, tolerance_from
+from mha_harness.contract.api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, supported
+from mha_harness.contract.reference import reference_attention
+from mha_harness.contract.tolerance import Tolerance, naive_dtype, tolerance_from
 
 
 class CaseFailure(AssertionError):
@@ -73,9 +73,27 @@ def case(*, requires: Iterable[str] = (), variants: Callable[[AttentionBackend],
     return register
 
 
+CASE_ENTRY_POINT_GROUP = "mha_harness.cases"
+BUILTIN_CASES = "mha_harness.cases"
+_LOADED_CASE_MODULES: set[str] = set()
+
+
+def load_case_modules() -> None:
+    """Import every module that registers cases: the built-in ``mha_harness.cases`` and each module named in the
+    ``mha_harness.cases`` entry-point group (a third party's own cases). Importing a module registers its
+    ``@case`` functions. Done once per process."""
+    import importlib
+    from importlib import metadata
+    names = [BUILTIN_CASES] + sorted({ep.value.split(":")[0] for ep in metadata.entry_points(group=CASE_ENTRY_POINT_GROUP)})
+    for name in names:
+        if name not in _LOADED_CASE_MODULES:
+            importlib.import_module(name)
+            _LOADED_CASE_MODULES.add(name)
+
+
 def all_cases() -> dict[str, Case]:
-    """Every registered case, importing the shared cases package first."""
-    import cases  # noqa: F401  (registers on import)
+    """Every registered case: the built-in ones and those of installed case plugins."""
+    load_case_modules()
     return dict(_REGISTRY)
 
 

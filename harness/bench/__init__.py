@@ -1,0 +1,1 @@
+"""The benchmark engine: sweeps, memory measurement and fidelity figures."""

@@ -1,0 +1,1 @@
+"""The conformance engine: case registry, runner, isolated workers, results and reports."""

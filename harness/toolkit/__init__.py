@@ -1,0 +1,1 @@
+"""What plugin authors build on: the few-line function adapter, the mask builder, ready-made divergences."""

@@ -1,0 +1,1 @@
+"""Small utilities with no knowledge of attention (atomic result files)."""
