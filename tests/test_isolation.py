@@ -81,7 +81,7 @@ def test_run_survives_hostile_plugins_and_still_benchmarks_the_rest(tmp_path):
 
 def test_sigterm_leaves_every_finished_result_in_valid_json(tmp_path):
     """numpy-naive finishes quickly; the hanging plugin is still running when SIGTERM arrives."""
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "check", "--backend", "numpy-naive", "--quick",
+    proc = subprocess.Popen([sys.executable, "-m", "mha_harness", "check", "--backend", "numpy-naive", "--quick",
                              "--backend-spec", "tests.hostile_plugins:Hangs", "--timeout", "60",
                              "--results", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -67,7 +67,7 @@ def test_pytest_plugin_runs_the_conformance_suite_on_a_third_party_backend(pytes
             name = "my-attention"
     """)
     pytester.syspathinsert()
-    result = pytester.runpytest("--pyargs", "cases", "--mha-backend", "my_attention:MyAttention", "-q",
+    result = pytester.runpytest("--pyargs", "mha_harness.cases", "--mha-backend", "my_attention:MyAttention", "-q",
                                 "-k", "check_scores or check_padding or check_heads")
     result.assert_outcomes(passed=7)
     result.stdout.no_fnmatch_line("*error*")
@@ -79,7 +79,7 @@ def test_pytest_plugin_reports_a_broken_backend_as_failures_with_readable_ids(py
         Broken = MutantBackend(next(m for m in MUTANTS if m.name == "mutant-scale-sqrt-d-model"))
     """)
     pytester.syspathinsert()
-    result = pytester.runpytest("--pyargs", "cases", "--mha-backend", "broken:Broken", "-q", "-rf",
+    result = pytester.runpytest("--pyargs", "mha_harness.cases", "--mha-backend", "broken:Broken", "-q", "-rf",
                                 "-k", "check_scores_scaled_by_sqrt_d_head")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*check_scores_scaled_by_sqrt_d_head[[]mutant-scale-sqrt-d-model-float32[]]*",
@@ -88,7 +88,7 @@ def test_pytest_plugin_reports_a_broken_backend_as_failures_with_readable_ids(py
 
 def test_pytest_plugin_turns_declared_divergences_into_xfail(pytester):
     pytest.importorskip("jax")
-    result = pytester.runpytest("--pyargs", "cases", "--mha-backend", "jax-dpa", "-q",
+    result = pytester.runpytest("--pyargs", "mha_harness.cases", "--mha-backend", "jax-dpa", "-q",
                                 "-k", "check_fully_masked_rows_output_zeros")
     result.assert_outcomes(xfailed=1)
 
