@@ -59,8 +59,8 @@ def half_dtype(backend) -> str:
 
 def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = False):
     """(backend, prepared callable, BenchConfig) or NotImplementedError with the reason."""
-    from mha_harness.contract.api import Unsupported
     from mha_harness.bench.sweep import BenchConfig, _prepare
+    from mha_harness.contract.api import Unsupported
     try:
         entry = registry().get(backend_name)
     except ValueError as exc:

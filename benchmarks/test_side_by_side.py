@@ -27,8 +27,8 @@ def _backends():
 @pytest.mark.parametrize("seq_len", SEQ_LENS)
 @pytest.mark.parametrize("backend_name", _backends())
 def test_forward(benchmark, backend_name, seq_len):
-    from mha_harness.bench.sweep import attention_flops, gemm_peak_gflops
     from mha_harness.bench.memory import peak_extra_bytes
+    from mha_harness.bench.sweep import attention_flops, gemm_peak_gflops
     try:
         backend, fn, config = prepared(backend_name, seq_len, causal=False)
     except NotImplementedError as exc:

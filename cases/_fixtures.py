@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionConfig, AttentionInputs
 from mha_harness.conformance.casekit import primary_dtype
+from mha_harness.contract.api import AttentionConfig, AttentionInputs
+from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.params import make_inputs, make_params
 
 SMALL = dict(d_model=32, num_heads=4)
@@ -35,7 +36,7 @@ def causal_variants(backend) -> list[dict]:
 
 def key_limit(alignment: str, row: int, tq: int, tk: int) -> int:
     """Last key index that query ``row`` may see under the causal mask (may be < 0: none)."""
-    return row + (0 if alignment == "top-left" else tk - tq)
+    return row + causal_offset(alignment, tq, tk)
 
 
 def poison(rng: np.random.Generator, shape, kind: str) -> np.ndarray:

@@ -3,9 +3,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from mha_harness.conformance.casekit import (
+    CaseFailure,
+    Measurement,
+    assert_close,
+    case,
+    check_against_reference,
+    primary_dtype,
+    run,
+)
 from mha_harness.contract.api import AttentionConfig
-from mha_harness.conformance.casekit import (CaseFailure, Measurement, assert_close, case, check_against_reference, primary_dtype,
-                             run)
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.tolerance import naive_dtype, tolerance_from
@@ -71,7 +78,8 @@ def check_long_sequence_sampled_rows_match_reference(backend, *, dtype, seq, cau
     params = make_params(config, seed=8)
     inputs = make_inputs(config, 1, seq, seed=8, causal="top-left" if causal else None)
     rows = np.unique(np.concatenate([[0, 1, seq // 2, seq - 1], np.random.default_rng(8).integers(0, seq, 12)]))
-    return Measurement(max_error=check_against_reference(backend, params, inputs, dtype, "long-sequence rows", rows=rows))
+    err = check_against_reference(backend, params, inputs, dtype, "long-sequence rows", rows=rows)
+    return Measurement(max_error=err)
 
 
 def _weight_variants(backend):
@@ -106,7 +114,8 @@ def check_attention_weights_match_reference(backend, *, dtype, masked):
         must_be_zero = (ref == 0) & live
         if np.any(got[must_be_zero] != 0):
             idx = tuple(int(i) for i in np.argwhere(must_be_zero & (got != 0))[0])
-            raise CaseFailure(f"weights: masked entry at {dict(zip(labels, idx))} is {got[idx]:.3g}; expected exactly 0")
+            raise CaseFailure(f"weights: masked entry at {dict(zip(labels, idx))} is {got[idx]:.3g}; "
+                              "expected exactly 0")
     sums = np.where(live[..., 0], got.sum(axis=-1), 1.0)
     assert_close(sums, np.ones_like(sums), tol, "weight row sums", labels=labels[:3])
     return Measurement(max_error=assert_close(np.where(live, got, 0), np.where(live, ref, 0), tol, "attention weights",

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.conformance.casekit import CaseFailure, Measurement, case
-
 from mha_harness.cases._fixtures import separate_inputs, small_layer
+from mha_harness.conformance.casekit import CaseFailure, Measurement, case
 
 
 def _bad_calls(inputs, d_model):
@@ -17,8 +16,10 @@ def _bad_calls(inputs, d_model):
         ("key", "key with another batch size", inputs.replace(key=k[:1], value=v[:1])),
         ("value", "value shorter than key", inputs.replace(value=v[:, :-1])),
         ("query", "empty query sequence", inputs.replace(query=q[:, :0])),
-        ("query", "NaN in the query", inputs.replace(query=np.where(np.arange(q.shape[1])[None, :, None] == 2, np.nan, q))),
-        ("key_padding_mask", "key_padding_mask of the wrong shape", inputs.replace(key_padding_mask=np.zeros((1, 3), bool))),
+        ("query", "NaN in the query",
+         inputs.replace(query=np.where(np.arange(q.shape[1])[None, :, None] == 2, np.nan, q))),
+        ("key_padding_mask", "key_padding_mask of the wrong shape",
+         inputs.replace(key_padding_mask=np.zeros((1, 3), bool))),
         ("key_padding_mask", "float key_padding_mask", inputs.replace(key_padding_mask=np.zeros(k.shape[:2]))),
         ("attn_mask", "attn_mask of the wrong shape", inputs.replace(attn_mask=np.ones((2, 2), bool))),
         ("attn_mask", "integer attn_mask", inputs.replace(attn_mask=np.ones((q.shape[1], k.shape[1]), np.int64))),

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionConfig
 from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_close, case, require
+from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_vjp
 from mha_harness.contract.tolerance import naive_dtype, tolerance_from
@@ -45,6 +45,6 @@ def check_gradients_match_reference(backend, *, dtype, causal, bias, kv_heads):
         if actual.shape != expected.shape:
             raise CaseFailure(f"gradient of {name}: expected shape {expected.shape}, got {actual.shape}")
         labels = ("batch", "position", "feature") if expected.ndim == 3 else ("row", "column")[:expected.ndim]
-        worst = max(worst, assert_close(actual, expected, tolerance_from(expected, naive[name], dtype, length=inputs.batch * max(inputs.tq, inputs.tk)),
-                                        f"gradient of {name}", labels=labels))
+        tol = tolerance_from(expected, naive[name], dtype, length=inputs.batch * max(inputs.tq, inputs.tk))
+        worst = max(worst, assert_close(actual, expected, tol, f"gradient of {name}", labels=labels))
     return Measurement(max_error=worst)

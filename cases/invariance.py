@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionConfig
-from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_close, case, run, tolerance_for
-from mha_harness.contract.params import make_inputs, make_params
-
 from mha_harness.cases._fixtures import separate_inputs, small_layer
+from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_close, case, run, tolerance_for
+from mha_harness.contract.api import AttentionConfig
+from mha_harness.contract.params import make_inputs, make_params
 
 
 @case()
@@ -82,6 +81,7 @@ def check_repeated_calls_are_bitwise_identical(backend, *, dtype):
     if not np.array_equal(first, second, equal_nan=True):
         diff = np.abs(first - second)
         idx = np.unravel_index(int(np.nanargmax(diff)), diff.shape)
-        raise CaseFailure(f"determinism: two identical calls differ at (batch, position, feature) {tuple(map(int, idx))}: "
-                          f"{first[idx]!r} vs {second[idx]!r}", max_error=float(np.nanmax(diff)))
+        raise CaseFailure(f"determinism: two identical calls differ at (batch, position, feature) "
+                          f"{tuple(map(int, idx))}: {first[idx]!r} vs {second[idx]!r}",
+                          max_error=float(np.nanmax(diff)))
     return Measurement(max_error=0.0)

@@ -3,11 +3,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.conformance.casekit import (CaseFailure, CaseSkipped, Measurement, assert_close, case, check_against_reference,
-                             on_primary_dtype, primary_dtype, require, run, tolerance_for)
-from mha_harness.contract.reference import reference_attention
-
 from mha_harness.cases._fixtures import causal_variants, key_limit, separate_inputs, small_layer, with_keys_replaced
+from mha_harness.conformance.casekit import (
+    CaseFailure,
+    CaseSkipped,
+    Measurement,
+    assert_close,
+    case,
+    check_against_reference,
+    on_primary_dtype,
+    primary_dtype,
+    require,
+    run,
+    tolerance_for,
+)
+from mha_harness.contract.conventions import causal_offset, other_alignment
+from mha_harness.contract.reference import reference_attention
 
 POISONS = ("random", "nan", "inf")
 
@@ -53,12 +64,12 @@ def check_causal_output_matches_reference(backend, *, dtype, alignment, seq, tk)
     try:
         err = check_against_reference(backend, params, inputs, dtype, what=f"{alignment} causal output")
     except CaseFailure as failure:
-        other = "bottom-right" if alignment == "top-left" else "top-left"
+        other = other_alignment(alignment)
         got = run(backend, params, inputs, dtype).output
         hint = ""
         if seq != tk and np.allclose(got, reference_attention(params, inputs.replace(causal=other)).output, atol=1e-3):
             hint = f"; the output matches {other} alignment instead"
-        diag = inputs.replace(attn_mask=~np.eye(seq, tk, k=0 if alignment == "top-left" else tk - seq, dtype=bool))
+        diag = inputs.replace(attn_mask=~np.eye(seq, tk, k=causal_offset(alignment, seq, tk), dtype=bool))
         if seq == tk and np.allclose(got, reference_attention(params, diag).output, atol=1e-3, equal_nan=True):
             hint = "; the output matches a causal mask that excludes the diagonal (query i cannot see key i)"
         raise CaseFailure(str(failure) + hint, failure.max_error) from None
@@ -84,7 +95,8 @@ def check_causal_jacobian_zero_for_future_inputs(backend, *, dtype, alignment, s
             if np.any(future != 0):
                 b, t, f = np.argwhere(future != 0)[0]
                 raise CaseFailure(f"{alignment} causal leak in gradients: d(output rows <= {cut})/d{name} at position "
-                                  f"{cut + 1 + t} is {future[b, t, f]:.3g} (batch {b}, feature {f}); expected exactly 0")
+                                  f"{cut + 1 + t} is {future[b, t, f]:.3g} (batch {b}, feature {f}); "
+                                  "expected exactly 0")
     return Measurement(max_error=0.0)
 
 
@@ -145,7 +157,8 @@ def _bool_mask(tq: int, tk: int, seed: int = 3) -> np.ndarray:
 def _mask_variants(backend):
     dtype = primary_dtype(backend)
     shapes = [(8, 8)] + ([(6, 11)] if backend.capabilities.cross_attention else [])
-    return [{"dtype": dtype, "seq": tq, "tk": tk, "per_head": per_head} for tq, tk in shapes for per_head in (False, True)]
+    return [{"dtype": dtype, "seq": tq, "tk": tk, "per_head": per_head}
+            for tq, tk in shapes for per_head in (False, True)]
 
 
 @case(requires=("bool_attn_mask",), variants=_mask_variants)

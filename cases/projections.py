@@ -3,12 +3,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from mha_harness.cases._fixtures import separate_inputs, small_layer
+from mha_harness.conformance.casekit import (
+    CaseFailure,
+    Measurement,
+    assert_close,
+    case,
+    primary_dtype,
+    run,
+    tolerance_for,
+)
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
-from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_close, case, primary_dtype, run, tolerance_for
 from mha_harness.contract.params import make_params
 from mha_harness.contract.reference import reference_attention
-
-from mha_harness.cases._fixtures import separate_inputs, small_layer
 
 
 def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
@@ -47,7 +54,8 @@ def token_split_attention(params: AttentionParams, inputs: AttentionInputs) -> n
     def split(x):
         b, t, w = x.shape
         return x.reshape(b, c.num_heads, t, c.d_head)
-    q, k, v = (split(x @ w) for x, w in ((inputs.query, params.W_q), (inputs.key, params.W_k), (inputs.value, params.W_v)))
+    q, k, v = (split(x @ w)
+               for x, w in ((inputs.query, params.W_q), (inputs.key, params.W_k), (inputs.value, params.W_v)))
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -93,7 +101,8 @@ def check_heads_are_separated(backend, *, dtype, kv_heads):
                 if head not in owners and not diff <= tol.bound:
                     raise CaseFailure(f"head separation: changing head {block}'s block of {name} changed head {head}'s "
                                       f"output slice (features {cols.start}:{cols.stop}) by {diff:.3g}; "
-                                      f"expected no change ({tol.describe()})" + _split_hint(backend, params, inputs, dtype))
+                                      f"expected no change ({tol.describe()})"
+                                      + _split_hint(backend, params, inputs, dtype))
                 if head in owners and not diff > tol.bound:
                     raise CaseFailure(f"head separation: changing head {block}'s block of {name} left head {head}'s "
                                       f"own output slice unchanged; expected it to change")
@@ -123,11 +132,12 @@ def check_output_projection_mixes_heads(backend, *, dtype):
     """The output is concat(heads) @ W_o + b_o with a random W_o, not the bare concatenation: W_o mixes the heads."""
     params = small_layer(backend, bias=True)
     inputs = separate_inputs(params.config, 2, 7)
-    concat = run(backend, _identity_output(params).replace(b_o=None if params.b_o is None else np.zeros_like(params.b_o)),
-                 inputs, dtype).output
+    no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
+    concat = run(backend, _identity_output(params).replace(b_o=no_bias), inputs, dtype).output
     got = run(backend, params, inputs, dtype).output
     expected, tol = tolerance_for(params, inputs, dtype)
-    if np.allclose(got, concat, atol=1e-6) or (params.b_o is not None and np.allclose(got, concat + params.b_o, atol=1e-6)):
+    with_bias = params.b_o is not None and np.allclose(got, concat + params.b_o, atol=1e-6)
+    if np.allclose(got, concat, atol=1e-6) or with_bias:
         raise CaseFailure("output projection: the output equals the concatenated heads: W_o was not applied",
                           max_error=float(np.max(np.abs(got - expected))))
     mixed = concat @ params.W_o + (0 if params.b_o is None else params.b_o)

@@ -7,16 +7,27 @@ Public API::
     mha_harness.function_backend(...)                   # the few-line adapter for a plain NumPy function
     mha_harness.load_registry()                         # every built-in and plugin backend
 """
-from mha_harness.contract.api import (AttentionBackend, AttentionConfig, AttentionInputs, AttentionOutput, AttentionParams,
-                  Capabilities, Divergence, LoadedAttention, Unsupported)
 from mha_harness.checking import check, repro
-from mha_harness.toolkit.function_backend import function_backend
+from mha_harness.conformance.report import Report
+from mha_harness.contract.api import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionInputs,
+    AttentionOutput,
+    AttentionParams,
+    Capabilities,
+    Divergence,
+    LoadedAttention,
+    Unsupported,
+)
+from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention, reference_vjp
 from mha_harness.registry import load_registry
-from mha_harness.conformance.report import Report
+from mha_harness.toolkit.function_backend import function_backend
 
 __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
-           "Capabilities", "Divergence", "LoadedAttention", "Report", "check", "function_backend", "load_registry",
-           "make_inputs", "make_params", "reference_attention", "reference_vjp", "repro", "Unsupported"]
+           "Capabilities", "Divergence", "LoadedAttention", "Report", "Unsupported", "causal_offset", "check",
+           "function_backend", "load_registry", "make_inputs", "make_params", "reference_attention", "reference_vjp",
+           "repro"]

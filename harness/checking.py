@@ -2,15 +2,21 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
-from mha_harness.contract.api import AttentionBackend
 from mha_harness.conformance.casekit import all_cases
 from mha_harness.conformance.isolation import Target, run_isolated
-from mha_harness.registry import (Registry, availability_reason, backends_from_object, backends_from_spec, load_registry,
-                       parse_spec)
 from mha_harness.conformance.report import BackendInfo, Report, backend_info, entry_info
 from mha_harness.conformance.runner import run_backend, run_case, select_cases
+from mha_harness.contract.api import AttentionBackend
+from mha_harness.registry import (
+    Registry,
+    availability_reason,
+    backends_from_object,
+    backends_from_spec,
+    load_registry,
+    parse_spec,
+)
 
 
 def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Target], list[BackendInfo]]:

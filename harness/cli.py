@@ -95,6 +95,7 @@ def _usage(fn, *args, **kwargs):
 
 def _registry(specs):
     import os
+
     from mha_harness.registry import load_registry
     if specs and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # module:object resolves from the working directory, as with python -m
@@ -168,7 +169,8 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
         report.backends.setdefault(name, entry_info(registry.get(name)))
     if mutants:
         print("computing the mutation score ...", flush=True)
-        report.mutation = mutation_score()
+        from mha_harness.implementations.mutants import mutant_backends
+        report.mutation = mutation_score(mutant_backends())
     report.seconds = time.perf_counter() - start
     paths = report.write(results_dir / "conformance")
     print(f"\nconformance ({report.seconds:.1f} s):")
@@ -221,12 +223,12 @@ def cmd_run(args) -> int:
     results = Path(args.results)
     report = _check(args, registry, results, include_slow=True, mutants=True)
     if not args.skip_bench:
-        from mha_harness.bench.sweep import QUICK_SEQ_LENS, run_bench
+        from mha_harness.bench.sweep import run_bench
         lost = {r.backend for r in report.results if r.status in ("crashed", "timeout", "error")}
         names = [n for n, info in report.backends.items() if info.available and n not in lost]
         for name in sorted(lost):  # benchmarks run in this process: never with a backend that crashed or hung
             print(f"  not benchmarked: {name} (errors, crashes or timeouts in conformance)")
-        run_bench(registry, names, results, seq_lens=args.seq_lens or QUICK_SEQ_LENS, causal="off", repeats=3,
+        run_bench(registry, names, results, seq_lens=args.seq_lens, causal="off", repeats=3,
                   backward=False, quick=True)
     print(f"\nmha-harness run: conformance {'OK' if report.ok else 'FAILED'}; results under {results}/")
     return EXIT_OK if report.ok else EXIT_FAILED

@@ -1,9 +1,9 @@
 """The registry of attention backends.
 
-Sources, in order: the built-in backends, every entry point in the group
-``mha_harness.backends``, and any ``module:object`` named on the command line or in
-Python. An object may be a backend instance, a backend class (constructed without
-arguments) or a callable returning one backend or an iterable of them (one entry point
+Sources, in order: the built-in backends (the entry points mha-harness itself declares in the group
+``mha_harness.backends``: one list, in pyproject.toml), every other entry point in that group, and any
+``module:object`` named on the command line or in Python. An object may be a backend instance, a backend class
+(constructed without arguments) or a callable returning one backend or an iterable of them (one entry point
 can register several kernels). A source that fails to import or construct is recorded
 with its error and never aborts the run; two backends with one name is an error naming
 both sources.
@@ -20,17 +20,23 @@ from mha_harness.contract.api import AttentionBackend
 
 ENTRY_POINT_GROUP = "mha_harness.backends"
 
-#: built-in backends; pyproject.toml registers the same objects in ENTRY_POINT_GROUP
-BUILTIN_SPECS = (
-    "mha_harness.implementations.numpy_naive:NumpyNaive",
-    "mha_harness.implementations.numpy_tiled:NumpyTiled",
-    "mha_harness.implementations.torch_eager:backends",
-    "mha_harness.implementations.torch_sdpa:backends",
-    "mha_harness.implementations.torch_nn_mha:backends",
-    "mha_harness.implementations.jax_explicit:backends",
-    "mha_harness.implementations.jax_dpa:backends",
-    "mha_harness.implementations.flax_mha:backends",
-)
+#: the distribution whose own entry points in ENTRY_POINT_GROUP are the built-in backends (its pyproject.toml is the
+#: one list of them)
+DISTRIBUTION = "mha-harness"
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def builtin_entry_points() -> list[metadata.EntryPoint]:
+    """The built-in backends: the entry points mha-harness's own pyproject.toml declares in ENTRY_POINT_GROUP."""
+    return [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if _is_builtin(ep)]
+
+
+def _is_builtin(ep: metadata.EntryPoint) -> bool:
+    return ep.dist is not None and _canonical(ep.dist.name) == DISTRIBUTION
+
 
 _SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
@@ -110,7 +116,8 @@ def _entries_from(obj_loader, spec: str, source: str) -> list[BackendEntry]:
     entries = []
     for backend in backends:
         if not isinstance(backend.name, str) or not backend.name:
-            entries.append(BackendEntry(spec, source, spec, error="backend has no name: set the class attribute `name`"))
+            entries.append(BackendEntry(spec, source, spec,
+                                        error="backend has no name: set the class attribute `name`"))
         else:
             entries.append(BackendEntry(backend.name, source, spec, backend))
     return entries
@@ -124,7 +131,7 @@ class Registry:
         for entry in entries:
             other = self.entries.get(entry.name)
             if other is not None:
-                if other.spec == entry.spec:  # the same object reached twice (built-in and its entry point)
+                if other.spec == entry.spec:  # the same object reached twice (e.g. a plugin re-exporting a built-in)
                     continue
                 raise RegistryError(f"backend name {entry.name!r} is registered twice: by {other.source} "
                                     f"and by {entry.source}; rename one of them")
@@ -138,12 +145,6 @@ class Registry:
             raise RegistryError(f"backend: got {name!r}; accepted: one of {', '.join(self.entries)}")
         return self.entries[name]
 
-    def backend(self, name: str) -> AttentionBackend:
-        entry = self.get(name)
-        if entry.backend is None:
-            raise RegistryError(f"backend: {name!r} could not be loaded: {entry.error}")
-        return entry.backend
-
     def available(self) -> list[BackendEntry]:
         return [e for e in self.entries.values() if e.backend is not None and e.available]
 
@@ -152,11 +153,12 @@ def load_registry(extra_specs=(), *, entry_points: bool = True, builtins: bool =
     """Build the registry; malformed ``extra_specs`` raise ValueError (they are the caller's input)."""
     entries: list[BackendEntry] = []
     if builtins:
-        for spec in BUILTIN_SPECS:
-            entries += _entries_from(lambda s=spec: _resolve(s), spec, f"built-in {spec}")
+        for ep in builtin_entry_points():
+            entries += _entries_from(ep.load, ep.value, f"built-in {ep.value}")
     if entry_points:
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            entries += _entries_from(ep.load, ep.value, f"entry point {ep.name} = {ep.value}")
+            if not _is_builtin(ep):
+                entries += _entries_from(ep.load, ep.value, f"entry point {ep.name} = {ep.value}")
     for spec in extra_specs:
         parse_spec(spec)
         entries += _entries_from(lambda s=spec: _resolve(s), spec, f"--backend-spec {spec}")

@@ -9,7 +9,13 @@ import importlib.util
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, LoadedAttention
+from mha_harness.contract.api import (
+    AttentionBackend,
+    AttentionInputs,
+    AttentionOutput,
+    AttentionParams,
+    LoadedAttention,
+)
 
 JAX_DTYPES = ("float32", "float64", "bfloat16", "float16")
 GPU_DTYPES = ("float32", "bfloat16", "float16")
@@ -45,7 +51,8 @@ def configure_jax() -> None:
 
     import jax
     jax.config.update("jax_enable_x64", True)  # float64 needs it; explicit dtypes everywhere keep float32 float32
-    cache = os.environ.get("MHA_HARNESS_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "mha-harness", "jax"))
+    default = os.path.join(os.path.expanduser("~"), ".cache", "mha-harness", "jax")
+    cache = os.environ.get("MHA_HARNESS_JAX_CACHE", default)
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -62,7 +69,7 @@ def jax_dtype(name: str):
 class JaxLoaded(LoadedAttention):
     """Parameters as jax arrays on the backend's device. Subclasses give ``apply`` (a jitted pure function)."""
 
-    def __init__(self, backend: "JaxBackend", params: AttentionParams, dtype: str):
+    def __init__(self, backend: JaxBackend, params: AttentionParams, dtype: str):
         import jax
         self.jax = jax
         self.backend, self.dtype_name, self.config = backend, dtype, params.config

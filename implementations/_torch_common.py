@@ -8,7 +8,13 @@ import importlib.util
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, LoadedAttention
+from mha_harness.contract.api import (
+    AttentionBackend,
+    AttentionInputs,
+    AttentionOutput,
+    AttentionParams,
+    LoadedAttention,
+)
 
 TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
 GPU_DTYPES = ("float32", "bfloat16", "float16")
@@ -40,7 +46,7 @@ def synchronize(device: str) -> None:
 class TorchLoaded(LoadedAttention):
     """Parameters as torch tensors on the backend's device; subclasses implement ``forward_tensors``."""
 
-    def __init__(self, backend: "TorchBackend", params: AttentionParams, dtype: str):
+    def __init__(self, backend: TorchBackend, params: AttentionParams, dtype: str):
         import torch
         self.torch = torch
         self.backend, self.device, self.dtype_name = backend, backend.device, dtype
@@ -90,7 +96,7 @@ class TorchLoaded(LoadedAttention):
             tensors = list(leaves.values()) + [t for t, _ in params.values()]
             grads = torch.autograd.grad(out, tensors, self.tensor(cotangent), allow_unused=True)
         result = {n: self.to_numpy(g) for n, g in zip(leaves, grads[:3])}
-        for (name, (tensor, to_canonical)), g in zip(params.items(), grads[3:]):
+        for (tensor, to_canonical), g in zip(params.values(), grads[3:]):
             result.update(to_canonical(np.zeros(tuple(tensor.shape)) if g is None else self.to_numpy(g)))
         return result
 
@@ -135,16 +141,11 @@ class TorchBackend(AttentionBackend):
         return out
 
 
-def linear_params(loaded: TorchLoaded, params: AttentionParams):
-    """Canonical x @ W parameters as tensors (used by the backends that project with explicit matmuls)."""
-    loaded.w = {name: loaded.tensor(array) for name, array in params.arrays().items()}
-
-
 class LinearTorchLoaded(TorchLoaded):
     """Parameters kept in the canonical x @ W layout; projections and head split with explicit torch ops."""
 
     def setup(self, params: AttentionParams) -> None:
-        linear_params(self, params)
+        self.w = {name: self.tensor(array) for name, array in params.arrays().items()}
 
     def parameter_tensors(self) -> dict:
         out = {}

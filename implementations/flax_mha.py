@@ -13,9 +13,8 @@ import functools
 import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
-
-from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
 from mha_harness.implementations._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded
+from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
 from mha_harness.toolkit.masks import full_mask
 
 _FINITE_MIN = ("flax's dot_product_attention masks logits with the dtype's most negative finite value, so a row "
@@ -44,12 +43,13 @@ def from_flax_tree(tree, config: AttentionConfig) -> dict:
     out = {f"W_{w}": tree[name]["kernel"].reshape(d, d) for name, w in (("query", "q"), ("key", "k"), ("value", "v"))}
     out["W_o"] = tree["out"]["kernel"].reshape(d, d)
     if "bias" in tree["out"]:
-        out.update({f"b_{w}": tree[name]["bias"].reshape(d) for name, w in (("query", "q"), ("key", "k"), ("value", "v"))})
+        out.update({f"b_{w}": tree[name]["bias"].reshape(d)
+                    for name, w in (("query", "q"), ("key", "k"), ("value", "v"))})
         out["b_o"] = tree["out"]["bias"]
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _module(num_heads: int, d_model: int, bias: bool, dtype_name: str):
     import flax.linen as nn
 
@@ -59,7 +59,7 @@ def _module(num_heads: int, d_model: int, bias: bool, dtype_name: str):
                                            use_bias=bias, dtype=dtype, param_dtype=dtype, deterministic=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(num_heads: int, d_model: int, bias: bool, dtype_name: str, need_weights: bool):
     import jax
     module = _module(num_heads, d_model, bias, dtype_name)

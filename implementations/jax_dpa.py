@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import functools
 
-from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Divergence, Unsupported
-
-from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
+from mha_harness.contract.api import (
+    AttentionConfig,
+    AttentionInputs,
+    AttentionParams,
+    Capabilities,
+    Divergence,
+    Unsupported,
+)
 from mha_harness.implementations._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, linear_tree
+from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
 from mha_harness.toolkit.masks import full_mask
 
 _UNIFORM = ("jax.nn.dot_product_attention (xla) masks logits with a large finite negative value, so a row "
@@ -30,7 +36,7 @@ DIVERGENCES = uniform_fully_masked_divergences(_UNIFORM) + (
                                         "0 * NaN = NaN (observed on jax 0.10.2 CPU)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(num_heads: int, kv_heads: int, is_causal: bool, implementation: str):
     import jax
 

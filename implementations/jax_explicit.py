@@ -10,7 +10,6 @@ import functools
 import math
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
-
 from mha_harness.implementations._jax_common import GPU_DTYPES, JAX_DTYPES, JaxBackend, JaxLoaded, linear_tree
 from mha_harness.toolkit.masks import full_mask
 
@@ -27,7 +26,7 @@ def _weighted_values(jnp, lax, p, v):
     return lax.cond(jnp.all(jnp.isfinite(v)), lambda p, v: p @ v, safe, p, v)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(num_heads: int, kv_heads: int, need_weights: bool):
     import jax
     import jax.numpy as jnp

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from mha_harness.contract.api import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionInputs,
+    AttentionOutput,
+    AttentionParams,
+    Capabilities,
+    LoadedAttention,
+)
 from mha_harness.contract.numerics import weighted_values
-from mha_harness.contract.api import (AttentionBackend, AttentionConfig, AttentionInputs, AttentionOutput,
-                         AttentionParams, Capabilities, LoadedAttention)
-
 from mha_harness.toolkit.masks import full_mask
 
 

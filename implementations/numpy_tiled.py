@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.contract.numerics import weighted_values
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams, Capabilities
-
-from mha_harness.toolkit.masks import block_mask, causal_key_limit
+from mha_harness.contract.numerics import weighted_values
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+from mha_harness.toolkit.masks import block_mask, causal_key_limit
 
 
 class NumpyTiledLoaded(NumpyNaiveLoaded):

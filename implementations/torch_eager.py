@@ -8,9 +8,8 @@ from __future__ import annotations
 import math
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
-
-from mha_harness.toolkit.masks import full_mask
 from mha_harness.implementations._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend
+from mha_harness.toolkit.masks import full_mask
 
 
 def weighted_values(torch, weights, values):

@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
-
-from mha_harness.toolkit.masks import full_mask
 from mha_harness.implementations._torch_common import GPU_DTYPES, TORCH_DTYPES, TorchBackend, TorchLoaded
 from mha_harness.implementations.torch_sdpa import POISON_DIVERGENCES
+from mha_harness.toolkit.masks import full_mask
 
 
 def pack_in_proj(params: AttentionParams) -> np.ndarray:
@@ -42,7 +41,8 @@ class TorchNnMhaLoaded(TorchLoaded):
 
         def unpack(g):
             return {"W_q": g[:d].T, "W_k": g[d:2 * d].T, "W_v": g[2 * d:].T}
-        out = {"in_proj_weight": (m.in_proj_weight, unpack), "out_proj.weight": (m.out_proj.weight, lambda g: {"W_o": g.T})}
+        out = {"in_proj_weight": (m.in_proj_weight, unpack),
+               "out_proj.weight": (m.out_proj.weight, lambda g: {"W_o": g.T})}
         if self.config.bias:
             out["in_proj_bias"] = (m.in_proj_bias, lambda g: {"b_q": g[:d], "b_k": g[d:2 * d], "b_v": g[2 * d:]})
             out["out_proj.bias"] = (m.out_proj.bias, lambda g: {"b_o": g})

@@ -13,10 +13,15 @@ one explicit boolean mask (True = take part in attention).
 from __future__ import annotations
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Unsupported
-
+from mha_harness.implementations._torch_common import (
+    GPU_DTYPES,
+    TORCH_DTYPES,
+    LinearTorchLoaded,
+    TorchBackend,
+    torch_reason,
+)
 from mha_harness.toolkit.divergences import masked_poison_divergences
 from mha_harness.toolkit.masks import full_mask
-from mha_harness.implementations._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend, torch_reason
 
 KERNELS = ("math", "flash", "efficient", "cudnn")
 #: the aten op whose presence proves the kernel ran (math shows only its decomposition)
@@ -116,7 +121,8 @@ class TorchSdpaLoaded(LinearTorchLoaded):
 
 class TorchSdpa(TorchBackend):
     native_mask_polarity = "attn_mask bool: True = take part in attention; float: added to scores"
-    native_causal = "is_causal=True is top-left (the top-left variants run through it); bottom-right via causal_lower_right"
+    native_causal = ("is_causal=True is top-left (the top-left variants run through it); "
+                     "bottom-right via causal_lower_right")
     divergences = POISON_DIVERGENCES
 
     def __init__(self, kernel: str = "math", device: str = "cpu"):

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_cli(*args, cwd=ROOT, timeout=600, env=None):
     """Run ``python -m mha_harness ARGS`` in a subprocess; returns CompletedProcess with text output."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "mha_harness", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mha_harness", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True,
                           timeout=timeout, env=full_env)
 
 

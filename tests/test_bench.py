@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from mha_harness.bench.sweep import BenchConfig, attention_flops, fit_exponent, run_bench
 from mha_harness.bench.memory import peak_extra_bytes
+from mha_harness.bench.sweep import BenchConfig, attention_flops, fit_exponent, run_bench
 from mha_harness.registry import load_registry
 from tests.conftest import ROOT
 

@@ -13,7 +13,7 @@ from mha_harness.implementations.mutants import MUTANTS, mutant_backends
 BACKENDS = {b.name: b for b in mutant_backends()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def report_for(name: str):
     return mha_harness.check(BACKENDS[name], include_slow=True)
 
@@ -35,7 +35,7 @@ def test_every_case_fails_on_at_least_one_mutant(case_name):
 
 def test_mutation_score_counts_every_mutant():
     from mha_harness.conformance.mutation import mutation_score
-    score = mutation_score(cases=["check_scores_scaled_by_sqrt_d_head"])
+    score = mutation_score(mutant_backends(), cases=["check_scores_scaled_by_sqrt_d_head"])
     assert score["total"] == len(MUTANTS)
     caught = {row["name"] for row in score["mutants"] if row["caught_by"]}
     assert {"mutant-scale-sqrt-d-model", "mutant-no-scale"} <= caught

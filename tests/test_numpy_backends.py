@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import mha_harness
-from mha_harness.contract.api import AttentionConfig
 from mha_harness.bench.memory import peak_extra_bytes
+from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention
 from mha_harness.implementations.numpy_naive import NumpyNaive

@@ -50,14 +50,16 @@ def test_reference_gradients_match_finite_differences(masks):
         plus, minus = array.copy(), array.copy()
         plus[idx] += eps
         minus[idx] -= eps
-        numeric = (loss(params.replace(**{name: plus}), inputs) - loss(params.replace(**{name: minus}), inputs)) / (2 * eps)
+        numeric = (loss(params.replace(**{name: plus}), inputs)
+                   - loss(params.replace(**{name: minus}), inputs)) / (2 * eps)
         assert grads[name][idx] == pytest.approx(numeric, rel=1e-5, abs=1e-7), name
     for name in ("query", "key", "value"):
         array = getattr(inputs, name)
         plus, minus = array.copy(), array.copy()
         plus[1, 2, 3] += eps
         minus[1, 2, 3] -= eps
-        numeric = (loss(params, inputs.replace(**{name: plus})) - loss(params, inputs.replace(**{name: minus}))) / (2 * eps)
+        numeric = (loss(params, inputs.replace(**{name: plus}))
+                   - loss(params, inputs.replace(**{name: minus}))) / (2 * eps)
         assert grads[name][1, 2, 3] == pytest.approx(numeric, rel=1e-5, abs=1e-7), name
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import mha_harness
-from mha_harness.registry import BUILTIN_SPECS, RegistryError, load_registry
+from mha_harness.registry import RegistryError, builtin_entry_points, load_registry
 
 
 def test_builtins_include_every_backend_the_product_promises():
@@ -25,11 +25,15 @@ def test_numpy_backends_are_available_and_gpu_variants_say_why_not():
             assert "no CUDA device" in registry.get("torch-sdpa-flash-cuda").reason_unavailable
 
 
-def test_the_builtins_are_also_declared_as_entry_points_without_duplicates():
-    from importlib import metadata
-    values = {ep.value for ep in metadata.entry_points(group="mha_harness.backends")}
-    assert set(BUILTIN_SPECS) <= values
-    load_registry()  # the same object reached twice is not a duplicate
+def test_the_builtins_are_the_entry_points_of_mha_harness_itself():
+    """One list of built-in backends: pyproject.toml's entry points, loaded as built-ins and not a second time as
+    plugins."""
+    values = {ep.value for ep in builtin_entry_points()}
+    assert "mha_harness.implementations.numpy_naive:NumpyNaive" in values
+    assert all(v.startswith("mha_harness.implementations.") for v in values)
+    registry = load_registry()
+    assert registry.get("numpy-naive").source == "built-in mha_harness.implementations.numpy_naive:NumpyNaive"
+    assert load_registry(builtins=False, entry_points=False).names() == []
 
 
 def test_module_object_spec_loads_instances_classes_and_factories():

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 import mha_harness
-from mha_harness.contract.api import Divergence
 from mha_harness.conformance.report import SCHEMA_VERSION
+from mha_harness.contract.api import Divergence
 from mha_harness.implementations.numpy_naive import NumpyNaive
 
 
@@ -69,5 +69,5 @@ def test_repro_reruns_one_variant():
     import pytest
     mha_harness.repro("numpy-naive", "check_scores_scaled_by_sqrt_d_head", dtype="float32")
     with pytest.raises(AssertionError):
-        mha_harness.repro("tests.plugin_objects:LessonFunction", "check_causal_mask_blocks_future_keys", dtype="float32",
-                      alignment="top-left", seq=9, tk=9, poison="nan")
+        mha_harness.repro("tests.plugin_objects:LessonFunction", "check_causal_mask_blocks_future_keys",
+                          dtype="float32", alignment="top-left", seq=9, tk=9, poison="nan")

@@ -7,8 +7,8 @@ import pytest
 import mha_harness
 from mha_harness.contract.api import AttentionConfig, AttentionParams
 from mha_harness.contract.params import make_inputs, make_params
-from mha_harness.registry import RegistryError, load_registry, parse_spec
 from mha_harness.implementations.numpy_naive import NumpyNaive
+from mha_harness.registry import RegistryError, load_registry, parse_spec
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
@@ -86,7 +86,7 @@ def test_malformed_backend_spec_is_a_value_error(spec):
 
 
 def test_unknown_backend_name_lists_the_accepted_names():
-    with pytest.raises(RegistryError, match="backend: got 'nope'; accepted: one of numpy-naive, numpy-tiled"):
+    with pytest.raises(RegistryError, match="backend: got 'nope'; accepted: one of .*numpy-naive, numpy-tiled"):
         load_registry().get("nope")
 
 

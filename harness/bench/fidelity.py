@@ -16,11 +16,11 @@ import statistics
 import time
 from pathlib import Path
 
-from mha_harness.contract.api import AttentionConfig
-from mha_harness.util.atomic import write_json_atomic
-from mha_harness.bench.sweep import rotated, warm_up
 from mha_harness.bench.memory import peak_extra_bytes
+from mha_harness.bench.sweep import rotated, warm_up
+from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.util.atomic import write_json_atomic
 
 
 def _interleaved(fns: dict, repeats: int) -> dict:
@@ -124,7 +124,8 @@ def run_fidelity(results_dir: Path, repeats: int = 60) -> dict:
     if importlib.util.find_spec("jax"):
         doc["overhead"].append(jax_overhead(repeats=repeats))
     for row in doc["overhead"]:
-        print(f"  harness overhead {row['backend']} at T={row['seq_len']}: prepared {row['harness_median_s'] * 1e3:.2f} ms"
+        print(f"  harness overhead {row['backend']} at T={row['seq_len']}: "
+              f"prepared {row['harness_median_s'] * 1e3:.2f} ms"
               f" vs direct {row['direct_median_s'] * 1e3:.2f} ms, ratio {row['ratio']:.3f} (target <= 1.03)")
     print("numpy-tiled vs numpy-naive at T = 4096 ...", flush=True)
     doc["tiled_vs_naive"] = r = tiled_vs_naive()
@@ -138,7 +139,8 @@ def run_fidelity(results_dir: Path, repeats: int = 60) -> dict:
     doc["naive_memory_accuracy"] = rows = naive_memory_accuracy()
     for row in rows:
         print(f"  T={row['seq_len']}: measured {row['measured_bytes'] / 2**20:.1f} MiB, 3*B*H*T^2*4 = "
-              f"{row['predicted_bytes'] / 2**20:.1f} MiB, error {100 * row['relative_error']:+.1f}% (target within 10%)")
+              f"{row['predicted_bytes'] / 2**20:.1f} MiB, error {100 * row['relative_error']:+.1f}% "
+              "(target within 10%)")
     path = write_json_atomic(Path(results_dir) / "bench" / "fidelity.json", doc)
     print(f"  json: {path}")
     return doc

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
-from typing import Callable
+from collections.abc import Callable
 
 METHODS = ("tracemalloc", "rss", "cuda", "jax-device")
 

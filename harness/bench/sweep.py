@@ -20,13 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionConfig, Unsupported
-from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
 from mha_harness.bench.memory import peak_extra_bytes, pin_mmap_threshold
+from mha_harness.contract.api import AttentionConfig, Unsupported
 from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
 
 DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
-QUICK_SEQ_LENS = (128, 256, 512, 1024, 2048)
 SCHEMA_VERSION = "1.0"
 
 

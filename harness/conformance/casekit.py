@@ -9,8 +9,9 @@ Variants (explicit, seeded parameters) are generated from the backend's capabili
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -84,7 +85,8 @@ def load_case_modules() -> None:
     ``@case`` functions. Done once per process."""
     import importlib
     from importlib import metadata
-    names = [BUILTIN_CASES] + sorted({ep.value.split(":")[0] for ep in metadata.entry_points(group=CASE_ENTRY_POINT_GROUP)})
+    plugins = {ep.value.split(":")[0] for ep in metadata.entry_points(group=CASE_ENTRY_POINT_GROUP)}
+    names = [BUILTIN_CASES] + sorted(plugins)
     for name in names:
         if name not in _LOADED_CASE_MODULES:
             importlib.import_module(name)
@@ -143,7 +145,8 @@ def run(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInp
     return AttentionOutput(output.astype(np.float64), weights)
 
 
-def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str, rows=None) -> tuple[np.ndarray, Tolerance]:
+def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str,
+                  rows=None) -> tuple[np.ndarray, Tolerance]:
     """The float64 reference output and the tolerance for a backend in ``dtype``."""
     expected = reference_attention(params, inputs, rows=rows).output
     naive = reference_attention(params, inputs, rows=rows, dtype=naive_dtype(dtype)).output

@@ -15,11 +15,10 @@ import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-
-from mha_harness.contract.api import AttentionBackend
 from mha_harness.conformance.casekit import Case, variant_id
 from mha_harness.conformance.results import CRASHED, ERROR, TIMEOUT, CaseResult, repro_command
 from mha_harness.conformance.runner import plan, run_case
+from mha_harness.contract.api import AttentionBackend
 
 MAX_CONSECUTIVE_LOSSES = 2
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")

@@ -1,16 +1,22 @@
 """The mutation score: how many deliberately broken backends the conformance cases catch."""
 from __future__ import annotations
 
-from mha_harness.checking import check
+from collections.abc import Iterable
+
+from mha_harness.conformance.report import Report
+from mha_harness.conformance.runner import run_backend, select_cases
+from mha_harness.contract.api import AttentionBackend
 
 
-def mutation_score(cases=None, *, include_slow: bool = False) -> dict:
-    """Run the cases on every mutant in mha_harness.implementations.mutants; a mutant is caught when at least one case
-    fails with a message naming its broken property."""
-    from mha_harness.implementations.mutants import mutant_backends
+def mutation_score(mutants: Iterable[AttentionBackend], cases=None, *, include_slow: bool = False) -> dict:
+    """Run the cases on each of ``mutants`` (deliberately broken backends, each carrying a ``mutant`` record with its
+    ``bug`` and the words ``message_mentions`` a catching message must contain; the CLI passes
+    ``mha_harness.implementations.mutants.mutant_backends()``). A mutant is caught when at least one case fails with a
+    message naming its broken property."""
+    chosen = select_cases(cases, include_slow)
     rows = []
-    for backend in mutant_backends():
-        report = check(backend, cases=cases, include_slow=include_slow)
+    for backend in mutants:
+        report = Report(results=run_backend(backend, chosen))
         mention = backend.mutant.message_mentions.lower()
         caught_by = sorted({r.case for r in report.failures() if mention in r.message.lower()})
         rows.append({"name": backend.name, "bug": backend.mutant.bug, "caught_by": caught_by,

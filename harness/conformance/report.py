@@ -8,8 +8,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from mha_harness.conformance.results import (
+    BAD,
+    EXPECTED_DIVERGENCE,
+    FAILED,
+    PASSED,
+    SKIPPED,
+    STATUSES,
+    UNEXPECTED_PASS,
+    CaseResult,
+)
 from mha_harness.util.atomic import write_json_atomic, write_text_atomic
-from mha_harness.conformance.results import BAD, EXPECTED_DIVERGENCE, FAILED, PASSED, SKIPPED, STATUSES, UNEXPECTED_PASS, CaseResult
 
 SCHEMA_VERSION = "1.0"
 _SYMBOL = {PASSED: "pass", FAILED: "FAIL", SKIPPED: "skip", EXPECTED_DIVERGENCE: "diverges",
@@ -72,7 +81,8 @@ class Report:
             fully = masked[0].observed or masked[0].status if masked else "not run"
             if masked and masked[0].status == SKIPPED:
                 fully = "not applicable (no masks)"
-            verified = sorted({r.params.get("alignment") for r in rows if r.case == "check_causal_output_matches_reference"
+            verified = sorted({r.params.get("alignment") for r in rows
+                               if r.case == "check_causal_output_matches_reference"
                                and r.params.get("seq") != r.params.get("tk") and r.status in (PASSED,)})
             if not info.capabilities.get("causal_alignments"):
                 alignment = "no causal mask"
@@ -80,8 +90,8 @@ class Report:
                 alignment = " and ".join(verified) + " (verified with Tq != Tk)"
             else:
                 alignment = ", ".join(info.capabilities.get("causal_alignments", [])) + " (declared; not verified)"
-            table[name] = {"fully_masked_rows": fully, "causal_alignment": alignment, "native_causal": info.native_causal,
-                           "mask_polarity": info.mask_polarity}
+            table[name] = {"fully_masked_rows": fully, "causal_alignment": alignment,
+                           "native_causal": info.native_causal, "mask_polarity": info.mask_polarity}
         return table
 
     def to_json(self) -> dict:
@@ -122,7 +132,8 @@ class Report:
                              f"| {row['mask_polarity']} |")
         divergent = [(n, d) for n, info in self.backends.items() for d in info.divergences]
         if divergent:
-            lines += ["", "## Declared divergences", "", "| backend | case | when | observed | reason |", "|---|---|---|---|---|"]
+            lines += ["", "## Declared divergences", "", "| backend | case | when | observed | reason |",
+                      "|---|---|---|---|---|"]
             for n, d in divergent:
                 lines.append(f"| {n} | {d['case']} | {d.get('when') or 'always'} | {d['observed']} | {d['reason']} |")
         unavailable = [(n, i) for n, i in self.backends.items() if not i.available]
@@ -132,7 +143,8 @@ class Report:
         if self.mutation:
             m = self.mutation
             lines += ["", "## Mutation score", "",
-                      f"{m['caught']} of {m['total']} mutants caught ({100.0 * m['caught'] / max(1, m['total']):.0f}%).", "",
+                      f"{m['caught']} of {m['total']} mutants caught "
+                      f"({100.0 * m['caught'] / max(1, m['total']):.0f}%).", "",
                       "| mutant | bug | caught by |", "|---|---|---|"]
             for row in m["mutants"]:
                 lines.append(f"| {row['name']} | {row['bug']} | {', '.join(row['caught_by']) or '**NOT CAUGHT**'} |")

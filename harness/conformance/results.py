@@ -38,4 +38,5 @@ class CaseResult:
 
 def repro_command(backend: str, case: str, params: dict) -> str:
     """A one-line command that reruns exactly this case variant and raises on failure."""
-    return (f"python -c \"import mha_harness; mha_harness.repro({backend!r}, {case!r}, **{json.dumps(params, sort_keys=True)})\"")
+    kwargs = json.dumps(params, sort_keys=True)
+    return f"python -c \"import mha_harness; mha_harness.repro({backend!r}, {case!r}, **{kwargs})\""

@@ -3,12 +3,20 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Iterable
+from collections.abc import Iterable
 
-from mha_harness.contract.api import AttentionBackend, Unsupported, supported
 from mha_harness.conformance.casekit import Case, CaseFailure, CaseSkipped, Measurement, all_cases, variant_id
-from mha_harness.conformance.results import (ERROR, EXPECTED_DIVERGENCE, FAILED, PASSED, SKIPPED, UNEXPECTED_PASS, CaseResult,
-                      repro_command)
+from mha_harness.conformance.results import (
+    ERROR,
+    EXPECTED_DIVERGENCE,
+    FAILED,
+    PASSED,
+    SKIPPED,
+    UNEXPECTED_PASS,
+    CaseResult,
+    repro_command,
+)
+from mha_harness.contract.api import AttentionBackend, Unsupported, supported
 
 
 def select_cases(names: Iterable[str] | None = None, include_slow: bool = True) -> list[Case]:

@@ -5,7 +5,8 @@ data and, given canonical parameters, loads them into its own native form
 (:class:`LoadedAttention`). Everything framework-specific lives behind these two
 classes; the harness and the cases only ever see NumPy arrays.
 
-Conventions (pinned by the float64 reference in :mod:`mha_harness.reference`):
+Conventions (stated in :mod:`mha_harness.contract.conventions`, pinned by the float64 reference in
+:mod:`mha_harness.contract.reference`):
 
 * weights use the ``x @ W`` convention: ``W_q`` is (d_model, d_model), ``W_k`` and
   ``W_v`` are (d_model, num_kv_heads * d_head), ``W_o`` is (d_model, d_model);
@@ -20,14 +21,18 @@ Conventions (pinned by the float64 reference in :mod:`mha_harness.reference`):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
-DTYPES = ("float64", "float32", "float16", "bfloat16")
-PARAM_NAMES = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")
+from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, DTYPES, MASK_POLARITY, PARAM_NAMES
+from mha_harness.contract.validation import validate_config, validate_dtype, validate_inputs, validate_params
+
+__all__ = ["CAUSAL_ALIGNMENTS", "DTYPES", "PARAM_NAMES", "AttentionBackend", "AttentionConfig", "AttentionInputs",
+           "AttentionOutput", "AttentionParams", "Capabilities", "Divergence", "LoadedAttention", "Unsupported",
+           "supported"]
 
 
 class Unsupported(Exception):
@@ -107,7 +112,6 @@ class AttentionConfig:
     bias: bool = False
 
     def __post_init__(self):
-        from mha_harness.contract.validation import validate_config
         validate_config(self)
 
     @property
@@ -146,13 +150,12 @@ class AttentionParams:
     b_o: np.ndarray | None = None
 
     def __post_init__(self):
-        from mha_harness.contract.validation import validate_params
         validate_params(self)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {n: getattr(self, n) for n in PARAM_NAMES if getattr(self, n) is not None}
 
-    def replace(self, **arrays) -> "AttentionParams":
+    def replace(self, **arrays) -> AttentionParams:
         return dataclasses.replace(self, **arrays)
 
 
@@ -183,7 +186,7 @@ class AttentionInputs:
     def is_self_attention(self) -> bool:
         return self.query is self.key and self.key is self.value
 
-    def replace(self, **fields) -> "AttentionInputs":
+    def replace(self, **fields) -> AttentionInputs:
         return dataclasses.replace(self, **fields)
 
     def features(self) -> set[str]:
@@ -216,7 +219,6 @@ class LoadedAttention:
 
     def forward(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
         """Validate, then run the layer on NumPy inputs and return NumPy outputs."""
-        from mha_harness.contract.validation import validate_inputs
         validate_inputs(inputs, self.config)
         return self.compute(inputs, need_weights=need_weights)
 
@@ -231,7 +233,6 @@ class LoadedAttention:
         (``W_q`` ...), all in the canonical layout. Only for backends declaring ``gradients``.
         Validates like :meth:`forward`, then calls :meth:`compute_vjp`.
         """
-        from mha_harness.contract.validation import validate_inputs
         validate_inputs(inputs, self.config)
         return self.compute_vjp(inputs, cotangent)
 
@@ -255,7 +256,7 @@ class AttentionBackend:
     capabilities: Capabilities = Capabilities()
     divergences: tuple[Divergence, ...] = ()
     #: what the backend's own API takes as masks, shown in the policy table
-    native_mask_polarity: str = "harness convention (attn_mask True = attend; key_padding_mask True = ignore)"
+    native_mask_polarity: str = MASK_POLARITY
     #: what the backend's own causal flag does, shown in the policy table next to the verified alignments
     native_causal: str = "explicit masks in both alignments"
     device: str = "cpu"
@@ -276,7 +277,6 @@ class AttentionBackend:
 
     def load(self, params: AttentionParams, *, dtype: str = "float32") -> LoadedAttention:
         """Validate, then load canonical ``params`` into the backend's native form in ``dtype``."""
-        from mha_harness.contract.validation import validate_dtype
         if not isinstance(params, AttentionParams):
             raise TypeError(f"params: got {type(params).__name__}; accepted: mha_harness.AttentionParams")
         validate_dtype(dtype, self.capabilities.dtypes)

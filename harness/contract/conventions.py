@@ -1,4 +1,5 @@
-"""Floating-point formats: rounding NumPy arrays to a named format, and its machine epsilon.
+"""The harness's conventions, each stated once: floating-point formats, causal alignments and their offset,
+mask polarities and parameter names. Every other module (reference, masks, backends, cases) imports them from here.
 
 NumPy has no bfloat16, so it is emulated by rounding float32 to 8 mantissa bits
 (round-to-nearest-even), which is exactly what a bfloat16 store does.
@@ -7,8 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
+# --- floating-point formats -------------------------------------------------------------------------------------
+
+#: every dtype a backend may declare, and its machine epsilon (the spacing of numbers just above 1)
 EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
-NUMPY_COMPUTE = {"float64": np.float64, "float32": np.float32, "float16": np.float32, "bfloat16": np.float32}
+DTYPES = tuple(EPS)
 
 
 def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -25,4 +29,44 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
         rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
         out = ((bits + rounding) & np.uint32(0xFFFF0000)).view(np.float32)
         return np.where(np.isfinite(f), out, f)
-    raise ValueError(f"dtype: got {dtype!r}; accepted: {', '.join(EPS)}")
+    raise ValueError(f"dtype: got {dtype!r}; accepted: {', '.join(DTYPES)}")
+
+
+# --- causal masks ----------------------------------------------------------------------------------------------
+
+#: query i sees keys j <= i
+TOP_LEFT = "top-left"
+#: query i sees keys j <= i + Tk - Tq (the KV-cache convention: the last query sees the last key)
+BOTTOM_RIGHT = "bottom-right"
+CAUSAL_ALIGNMENTS = (TOP_LEFT, BOTTOM_RIGHT)
+
+
+def causal_offset(alignment: str, tq: int, tk: int) -> int:
+    """The causal mask's diagonal: query i may attend to key j exactly when ``j <= i + causal_offset(...)``."""
+    if alignment == TOP_LEFT:
+        return 0
+    if alignment == BOTTOM_RIGHT:
+        return tk - tq
+    raise ValueError(f"causal: got {alignment!r}; accepted: {', '.join(map(repr, CAUSAL_ALIGNMENTS))}")
+
+
+def other_alignment(alignment: str) -> str:
+    """The alignment that is not ``alignment`` (what a backend that confuses the two computes)."""
+    return BOTTOM_RIGHT if alignment == TOP_LEFT else TOP_LEFT
+
+
+# --- mask polarities -------------------------------------------------------------------------------------------
+
+#: a boolean attn_mask: True = the query may attend to the key; a float attn_mask is added to the scaled scores
+ATTN_MASK_POLARITY = "attn_mask True = may attend (a float attn_mask is added to the scores)"
+#: key_padding_mask (batch, Tk): True marks a padding key that no query may attend to
+KEY_PADDING_POLARITY = "key_padding_mask True = padding key to ignore"
+#: the short form shown in the policy table for a backend whose own API uses the harness's polarities
+MASK_POLARITY = "harness convention (attn_mask True = attend; key_padding_mask True = ignore)"
+
+# --- parameter names -------------------------------------------------------------------------------------------
+
+#: weights in the x @ W convention: W_q, W_o (d_model, d_model); W_k, W_v (d_model, num_kv_heads * d_head)
+WEIGHT_NAMES = ("W_q", "W_k", "W_v", "W_o")
+BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
+PARAM_NAMES = WEIGHT_NAMES + BIAS_NAMES

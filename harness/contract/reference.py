@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams
-from mha_harness.contract.conventions import round_to
+from mha_harness.contract.conventions import causal_offset, round_to
 from mha_harness.contract.numerics import weighted_values
 
 
@@ -30,7 +30,7 @@ def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.
     allowed = np.ones((1, 1, len(q_idx), tk), dtype=bool)
     additive = None
     if inputs.causal:
-        offset = 0 if inputs.causal == "top-left" else tk - tq
+        offset = causal_offset(inputs.causal, tq, tk)
         allowed = allowed & (np.arange(tk)[None, :] <= q_idx[:, None] + offset)[None, None]
     if inputs.key_padding_mask is not None:
         allowed = allowed & ~inputs.key_padding_mask[:, None, None, :]

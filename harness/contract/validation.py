@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
+from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, DTYPES
+
+if TYPE_CHECKING:  # annotations only: api imports this module, never the other way round at run time
     from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 
 
@@ -21,7 +23,7 @@ def _int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
-def validate_config(config: "AttentionConfig") -> None:
+def validate_config(config: AttentionConfig) -> None:
     d_model = _int("d_model", config.d_model)
     num_heads = _int("num_heads", config.num_heads)
     if d_model % num_heads:
@@ -31,13 +33,13 @@ def validate_config(config: "AttentionConfig") -> None:
         kv = _int("num_kv_heads", config.num_kv_heads)
         if num_heads % kv:
             raise ValueError(f"num_kv_heads: got {kv}, which does not divide num_heads={num_heads}; "
-                             f"accepted: a divisor of num_heads {[k for k in range(1, num_heads + 1) if num_heads % k == 0]}")
+                             "accepted: a divisor of num_heads "
+                             f"{[k for k in range(1, num_heads + 1) if num_heads % k == 0]}")
     if not isinstance(config.bias, (bool, np.bool_)):
         raise TypeError(f"bias: got {config.bias!r}; accepted: True or False")
 
 
 def validate_dtype(dtype: str, allowed=None) -> str:
-    from mha_harness.contract.api import DTYPES
     allowed = tuple(allowed or DTYPES)
     if not isinstance(dtype, str) or dtype not in allowed:
         raise ValueError(f"dtype: got {dtype!r}; accepted: {', '.join(allowed)}")
@@ -60,7 +62,7 @@ def _finite(name: str, array: np.ndarray) -> None:
         raise ValueError(f"{name}: got a non-finite value {array[bad]} at index {bad}; accepted: finite values only")
 
 
-def validate_params(params: "AttentionParams") -> None:
+def validate_params(params: AttentionParams) -> None:
     c = params.config
     kv_width = c.kv_heads * c.d_head
     shapes = {"W_q": (c.d_model, c.d_model), "W_k": (c.d_model, kv_width),
@@ -82,19 +84,19 @@ def validate_params(params: "AttentionParams") -> None:
         _finite(name, value)
 
 
-def validate_inputs(inputs: "AttentionInputs", config: "AttentionConfig") -> None:
+def validate_inputs(inputs: AttentionInputs, config: AttentionConfig) -> None:
     """Check ranks, widths, batch sizes, mask shapes/dtypes and finiteness before any computation.
 
     query must be finite; key/value may hold NaN/inf only where a mask can hide it
     (the leakage cases put poison there on purpose).
     """
-    from mha_harness.contract.api import CAUSAL_ALIGNMENTS
     q = _array("query", inputs.query, 3)
     k = _array("key", inputs.key, 3)
     v = _array("value", inputs.value, 3)
     for name, arr in (("query", q), ("key", k), ("value", v)):
         if arr.shape[-1] != config.d_model:
-            raise ValueError(f"{name}: got width {arr.shape[-1]} (shape {arr.shape}); accepted: width d_model={config.d_model}")
+            raise ValueError(f"{name}: got width {arr.shape[-1]} (shape {arr.shape}); "
+                             f"accepted: width d_model={config.d_model}")
         if arr.shape[1] == 0:
             raise ValueError(f"{name}: got an empty sequence (shape {arr.shape}); accepted: sequence length >= 1")
         if not np.issubdtype(arr.dtype, np.floating):
@@ -105,7 +107,7 @@ def validate_inputs(inputs: "AttentionInputs", config: "AttentionConfig") -> Non
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"value: got sequence length {v.shape[1]} but key has {k.shape[1]}; accepted: equal lengths")
     if inputs.causal is not None and inputs.causal not in CAUSAL_ALIGNMENTS:
-        raise ValueError(f"causal: got {inputs.causal!r}; accepted: None, 'top-left' or 'bottom-right'")
+        raise ValueError(f"causal: got {inputs.causal!r}; accepted: None, {' or '.join(map(repr, CAUSAL_ALIGNMENTS))}")
     b, tq, tk = q.shape[0], q.shape[1], k.shape[1]
     if inputs.key_padding_mask is not None:
         m = _array("key_padding_mask", inputs.key_padding_mask)
@@ -125,6 +127,7 @@ def validate_inputs(inputs: "AttentionInputs", config: "AttentionConfig") -> Non
     _finite("query", q)
     if inputs.causal is None and inputs.attn_mask is None:
         keep = slice(None) if inputs.key_padding_mask is None else ~inputs.key_padding_mask
-        # NaN/inf is only allowed where a mask hides it: padded keys, or (with causal or attn_mask) keys some query skips
+        # NaN/inf is only allowed where a mask hides it: padded keys, or (with causal or attn_mask) keys some
+        # query skips
         _finite("key", k[keep])
         _finite("value", v[keep])

@@ -11,15 +11,22 @@ biases, parameter count) skip with that reason.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, Capabilities, LoadedAttention
+from mha_harness.contract.api import (
+    AttentionBackend,
+    AttentionInputs,
+    AttentionOutput,
+    AttentionParams,
+    Capabilities,
+    LoadedAttention,
+)
 
 
 class _FunctionLoaded(LoadedAttention):
-    def __init__(self, backend: "FunctionBackend", params: AttentionParams, dtype: str):
+    def __init__(self, backend: FunctionBackend, params: AttentionParams, dtype: str):
         self.backend, self.dtype = backend, np.dtype(dtype)
         self.weights = [params.W_q, params.W_k, params.W_v, params.W_o]
         self.weights = [w.astype(self.dtype) for w in self.weights]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs
+from mha_harness.contract.conventions import causal_offset
 
 
 def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, invert_attn_mask: bool = False):
@@ -18,7 +19,7 @@ def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, inve
         return None, None
     allowed = np.ones((1, 1, q1 - q0, k1 - k0), dtype=bool)
     if inputs.causal:
-        offset = 0 if inputs.causal == "top-left" else tk - tq
+        offset = causal_offset(inputs.causal, tq, tk)
         allowed = allowed & (np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None] + offset)
     if inputs.key_padding_mask is not None:
         allowed = allowed & ~inputs.key_padding_mask[:, None, None, k0:k1]
@@ -43,5 +44,5 @@ def causal_key_limit(inputs: AttentionInputs, q1: int) -> int:
     """Exclusive upper bound of keys any query below q1 may see under the causal mask."""
     if not inputs.causal:
         return inputs.tk
-    offset = 0 if inputs.causal == "top-left" else inputs.tk - inputs.tq
+    offset = causal_offset(inputs.causal, inputs.tq, inputs.tk)
     return int(min(inputs.tk, max(0, q1 + offset)))

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, Capabilities
+from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.reference import reference_vjp
-
-from mha_harness.toolkit.masks import full_mask
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+from mha_harness.toolkit.masks import full_mask
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class CausalOneFutureToken(NumpyNaiveLoaded):
     def masks(self, inputs):
         allowed, additive = full_mask(inputs.replace(causal=None))
         if inputs.causal:
-            offset = 0 if inputs.causal == "top-left" else inputs.tk - inputs.tq
+            offset = causal_offset(inputs.causal, inputs.tq, inputs.tk)
             allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] <= np.arange(inputs.tq)[:, None] + offset + 1)
         return allowed, additive
 
@@ -66,7 +66,7 @@ class CausalExcludesDiagonal(NumpyNaiveLoaded):
     def masks(self, inputs):
         allowed, additive = full_mask(inputs.replace(causal=None))
         if inputs.causal:
-            offset = 0 if inputs.causal == "top-left" else inputs.tk - inputs.tq
+            offset = causal_offset(inputs.causal, inputs.tq, inputs.tk)
             allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] < np.arange(inputs.tq)[:, None] + offset)
         return allowed, additive
 

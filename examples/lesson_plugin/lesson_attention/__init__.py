@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness import AttentionBackend, AttentionOutput, Capabilities, LoadedAttention
+from mha_harness import AttentionBackend, AttentionOutput, Capabilities, LoadedAttention, causal_offset
 
 
 def softmax(z):
@@ -31,7 +31,7 @@ class _Loaded(LoadedAttention):
         scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(d_head)
         allowed = np.ones((b, 1, tq, tk), bool)
         if inputs.causal:
-            offset = 0 if inputs.causal == "top-left" else tk - tq
+            offset = causal_offset(inputs.causal, tq, tk)
             allowed &= np.arange(tk)[None, :] <= np.arange(tq)[:, None] + offset
         if inputs.key_padding_mask is not None:
             allowed &= ~inputs.key_padding_mask[:, None, None, :]
