@@ -1,18 +1,28 @@
-"""Shared set-up for the asv benchmarks: parameters generated from the registry.
+"""Shared set-up for the asv benchmarks: parameters generated from the registry, threads fixed for all.
 
 Every registered backend is a parameter value, so a new plugin is benchmarked with no new
 benchmark code. Unavailable backends, and combinations a backend cannot run, raise
 NotImplementedError in setup (asv records them as skipped); nothing here fails at import.
+Calls are built exactly as ``mha-harness bench`` builds them (mha_harness.bench.calls), and
+throughput comes from the same metrics function (mha_harness.bench.metrics).
 
 Environment knobs (for quick runs and tests): MHA_ASV_BACKENDS (comma-separated names),
-MHA_ASV_SEQ_LENS (comma-separated lengths), MHA_ASV_MAX_CPU_SEQ (default 8192).
+MHA_ASV_SEQ_LENS (comma-separated lengths), MHA_ASV_MAX_CPU_SEQ (default 8192),
+MHA_ASV_DECODE_KV_LENS (default 1024,4096,16384,65536), MHA_ASV_THREADS (default: the bench default, 2).
 """
 from __future__ import annotations
 
 import os
 
+from mha_harness.bench.threads import DEFAULT_THREADS, thread_env
+
+THREADS = int(os.environ.get("MHA_ASV_THREADS", DEFAULT_THREADS))
+os.environ.update(thread_env(THREADS))  # before any backend imports its framework (XLA reads its flags at import)
+
 CPU_SEQ_LENS = (128, 256, 512, 1024, 2048, 4096, 8192)
 GPU_SEQ_LENS = (16384, 32768, 65536)
+DECODE_KV_LENS = (1024, 4096, 16384, 65536)
+DECODE_QUERY_LENS = (1, 16)
 
 
 def _backend_names() -> list[str]:
@@ -26,20 +36,20 @@ def _backend_names() -> list[str]:
         return []
 
 
-def _seq_lens() -> list[int]:
-    text = os.environ.get("MHA_ASV_SEQ_LENS", "")
-    if text:
-        return [int(v) for v in text.split(",") if v]
-    return list(CPU_SEQ_LENS + GPU_SEQ_LENS)
+def _ints(variable: str, default) -> list[int]:
+    text = os.environ.get(variable, "")
+    return [int(v) for v in text.split(",") if v] if text else list(default)
 
 
 BACKENDS = _backend_names()
-SEQ_LENS = _seq_lens()
+SEQ_LENS = _ints("MHA_ASV_SEQ_LENS", CPU_SEQ_LENS + GPU_SEQ_LENS)
+KV_LENS = _ints("MHA_ASV_DECODE_KV_LENS", DECODE_KV_LENS)
 CAUSAL = [False, True]
 PARAMS = [BACKENDS, SEQ_LENS, CAUSAL]
 PARAM_NAMES = ["backend", "seq_len", "causal"]
 MAX_CPU_SEQ = int(os.environ.get("MHA_ASV_MAX_CPU_SEQ", "8192"))
 _REGISTRY = None
+_ROOFS = {}
 
 
 def registry():
@@ -50,6 +60,16 @@ def registry():
     return _REGISTRY
 
 
+def roofs() -> dict:
+    """This machine's GEMM peak and memory bandwidth, measured once per process like ``mha-harness bench`` does."""
+    if not _ROOFS:
+        from mha_harness.bench.metrics import gemm_peak_gflops, memory_bandwidth_gbs
+        from mha_harness.bench.threads import apply_threads
+        apply_threads(THREADS)
+        _ROOFS.update(gemm_peak_gflops=gemm_peak_gflops(), memory_bandwidth_gbs=memory_bandwidth_gbs())
+    return _ROOFS
+
+
 def half_dtype(backend) -> str:
     """float32 on CPU; on GPU the first declared half precision (bfloat16, else float16)."""
     if backend.device == "cpu":
@@ -57,9 +77,12 @@ def half_dtype(backend) -> str:
     return next((d for d in ("bfloat16", "float16") if d in backend.capabilities.dtypes), "float32")
 
 
-def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = False):
-    """(backend, prepared callable, BenchConfig) or NotImplementedError with the reason."""
-    from mha_harness.bench.sweep import BenchConfig, _prepare
+def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = False, tq: int | None = None):
+    """(backend, prepared callable, Shape) or NotImplementedError with the reason; ``tq`` < seq_len is decode."""
+    from mha_harness.bench.calls import prepared_call, unsupported
+    from mha_harness.bench.memory import pin_mmap_threshold
+    from mha_harness.bench.metrics import Shape
+    from mha_harness.bench.threads import apply_threads
     from mha_harness.contract.api import Unsupported
     try:
         entry = registry().get(backend_name)
@@ -69,18 +92,31 @@ def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = Fal
     if reason:
         raise NotImplementedError(reason)
     backend = entry.backend
-    from mha_harness.bench.memory import pin_mmap_threshold
     pin_mmap_threshold()
-    if backend.device == "cpu" and seq_len > MAX_CPU_SEQ:
+    if backend.device == "cpu" and seq_len > MAX_CPU_SEQ and tq is None:
         raise NotImplementedError(f"T={seq_len} is a GPU-only length (CPU sweep stops at {MAX_CPU_SEQ})")
-    config = BenchConfig(dtype=half_dtype(backend))
-    try:
-        fn, why = _prepare(backend, config, seq_len, causal, backward)
-    except Unsupported as exc:
-        raise NotImplementedError(str(exc)) from None
-    if fn is None:
+    shape = Shape(1, tq or seq_len, seq_len, 512, 8, half_dtype(backend), causal, backward)
+    why = unsupported(backend, shape)
+    if why:
         raise NotImplementedError(why)
-    return backend, fn, config
+    try:
+        fn = prepared_call(backend, shape)
+        fn()
+    except (Unsupported, NotImplementedError) as exc:
+        raise NotImplementedError(str(exc) or type(exc).__name__) from None
+    apply_threads(THREADS)
+    return backend, fn, shape
+
+
+def median_call_s(fn, calls: int = 3) -> float:
+    import statistics
+    import time
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 class PreparedBenchmark:
@@ -92,4 +128,4 @@ class PreparedBenchmark:
     backward = False
 
     def setup(self, backend, seq_len, causal):
-        self.backend, self.fn, self.config = prepared(backend, seq_len, causal, backward=self.backward)
+        self.backend, self.fn, self.shape = prepared(backend, seq_len, causal, backward=self.backward)

@@ -3,9 +3,10 @@
     pytest benchmarks/test_side_by_side.py -m benchmark_suite --benchmark-group-by=group
     pytest benchmarks/test_side_by_side.py --benchmark-save=base ...; later --benchmark-compare
 
-Peak extra memory, GFLOP/s and the fraction of the GEMM peak go into extra_info, so they are
-saved and compared with the times. MHA_BENCH_SEQ_LENS and MHA_BENCH_BACKENDS narrow the sweep.
-Not part of the default test run (tests/ only smoke-runs this file at one small size).
+Peak extra memory and the metrics of mha_harness.bench.metrics (GFLOP/s, bytes per second and their fractions
+of this machine's GEMM peak and memory bandwidth) go into extra_info, so they are saved and compared with the
+times. MHA_BENCH_SEQ_LENS and MHA_BENCH_BACKENDS narrow the sweep. Not part of the default test run (tests/
+only smoke-runs this file at one small size).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 
 import pytest
 
-from benchmarks._common import prepared, registry
+from benchmarks._common import prepared, registry, roofs
 
 SEQ_LENS = [int(v) for v in os.environ.get("MHA_BENCH_SEQ_LENS", "256,1024,4096").split(",") if v]
 
@@ -28,15 +29,13 @@ def _backends():
 @pytest.mark.parametrize("backend_name", _backends())
 def test_forward(benchmark, backend_name, seq_len):
     from mha_harness.bench.memory import peak_extra_bytes
-    from mha_harness.bench.sweep import attention_flops, gemm_peak_gflops
+    from mha_harness.bench.metrics import metrics
     try:
-        backend, fn, config = prepared(backend_name, seq_len, causal=False)
+        backend, fn, shape = prepared(backend_name, seq_len, causal=False)
     except NotImplementedError as exc:
         pytest.skip(str(exc))
     benchmark.group = f"T={seq_len}"
     benchmark.extra_info["peak_extra_bytes"] = peak_extra_bytes(fn, backend.memory_method)
     benchmark.extra_info["memory_method"] = backend.memory_method
     benchmark.pedantic(fn, rounds=5, iterations=1, warmup_rounds=1)
-    median = benchmark.stats.stats.median
-    benchmark.extra_info["gflops"] = attention_flops(config, seq_len, False, False) / median / 1e9
-    benchmark.extra_info["fraction_of_gemm_peak"] = benchmark.extra_info["gflops"] / gemm_peak_gflops(1024, 2)
+    benchmark.extra_info.update(metrics(shape, benchmark.stats.stats.median, **roofs()))

@@ -37,6 +37,57 @@ def _seq_lens(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; accepted: a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"got {text!r}; accepted: a positive number")
+    return value
+
+
+QUICK_BUDGET_S = 1.0
+BENCH_BUDGET_S = 2.0
+
+
+def _add_bench_options(p: argparse.ArgumentParser, budget: float = BENCH_BUDGET_S) -> None:
+    """Options shared by ``bench`` and the quick sweep of ``run``."""
+    from mha_harness.bench.threads import DEFAULT_THREADS
+    p.add_argument("--threads", type=_positive_int, default=DEFAULT_THREADS,
+                   help=f"threads for every backend: BLAS, OpenMP/torch, XLA (default {DEFAULT_THREADS})")
+    p.add_argument("--budget", type=_positive_float, default=budget, metavar="S",
+                   help=f"seconds of sampling per backend and point before giving up on the CI target "
+                        f"(default {budget:g}; at least 6 samples are always taken)")
+    p.add_argument("--ci", type=_positive_float, default=0.03, metavar="FRACTION",
+                   help="target half-width of the median's 95%% CI, relative (default 0.03)")
+    p.add_argument("--bench-timeout", type=_positive_float, default=120.0, metavar="S",
+                   help="seconds a backend's worker may take for one request (prepare, a turn of samples, a memory "
+                        "measurement) before it is killed and the point reported as timeout; a backend that "
+                        "times out is not run further (default 120)")
+    p.add_argument("--max-memory", type=_positive_int, default=None, metavar="MIB",
+                   help="a worker whose resident size passes this is killed, the point reported as out-of-memory "
+                        "(default: 80%% of the memory available at start)")
+
+
+def _bench_config(args, **overrides):
+    from mha_harness.bench.sweep import BenchConfig
+    values = dict(threads=args.threads, budget_s=args.budget, ci_rel=args.ci, timeout_s=args.bench_timeout,
+                  max_memory_bytes=args.max_memory * 2 ** 20 if args.max_memory else None)
+    values.update(overrides)
+    return BenchConfig(**values)
+
+
 def _add_selection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="append", default=[], metavar="NAME",
                    help="a registered backend name (repeatable); default: every available backend")
@@ -62,18 +113,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="skip the slow cases (T = 8192)")
     p.add_argument("--mutants", action="store_true", help="also compute the mutation score")
 
-    p = sub.add_parser("bench", help="time and peak memory across sequence lengths; tables, JSON and plots")
+    p = sub.add_parser("bench", help="time and peak memory across sequence lengths, each backend in its own worker; "
+                                     "tables, JSON with confidence intervals, plots")
     _add_selection(p)
+    _add_bench_options(p)
     p.add_argument("--seq-lens", type=_seq_lens, default=None, metavar="N,N,...",
-                   help="sequence lengths (default 128,256,512,1024,2048)")
-    p.add_argument("--causal", choices=("off", "on", "both"), default="off")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per point (default 5)")
+                   help="prefill: sequence lengths (default 128,256,512,1024,2048); decode: KV lengths "
+                        "(default 1024,4096,16384,65536)")
+    p.add_argument("--workload", choices=("prefill", "decode"), default="prefill",
+                   help="prefill: Tq = Tk = T (default); decode: Tq in --query-lens against KV lengths --seq-lens, "
+                        "bottom-right causal (results in <results>/bench-decode)")
+    p.add_argument("--query-lens", type=_seq_lens, default=None, metavar="N,N,...",
+                   help="decode only: new queries per call (default 1,16)")
+    p.add_argument("--causal", choices=("off", "on", "both"), default="off", help="prefill only (decode is causal)")
     p.add_argument("--backward", action="store_true", help="also time forward + backward where gradients exist")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--d-model", type=_positive_int, default=512)
+    p.add_argument("--heads", type=_positive_int, default=8)
 
-    p = sub.add_parser("fidelity", help="figures proving the benchmarks: harness overhead, memory accuracy, "
-                                        "numpy-tiled vs numpy-naive")
+    p = sub.add_parser("fidelity", help="figures proving the benchmarks: timing against torch.utils.benchmark, "
+                                        "alone vs in the sweep, memory methods against formulas, harness overhead")
     p.add_argument("--results", default="results", metavar="DIR")
-    p.add_argument("--repeats", type=int, default=60)
+    p.add_argument("--backend", action="append", default=[], metavar="NAME",
+                   help="CPU backends to check (default: every available CPU backend)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="threads for every backend (default: "
+                                                                     "the bench default)")
 
     p = sub.add_parser("run", help="the main job: conformance of every available backend, mutation score and a "
                                    "quick benchmark sweep, written under results/")
@@ -82,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--seq-lens", type=_seq_lens, default=None, metavar="N,N,...")
     p.add_argument("--skip-bench", action="store_true", help="conformance and mutation score only")
+    _add_bench_options(p, budget=QUICK_BUDGET_S)
     return parser
 
 
@@ -200,21 +266,36 @@ def cmd_check(args) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
+def _available_backends(registry, names):
+    return [registry.get(n).backend for n in names if registry.get(n).available]
+
+
 def cmd_bench(args) -> int:
-    from mha_harness.bench.sweep import run_bench
+    from mha_harness.bench.sweep import DECODE_QUERY_LENS, run_bench
     registry = _registry(args.backend_spec)
     names = _targets(args, registry)
     _usage(check_writable, Path(args.results) / "bench", "--results")
     _require("matplotlib", "bench")
-    run_bench(registry, names, Path(args.results), seq_lens=args.seq_lens, causal=args.causal,
-              repeats=args.repeats, backward=args.backward)
+    _require("scipy", "bench")
+    config = _usage(_bench_config, args, dtype=args.dtype, workload=args.workload, batch=args.batch,
+                    d_model=args.d_model, num_heads=args.heads)
+    if args.d_model % args.heads:
+        raise UsageError(f"--d-model: got {args.d_model}, not divisible by --heads {args.heads}; accepted: a multiple")
+    run_bench(_available_backends(registry, names), Path(args.results), seq_lens=args.seq_lens, causal=args.causal,
+              backward=args.backward, config=config, query_lens=args.query_lens or DECODE_QUERY_LENS)
     return EXIT_OK
 
 
 def cmd_fidelity(args) -> int:
     from mha_harness.bench.fidelity import run_fidelity
+    from mha_harness.bench.threads import DEFAULT_THREADS
+    registry = _registry([])
     _usage(check_writable, Path(args.results) / "bench", "--results")
-    run_fidelity(Path(args.results), repeats=args.repeats)
+    _require("scipy", "bench")
+    names = args.backend or [e.name for e in registry.available() if e.backend.device == "cpu"]
+    for name in names:
+        _usage(registry.get, name)
+    run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS)
     return EXIT_OK
 
 
@@ -224,12 +305,13 @@ def cmd_run(args) -> int:
     report = _check(args, registry, results, include_slow=True, mutants=True)
     if not args.skip_bench:
         from mha_harness.bench.sweep import run_bench
+        _require("scipy", "bench")
         lost = {r.backend for r in report.results if r.status in ("crashed", "timeout", "error")}
         names = [n for n, info in report.backends.items() if info.available and n not in lost]
-        for name in sorted(lost):  # benchmarks run in this process: never with a backend that crashed or hung
+        for name in sorted(lost):  # a backend that failed this way in conformance is not worth a benchmark
             print(f"  not benchmarked: {name} (errors, crashes or timeouts in conformance)")
-        run_bench(registry, names, results, seq_lens=args.seq_lens, causal="off", repeats=3,
-                  backward=False, quick=True)
+        run_bench(_available_backends(registry, names), results, seq_lens=args.seq_lens,
+                  causal="off", backward=False, quick=True, config=_bench_config(args))
     print(f"\nmha-harness run: conformance {'OK' if report.ok else 'FAILED'}; results under {results}/")
     return EXIT_OK if report.ok else EXIT_FAILED
 

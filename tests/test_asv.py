@@ -40,7 +40,7 @@ def run_asv(config, *args, env=None):
 
 def test_two_machines_merge_into_one_dashboard(tmp_path):
     config = asv_config(tmp_path)
-    env = {"MHA_ASV_BACKENDS": "numpy-naive", "MHA_ASV_SEQ_LENS": "64"}
+    env = {"MHA_ASV_BACKENDS": "numpy-naive", "MHA_ASV_SEQ_LENS": "64", "MHA_ASV_DECODE_KV_LENS": "64"}
     for machine in ("cpu-box", "gpu-box"):
         out = run_asv(config, "run", "--python=same", "--quick", "--machine", machine, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -52,9 +52,14 @@ def test_two_machines_merge_into_one_dashboard(tmp_path):
     names = set(index["benchmarks"])
     for name in ("bench_time.TimeForward.time_forward", "bench_time.TimeForwardBackward.time_forward_backward",
                  "bench_memory.PeakMemory.track_peak_extra_memory", "bench_throughput.Throughput.track_gflops",
-                 "bench_throughput.Throughput.track_fraction_of_gemm_peak"):
+                 "bench_throughput.Throughput.track_fraction_of_gemm_peak", "bench_decode.Decode.time_decode",
+                 "bench_decode.DecodeBandwidth.track_gbytes_per_s",
+                 "bench_decode.DecodeBandwidth.track_fraction_of_memory_bandwidth",
+                 "bench_environment.ThreadSettings.track_threads"):
         assert name in names
     assert index["benchmarks"]["bench_memory.PeakMemory.track_peak_extra_memory"]["unit"] == "bytes"
+    threads = index["benchmarks"]["bench_environment.ThreadSettings.track_threads"]
+    assert "openblas" in threads["params"][0][0]  # the BLAS library and kernel are recorded with the results
     # the dashboard must work offline: every CDN asset is served from results/html/vendor
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "asv_offline.py"), str(tmp_path / "html")],
                          capture_output=True, text=True)
@@ -67,6 +72,7 @@ def test_two_machines_merge_into_one_dashboard(tmp_path):
 def test_benchmark_files_import_without_any_backend_available(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MHA_ASV_BACKENDS": "does-not-exist"}
     code = "import benchmarks.bench_time, benchmarks.bench_memory, benchmarks.bench_throughput\n" \
+           "import benchmarks.bench_decode, benchmarks.bench_environment\n" \
            "from benchmarks._common import prepared\n" \
            "try:\n    prepared('does-not-exist', 64, False)\nexcept NotImplementedError as e:\n    print('skip:', e)\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)

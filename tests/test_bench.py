@@ -1,32 +1,71 @@
-"""The benchmark sweep: formulas, fits, JSON and plots, and the pytest-benchmark smoke run."""
+"""The benchmark engine: metrics, statistics, workers that survive hostile plugins, interrupted sweeps, JSON, plots."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+from mha_harness.bench import stats
 from mha_harness.bench.memory import peak_extra_bytes
-from mha_harness.bench.sweep import BenchConfig, attention_flops, fit_exponent, run_bench
-from mha_harness.registry import load_registry
+from mha_harness.bench.metrics import Shape, compulsory_bytes, core_flops, metrics
+from mha_harness.bench.sweep import BenchConfig, run_bench
+from mha_harness.implementations.numpy_naive import NumpyNaive
+from mha_harness.implementations.numpy_tiled import NumpyTiled
+from tests.bench_plugins import HangsInPrepare, HogsMemory, SegfaultsInCall
 from tests.conftest import ROOT
+
+SMALL = dict(d_model=64, num_heads=4, budget_s=0.2, warm_up_s=0.05, min_sample_s=0.005, turn_s=0.02)
 
 
 def test_flops_follow_the_flash_attention_formula():
-    config = BenchConfig(batch=2, d_model=512, num_heads=8)
-    assert attention_flops(config, 1024, False, False) == 4 * 2 * 8 * 1024 * 1024 * 64
-    assert attention_flops(config, 1024, True, False) == 2 * 2 * 8 * 1024 * 1024 * 64
-    assert attention_flops(config, 1024, False, True) == 3.5 * 4 * 2 * 8 * 1024 * 1024 * 64
+    s = Shape(batch=2, tq=1024, tk=1024, d_model=512, num_heads=8)
+    assert core_flops(s) == 4 * 2 * 8 * 1024 * 1024 * 64
+    assert core_flops(Shape(2, 1024, 1024, 512, 8, causal=True)) == 2 * 2 * 8 * 1024 * 1024 * 64
+    assert core_flops(Shape(2, 1024, 1024, 512, 8, backward=True)) == 3.5 * 4 * 2 * 8 * 1024 * 1024 * 64
 
 
-def test_fit_exponent_recovers_a_power_law_from_the_largest_points():
+def test_decode_bytes_count_key_and_value_inputs_and_weights_once():
+    s = Shape(batch=1, tq=1, tk=65536, d_model=512, num_heads=8, dtype="bfloat16")
+    assert compulsory_bytes(s) == (1 * 512 + 2 * 65536 * 512 + 512 + 4 * 512 * 512) * 2
+    m = metrics(s, 0.5, gemm_peak_gflops=100.0, memory_bandwidth_gbs=10.0)
+    assert m["gbytes_per_s"] == pytest.approx(compulsory_bytes(s) / 0.5 / 1e9, rel=1e-3)
+    assert m["fraction_of_memory_bandwidth"] == pytest.approx(m["gbytes_per_s"] / 10.0, rel=1e-3)
+    assert m["fraction_of_gemm_peak"] == pytest.approx(m["gflops"] / 100.0, rel=1e-3)
+    assert m["layer_gflops"] > m["gflops"]  # decode is dominated by the K/V projections
+
+
+def test_median_ci_needs_six_samples_and_brackets_the_median():
+    assert stats.median_ci([1.0, 1.1, 0.9, 1.0, 1.05]) is None
+    samples = [1.0, 1.1, 0.9, 1.05, 1.02, 0.98]
+    low, high = stats.median_ci(samples)
+    assert low == 0.9 and high == 1.1  # n = 6: [min, max] covers 96.9%
+    tight = list(np.random.default_rng(0).normal(1.0, 0.01, 200))
+    assert stats.converged(tight, 0.03) and not stats.converged(samples, 0.03)
+
+
+def test_calls_per_sample_make_a_sample_last_long_enough():
+    assert stats.calls_per_sample(0.001, 0.02) == 20
+    assert stats.calls_per_sample(0.5, 0.02) == 1
+
+
+def test_fit_exponent_uses_the_largest_points_above_resolution_with_stderr():
     xs = [64, 128, 256, 512, 1024]
-    ys = [1.0] + [x ** 2 for x in xs[1:]]  # fixed cost at the smallest size is ignored
-    assert fit_exponent(xs, ys) == pytest.approx(2.0, abs=1e-6)
-    assert fit_exponent(xs[:2], ys[:2]) is None
+    ys = [1.0] + [x ** 2 for x in xs[1:]]
+    fit = stats.fit_exponent(xs, ys)
+    assert fit["exponent"] == pytest.approx(2.0, abs=1e-6) and fit["stderr"] == pytest.approx(0, abs=1e-6)
+    assert stats.fit_exponent(xs, [10, 10, 10, 2 ** 20, 2 ** 22], floor=100) is None  # only 2 above the floor
+
+
+def test_memory_exponent_outside_0_to_2_2_is_a_measurement_error():
+    fit = stats.memory_fit([256, 512, 1024], [1e6, 1e6 * 8 ** 2, 1e6 * 8 ** 4], floor=0)  # slope 3.8
+    assert "measurement_error" in fit and "exponent" not in fit
+    assert stats.memory_fit([256, 512, 1024], [1e6, 4e6, 16e6], floor=0)["exponent"] == pytest.approx(2.0)
 
 
 def test_tracemalloc_sees_numpy_buffers():
@@ -39,37 +78,130 @@ def test_rss_method_sees_a_fresh_allocation():
     assert peak_extra_bytes(lambda: np.ones(size // 8), "rss") >= size * 0.9
 
 
-def test_sweep_writes_json_with_spread_and_fits_and_two_loglog_plots(tmp_path, capsys):
-    registry = load_registry()
-    doc = run_bench(registry, ["numpy-naive", "numpy-tiled"], tmp_path, seq_lens=[64, 128, 256], repeats=3,
-                    config=BenchConfig(d_model=64, num_heads=4))
+def test_sweep_writes_ci_per_point_fits_and_plots(tmp_path, capsys):
+    doc = run_bench([NumpyNaive(), NumpyTiled()], tmp_path, seq_lens=[64, 128, 256], config=BenchConfig(**SMALL))
     out = capsys.readouterr().out
     assert "T = 256" in out and "GFLOP/s" in out and "growth exponent" in out
     saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
-    assert saved["schema"] == "mha-harness/bench" and saved["machine"]["gemm_peak_gflops_float32"] > 0
-    point = next(p for p in saved["points"] if p["backend"] == "numpy-naive" and p["seq_len"] == 256)
-    assert len(point["times_s"]) == 3 and point["spread"] >= 1.0 and point["peak_extra_bytes"] > 0
-    assert point["memory_method"] == "tracemalloc" and 0 < point["fraction_of_gemm_peak"]
-    assert saved["fits"]["numpy-naive|full|forward"]["memory_exponent"] > 1.5
+    assert saved["complete"] is True and saved["schema"] == "mha-harness/bench"
+    assert saved["machine"]["gemm_peak_gflops_float32"] > 0 and saved["machine"]["memory_bandwidth_gbs"] > 0
+    assert saved["threads"]["threads"] == 2 and saved["threads"]["env"]["OPENBLAS_NUM_THREADS"] == "2"
+    assert saved["backends"]["numpy-naive"]["threads"]["pools"]  # what threadpoolctl saw inside the worker
+    for point in saved["points"]:
+        assert point["status"] == "measured", point
+        assert point["n_samples"] >= stats.MIN_SAMPLES and len(point["samples_s"]) == point["n_samples"]
+        low, high = point["ci95_s"]
+        assert low <= point["median_s"] <= high and point["calls_per_sample"] >= 1
+        assert isinstance(point["budget_exhausted"], bool) and point["memory_method"] == "tracemalloc"
+    naive = [p for p in saved["points"] if p["backend"] == "numpy-naive"]
+    assert saved["fits"]["numpy-naive|full|forward"]["memory"]["exponent"] > 1.5
+    assert naive[-1]["peak_extra_bytes"] > naive[0]["peak_extra_bytes"] > 0
     for name in ("time_vs_seq_len.png", "memory_vs_seq_len.png"):
         assert (tmp_path / "bench" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert doc["points"]
 
 
-def test_unavailable_or_unsupported_points_are_skipped_with_a_reason(tmp_path):
-    registry = load_registry()
-    doc = run_bench(registry, ["numpy-tiled"], tmp_path, seq_lens=[32], repeats=1, backward=True,
-                    config=BenchConfig(d_model=32, num_heads=2))
+def test_each_backend_runs_in_its_own_worker_process(tmp_path):
+    doc = run_bench([NumpyNaive(), NumpyTiled()], None, seq_lens=[32], config=BenchConfig(**SMALL))
+    pids = {info["pid"] for info in doc["backends"].values()}
+    assert len(pids) == 2 and os.getpid() not in pids
+
+
+def test_decode_workload_is_bottom_right_with_its_own_plots(tmp_path):
+    doc = run_bench([NumpyTiled()], tmp_path, seq_lens=[64, 256], config=BenchConfig(workload="decode", **SMALL),
+                    query_lens=(1, 16))
+    assert {(p["tq"], p["tk"]) for p in doc["points"]} == {(1, 64), (16, 64), (1, 256), (16, 256)}
+    assert all(p["causal"] and p["status"] == "measured" and p["gbytes_per_s"] > 0 for p in doc["points"])
+    assert "numpy-tiled|decode tq=1|forward" in doc["fits"]
+    for name in ("decode_time_vs_kv_len.png", "decode_bandwidth_vs_kv_len.png", "bench.json"):
+        assert (tmp_path / "bench-decode" / name).exists()
+
+
+def test_unsupported_points_are_skipped_with_a_reason(tmp_path):
+    doc = run_bench([NumpyTiled()], None, seq_lens=[32], backward=True, config=BenchConfig(**SMALL))
     backward = [p for p in doc["points"] if p["mode"] == "forward+backward"]
-    assert backward and backward[0]["skipped"] == "no gradients"
+    assert backward and backward[0]["status"] == "skipped" and backward[0]["skipped"] == "no gradients"
+
+
+def test_hanging_crashing_and_memory_hogging_plugins_are_reported_and_the_sweep_goes_on(tmp_path):
+    config = BenchConfig(timeout_s=4, max_memory_bytes=400 * 2 ** 20, **SMALL)
+    start = time.monotonic()
+    doc = run_bench([HangsInPrepare(), SegfaultsInCall(), HogsMemory(), NumpyTiled()], tmp_path,
+                    seq_lens=[32, 64, 128], config=config)
+    assert time.monotonic() - start < 90
+    by = {}
+    for p in doc["points"]:
+        by.setdefault(p["backend"], []).append(p)
+    assert [p["status"] for p in by["bench-hangs-in-prepare"]] == ["timeout", "not-run", "not-run"]
+    assert "no answer within 4 s" in by["bench-hangs-in-prepare"][0]["skipped"]
+    assert [p["status"] for p in by["bench-segfaults"]] == ["crashed", "crashed", "not-run"]
+    assert "SIGSEGV" in by["bench-segfaults"][0]["skipped"]
+    assert by["bench-hogs-memory"][0]["status"] == "out-of-memory"
+    assert "memory limit of 400 MiB" in by["bench-hogs-memory"][0]["skipped"]
+    tiled = by["numpy-tiled"]
+    assert [p["status"] for p in tiled] == ["measured"] * 3
+    assert all(p["median_s"] and p["ci95_s"] and p["peak_extra_bytes"] for p in tiled)
+
+
+def _bench_command(results, extra=()):
+    return [sys.executable, "-m", "mha_harness", "bench", "--backend", "numpy-naive", "--backend", "numpy-tiled",
+            "--seq-lens", ",".join(str(64 + 16 * i) for i in range(40)), "--d-model", "64", "--heads", "4",
+            "--budget", "0.3", "--results", str(results), *extra]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_sweep_keeps_every_finished_point_and_kills_its_workers(tmp_path, sig):
+    path = tmp_path / "bench" / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    proc = subprocess.Popen(_bench_command(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    seen = 0
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and seen < 4:
+        time.sleep(0.2)
+        if path.exists():
+            seen = len(json.loads(path.read_text())["points"])
+    assert seen >= 4, "the sweep wrote no points in time"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is False and len(doc["points"]) >= seen
+    assert all(p["status"] == "measured" and p["ci95_s"] for p in doc["points"])
+    for info in doc["backends"].values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(info["pid"], 0)
+
+
+def test_bench_options_are_validated(tmp_path):
+    from mha_harness.cli import main
+    assert main(["bench", "--threads", "0", "--results", str(tmp_path)]) == 2
+    assert main(["bench", "--workload", "train", "--results", str(tmp_path)]) == 2
+    assert main(["bench", "--d-model", "100", "--heads", "8", "--results", str(tmp_path)]) == 2
 
 
 def test_pytest_benchmark_side_by_side_smoke_run(tmp_path):
     env = {**os.environ, "MHA_BENCH_SEQ_LENS": "64", "MHA_BENCH_BACKENDS": "numpy-naive,numpy-tiled"}
+    env.pop("PYTEST_XDIST_WORKER", None)
     out = subprocess.run([sys.executable, "-m", "pytest", "benchmarks/test_side_by_side.py", "-q", "-p",
                           "no:cacheprovider", "--benchmark-json", str(tmp_path / "b.json")], cwd=ROOT,
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads((tmp_path / "b.json").read_text())
     assert {b["group"] for b in data["benchmarks"]} == {"T=64"}
-    assert all("peak_extra_bytes" in b["extra_info"] and "gflops" in b["extra_info"] for b in data["benchmarks"])
+    assert all("peak_extra_bytes" in b["extra_info"] and "gflops" in b["extra_info"]
+               and "gbytes_per_s" in b["extra_info"] for b in data["benchmarks"])
+
+
+def test_run_survives_a_backend_that_passes_check_but_hangs_in_prepare(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    out = subprocess.run([sys.executable, "-m", "mha_harness", "run", "--backend", "numpy-tiled", "--backend-spec",
+                          "tests.bench_plugins:HangsInPrepare", "--seq-lens", "32,64", "--bench-timeout", "4",
+                          "--budget", "0.2", "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    bench = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    status = {(p["backend"], p["seq_len"]): p["status"] for p in bench["points"]}
+    assert status == {("numpy-tiled", 32): "measured", ("numpy-tiled", 64): "measured",
+                      ("bench-hangs-in-prepare", 32): "timeout", ("bench-hangs-in-prepare", 64): "not-run"}
+    assert bench["complete"] is True

@@ -114,7 +114,7 @@ def tiled_vs_naive(seq_len: int = 4096, repeats: int = 5) -> dict:
             "targets": {"memory_ratio": "<= 0.1", "throughput_ratio": ">= 1"}}
 
 
-def run_fidelity(results_dir: Path, repeats: int = 60) -> dict:
+def run_fidelity(registry, names, results_dir: Path, threads: int = 2, repeats: int = 60) -> dict:
     import importlib.util
     doc = {"schema": "mha-harness/fidelity", "schema_version": "1.0"}
     # overhead first: the NumPy runs leave BLAS threads spinning that would disturb torch's timings

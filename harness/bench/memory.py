@@ -19,6 +19,17 @@ import tracemalloc
 from collections.abc import Callable
 
 METHODS = ("tracemalloc", "rss", "cuda", "jax-device")
+#: the smallest figure each method resolves; below it a reading is shown as "below resolution", never fitted.
+#: tracemalloc counts bytes but Python's own bookkeeping moves by kilobytes; RSS moves by pages, and a call's
+#: thread stacks, allocator arenas and runtime state add up to about a MiB (``mha-harness fidelity`` measures
+#: each method's noise floor on an empty call); the CUDA caching allocator rounds to 512 B blocks.
+RESOLUTION_BYTES = {"tracemalloc": 16 * 1024, "rss": 2 * 2 ** 20, "cuda": 512, "jax-device": 4096}
+
+
+def resolution_bytes(method: str) -> int:
+    if method not in RESOLUTION_BYTES:
+        raise ValueError(f"memory method: got {method!r}; accepted: {', '.join(METHODS)}")
+    return RESOLUTION_BYTES[method]
 
 
 def _status_kib(field: str) -> int:

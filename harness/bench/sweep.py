@@ -1,40 +1,70 @@
 """The benchmark sweep behind ``mha-harness bench`` and the quick sweep of ``mha-harness run``.
 
-For each sequence length (and causal setting) every backend's prepared callable is warmed up,
-then timed in interleaved repeats (the backend order rotates each repeat, so drift on a noisy
-machine hits all backends alike); then one call's peak extra memory is measured with the
-backend's own method (mha_harness.bench.memory). Reported per point: median, min, max and spread
-(max/min) of the times, peak extra bytes, achieved GFLOP/s with the flash-attention formula
-4*B*h*Tq*Tk*d_head (half for causal; forward+backward counts 3.5x forward, backward being 2.5x)
-and its fraction of this machine's measured float32 GEMM peak. Growth exponents are fitted
-log-log per backend and shown in the plot legends and the JSON.
+Every backend runs in its own worker process (mha_harness.bench.worker) holding its prepared callables, with
+the same thread count (mha_harness.bench.threads). For each point (workload shape) the parent asks each worker
+to prepare, warm up and calibrate the call (calls per sample so that a sample lasts ``min_sample_s``), then
+interleaves them: round after round, in an order that rotates each round, each backend still open takes one
+turn of samples while the others wait idle on a pipe read, until its 95% confidence interval of the median is
+within +-``ci_rel`` (mha_harness.bench.stats) or its time budget for the point is spent (``budget_exhausted``).
+After the timings, each worker measures the peak extra memory of one call of each of its points with the
+backend's own method, in its own process. Throughput comes from mha_harness.bench.metrics.
+
+Workloads: ``prefill`` (Tq = Tk = T, self-attention; causal top-left) and ``decode`` (Tq in ``query_lens``,
+e.g. 1 and 16 new queries, against Tk = KV length, bottom-right causal, the KV-cache alignment).
+
+The JSON is written atomically after every point with ``"complete": false`` until the end: an interrupted sweep
+(Ctrl-C, SIGTERM) keeps every finished point. A backend that hangs, crashes or passes the memory limit is
+reported for that point and restarted for the next; after two losses in a row its remaining points are not run.
 """
 from __future__ import annotations
 
 import platform
-import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
-
-from mha_harness.bench.memory import peak_extra_bytes, pin_mmap_threshold
-from mha_harness.contract.api import AttentionConfig, Unsupported
-from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.bench import stats
+from mha_harness.bench.calls import unsupported
+from mha_harness.bench.memory import resolution_bytes
+from mha_harness.bench.metrics import (
+    BYTES_FORMULA,
+    FLOPS_FORMULA,
+    Shape,
+    gemm_peak_gflops,
+    memory_bandwidth_gbs,
+    metrics,
+)
+from mha_harness.bench.threads import DEFAULT_THREADS, apply_threads, thread_report
+from mha_harness.bench.worker import BackendWorker, WorkerLost
 from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
 
 DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
-SCHEMA_VERSION = "1.0"
+DECODE_KV_LENS = (1024, 4096, 16384, 65536)
+DECODE_QUERY_LENS = (1, 16)
+WORKLOADS = ("prefill", "decode")
+SCHEMA_VERSION = "2.0"
+MAX_CONSECUTIVE_LOSSES = 2  # crashes or out-of-memory in a row before a backend's remaining points are not run
+MEASURED, SKIPPED, NOT_RUN = "measured", "skipped", "not-run"
 
 
 @dataclass
 class BenchConfig:
+    """What is measured (layer shape, dtype, workload) and how (threads, budgets, limits)."""
+
     batch: int = 1
     d_model: int = 512
     num_heads: int = 8
     dtype: str = "float32"
+    workload: str = "prefill"
+    threads: int = DEFAULT_THREADS
+    budget_s: float = 2.0  # per backend and point, beyond the minimum samples
+    min_sample_s: float = 0.02  # a sample repeats the call until it lasts this long
+    turn_s: float = 0.1  # samples per turn add up to about this long
+    ci_rel: float = 0.03  # stop when the 95% CI of the median is within +-3%
+    warm_up_s: float = 0.2
+    timeout_s: float = 120.0  # per request to a worker (prepare, one turn, one memory measurement)
+    max_memory_bytes: int | None = None  # a worker above this resident size is killed (default: 80% of MemAvailable)
 
     @property
     def d_head(self) -> int:
@@ -44,36 +74,219 @@ class BenchConfig:
 @dataclass
 class BenchPoint:
     backend: str
-    seq_len: int
+    workload: str
+    seq_len: int  # T for prefill; the KV length Tk for decode
+    tq: int
+    tk: int
     causal: bool
     mode: str  # "forward" or "forward+backward"
-    times_s: list = field(default_factory=list)
+    status: str = NOT_RUN
+    skipped: str | None = None  # the reason, when status is not "measured"
+    samples_s: list = field(default_factory=list)
+    n_samples: int = 0
+    calls_per_sample: int | None = None
     median_s: float | None = None
+    ci95_s: list | None = None
+    ci95_rel_halfwidth: float | None = None
+    ci_target_rel: float | None = None
+    budget_exhausted: bool | None = None
     min_s: float | None = None
     max_s: float | None = None
-    spread: float | None = None
+    first_call_s: float | None = None
     peak_extra_bytes: int | None = None
     memory_method: str | None = None
+    memory_resolution_bytes: int | None = None
+    memory_below_resolution: bool | None = None
+    memory_error: str | None = None
     gflops: float | None = None
+    layer_gflops: float | None = None
+    gbytes_per_s: float | None = None
     fraction_of_gemm_peak: float | None = None
-    skipped: str | None = None
+    fraction_of_memory_bandwidth: float | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.workload}:{self.tq}x{self.tk}:{'causal' if self.causal else 'full'}:{self.mode}"
+
+    def update(self, values: dict) -> None:
+        names = {f.name for f in fields(self)}
+        for k, v in values.items():
+            if k in names:
+                setattr(self, k, v)
 
 
-def attention_flops(config: BenchConfig, seq_len: int, causal: bool, backward: bool) -> float:
-    """4*B*h*Tq*Tk*d_head, halved for causal; forward+backward is 3.5x the forward count."""
-    flops = 4.0 * config.batch * config.num_heads * seq_len * seq_len * config.d_head
-    if causal:
-        flops /= 2
-    return flops * (3.5 if backward else 1.0)
+def shape_of(point: BenchPoint, config: BenchConfig) -> Shape:
+    return Shape(config.batch, point.tq, point.tk, config.d_model, config.num_heads, config.dtype, point.causal,
+                 point.mode != "forward")
 
 
-def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """This machine's float32 GEMM throughput (NumPy's BLAS, best of ``repeats``), the roofline for fractions."""
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
-    return 2.0 * n ** 3 / best / 1e9
+def plan_points(names, config: BenchConfig, seq_lens, *, causal_modes=(False,), backward=False,
+                query_lens=DECODE_QUERY_LENS) -> list[list[BenchPoint]]:
+    """Groups of points measured together (one per shape), each with one point per backend, smallest first."""
+    modes = ["forward", "forward+backward"] if backward else ["forward"]
+    if config.workload == "decode":
+        shapes = [(tq, tk, True) for tk in sorted(seq_lens) for tq in query_lens if tq <= tk]
+    else:
+        shapes = [(t, t, c) for t in sorted(seq_lens) for c in causal_modes]
+    return [[BenchPoint(n, config.workload, tk, tq, tk, causal, mode) for n in names]
+            for tq, tk, causal in shapes for mode in modes]
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class Sweep:
+    """Runs the planned points over one worker per backend and keeps the JSON document up to date on disk."""
+
+    def __init__(self, backends: list, config: BenchConfig, path: Path | None, doc: dict, *, log=print):
+        self.config, self.path, self.doc, self.log = config, path, doc, log
+        self.backends = {b.name: b for b in backends}
+        if config.max_memory_bytes is None:
+            available = _available_bytes()
+            config.max_memory_bytes = int(0.8 * available) if available else None
+        self.workers: dict[str, BackendWorker] = {}
+        self.losses = {name: 0 for name in self.backends}
+        self.lost_reason: dict[str, str] = {}
+        self.points: list[BenchPoint] = []
+        self.infos: dict = {}
+
+    # -- workers
+    def worker(self, name: str) -> BackendWorker:
+        if name not in self.workers:
+            self.workers[name] = BackendWorker(self.backends[name], self.config.threads,
+                                               max_bytes=self.config.max_memory_bytes)
+        return self.workers[name]
+
+    def ask(self, point: BenchPoint, message: tuple, timeout: float | None = None):
+        """One request for ``point``'s backend; the answer's value, or None with the point marked lost/skipped."""
+        name = point.backend
+        try:
+            status, value = self.worker(name).request(message, timeout or self.config.timeout_s)
+        except WorkerLost as exc:
+            self.losses[name] += 1
+            if self.losses[name] >= MAX_CONSECUTIVE_LOSSES or exc.status == "timeout":  # a hang costs a timeout each
+                self.lost_reason[name] = f"not run: {name}'s worker was lost {self.losses[name]} times in a row " \
+                                         f"(last: {exc.status})"
+            point.status, point.skipped = exc.status, str(exc)
+            self.log(f"  {name} {point.key}: {exc.status}: {exc}")
+            return None
+        except Exception as exc:  # noqa: BLE001 - e.g. a plugin that cannot be pickled for its worker
+            point.status, point.skipped = "error", f"cannot run the backend in a worker: {type(exc).__name__}: {exc}"
+            self.lost_reason[name] = point.skipped
+            return None
+        self.losses[name] = 0
+        if status == "ok":
+            if name not in self.infos and message[0] == "prepare":
+                self.infos[name] = self.ask(point, ("info",)) or {}
+            return value
+        point.status = SKIPPED if status == "skip" else status
+        point.skipped = value
+        if status != "skip":
+            self.log(f"  {name} {point.key}: {status}: {value}")
+        return None
+
+    def close(self, interrupted: bool = False) -> None:
+        for worker in self.workers.values():
+            worker.kill() if interrupted else worker.close()
+
+    # -- timing
+    def run_group(self, group: list[BenchPoint]) -> None:
+        config = self.config
+        ready = []
+        for point in group:
+            if point.backend in self.lost_reason:
+                point.status, point.skipped = NOT_RUN, self.lost_reason[point.backend]
+                continue
+            reason = unsupported(self.backends[point.backend], shape_of(point, config))
+            if reason:
+                point.status, point.skipped = SKIPPED, reason
+                continue
+            answer = self.ask(point, ("prepare", point.key, shape_of(point, config), config.warm_up_s,
+                                      config.min_sample_s))
+            if answer is not None:
+                point.first_call_s = answer["first_call_s"]
+                point.calls_per_sample = answer["calls_per_sample"]
+                ready.append((point, answer["call_s"]))
+        spent = {p.backend: 0.0 for p, _ in ready}
+        open_ = [p for p, _ in ready]
+        call_s = {p.backend: c for p, c in ready}
+        r = 0
+        while open_:
+            for point in rotated(open_, r):
+                sample_s = call_s[point.backend] * point.calls_per_sample
+                count = max(1, min(stats.MIN_SAMPLES, round(config.turn_s / max(sample_s, 1e-9))))
+                answer = self.ask(point, ("sample", point.key, count, call_s[point.backend] < 0.05))
+                if answer is None:
+                    open_.remove(point)
+                    continue
+                point.samples_s += answer["samples_s"]
+                spent[point.backend] += answer["spent_s"]
+                done = stats.converged(point.samples_s, config.ci_rel)
+                if len(point.samples_s) >= stats.MIN_SAMPLES and (done or spent[point.backend] >= config.budget_s):
+                    point.budget_exhausted = not done
+                    point.status = MEASURED
+                    open_.remove(point)
+            r += 1
+        for point in group:
+            if point.status == MEASURED:
+                point.update(stats.summary(point.samples_s, point.calls_per_sample, point.budget_exhausted,
+                                           config.ci_rel))
+                point.update(metrics(shape_of(point, config), point.median_s,
+                                     gemm_peak_gflops=self.doc["machine"]["gemm_peak_gflops_float32"],
+                                     memory_bandwidth_gbs=self.doc["machine"]["memory_bandwidth_gbs"]))
+            elif point.samples_s:  # lost mid-point: keep what was measured, but it is not a result
+                point.update({"n_samples": len(point.samples_s)})
+
+    # -- memory
+    def measure_memory(self, point: BenchPoint) -> None:
+        """Peak extra memory of one call, in the backend's worker; a failure leaves the timing and says why."""
+        status, reason = point.status, point.skipped
+        answer = self.ask(point, ("memory", point.key, shape_of(point, self.config), self.config.warm_up_s,
+                                  self.config.min_sample_s))
+        if answer is None:
+            point.memory_error = f"{point.status}: {point.skipped}"
+            point.status, point.skipped = status, reason
+            return
+        point.update(answer)
+        point.memory_resolution_bytes = resolution_bytes(point.memory_method)
+        point.memory_below_resolution = point.peak_extra_bytes < point.memory_resolution_bytes
+
+    # -- the whole sweep
+    def run(self, groups: list[list[BenchPoint]], progress=None) -> list[BenchPoint]:
+        for i, group in enumerate(groups):
+            self.run_group(group)
+            self.points += group
+            self.save()
+            if progress:
+                progress(i, group)
+        for name in self.backends:  # memory after every timing: the RSS method pins glibc's mmap threshold
+            for point in self.points:
+                if point.backend == name and point.status == MEASURED and name not in self.lost_reason:
+                    self.measure_memory(point)
+            self.save()
+        return self.points
+
+    def save(self, complete: bool = False) -> None:
+        self.doc["complete"] = complete
+        self.doc["backends"] = self.infos
+        self.doc["points"] = [asdict(p) for p in self.points]
+        self.doc["fits"] = fits(self.points)
+        if self.path is not None:
+            write_json_atomic(self.path, self.doc)
+
+
+def rotated(items: list, r: int) -> list:
+    """``items`` rotated by ``r``: round r starts with a different backend, so drift hits all alike."""
+    k = r % max(1, len(items))
+    return items[k:] + items[:k]
 
 
 def warm_up(fn, seconds: float):
@@ -86,237 +299,207 @@ def warm_up(fn, seconds: float):
     return fn
 
 
-def rotated(names: list, r: int) -> list:
-    """``names`` rotated by ``r``: repeat r starts with a different backend, so drift hits all alike."""
-    k = r % max(1, len(names))
-    return names[k:] + names[:k]
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _prepare(backend, config: BenchConfig, seq_len: int, causal: bool, backward: bool):
-    """(callable, None) or (None, reason)."""
-    caps = backend.capabilities
-    if config.dtype not in caps.dtypes:
-        return None, f"dtype {config.dtype} not declared"
-    if causal and "top-left" not in caps.causal_alignments:
-        return None, "no top-left causal mask"
-    if backward and not caps.gradients:
-        return None, "no gradients"
-    if caps.max_seq_len and seq_len > caps.max_seq_len:
-        return None, f"max_seq_len {caps.max_seq_len}"
-    attn = AttentionConfig(config.d_model, config.num_heads)
-    inputs = make_inputs(attn, config.batch, seq_len, seed=seq_len, causal="top-left" if causal else None)
-    try:
-        fn = warm_up(backend.load(make_params(attn, seed=0), dtype=config.dtype).prepare(inputs, backward=backward),
-                     0.2)
-    except (NotImplementedError, Unsupported) as exc:
-        return None, str(exc) or type(exc).__name__
-    except MemoryError:
-        return None, "out of memory"
-    except Exception as exc:  # noqa: BLE001 - a plugin's failure is reported, the sweep goes on
-        return None, f"error: {type(exc).__name__}: {exc}"
-    return fn, None
-
-
-def fit_exponent(xs, ys, largest: int = 3) -> float | None:
-    """Slope of log(y) against log(x) over the ``largest`` sequence lengths: the growth exponent.
-
-    Small T is dominated by fixed costs (dispatch, projections), so only the largest points are fitted.
-    """
-    pts = sorted((x, y) for x, y in zip(xs, ys) if y and y > 0)[-largest:]
-    if len(pts) < 3:
-        return None
-    slope, _ = np.polyfit(np.log([p[0] for p in pts]), np.log([p[1] for p in pts]), 1)
-    return round(float(slope), 3)
-
-
-def sweep(backends: list, seq_lens, *, causal_modes=(False,), repeats: int = 5, backward: bool = False,
-          config: BenchConfig | None = None, progress: bool = True) -> list[BenchPoint]:
-    """Time every point (interleaved per point), then measure every point's peak memory.
-
-    Memory comes last, in a second pass over the same prepared callables, because the RSS method
-    pins glibc's mmap threshold, which would otherwise slow allocation-heavy backends' timings."""
-    config = config or BenchConfig()
-    modes = [False, True] if backward else [False]
-    total = len(seq_lens) * len(causal_modes) * len(modes)
-    bar = _progress(total, progress)
-    points: list[BenchPoint] = []
-    prepared: list[tuple[BenchPoint, object, object]] = []
-    for seq_len in sorted(seq_lens):
-        for causal in causal_modes:
-            for mode_backward in modes:
-                mode = "forward+backward" if mode_backward else "forward"
-                here, ready = [], {}
-                for backend in backends:
-                    point = BenchPoint(backend.name, seq_len, causal, mode)
-                    fn, reason = _prepare(backend, config, seq_len, causal, mode_backward)
-                    point.skipped = reason
-                    if fn is not None:
-                        ready[backend.name] = (backend, fn, point)
-                    here.append(point)
-                names = list(ready)
-                for r in range(repeats):  # interleaved: each repeat times every backend once, rotating order
-                    for name in rotated(names, r):
-                        backend, fn, point = ready[name]
-                        if point.skipped:
-                            continue
-                        try:
-                            point.times_s.append(_timed(fn))
-                        except Exception as exc:  # noqa: BLE001 - a plugin's failure is reported, the sweep goes on
-                            point.skipped = f"error: {type(exc).__name__}: {exc}"
-                flops = attention_flops(config, seq_len, causal, mode_backward)
-                for backend, fn, point in ready.values():
-                    if point.skipped or not point.times_s:
-                        point.skipped = point.skipped or "no timing"
-                        continue
-                    point.median_s = statistics.median(point.times_s)
-                    point.min_s, point.max_s = min(point.times_s), max(point.times_s)
-                    point.spread = round(point.max_s / point.min_s, 3)
-                    point.gflops = round(flops / point.median_s / 1e9, 3)
-                    prepared.append((point, backend, fn))
-                points += here
-                bar(f"T={seq_len}{' causal' if causal else ''} {mode}")
-    pin_mmap_threshold()
-    for point, backend, fn in prepared:
-        point.memory_method = backend.memory_method
-        try:
-            point.peak_extra_bytes = peak_extra_bytes(fn, backend.memory_method)
-        except Exception as exc:  # noqa: BLE001
-            point.skipped = f"memory measurement failed: {type(exc).__name__}: {exc}"
-    return points
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return lambda label: None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        done = [0]
-
-        def plain(label):
-            done[0] += 1
-            print(f"  [{done[0]}/{total}] {label}", flush=True)
-        return plain
-    bar = tqdm(total=total, unit="point", desc="benchmark", leave=False)
-
-    def update(label):
-        bar.set_postfix_str(label)
-        bar.update(1)
-        if bar.n >= total:
-            bar.close()
-    return update
-
+# ---------------------------------------------------------------- fits, table, plots
 
 def series(points: list[BenchPoint]) -> dict[tuple, list[BenchPoint]]:
-    """Measured points per (backend, causal, mode), sorted by sequence length."""
+    """Measured points per (backend, workload, tq for decode, causal, mode), sorted by length."""
     out: dict[tuple, list[BenchPoint]] = {}
-    for p in sorted((p for p in points if not p.skipped), key=lambda p: p.seq_len):
-        out.setdefault((p.backend, p.causal, p.mode), []).append(p)
-    return dict(sorted(out.items()))
+    for p in sorted((p for p in points if p.status == MEASURED), key=lambda p: p.seq_len):
+        tq = p.tq if p.workload == "decode" else None
+        out.setdefault((p.backend, p.workload, tq, p.causal, p.mode), []).append(p)
+    return dict(sorted(out.items(), key=lambda kv: tuple(str(x) for x in kv[0])))
 
 
-def series_key(backend: str, causal: bool, mode: str) -> str:
-    return f"{backend}|{'causal' if causal else 'full'}|{mode}"
+def series_key(backend: str, workload: str, tq, causal: bool, mode: str) -> str:
+    shape = f"decode tq={tq}" if workload == "decode" else ("causal" if causal else "full")
+    return f"{backend}|{shape}|{mode}"
 
 
 def fits(points: list[BenchPoint]) -> dict:
+    """Time and memory growth exponents per series, with stderr; memory only over points above resolution."""
     out = {}
-    for (backend, causal, mode), series_ in series(points).items():
-        lengths = [p.seq_len for p in series_]
-        out[series_key(backend, causal, mode)] = {
-            "time_exponent": fit_exponent(lengths, [p.median_s for p in series_]),
-            "memory_exponent": fit_exponent(lengths, [p.peak_extra_bytes for p in series_])}
+    for key, line in series(points).items():
+        lengths = [p.seq_len for p in line]
+        memory = [p.peak_extra_bytes if p.peak_extra_bytes is not None and not p.memory_below_resolution else None
+                  for p in line]
+        floor = max([p.memory_resolution_bytes or 0 for p in line] or [0])
+        out[series_key(*key)] = {"time": stats.fit_exponent(lengths, [p.median_s for p in line]),
+                                 "memory": stats.memory_fit(lengths, memory, floor)}
     return out
 
 
-def table(points: list[BenchPoint], peak: float) -> str:
+def _fmt_fit(fit: dict | None) -> str:
+    if fit is None:
+        return "n/a (fewer than 3 points above resolution)"
+    if "measurement_error" in fit:
+        return f"MEASUREMENT ERROR: {fit['measurement_error']}"
+    return f"{fit['exponent']:.2f} +- {fit['stderr']:.2f} (T in {fit['points']})"
+
+
+def _fmt_memory(p: BenchPoint) -> str:
+    if p.peak_extra_bytes is None:
+        return "n/a"
+    if p.memory_below_resolution:
+        return f"<{p.memory_resolution_bytes / 2 ** 20:.0f}"
+    return f"{p.peak_extra_bytes / 2 ** 20:.1f}"
+
+
+def table(points: list[BenchPoint]) -> str:
     lines = []
-    for seq_len in sorted({p.seq_len for p in points}):
-        lines.append(f"\nT = {seq_len}")
-        lines.append(f"  {'backend':<26}{'mode':<18}{'causal':<8}{'median ms':>10}{'spread':>8}{'peak MiB':>10}"
-                     f"{'GFLOP/s':>9}{'% GEMM':>8}")
-        for p in (q for q in points if q.seq_len == seq_len):
-            if p.skipped:
-                lines.append(f"  {p.backend:<26}{p.mode:<18}{str(p.causal):<8}  skipped: {p.skipped[:60]}")
+    for key in sorted({(p.workload, p.tq, p.tk) for p in points}, key=lambda k: (k[2], k[1])):
+        workload, tq, tk = key
+        label = "T" if workload == "prefill" else f"decode Tq = {tq}, KV"
+        lines.append(f"\n{label} = {tk}")
+        lines.append(f"  {'backend':<24}{'mode':<9}{'causal':<7}{'median ms':>10}{'95% CI +-':>10}{'n':>4}"
+                     f"{'calls':>6}{'peak MiB':>9}{'GFLOP/s':>9}{'%GEMM':>7}{'GB/s':>7}{'%BW':>6}")
+        for p in (q for q in points if (q.workload, q.tq, q.tk) == key):
+            mode = "fwd" if p.mode == "forward" else "fwd+bwd"
+            if p.status != MEASURED:
+                lines.append(f"  {p.backend:<24}{mode:<9}{str(p.causal):<7}  {p.status}: {(p.skipped or '')[:70]}")
                 continue
-            lines.append(f"  {p.backend:<26}{p.mode:<18}{str(p.causal):<8}{p.median_s * 1e3:>10.2f}{p.spread:>8.2f}"
-                         f"{p.peak_extra_bytes / 2 ** 20:>10.1f}{p.gflops:>9.1f}{100 * p.gflops / peak:>7.1f}%")
+            ci = f"{100 * p.ci95_rel_halfwidth:.1f}%" if p.ci95_rel_halfwidth is not None else "n/a"
+            flag = "*" if p.budget_exhausted else " "
+            lines.append(f"  {p.backend:<24}{mode:<9}{str(p.causal):<7}{p.median_s * 1e3:>10.3f}{ci:>9}{flag}"
+                         f"{p.n_samples:>4}{p.calls_per_sample:>6}{_fmt_memory(p):>9}{p.gflops:>9.1f}"
+                         f"{100 * (p.fraction_of_gemm_peak or 0):>6.1f}%{p.gbytes_per_s:>7.2f}"
+                         f"{100 * (p.fraction_of_memory_bandwidth or 0):>5.1f}%")
+    lines.append("\n  * the time budget ran out before the 95% CI reached the target; '<N' = below the memory "
+                 "method's resolution of N MiB")
     return "\n".join(lines)
 
 
-def plot(points: list[BenchPoint], exponents: dict, directory: Path) -> dict[str, Path]:
-    """Log-log plots of time and of peak memory against sequence length, one line per backend."""
-    import matplotlib
-    matplotlib.use("Agg")
+def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roof=None):
     import io
 
+    import matplotlib
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    paths = {}
-    for metric, label, key, filename in (("median_s", "time per call (s)", "time_exponent", "time_vs_seq_len.png"),
-                                         ("peak_extra_bytes", "peak extra memory (bytes)", "memory_exponent",
-                                          "memory_vs_seq_len.png")):
-        fig, ax = plt.subplots(figsize=(8, 5.5))
-        for (backend, causal, mode), line in series(points).items():
-            exp = exponents.get(series_key(backend, causal, mode), {}).get(key)
-            name = backend + (" causal" if causal else "") + (" fwd+bwd" if mode != "forward" else "")
-            ax.plot([p.seq_len for p in line], [getattr(p, metric) or np.nan for p in line],
-                    marker="o", linestyle="--" if causal or mode != "forward" else "-",
-                    label=f"{name} (exponent {exp:.2f})" if exp is not None else name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length T")
-        ax.set_ylabel(label)
-        ax.set_title(f"{label} vs sequence length (log-log; fitted growth exponent in legend)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-        buffer = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buffer, format="png", dpi=110)
-        plt.close(fig)
-        paths[metric] = write_bytes_atomic(directory / filename, buffer.getvalue())
-    return paths
+    fig, ax = plt.subplots(figsize=(8.5, 5.8))
+    exps = fits(points)
+    for key, line in series(points).items():
+        backend, workload, tq, causal, mode = key
+        xs = [p.seq_len for p in line]
+        ys = [getattr(p, metric) for p in line]
+        if metric == "peak_extra_bytes":
+            ys = [None if p.memory_below_resolution else y for p, y in zip(line, ys)]
+        ys = [float("nan") if y is None else y for y in ys]
+        name = backend + (f" Tq={tq}" if workload == "decode" else "") + (" causal" if causal and workload ==
+                                                                           "prefill" else "") \
+            + (" fwd+bwd" if mode != "forward" else "")
+        fit = exps.get(series_key(*key), {}).get("memory" if metric == "peak_extra_bytes" else "time")
+        if fit and "exponent" in fit and metric in ("median_s", "peak_extra_bytes"):
+            name += f" (exp {fit['exponent']:.2f}±{fit['stderr']:.2f})"
+        style = "--" if (causal and workload == "prefill") or mode != "forward" or tq == 16 else "-"
+        if ci:
+            low = [y - p.ci95_s[0] if p.ci95_s else 0 for p, y in zip(line, ys)]
+            high = [p.ci95_s[1] - y if p.ci95_s else 0 for p, y in zip(line, ys)]
+            ax.errorbar(xs, ys, yerr=[low, high], marker="o", markersize=3, capsize=3, linestyle=style, label=name)
+        else:
+            ax.plot(xs, ys, marker="o", markersize=3, linestyle=style, label=name)
+    if roof:
+        ax.axhline(roof[0], color="black", linewidth=1, linestyle=":", label=roof[1])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("KV length Tk" if points and points[0].workload == "decode" else "sequence length T")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6)
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return write_bytes_atomic(Path(directory) / filename, buffer.getvalue())
 
 
-def run_bench(registry, names, results_dir: Path, *, seq_lens=None, causal: str = "off", repeats: int = 5,
-              backward: bool = False, quick: bool = False, config: BenchConfig | None = None) -> dict:
-    """Sweep, print a table per sequence length, write results/bench/bench.json and the plots."""
-    directory = check_writable(Path(results_dir) / "bench", "--results")
+def plot(points: list[BenchPoint], directory: Path, machine: dict) -> list[Path]:
+    """Log-log plots; times carry their 95% CI as error bars; memory below resolution is left out."""
+    if points and points[0].workload == "decode":
+        bw = machine.get("memory_bandwidth_gbs")
+        return [_figure(points, "median_s", "time per call (s), 95% CI", "decode: time vs KV length "
+                        "(solid Tq = 1, dashed Tq = 16; bottom-right causal)", directory, "decode_time_vs_kv_len.png",
+                        ci=True),
+                _figure(points, "gbytes_per_s", "compulsory bytes moved per second (GB/s)",
+                        "decode: memory throughput vs KV length", directory, "decode_bandwidth_vs_kv_len.png",
+                        roof=(bw, f"measured memory bandwidth {bw:.1f} GB/s") if bw else None)]
+    return [_figure(points, "median_s", "time per call (s), 95% CI of the median",
+                    "time vs sequence length (log-log; fitted exponent ± stderr)", directory, "time_vs_seq_len.png",
+                    ci=True),
+            _figure(points, "peak_extra_bytes", "peak extra memory (bytes)",
+                    "peak extra memory vs T (points below the method's resolution left out)", directory,
+                    "memory_vs_seq_len.png")]
+
+
+# ---------------------------------------------------------------- entry point
+
+def machine_info(threads: int) -> dict:
+    apply_threads(threads)
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "cpu_count": __import__("os").cpu_count(),
+            "gemm_peak_gflops_float32": round(gemm_peak_gflops(), 2),
+            "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2),
+            "roofs": "GEMM: float32 2048^3 matmul; bandwidth: float32 GEMV over a 256 MiB matrix; NumPy BLAS, "
+                     "best of 5, under the benchmark's thread count"}
+
+
+def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal: str = "off",
+              backward: bool = False, quick: bool = False, config: BenchConfig | None = None,
+              query_lens=DECODE_QUERY_LENS, log=print) -> dict:
+    """Sweep ``backends``, print the table, write ``<results>/bench[-decode]/bench.json`` and the plots."""
     config = config or BenchConfig()
-    backends = [registry.get(n).backend for n in names if registry.get(n).available]
+    if config.workload not in WORKLOADS:
+        raise ValueError(f"workload: got {config.workload!r}; accepted: {', '.join(WORKLOADS)}")
+    decode = config.workload == "decode"
+    directory = None
+    if results_dir is not None:
+        directory = check_writable(Path(results_dir) / ("bench-decode" if decode else "bench"), "--results")
     causal_modes = {"off": (False,), "on": (True,), "both": (False, True)}[causal]
-    seq_lens = list(seq_lens or DEFAULT_SEQ_LENS)
-    print(f"benchmark: {len(backends)} backends x T in {seq_lens}, batch {config.batch}, d_model {config.d_model}, "
-          f"{config.num_heads} heads, {config.dtype}, {repeats} interleaved repeats", flush=True)
+    seq_lens = list(seq_lens or (DECODE_KV_LENS if decode else DEFAULT_SEQ_LENS))
+    names = [b.name for b in backends]
+    log(f"benchmark ({config.workload}): {len(names)} backends x {'KV lengths' if decode else 'T'} in {seq_lens}"
+        f"{f', Tq in {list(query_lens)}' if decode else ''}; batch {config.batch}, d_model {config.d_model}, "
+        f"{config.num_heads} heads, {config.dtype}, {config.threads} threads; each backend in its own worker; "
+        f"per point: 95% CI of the median within +-{100 * config.ci_rel:g}% or {config.budget_s:g} s", flush=True)
     start = time.perf_counter()
-    peak = gemm_peak_gflops()
-    points = sweep(backends, seq_lens, causal_modes=causal_modes, repeats=repeats, backward=backward, config=config)
-    for p in points:
-        if p.gflops is not None:
-            p.fraction_of_gemm_peak = round(p.gflops / peak, 4)
-    exponents = fits(points)
-    print(table(points, peak))
-    print(f"\nfloat32 GEMM peak of this machine (NumPy BLAS, 2048^3): {peak:.1f} GFLOP/s")
-    for key, value in exponents.items():
-        print(f"  growth exponent {key}: time {value['time_exponent']}, memory {value['memory_exponent']}")
-    doc = {"schema": "mha-harness/bench", "schema_version": SCHEMA_VERSION,
-           "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                       "python": platform.python_version(), "gemm_peak_gflops_float32": round(peak, 2)},
-           "config": asdict(config), "seq_lens": seq_lens, "repeats": repeats, "quick": quick,
-           "flops_formula": "4*B*h*Tq*Tk*d_head (x0.5 causal; x3.5 forward+backward)",
-           "seconds": round(time.perf_counter() - start, 1),
-           "fits": exponents, "points": [asdict(p) for p in points]}
-    write_json_atomic(directory / "bench.json", doc)
+    machine = machine_info(config.threads)
+    doc = {"schema": "mha-harness/bench", "schema_version": SCHEMA_VERSION, "complete": False,
+           "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine,
+           "threads": thread_report(config.threads), "config": asdict(config), "workload": config.workload,
+           "seq_lens": seq_lens, "query_lens": list(query_lens) if decode else None, "quick": quick,
+           "flops_formula": FLOPS_FORMULA, "bytes_formula": BYTES_FORMULA,
+           "statistics": {"sample": f"the call repeated until a sample lasts >= {config.min_sample_s} s; "
+                                    "value = sample time / calls",
+                          "ci": "95% CI of the median, binomial order statistics (scipy.stats.quantile_test)",
+                          "stop": f"CI within +-{config.ci_rel:.0%} of the median, or {config.budget_s} s spent "
+                                  f"(at least {stats.MIN_SAMPLES} samples)"}}
+    groups = plan_points(names, config, seq_lens, causal_modes=(True,) if decode else causal_modes,
+                         backward=backward, query_lens=query_lens)
+    sweep = Sweep(backends, config, directory / "bench.json" if directory else None, doc, log=log)
+
+    def progress(i, group):
+        p = group[0]
+        label = f"Tq={p.tq} Tk={p.tk}" if decode else f"T={p.tk}{' causal' if p.causal else ''}"
+        done = ", ".join(f"{q.backend} {q.median_s * 1e3:.2f} ms" if q.status == MEASURED else f"{q.backend} {q.status}"
+                         for q in group)
+        log(f"  [{i + 1}/{len(groups)}] {label} {p.mode}: {done}", flush=True)
     try:
-        paths = plot(points, exponents, directory)
-        print(f"  plots: {', '.join(str(p) for p in paths.values())}")
-    except ImportError:
-        print("  plots skipped: matplotlib is not installed (pip install 'mha-harness[bench]')")
-    print(f"  json: {directory / 'bench.json'}  ({doc['seconds']} s)")
+        points = sweep.run(groups, progress)
+    except BaseException:  # Ctrl-C, SIGTERM: every finished point is already on disk; kill the workers now
+        sweep.close(interrupted=True)
+        raise
+    sweep.close()
+    doc["seconds"] = round(time.perf_counter() - start, 1)
+    sweep.save(complete=True)
+    log(table(points))
+    log(f"\nroofs of this machine ({config.threads} threads): float32 GEMM {machine['gemm_peak_gflops_float32']:.1f} "
+        f"GFLOP/s, memory bandwidth {machine['memory_bandwidth_gbs']:.1f} GB/s")
+    for key, value in doc["fits"].items():
+        log(f"  growth exponent {key}: time {_fmt_fit(value['time'])}; memory {_fmt_fit(value['memory'])}")
+    if directory is not None:
+        try:
+            paths = plot(points, directory, machine)
+            log(f"  plots: {', '.join(str(p) for p in paths)}")
+        except ImportError:
+            log("  plots skipped: matplotlib is not installed (pip install 'mha-harness[bench]')")
+        log(f"  json: {directory / 'bench.json'}  ({doc['seconds']} s)")
     return doc

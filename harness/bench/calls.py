@@ -1,0 +1,37 @@
+"""The prepared call a benchmark times, built the same way by the sweep's workers, asv and pytest-benchmark."""
+from __future__ import annotations
+
+from mha_harness.bench.metrics import Shape
+
+
+def causal_alignment(shape: Shape) -> str | None:
+    """Prefill (Tq = Tk) is causal top-left; decode (Tq < Tk, new queries at the end) bottom-right."""
+    if not shape.causal:
+        return None
+    return "top-left" if shape.tq == shape.tk else "bottom-right"
+
+
+def unsupported(backend, shape: Shape) -> str | None:
+    """Why ``backend`` cannot run ``shape``, from its declared capabilities; None when it can."""
+    caps = backend.capabilities
+    alignment = causal_alignment(shape)
+    if shape.dtype not in caps.dtypes:
+        return f"dtype {shape.dtype} not declared"
+    if alignment and alignment not in caps.causal_alignments:
+        return f"no {alignment} causal mask"
+    if shape.tq != shape.tk and not caps.cross_attention:
+        return "no cross-attention (Tq != Tk)"
+    if shape.backward and not caps.gradients:
+        return "no gradients"
+    if caps.max_seq_len and max(shape.tq, shape.tk) > caps.max_seq_len:
+        return f"max_seq_len {caps.max_seq_len}"
+    return None
+
+
+def prepared_call(backend, shape: Shape):
+    """The backend's zero-argument prepared callable for ``shape`` (seeded inputs and parameters)."""
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.contract.params import make_inputs, make_params
+    attn = AttentionConfig(shape.d_model, shape.num_heads)
+    inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal_alignment(shape))
+    return backend.load(make_params(attn, seed=0), dtype=shape.dtype).prepare(inputs, backward=shape.backward)

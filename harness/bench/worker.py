@@ -1,0 +1,249 @@
+"""One worker process per backend for ``mha-harness bench``: it holds the backend's prepared callables.
+
+The parent (mha_harness.bench.sweep) asks one worker at a time to prepare a point, take timed samples or
+measure a call's peak memory; the other workers wait blocked on a pipe read, so their thread pools are idle
+rather than spinning next to the one being timed. Each worker
+
+* starts with the benchmark's thread environment (mha_harness.bench.threads) and its own process group, so a
+  terminal's Ctrl-C reaches only the parent, which kills the whole group (and a plugin's children) at the end;
+* measures memory in its own process: no other backend's allocations pollute its resident size;
+* answers every request within a timeout, or is killed and reported (``timeout``); a worker that dies is
+  reported as ``crashed`` with its signal or exit code; one whose resident size passes ``max_bytes`` is killed
+  and reported as ``out-of-memory``. The sweep goes on with the other backends.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from contextlib import contextmanager
+
+POLL_S = 0.05
+TIMEOUT, CRASHED, OUT_OF_MEMORY, ERROR = "timeout", "crashed", "out-of-memory", "error"
+
+
+class WorkerLost(Exception):
+    """The worker did not answer: ``status`` is timeout, crashed, out-of-memory or error."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+# ---------------------------------------------------------------- the worker process
+
+def _worker_main(conn, payload: bytes, threads: int) -> None:
+    """Serve requests until told to quit or the parent goes away (EOF on the pipe)."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a worker stops
+    from mha_harness.bench.threads import apply_threads
+    server = _Server(pickle.loads(payload), threads)
+    apply_threads(threads)
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        if request[0] == "quit":
+            return
+        conn.send(server.handle(request))
+
+
+class _Server:
+    def __init__(self, backend, threads: int):
+        self.backend, self.threads = backend, threads
+        self.prepared: dict = {}
+        self.pinned = False
+
+    def handle(self, request):
+        from mha_harness.contract.api import Unsupported
+        kind, *args = request
+        try:
+            return ("ok", getattr(self, f"do_{kind}")(*args))
+        except (Unsupported, NotImplementedError) as exc:
+            return ("skip", str(exc) or type(exc).__name__)
+        except MemoryError as exc:
+            return (OUT_OF_MEMORY, f"MemoryError: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a plugin's failure is reported, the sweep goes on
+            return (ERROR, f"{type(exc).__name__}: {exc}")
+
+    def do_info(self):
+        from mha_harness.bench.threads import thread_report
+        versions = self.backend.versions()
+        return {"threads": thread_report(self.threads), "versions": versions, "pid": os.getpid()}
+
+    def do_prepare(self, key, shape, warm_up_s: float, min_sample_s: float):
+        """Load, prepare and warm up the call for ``shape``; calibrate calls per sample. Returns timings."""
+        from mha_harness.bench.calls import prepared_call
+        from mha_harness.bench.stats import calls_per_sample
+        from mha_harness.bench.threads import apply_threads
+        fn = prepared_call(self.backend, shape)
+        apply_threads(self.threads)  # the backend may have imported its framework just now
+        start = time.perf_counter()
+        fn()
+        first_s = time.perf_counter() - start
+        while time.perf_counter() - start < warm_up_s:
+            fn()
+        call_s = _time_calls(fn, 1)
+        calls = calls_per_sample(call_s, min_sample_s)
+        if calls > 1:  # refine with a sample of the estimated size (one call is too short to time precisely)
+            calls = calls_per_sample(_time_calls(fn, calls) / calls, min_sample_s)
+        self.prepared[key] = (fn, calls)
+        return {"first_call_s": first_s, "call_s": call_s, "calls_per_sample": calls}
+
+    def do_sample(self, key, count: int, rewarm: bool):
+        """``count`` samples of the calibrated size; a sample's value is its time per call."""
+        fn, calls = self.prepared[key]
+        start = time.perf_counter()
+        if rewarm:  # one untimed call: caches and thread pools wake after another backend's turn
+            fn()
+        samples = [_time_calls(fn, calls) / calls for _ in range(count)]
+        return {"samples_s": samples, "spent_s": time.perf_counter() - start}
+
+    def do_memory(self, key, shape, warm_up_s: float, min_sample_s: float):
+        """Peak extra memory of one call (prepared again if this worker is a restarted one)."""
+        from mha_harness.bench.memory import peak_extra_bytes, pin_mmap_threshold
+        method = self.backend.memory_method
+        if method == "rss" and not self.pinned:
+            self.pinned = pin_mmap_threshold()
+        if key not in self.prepared:
+            self.do_prepare(key, shape, warm_up_s, min_sample_s)
+        fn, _ = self.prepared[key]
+        return {"peak_extra_bytes": peak_extra_bytes(fn, method), "memory_method": method}
+
+    def do_drop(self, key):
+        self.prepared.pop(key, None)
+        return None
+
+
+def _time_calls(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- the parent's handle
+
+@contextmanager
+def _environment(overrides: dict):
+    """The spawned worker copies the parent's environment at start: set it for that moment only."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "worker process vanished"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        hint = " (SIGKILL: the kernel's OOM killer, or killed from outside)" if -code == signal.SIGKILL else ""
+        return f"worker process killed by signal {name}{hint}"
+    return f"worker process exited with code {code}"
+
+
+class BackendWorker:
+    """The parent's side of one backend's worker process; restarted on demand after a loss."""
+
+    def __init__(self, backend, threads: int, *, max_bytes: int | None = None):
+        self.name = backend.name
+        self.threads, self.max_bytes = threads, max_bytes
+        self.payload = pickle.dumps(backend)  # raises for an unpicklable plugin: the caller reports it
+        self.process = None
+        self.conn = None
+
+    def _start(self) -> None:
+        from mha_harness.bench.threads import thread_env
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        process = context.Process(target=_worker_main, args=(child, self.payload, self.threads),
+                                  name=f"bench-{self.name}", daemon=True)
+        with _environment(thread_env(self.threads)):
+            process.start()
+        child.close()
+        self.process, self.conn = process, parent
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def request(self, message: tuple, timeout: float):
+        """Send one request and wait for its answer; (status, value) or WorkerLost (the worker is then gone)."""
+        if not self.alive:
+            self.kill()
+            self._start()
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, OSError):
+            raise self._lost(CRASHED, _describe_exit(self.process.exitcode)) from None
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.conn.poll(POLL_S):
+                try:
+                    return self.conn.recv()
+                except (EOFError, OSError):
+                    self.process.join(1)
+                    raise self._lost(CRASHED, _describe_exit(self.process.exitcode)) from None
+            if not self.process.is_alive():
+                raise self._lost(CRASHED, _describe_exit(self.process.exitcode))
+            if self.max_bytes and _rss_bytes(self.process.pid) > self.max_bytes:
+                raise self._lost(OUT_OF_MEMORY, f"worker passed the memory limit of {self.max_bytes / 2 ** 20:.0f} MiB "
+                                               "(--max-memory); killed")
+            if time.monotonic() > deadline:
+                raise self._lost(TIMEOUT, f"no answer within {timeout:g} s (--timeout); worker killed")
+
+    def _lost(self, status: str, message: str) -> WorkerLost:
+        self.kill()
+        return WorkerLost(status, message)
+
+    def kill(self) -> None:
+        """Kill the worker's whole process group (the worker and anything a plugin started) and reap it."""
+        process, self.process = self.process, None
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        if process is None:
+            return
+        if process.pid:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                process.kill()
+            except (ProcessLookupError, OSError, AttributeError):
+                pass
+        process.join(5)
+
+    def close(self) -> None:
+        if self.alive:
+            try:
+                self.conn.send(("quit",))
+                self.process.join(2)
+            except (BrokenPipeError, OSError):
+                pass
+        self.kill()

@@ -1,0 +1,47 @@
+"""Plugins that break the benchmark sweep in one way each: hang in prepare(), crash in the call, hog memory."""
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+
+from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+
+class _HangsInPrepare(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # like a native deadlock: only SIGKILL ends it
+        while True:
+            time.sleep(1)
+
+
+class _SegfaultsInCall(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):
+        def call():
+            import ctypes
+            ctypes.string_at(0)
+        return call
+
+
+class _HogsMemory(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):
+        hoard = []
+
+        def call():  # grows by 64 MiB of touched pages per step until something stops it
+            while True:
+                hoard.append(np.ones(8 * 2 ** 20))
+                time.sleep(0.01)
+        return call
+
+
+class HangsInPrepare(NumpyNaive):
+    name, loaded_class = "bench-hangs-in-prepare", _HangsInPrepare
+
+
+class SegfaultsInCall(NumpyNaive):
+    name, loaded_class = "bench-segfaults", _SegfaultsInCall
+
+
+class HogsMemory(NumpyNaive):
+    name, loaded_class = "bench-hogs-memory", _HogsMemory
