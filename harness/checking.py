@@ -4,52 +4,90 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from mha_harness.conformance.casekit import all_cases
+from mha_harness.conformance.casekit import Case, all_cases
 from mha_harness.conformance.isolation import Target, run_isolated
 from mha_harness.conformance.report import BackendInfo, Report, backend_info, entry_info
 from mha_harness.conformance.runner import run_backend, run_case, select_cases
 from mha_harness.contract.api import AttentionBackend
 from mha_harness.registry import (
+    BackendEntry,
     Registry,
-    availability_reason,
+    availability_of,
     backends_from_object,
-    backends_from_spec,
+    entries_for_spec,
     load_registry,
     parse_spec,
 )
+from mha_harness.util.guard import PluginFault, call_guarded, plugin_timeout
+
+
+_ACCEPTED_BACKENDS = ("a registered backend name, a 'module:object' spec, an AttentionBackend instance or "
+                      "subclass, a factory returning backends, or a list of these")
+
+
+def _backend_items(backends) -> list:
+    """``backends`` as a list of single items; anything else is a TypeError naming the parameter."""
+    if isinstance(backends, (str, AttentionBackend, type)) or callable(backends):
+        return [backends]
+    if isinstance(backends, (list, tuple, set, frozenset)) or hasattr(backends, "__next__"):
+        return list(backends)
+    raise TypeError(f"backends: got {type(backends).__name__} {backends!r:.60}; accepted: {_ACCEPTED_BACKENDS}")
 
 
 def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Target], list[BackendInfo]]:
     """Turn names, ``module:object`` specs, instances or classes into check targets.
 
-    Returns (targets, descriptions of the backends that are not available here, for the report)."""
-    if isinstance(backends, (str, AttentionBackend)) or (isinstance(backends, type)):
-        backends = [backends]
+    Returns (targets, descriptions of the backends that are not available here, for the report). A spec or
+    object whose plugin code fails (any exception, or a hang) is described as a load error, never raised."""
     targets, unavailable = [], []
 
-    def add(backend, spec, source):
-        reason = availability_reason(backend)
-        if reason is None:
-            targets.append(Target(backend, spec, source))
+    def add_entry(entry):
+        if entry.backend is not None and entry.available:
+            targets.append(Target(entry.backend, entry.spec if entry.spec != "python object" else None,
+                                  entry.source))
         else:
-            unavailable.append(backend_info(backend, source, reason))
+            unavailable.append(entry_info(entry))
 
-    for item in backends:
+    for item in _backend_items(backends):
         if isinstance(item, str) and ":" in item:
             parse_spec(item)
-            for b in backends_from_spec(item):
-                add(b, item, f"spec {item}")
+            for entry in entries_for_spec(item, f"spec {item}"):
+                add_entry(entry)
         elif isinstance(item, str):
             registry = registry or load_registry()
-            entry = registry.get(item)
-            if entry.backend is not None and entry.available:
-                targets.append(Target(entry.backend, entry.spec, entry.source))
-            else:
-                unavailable.append(entry_info(entry))
+            add_entry(registry.get(item))
+        elif isinstance(item, AttentionBackend) or callable(item):
+            try:
+                found = call_guarded(lambda i=item: backends_from_object(i), "constructing the backend",
+                                     plugin_timeout())
+            except PluginFault as fault:
+                name = getattr(item, "name", None) or getattr(item, "__name__", None) or repr(item)
+                unavailable.append(BackendInfo(str(name), source="python object", available=False,
+                                               reason=f"failed to load: {fault}", load_error=True))
+                continue
+            for b in found:
+                reason, error = availability_of(b)
+                add_entry(BackendEntry(b.name, "python object", "python object", b, error=error, reason=reason))
         else:
-            for b in backends_from_object(item):
-                add(b, None, "python object")
+            raise TypeError(f"backends: got an item of type {type(item).__name__} ({item!r:.60}); "
+                            f"accepted: {_ACCEPTED_BACKENDS}")
     return targets, unavailable
+
+
+def _check_arguments(cases, timeout, jobs) -> list[str] | None:
+    """Validate check()'s options; each mistake is an error naming the parameter and the accepted values."""
+    import math
+    if isinstance(cases, str):
+        cases = [cases]
+    if cases is not None:
+        if not isinstance(cases, (list, tuple, set, frozenset)) or not all(isinstance(c, str) for c in cases):
+            raise TypeError(f"cases: got {cases!r:.80}; accepted: None (every case), a case name or a list of names")
+        cases = list(cases)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout: got {timeout!r}; accepted: a finite number of seconds > 0")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"jobs: got {jobs!r}; accepted: None (one per CPU) or an integer >= 1")
+    return cases
 
 
 def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False, timeout: float = 120.0,
@@ -61,6 +99,7 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
     of these. ``isolate=True`` runs each backend in its own worker process with a per-case ``timeout``.
     """
     start = time.perf_counter()
+    cases = _check_arguments(cases, timeout, jobs)
     chosen = select_cases(cases, include_slow)
     targets, unavailable = resolve_targets(backends, registry)
     report = Report()
@@ -83,13 +122,29 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
     return report
 
 
+def _case_named(case) -> "Case":
+    """The case called ``case``; a misspelt name is a ValueError naming the parameter and the closest names."""
+    import difflib
+    cases = all_cases()
+    if not isinstance(case, str):
+        raise TypeError(f"case: got {type(case).__name__} {case!r:.60}; accepted: a case name such as "
+                        f"{next(iter(cases))!r}")
+    if case not in cases:
+        close = difflib.get_close_matches(case, list(cases), n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+        raise ValueError(f"case: got {case!r}; {hint}accepted: one of {', '.join(cases)}")
+    return cases[case]
+
+
 def repro(backend, case: str, **params) -> None:
     """Rerun one case variant in this process and raise its failure (the one-line repro in reports)."""
     from mha_harness.conformance.casekit import CaseFailure
+    chosen = _case_named(case)
     targets, unavailable = resolve_targets(backend)
     if not targets:
-        raise ValueError(f"backend: {backend!r} is not available here")
-    result = run_case(targets[0].backend, all_cases()[case], params)
+        why = "; ".join(f"{i.name}: {i.reason}" for i in unavailable)
+        raise ValueError(f"backend: got {backend!r}, which is not available here ({why})")
+    result = run_case(targets[0].backend, chosen, params)
     print(f"{result.status}: {result.message}")
     if result.status not in ("passed", "skipped", "expected-divergence"):
         raise CaseFailure(result.message)

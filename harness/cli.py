@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from mha_harness.util.atomic import check_writable
+from mha_harness.util.options import available_memory_bytes, float_range, int_range, nonempty_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -37,24 +38,28 @@ def _seq_lens(text: str) -> list[int]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"got {text!r}; accepted: a positive integer")
-    return value
+#: range-checked option types (mha_harness.util.options): a bad value is one line naming the option, exit 2
+TIMEOUT = float_range(0.0, 7 * 24 * 3600.0)
+JOBS = int_range(1, 1024)
+REPEATS = int_range(1, 1_000_000)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"got {text!r}; accepted: a positive number")
-    return value
+def _check_inputs_fit(seq_lens, batch: int = 1, d_model: int = 512) -> None:
+    """Refuse sequence lengths whose inputs alone (query, key, value, output as float64) exceed the memory
+    available now: a UsageError naming --seq-lens, the bytes needed and the bytes available."""
+    available = available_memory_bytes()
+    if not seq_lens or available is None:
+        return
+    longest = max(seq_lens)
+    needed = 4 * batch * longest * d_model * 8
+    if needed > available:
+        raise UsageError(f"--seq-lens: T={longest} needs at least {needed / 2**30:.1f} GiB for its inputs alone "
+                         f"(batch {batch}, d_model {d_model}); {available / 2**30:.1f} GiB are available; "
+                         "accepted: shorter sequences")
+
+
+_positive_int = int_range(1)
+_positive_float = float_range(0.0)  # finite and > 0: nan and inf are refused
 
 
 QUICK_BUDGET_S = 1.0
@@ -93,7 +98,8 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
                    help="a registered backend name (repeatable); default: every available backend")
     p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT",
                    help="also load a backend from 'package.module:object' (an instance, class or factory)")
-    p.add_argument("--results", default="results", metavar="DIR", help="where results are written (default: results)")
+    p.add_argument("--results", type=nonempty_path, default="results", metavar="DIR",
+                   help="where results are written (default: results)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="run the conformance cases (each backend in its own worker process)")
     _add_selection(p)
     p.add_argument("--case", action="append", default=[], metavar="CASE", help="run only this case (repeatable)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per case before the worker is killed")
-    p.add_argument("--jobs", type=int, default=None, help="backends checked at once (default: CPU count)")
+    p.add_argument("--timeout", type=TIMEOUT, default=120.0, help="seconds per case before the worker is killed")
+    p.add_argument("--jobs", type=JOBS, default=None, help="backends checked at once (default: CPU count)")
     p.add_argument("--no-isolate", action="store_true", help="run in this process (faster start; no crash isolation)")
     p.add_argument("--quick", action="store_true", help="skip the slow cases (T = 8192)")
     p.add_argument("--mutants", action="store_true", help="also compute the mutation score")
@@ -134,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fidelity", help="figures proving the benchmarks: timing against torch.utils.benchmark, "
                                         "alone vs in the sweep, memory methods against formulas, harness overhead")
-    p.add_argument("--results", default="results", metavar="DIR")
+    p.add_argument("--results", type=nonempty_path, default="results", metavar="DIR")
     p.add_argument("--backend", action="append", default=[], metavar="NAME",
                    help="CPU backends to check (default: every available CPU backend)")
     p.add_argument("--threads", type=_positive_int, default=None, help="threads for every backend (default: "
@@ -143,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="the main job: conformance of every available backend, mutation score and a "
                                    "quick benchmark sweep, written under results/")
     _add_selection(p)
-    p.add_argument("--timeout", type=float, default=120.0)
-    p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--timeout", type=TIMEOUT, default=120.0)
+    p.add_argument("--jobs", type=JOBS, default=None)
     p.add_argument("--seq-lens", type=_seq_lens, default=None, metavar="N,N,...")
     p.add_argument("--skip-bench", action="store_true", help="conformance and mutation score only")
     _add_bench_options(p, budget=QUICK_BUDGET_S)
@@ -272,6 +278,7 @@ def _available_backends(registry, names):
 
 def cmd_bench(args) -> int:
     from mha_harness.bench.sweep import DECODE_QUERY_LENS, run_bench
+    _check_inputs_fit(args.seq_lens, args.batch, args.d_model)
     registry = _registry(args.backend_spec)
     names = _targets(args, registry)
     _usage(check_writable, Path(args.results) / "bench", "--results")
@@ -300,6 +307,7 @@ def cmd_fidelity(args) -> int:
 
 
 def cmd_run(args) -> int:
+    _check_inputs_fit(args.seq_lens)
     registry = _registry(args.backend_spec)
     results = Path(args.results)
     report = _check(args, registry, results, include_slow=True, mutants=True)
@@ -334,8 +342,14 @@ def main(argv=None) -> int:
             parser.print_help()
             return EXIT_USAGE
         signal.signal(signal.SIGTERM, _sigterm)
-        return {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "fidelity": cmd_fidelity,
-                "run": cmd_run}[args.command](args)
+        command = {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "fidelity": cmd_fidelity,
+                   "run": cmd_run}[args.command]
+        try:
+            return command(args)
+        except SystemExit as exc:  # only plugin code calls sys.exit inside a command: never its exit code
+            print(f"mha-harness: error: plugin code called sys.exit({exc.code!r}) in this process; "
+                  "the run is incomplete", file=sys.stderr)
+            return EXIT_FAILED
     except UsageError as exc:
         print(f"mha-harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

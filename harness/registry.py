@@ -4,19 +4,29 @@ Sources, in order: the built-in backends (the entry points mha-harness itself de
 ``mha_harness.backends``: one list, in pyproject.toml), every other entry point in that group, and any
 ``module:object`` named on the command line or in Python. An object may be a backend instance, a backend class
 (constructed without arguments) or a callable returning one backend or an iterable of them (one entry point
-can register several kernels). A source that fails to import or construct is recorded
-with its error and never aborts the run; two backends with one name is an error naming
-both sources.
+can register several kernels). Two backends with one name is an error naming both sources.
+
+Plugin code never decides the fate of the run. Importing, constructing and ``availability()``
+run under :func:`mha_harness.util.guard.call_guarded`: any ``BaseException`` (``SystemExit`` from
+``sys.exit(0)`` at import or the spec ``sys:exit``, a ``KeyboardInterrupt`` raised by the plugin)
+or a hang past the plugin timeout (20 s, ``$MHA_HARNESS_PLUGIN_TIMEOUT``) becomes that source's
+recorded error ("import timed out after 20 s"), shown by ``list`` and failing ``check``.
+Third-party sources (anything outside ``mha_harness.``) are first imported in a throw-away
+subprocess with the same timeout, so one that kills or hangs its process is refused before it
+is imported here; only those that came back are imported in this process, once: the outcome of
+each spec is remembered for the life of the process. Built-ins are imported directly (no probe,
+no timeout) but under the same exception guard.
 """
 from __future__ import annotations
 
 import importlib
+import json
 import re
-import traceback
 from dataclasses import dataclass
 from importlib import metadata
 
 from mha_harness.contract.api import AttentionBackend
+from mha_harness.util.guard import PluginFault, call_guarded, plugin_timeout, run_python_isolated
 
 ENTRY_POINT_GROUP = "mha_harness.backends"
 
@@ -47,29 +57,51 @@ class RegistryError(ValueError):
 
 @dataclass
 class BackendEntry:
-    """One registered backend, or one source that failed to produce any."""
+    """One registered backend, or one source that failed to produce any.
+
+    ``reason`` is the backend's ``availability()`` answer, asked once when the entry is made."""
 
     name: str
     source: str
     spec: str
     backend: AttentionBackend | None = None
     error: str | None = None
+    reason: str | None = None
 
     @property
     def reason_unavailable(self) -> str | None:
-        return self.error or availability_reason(self.backend)
+        return self.error or self.reason
 
     @property
     def available(self) -> bool:
         return self.reason_unavailable is None
 
 
-def availability_reason(backend: AttentionBackend) -> str | None:
-    """``backend.availability()``, where a plugin that raises is unavailable for that reason, never fatal."""
+def is_trusted(spec: str) -> bool:
+    """The harness's own code (``mha_harness.…``): imported without the subprocess probe or a timeout."""
+    return isinstance(spec, str) and spec.startswith("mha_harness.")
+
+
+def availability_of(backend: AttentionBackend, timeout: float | None = -1.0) -> tuple[str | None, str | None]:
+    """Ask ``backend.availability()`` under the guard: (reason it is unavailable, plugin error).
+
+    A reason string is a legitimate answer ("no CUDA device"); raising anything, hanging past ``timeout``
+    seconds (default: the plugin timeout) or answering something other than None or a string is the
+    plugin's error, which fails a run that requested it."""
+    timeout = plugin_timeout() if timeout == -1.0 else timeout
     try:
-        return backend.availability()
-    except Exception as exc:  # noqa: BLE001
-        return f"availability() raised {type(exc).__name__}: {exc}"
+        reason = call_guarded(backend.availability, "availability()", timeout)
+    except PluginFault as fault:
+        return None, f"failed to load: {fault}"
+    if reason is not None and not isinstance(reason, str):
+        return None, f"failed to load: availability() returned {type(reason).__name__}; accepted: None or a string"
+    return reason, None
+
+
+def availability_reason(backend: AttentionBackend, timeout: float | None = -1.0) -> str | None:
+    """None when usable here, else why not (a reason, or the plugin's error; see :func:`availability_of`)."""
+    reason, error = availability_of(backend, timeout)
+    return error or reason
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -97,7 +129,13 @@ def backends_from_object(obj) -> list[AttentionBackend]:
         return [obj()]
     if callable(obj) and not isinstance(obj, type):
         produced = obj()
-        items = [produced] if isinstance(produced, AttentionBackend) else list(produced)
+        if isinstance(produced, AttentionBackend):
+            items = [produced]
+        elif isinstance(produced, (list, tuple)) or hasattr(produced, "__next__"):
+            items = list(produced)
+        else:
+            raise TypeError(f"backend factory {obj!r}: returned {type(produced).__name__}; "
+                            "accepted: an AttentionBackend or a list of them")
         for item in items:
             if not isinstance(item, AttentionBackend):
                 raise TypeError(f"backend factory {obj!r}: produced {type(item).__name__}; "
@@ -107,19 +145,106 @@ def backends_from_object(obj) -> list[AttentionBackend]:
                     "subclass, or a callable returning them")
 
 
-def _entries_from(obj_loader, spec: str, source: str) -> list[BackendEntry]:
+#: spec -> the imported object, or the one-line reason it could not be imported (once per process)
+_IMPORTED: dict[str, tuple[object, str | None]] = {}
+#: spec -> None when the probe subprocess imported it, else the reason (once per process)
+_PROBED: dict[str, str | None] = {}
+
+_PROBE = """
+import json, sys
+spec, out = sys.argv[1], sys.argv[2]
+try:
+    from mha_harness.registry import _probe_in_this_process
+    result = _probe_in_this_process(spec)
+except BaseException as exc:  # noqa: BLE001
+    result = {"error": f"{type(exc).__name__}: {exc}"}
+with open(out, "w", encoding="utf-8") as handle:
+    json.dump(result, handle)
+"""
+
+
+def _probe_in_this_process(spec: str) -> dict:
+    """What the probe subprocess runs: import, construct, name and ask availability, all guarded."""
+    timeout = plugin_timeout()
     try:
-        backends = backends_from_object(obj_loader())
-    except Exception as exc:  # noqa: BLE001 - recorded, shown by `list`, never fatal
-        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        return [BackendEntry(name=spec, source=source, spec=spec, error=f"failed to load: {last}")]
+        obj = call_guarded(lambda: _resolve(spec), "import", timeout)
+        backends = call_guarded(lambda: backends_from_object(obj), "constructing the backend", timeout)
+        return {"names": [str(call_guarded(lambda b=b: b.name, "name", timeout)) for b in backends]}
+    except PluginFault as fault:
+        return {"error": str(fault)}
+
+
+def _probe(spec: str) -> str | None:
+    """Import ``spec`` in a throw-away subprocess under the plugin timeout: None if it came back, else why not."""
+    if spec not in _PROBED:
+        text, failure = run_python_isolated(_PROBE, [spec], plugin_timeout())
+        if failure is not None:
+            _PROBED[spec] = f"import {failure}" if "timed out" in failure else f"probing the import: {failure}"
+        else:
+            try:
+                _PROBED[spec] = json.loads(text).get("error")
+            except (ValueError, AttributeError):
+                _PROBED[spec] = "probing the import: the probe process wrote no readable report"
+    return _PROBED[spec]
+
+
+def probe_all(specs) -> None:
+    """Probe every third-party spec not probed yet, a few subprocesses at a time (the answers are remembered)."""
+    todo = [s for s in dict.fromkeys(specs) if not is_trusted(s) and s not in _PROBED and s not in _IMPORTED]
+    if len(todo) < 2:
+        return
+    import threading
+    slots = threading.Semaphore(4)
+
+    def one(spec):
+        with slots:
+            _probe(spec)
+
+    # daemon threads: a Ctrl-C here ends the run at once (each probe's process group dies with its timeout)
+    threads = [threading.Thread(target=one, args=(spec,), daemon=True, name=f"plugin-probe {spec}") for spec in todo]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(0.2)
+
+
+def _import_once(spec: str):
+    """The object ``spec`` names, imported once per process; PluginFault with the reason otherwise."""
+    if spec not in _IMPORTED:
+        timeout = None if is_trusted(spec) else plugin_timeout()
+        error = None if timeout is None else _probe(spec)
+        obj = None
+        if error is None:
+            try:
+                obj = call_guarded(lambda: _resolve(spec), "import", timeout)
+            except PluginFault as fault:
+                error = str(fault)
+        _IMPORTED[spec] = (obj, error)
+    obj, error = _IMPORTED[spec]
+    if error is not None:
+        raise PluginFault(error)
+    return obj
+
+
+def entries_for_spec(spec: str, source: str) -> list[BackendEntry]:
+    """The registry entries one source produces, each with its availability; a source that fails to
+    import, construct or name itself (any exception, or a hang) is one entry carrying that error."""
+    timeout = None if is_trusted(spec) else plugin_timeout()
+    try:
+        obj = _import_once(spec)
+        backends = call_guarded(lambda: backends_from_object(obj), "constructing the backend", timeout)
+        named = [(call_guarded(lambda b=b: b.name, "name", timeout), b) for b in backends]
+    except PluginFault as fault:
+        return [BackendEntry(name=spec, source=source, spec=spec, error=f"failed to load: {fault}")]
     entries = []
-    for backend in backends:
-        if not isinstance(backend.name, str) or not backend.name:
+    for name, backend in named:
+        if not isinstance(name, str) or not name:
             entries.append(BackendEntry(spec, source, spec,
                                         error="backend has no name: set the class attribute `name`"))
         else:
-            entries.append(BackendEntry(backend.name, source, spec, backend))
+            reason, error = availability_of(backend, timeout)
+            entries.append(BackendEntry(name, source, spec, backend, error=error, reason=reason))
     return entries
 
 
@@ -151,20 +276,24 @@ class Registry:
 
 def load_registry(extra_specs=(), *, entry_points: bool = True, builtins: bool = True) -> Registry:
     """Build the registry; malformed ``extra_specs`` raise ValueError (they are the caller's input)."""
+    if isinstance(extra_specs, str):
+        extra_specs = [extra_specs]
+    extra_specs = list(extra_specs)
+    for spec in extra_specs:
+        parse_spec(spec)
+    eps = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if not _is_builtin(ep)] if entry_points else []
+    probe_all([ep.value for ep in eps] + extra_specs)
     entries: list[BackendEntry] = []
     if builtins:
         for ep in builtin_entry_points():
-            entries += _entries_from(ep.load, ep.value, f"built-in {ep.value}")
-    if entry_points:
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if not _is_builtin(ep):
-                entries += _entries_from(ep.load, ep.value, f"entry point {ep.name} = {ep.value}")
+            entries += entries_for_spec(ep.value, f"built-in {ep.value}")
+    for ep in eps:
+        entries += entries_for_spec(ep.value, f"entry point {ep.name} = {ep.value}")
     for spec in extra_specs:
-        parse_spec(spec)
-        entries += _entries_from(lambda s=spec: _resolve(s), spec, f"--backend-spec {spec}")
+        entries += entries_for_spec(spec, f"--backend-spec {spec}")
     return Registry(entries)
 
 
 def backends_from_spec(spec: str) -> list[AttentionBackend]:
-    """Import ``module:object`` and return its backends (used in worker processes)."""
+    """Import ``module:object`` and return its backends (used in worker processes, which are isolated)."""
     return backends_from_object(_resolve(spec))

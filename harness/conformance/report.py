@@ -1,7 +1,13 @@
 """The conformance report: per-case results, the policy (divergence) table, the mutation score,
-written as versioned JSON and a markdown matrix of backends x cases."""
+written as versioned JSON and a markdown matrix of backends x cases.
+
+Everything a plugin controls (its name, messages, declared divergences, versions) goes into the markdown
+escaped (:mod:`mha_harness.util.markdown`): it cannot forge a section or inject HTML. Writing into a
+results folder takes a lock and merges by backend, so concurrent runs into one folder keep each
+other's backends (see :meth:`Report.write`)."""
 from __future__ import annotations
 
+import json
 import platform
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,7 +24,8 @@ from mha_harness.conformance.results import (
     UNEXPECTED_PASS,
     CaseResult,
 )
-from mha_harness.util.atomic import write_json_atomic, write_text_atomic
+from mha_harness.util.atomic import results_lock, write_json_atomic, write_text_atomic
+from mha_harness.util.markdown import md_code, md_text
 
 SCHEMA_VERSION = "1.0"
 _SYMBOL = {PASSED: "pass", FAILED: "FAIL", SKIPPED: "skip", EXPECTED_DIVERGENCE: "diverges",
@@ -41,8 +48,9 @@ class BackendInfo:
 
 @dataclass
 class Report:
-    """Results of one conformance run; ``ok`` is False when any result is failed, error, timeout,
-    crashed or an unexpected pass."""
+    """Results of one conformance run; ``ok`` is True only when the run completed, no backend failed to
+    load, every available backend has results, and no result is failed, error, timeout, crashed or an
+    unexpected pass. A plugin therefore cannot make a run look fine by vanishing."""
 
     results: list[CaseResult] = field(default_factory=list)
     backends: dict[str, BackendInfo] = field(default_factory=dict)
@@ -50,10 +58,18 @@ class Report:
     seconds: float = 0.0
     complete: bool = True
 
+    #: backends kept from an earlier run's file in the same results folder (see :meth:`write`)
+    earlier: list = field(default_factory=list)
+
     @property
     def ok(self) -> bool:
-        return not any(r.status in BAD for r in self.results) and not any(
-            info.load_error for info in self.backends.values())
+        return (self.complete and not any(r.status in BAD for r in self.results)
+                and not any(info.load_error for info in self.backends.values()) and not self.missing_results())
+
+    def missing_results(self) -> list[str]:
+        """Available backends with no result at all (their worker vanished, or nothing was run)."""
+        have = {r.backend for r in self.results}
+        return [n for n, info in self.backends.items() if info.available and n not in have]
 
     def counts(self, backend: str | None = None) -> Counter:
         return Counter(r.status for r in self.results if backend is None or r.backend == backend)
@@ -103,23 +119,27 @@ class Report:
             "seconds": round(self.seconds, 2), "ok": self.ok, "complete": self.complete,
             "summary": {name: dict(self.counts(name)) for name in self.backends},
             "backends": {name: vars(info) for name, info in self.backends.items()},
+            "missing_results": self.missing_results(), "earlier_runs": list(self.earlier),
             "policies": self.policies(), "mutation": self.mutation,
             "results": [r.to_dict() for r in self.results],
         }
 
     def to_markdown(self) -> str:
+        e = md_text
         names = [n for n, info in self.backends.items() if info.available]
         cases = list(dict.fromkeys(r.case for r in self.results))
         lines = ["# mha-harness conformance report", "",
                  f"Run took {self.seconds:.1f} s. Overall: **{'OK' if self.ok else 'FAILED'}**"
-                 + ("" if self.complete else " (INCOMPLETE: the run was interrupted)") + ".", "",
-                 "| case | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+                 + ("" if self.complete else " (INCOMPLETE: the run was interrupted)") + ".", ""]
+        if self.earlier:
+            lines += [f"Kept from earlier runs into this folder: {', '.join(e(n) for n in self.earlier)}.", ""]
+        lines += ["| case | " + " | ".join(e(n) for n in names) + " |", "|---|" + "---|" * len(names)]
         for case in cases:
-            lines.append(f"| {case} | " + " | ".join(_SYMBOL.get(self.cell(n, case), "") for n in names) + " |")
+            lines.append(f"| {e(case)} | " + " | ".join(_SYMBOL.get(self.cell(n, case), "") for n in names) + " |")
         lines += ["", "## Totals", "", "| backend | " + " | ".join(STATUSES) + " |", "|---|" + "---|" * len(STATUSES)]
         for n in names:
             c = self.counts(n)
-            lines.append(f"| {n} | " + " | ".join(str(c.get(s, 0)) for s in STATUSES) + " |")
+            lines.append(f"| {e(n)} | " + " | ".join(str(c.get(s, 0)) for s in STATUSES) + " |")
         lines += ["", "## Policies that backends legitimately differ on", "",
                   "The harness pins: fully masked rows output zeros; both causal alignments; "
                   "attn_mask True = may attend, key_padding_mask True = ignore.", "",
@@ -128,18 +148,23 @@ class Report:
                   "|---|---|---|---|---|"]
         for n, row in self.policies().items():
             if self.backends[n].available:
-                lines.append(f"| {n} | {row['fully_masked_rows']} | {row['causal_alignment']} | {row['native_causal']} "
-                             f"| {row['mask_polarity']} |")
+                lines.append(f"| {e(n)} | {e(row['fully_masked_rows'])} | {e(row['causal_alignment'])} "
+                             f"| {e(row['native_causal'])} | {e(row['mask_polarity'])} |")
         divergent = [(n, d) for n, info in self.backends.items() for d in info.divergences]
         if divergent:
             lines += ["", "## Declared divergences", "", "| backend | case | when | observed | reason |",
                       "|---|---|---|---|---|"]
             for n, d in divergent:
-                lines.append(f"| {n} | {d['case']} | {d.get('when') or 'always'} | {d['observed']} | {d['reason']} |")
+                lines.append(f"| {e(n)} | {e(d['case'])} | {e(d.get('when') or 'always')} | {e(d['observed'])} "
+                             f"| {e(d['reason'])} |")
         unavailable = [(n, i) for n, i in self.backends.items() if not i.available]
         if unavailable:
             lines += ["", "## Not run here", ""] + [
-                f"- **{n}**: {'**failed to load** ' if i.load_error else ''}{i.reason}" for n, i in unavailable]
+                f"- **{e(n)}**: {'**failed to load** ' if i.load_error else ''}{e(i.reason)}" for n, i in unavailable]
+        missing = self.missing_results()
+        if missing:
+            lines += ["", "## No results", ""] + [
+                f"- **{e(n)}**: available, but no case result came back (counted as a failure)" for n in missing]
         if self.mutation:
             m = self.mutation
             lines += ["", "## Mutation score", "",
@@ -147,18 +172,52 @@ class Report:
                       f"({100.0 * m['caught'] / max(1, m['total']):.0f}%).", "",
                       "| mutant | bug | caught by |", "|---|---|---|"]
             for row in m["mutants"]:
-                lines.append(f"| {row['name']} | {row['bug']} | {', '.join(row['caught_by']) or '**NOT CAUGHT**'} |")
+                lines.append(f"| {e(row['name'])} | {e(row['bug'])} | "
+                             f"{', '.join(e(c) for c in row['caught_by']) or '**NOT CAUGHT**'} |")
         bad = self.failures()
         if bad:
             lines += ["", "## Failures", ""]
             for r in bad:
-                lines.append(f"- `{r.case}[{r.variant}]` **{r.status}**: {r.message}  \n  repro: `{r.repro}`")
+                lines.append(f"- {md_code(f'{r.case}[{r.variant}]')} **{e(r.status)}**: {e(r.message)}  \n"
+                             f"  repro: {md_code(r.repro)}")
         return "\n".join(lines) + "\n"
 
     def write(self, directory: str | Path) -> dict[str, Path]:
+        """Write conformance.json and conformance.md into ``directory``, merged by backend with what is there.
+
+        Under a lock (``directory/.conformance.lock``, the filelock library), the existing JSON is read and
+        every backend it holds that this run did not check, with its results, is kept (listed as
+        ``earlier_runs``); a backend this run checked replaces the old one. A backend listed there without
+        results in an incomplete file (another run still working on it) is left for that run to write.
+        ``self`` is not changed: its ``ok`` stays this run's verdict."""
         directory = Path(directory)
-        return {"json": write_json_atomic(directory / "conformance.json", self.to_json()),
-                "markdown": write_text_atomic(directory / "conformance.md", self.to_markdown())}
+        directory.mkdir(parents=True, exist_ok=True)
+        with results_lock(directory / ".conformance.lock"):
+            merged = self.merged_with(_read_report(directory / "conformance.json"))
+            return {"json": write_json_atomic(directory / "conformance.json", merged.to_json()),
+                    "markdown": write_text_atomic(directory / "conformance.md", merged.to_markdown())}
+
+    def merged_with(self, earlier: dict | None) -> "Report":
+        """This report plus the backends of ``earlier`` (a conformance.json document) that it does not have."""
+        if not earlier:
+            return self
+        merged = Report(results=list(self.results), backends=dict(self.backends), mutation=self.mutation,
+                        seconds=self.seconds, complete=self.complete, earlier=list(self.earlier))
+        results_by = {}
+        for row in earlier.get("results", []):
+            results_by.setdefault(row.get("backend"), []).append(row)
+        for name, info in earlier.get("backends", {}).items():
+            if name in merged.backends or (info.get("available") and name not in results_by):
+                continue
+            try:
+                merged.backends[name] = BackendInfo(**info)
+                merged.results += [CaseResult(**row) for row in results_by.get(name, [])]
+            except TypeError:  # a document of another schema version: not merged
+                continue
+            merged.earlier.append(name)
+        if merged.mutation is None:
+            merged.mutation = earlier.get("mutation")
+        return merged
 
     def summary_lines(self) -> list[str]:
         out = []
@@ -169,15 +228,38 @@ class Report:
                 continue
             c = self.counts(name)
             bad = sum(c.get(s, 0) for s in BAD)
-            text = ", ".join(f"{c[s]} {s}" for s in STATUSES if c.get(s))
-            out.append(f"  {name:<28} {'OK  ' if not bad else 'FAIL'} {text}")
+            text = ", ".join(f"{c[s]} {s}" for s in STATUSES if c.get(s)) or "no results came back"
+            out.append(f"  {name:<28} {'OK  ' if c and not bad else 'FAIL'} {text}")
         return out
 
 
-def backend_info(backend, source: str, reason: str | None) -> BackendInfo:
-    """Describe a loaded backend for the report; ``reason`` says why it is unavailable (None: available)."""
+def _read_report(path: Path) -> dict | None:
+    """An existing conformance.json of this schema, or None (absent, unreadable or another schema)."""
     try:
-        versions = backend.versions() if reason is None else {}
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("schema") != "mha-harness/conformance":
+        return None
+    return doc
+
+
+def backend_info(backend, source: str, reason: str | None) -> BackendInfo:
+    """Describe a loaded backend for the report; ``reason`` says why it is unavailable (None: available).
+
+    The plugin code this runs (``versions()``, properties) is guarded: a plugin that raises anything or
+    hangs is described as a load error with that reason, never a crash of the run."""
+    from mha_harness.util.guard import PluginFault, call_guarded, plugin_timeout
+    try:
+        return call_guarded(lambda: _describe(backend, source, reason), "describing the backend", plugin_timeout())
+    except PluginFault as fault:
+        return BackendInfo(str(getattr(backend, "name", "?")), source=source, available=False,
+                           reason=f"failed to load: {fault}", load_error=True)
+
+
+def _describe(backend, source: str, reason: str | None) -> BackendInfo:
+    try:
+        versions = dict(backend.versions()) if reason is None else {}
     except Exception:  # noqa: BLE001 - a plugin's versions() must not lose the report
         versions = {}
     return BackendInfo(backend.name, source=source, available=reason is None, reason=reason,
@@ -189,7 +271,7 @@ def backend_info(backend, source: str, reason: str | None) -> BackendInfo:
 
 
 def entry_info(entry) -> BackendInfo:
-    """Describe a registry entry; one whose plugin failed to load is a load error."""
-    if entry.backend is None:
+    """Describe a registry entry; one whose plugin failed to load (or whose availability() failed) is a load error."""
+    if entry.error is not None:
         return BackendInfo(entry.name, source=entry.source, available=False, reason=entry.error, load_error=True)
     return backend_info(entry.backend, entry.source, entry.reason_unavailable)
