@@ -44,6 +44,21 @@ def test_check_one_backend_writes_json_and_markdown(tmp_path):
     (["bench", "--seq-lens", "0"], ["--seq-lens", "accepted"]),
     (["check", "--backend-spec", "not a spec"], ["backend spec: got 'not a spec'", "accepted"]),
     (["check", "--no-such-flag"], ["unrecognized arguments"]),
+    (["check", "--timeout", "0"], ["--timeout", "got '0'", "accepted: a finite number > 0"]),
+    (["check", "--timeout", "nan"], ["--timeout", "got 'nan'", "accepted"]),
+    (["check", "--timeout", "-1"], ["--timeout", "got '-1'", "accepted"]),
+    (["run", "--timeout", "inf"], ["--timeout", "got 'inf'", "accepted"]),
+    (["check", "--jobs", "0"], ["--jobs", "got '0'", "accepted: an integer >= 1"]),
+    (["check", "--jobs", "-3"], ["--jobs", "got '-3'", "accepted"]),
+    (["run", "--jobs", "two"], ["--jobs", "got 'two'", "accepted"]),
+    (["bench", "--repeats", "0"], ["--repeats", "got '0'", "accepted: an integer >= 1"]),
+    (["bench", "--repeats", "-1"], ["--repeats", "accepted"]),
+    (["fidelity", "--repeats", "0"], ["--repeats", "accepted: an integer >= 1"]),
+    (["check", "--results", ""], ["--results", "accepted: a directory path"]),
+    (["bench", "--results", " "], ["--results", "accepted: a directory path"]),
+    (["bench", "--backend", "numpy-naive", "--seq-lens", "1000000000"], ["--seq-lens", "T=1000000000", "GiB",
+                                                                          "available"]),
+    (["run", "--seq-lens", "1000000000"], ["--seq-lens", "GiB"]),
 ])
 def test_usage_errors_print_one_line_and_exit_2(args, words):
     out = run_cli(*args)
