@@ -20,7 +20,6 @@ from mha_harness.registry import (
 )
 from mha_harness.util.guard import PluginFault, call_guarded, plugin_timeout
 
-
 _ACCEPTED_BACKENDS = ("a registered backend name, a 'module:object' spec, an AttentionBackend instance or "
                       "subclass, a factory returning backends, or a list of these")
 
@@ -122,7 +121,7 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
     return report
 
 
-def _case_named(case) -> "Case":
+def _case_named(case) -> Case:
     """The case called ``case``; a misspelt name is a ValueError naming the parameter and the closest names."""
     import difflib
     cases = all_cases()

@@ -197,7 +197,7 @@ class Report:
             return {"json": write_json_atomic(directory / "conformance.json", merged.to_json()),
                     "markdown": write_text_atomic(directory / "conformance.md", merged.to_markdown())}
 
-    def merged_with(self, earlier: dict | None) -> "Report":
+    def merged_with(self, earlier: dict | None) -> Report:
         """This report plus the backends of ``earlier`` (a conformance.json document) that it does not have."""
         if not earlier:
             return self

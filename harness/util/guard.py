@@ -25,7 +25,8 @@ import sys
 import tempfile
 import threading
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: seconds a plugin import, construction or availability() may take in this process before it is given up
 DEFAULT_PLUGIN_TIMEOUT = 20.0
