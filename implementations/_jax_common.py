@@ -5,7 +5,9 @@ cache is keyed by shape and shared by every loaded layer: the suite compiles eac
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 
 import numpy as np
 
@@ -16,6 +18,10 @@ from mha_harness.contract.api import (
     AttentionParams,
     LoadedAttention,
 )
+
+# JAX takes 75% of a GPU's memory in every process by default: a worker checking one backend, or a sweep that
+# also runs torch, would leave the others nothing. Set before jax is first imported; a user's own setting wins.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 JAX_DTYPES = ("float32", "float64", "bfloat16", "float16")
 GPU_DTYPES = ("float32", "bfloat16", "float16")
@@ -80,6 +86,13 @@ class JaxLoaded(LoadedAttention):
     def setup(self, params: AttentionParams) -> None:
         raise NotImplementedError
 
+    def precision(self):
+        """float32 means float32: on GPU, XLA's default matmul precision may compute float32 products in TF32
+        (10-bit mantissa); float32/float64 layers there run at "highest". Half precision and CPU are unchanged."""
+        if self.backend.device != "cpu" and self.dtype_name in ("float32", "float64"):
+            return self.jax.default_matmul_precision("highest")
+        return contextlib.nullcontext()
+
     def array(self, x):
         """NumPy -> device array in this layer's dtype. The cast happens on the host (ml_dtypes covers
         bfloat16): casting on the device would compile one tiny XLA program per shape and dtype."""
@@ -102,7 +115,8 @@ class JaxLoaded(LoadedAttention):
         raise NotImplementedError
 
     def compute(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
-        out, weights = self.call(self.params, self.native_inputs(inputs), need_weights)
+        with self.precision():
+            out, weights = self.call(self.params, self.native_inputs(inputs), need_weights)
         return AttentionOutput(self.to_numpy(out), self.to_numpy(weights) if need_weights else None)
 
     def canonical_gradients(self, grads) -> dict:
@@ -110,6 +124,10 @@ class JaxLoaded(LoadedAttention):
         raise NotImplementedError
 
     def compute_vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
+        with self.precision():
+            return self._vjp(inputs, cotangent)
+
+    def _vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
         arrays = self.native_inputs(inputs)
 
         def f(params, q, k, v):
@@ -131,10 +149,12 @@ class JaxLoaded(LoadedAttention):
             def loss(params, a):
                 return self.call(params, {**a, **static}, False)[0].astype(jax.numpy.float32).sum()
             fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        jax.block_until_ready(fn(self.params, arrays))  # compile here, outside any timing
+        with self.precision():
+            jax.block_until_ready(fn(self.params, arrays))  # compile here, outside any timing
 
         def run():
-            return jax.block_until_ready(fn(self.params, arrays))
+            with self.precision():
+                return jax.block_until_ready(fn(self.params, arrays))
         return run
 
 

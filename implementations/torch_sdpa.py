@@ -145,16 +145,25 @@ class TorchSdpa(TorchBackend):
         return self._refusal or None
 
     def _probe(self) -> str:
-        """'' when the kernel runs a plain float32 call on this device, else torch's refusal."""
+        """'' when the kernel runs a plain call on this device, else torch's refusal.
+
+        On CUDA the flash and cuDNN kernels take only half precision, so float32 is tried first and then
+        bfloat16 and float16: the backend is available when any declared dtype runs (a dtype the kernel
+        refuses is reported per case with torch's message)."""
         import torch
         from torch.nn.attention import sdpa_kernel
-        x = torch.randn(1, 2, 8, 16, device=self.device)
-        try:
-            with sdpa_kernel([_sdp_backend(self.kernel)]):
-                torch.nn.functional.scaled_dot_product_attention(x, x, x)
-        except RuntimeError as exc:
-            return f"torch refuses the {self.kernel} kernel on {self.device}: {str(exc).splitlines()[0]}"
-        return ""
+        dtypes = (torch.float32,) if self.device == "cpu" else (torch.float32, torch.bfloat16, torch.float16)
+        refusal = ""
+        for dtype in dtypes:
+            x = torch.randn(1, 2, 8, 16, device=self.device, dtype=dtype)
+            try:
+                with sdpa_kernel([_sdp_backend(self.kernel)]):
+                    torch.nn.functional.scaled_dot_product_attention(x, x, x)
+                return ""
+            except RuntimeError as exc:
+                first_line = str(exc).splitlines()[0]
+                refusal = refusal or f"torch refuses the {self.kernel} kernel on {self.device}: {first_line}"
+        return refusal
 
     def native_parameter_shapes(self, config: AttentionConfig):
         from mha_harness.contract.params import make_params
