@@ -9,11 +9,10 @@
 #               folder on PYTHONPATH, then mha-harness itself (editable; else a plain install into that folder)
 #   3. list     mha-harness list -v (why each backend is or is not available)
 #   4. check    mha-harness check on every available CUDA/GPU backend (isolated workers, per-case timeout)
-#   5. prefill  bfloat16 sweep, Tq = Tk up to 65,536: torch backends, then JAX backends (separate processes,
-#               so neither framework's allocator holds memory the other needs), then a causal sweep of the
-#               kernels whose causal flag needs no materialised mask
-#   6. decode   Tq = 1 and 16 against KV lengths up to 65,536, bottom-right causal: `mha-harness bench
-#               --workload decode` where the command line has it, else benchmarks/gpu_sweep.py decode
+#   5. prefill  `mha-harness bench --dtype bfloat16`, Tq = Tk up to 65,536: torch backends, then JAX backends
+#               (separate runs), then a causal sweep of the kernels whose causal flag needs no materialised mask
+#   6. decode   `mha-harness bench --workload decode`: Tq = 1 and 16 against KV lengths up to 65,536,
+#               bottom-right causal
 #   7. asv      asv run under machine NAME (default h200-gpu), results in DIR/asv/NAME/ (copied to
 #               results/asv/NAME/ on a real run)
 #   8. pack     DIR/summary.tsv (step, exit code, seconds, status, note); when $OUT is set (the device tool's
@@ -128,7 +127,7 @@ csv() { paste -sd, -; }
 backend_args() { for n in "$@"; do printf -- '--backend %s ' "$n"; done; }
 
 MH=("$PY" -m mha_harness)
-SWEEP=("$PY" benchmarks/gpu_sweep.py)
+BACKENDS=("$PY" benchmarks/gpu_backends.py)
 
 # ---------------------------------------------------------------- 1. env
 env_report() {
@@ -206,7 +205,7 @@ cp "$OUTDIR/logs/$(printf '%02d' "$STEP_NO")-list.log" "$OUTDIR/list.txt" 2>/dev
 NEED_NAMES=0
 for s in gpu-names-refused check prefill-torch prefill-jax prefill-causal decode asv; do selected $s && NEED_NAMES=1; done
 : >"$WORK/names.tsv"
-[ $NEED_NAMES = 1 ] && "${SWEEP[@]}" names --device gpu --table >"$WORK/names.tsv" 2>"$OUTDIR/logs/names.log"
+[ $NEED_NAMES = 1 ] && "${BACKENDS[@]}" --device gpu --table >"$WORK/names.tsv" 2>"$OUTDIR/logs/names.log"
 cp "$WORK/names.tsv" "$OUTDIR/gpu_backends.tsv" 2>/dev/null
 pick() { awk -F'\t' -v fw="$1" -v av="$2" '(fw == "" || $2 == fw) && (av == "" || $3 == av) {print $1}' "$WORK/names.tsv"; }
 mapfile -t GPU_ALL < <(pick "" "")
@@ -243,11 +242,12 @@ PYEOF
     PREFILL_LENS=32,64
     KV_LENS=64
     Q_LENS=1,4
-    REPEATS=2
+    BENCH=(--threads 2 --budget 0.2 --bench-timeout 120)
     CHECK_ARGS=(--case check_scores_scaled_by_sqrt_d_head --case check_causal_mask_blocks_future_keys --quick)
     ASV_BACKENDS=torch-sdpa-math-cpu
     ASV_LENS=32
-    ASV_BENCH='TimeForward\.time_forward'
+    ASV_KV_LENS=64
+    ASV_BENCH='TimeForward\.time_forward|Decode\.time_decode'
 else
     # causal prefill only where the backend's own causal flag needs no T x T mask built on the host
     CAUSAL_SET=()
@@ -258,13 +258,14 @@ else
     PREFILL_LENS=1024,4096,16384,65536
     KV_LENS=4096,16384,65536
     Q_LENS=1,16
-    REPEATS=5
+    BENCH=(--threads 8 --budget 0.5 --bench-timeout 45)  # GPU timings settle fast; a stuck kernel costs 45 s
     CHECK_ARGS=()
     # asv starts one process per parameter combination (torch/JAX import and CUDA start each time): keep it small;
     # memory and GFLOP/s of the same shapes come from the prefill sweep
     ASV_BACKENDS=$(printf '%s\n' "${GPU_TORCH[@]}" "${GPU_JAX[@]}" | grep -E 'sdpa-flash|jax-dpa-cudnn' | csv)
     ASV_LENS=16384,65536
-    ASV_BENCH='TimeForward\.time_forward'
+    ASV_KV_LENS=65536
+    ASV_BENCH='TimeForward\.time_forward|Decode\.time_decode'
 fi
 CHECK_SET=("${GPU_TORCH[@]}" "${GPU_JAX[@]}" "${GPU_OTHER[@]}")
 JOBS=${#CHECK_SET[@]}   # one isolated worker per backend at once (16 cores; JAX does not preallocate)
@@ -278,37 +279,27 @@ if [ $NEED_NAMES = 1 ] && [ ${#CHECK_SET[@]} -eq 0 ]; then  # without a backend,
 fi
 
 # ---------------------------------------------------------------- 4. check
-step check 140 "${MH[@]}" check $(backend_args "${CHECK_SET[@]}") "${CHECK_ARGS[@]}" --timeout 60 --jobs "$JOBS" \
+step check 110 "${MH[@]}" check $(backend_args "${CHECK_SET[@]}") "${CHECK_ARGS[@]}" --timeout 60 --jobs "$JOBS" \
     --results "$OUTDIR"
 
 # ---------------------------------------------------------------- 5. prefill
-step prefill-torch 70 "${SWEEP[@]}" prefill $(backend_args "${GPU_TORCH[@]}") --seq-lens "$PREFILL_LENS" \
-    --dtype "$DTYPE" --repeats "$REPEATS" --results "$OUTDIR/prefill-torch"
-step prefill-jax 45 "${SWEEP[@]}" prefill $(backend_args "${GPU_JAX[@]}") --seq-lens "$PREFILL_LENS" \
-    --dtype "$DTYPE" --repeats "$REPEATS" --results "$OUTDIR/prefill-jax"
+step prefill-torch 90 "${MH[@]}" bench $(backend_args "${GPU_TORCH[@]}") --seq-lens "$PREFILL_LENS" \
+    --dtype "$DTYPE" "${BENCH[@]}" --results "$OUTDIR/prefill-torch"
+step prefill-jax 50 "${MH[@]}" bench $(backend_args "${GPU_JAX[@]}") --seq-lens "$PREFILL_LENS" \
+    --dtype "$DTYPE" "${BENCH[@]}" --results "$OUTDIR/prefill-jax"
 if [ ${#CAUSAL_SET[@]} -gt 0 ]; then
-    step prefill-causal 30 "${SWEEP[@]}" prefill $(backend_args "${CAUSAL_SET[@]}") --seq-lens "$PREFILL_LENS" \
-        --causal on --dtype "$DTYPE" --repeats "$REPEATS" --results "$OUTDIR/prefill-causal"
+    step prefill-causal 35 "${MH[@]}" bench $(backend_args "${CAUSAL_SET[@]}") --seq-lens "$PREFILL_LENS" \
+        --causal on --dtype "$DTYPE" "${BENCH[@]}" --results "$OUTDIR/prefill-causal"
 else
     note prefill-causal "no available backend with a mask-free causal flag"
 fi
 
 # ---------------------------------------------------------------- 6. decode
-BENCH_HELP="$("${MH[@]}" bench --help 2>&1)"
-if grep -q -- "--workload" <<<"$BENCH_HELP"; then
-    DTYPE_ARG=()
-    grep -q -- "--dtype" <<<"$BENCH_HELP" && DTYPE_ARG=(--dtype "$DTYPE")
-    grep -q -- "--dtype" <<<"$BENCH_HELP" || note decode "mha-harness bench has no --dtype: decode runs in its default dtype"
-    step decode 40 "${MH[@]}" bench --workload decode $(backend_args "${GPU_TORCH[@]}" "${GPU_JAX[@]}") \
-        --seq-lens "$KV_LENS" "${DTYPE_ARG[@]}" --results "$OUTDIR/decode"
-else
-    note decode "mha-harness bench has no --workload decode here: benchmarks/gpu_sweep.py decode runs instead"
-    step decode 40 "${SWEEP[@]}" decode $(backend_args "${GPU_TORCH[@]}" "${GPU_JAX[@]}") --kv-lens "$KV_LENS" \
-        --q-lens "$Q_LENS" --dtype "$DTYPE" --repeats "$REPEATS" --results "$OUTDIR/decode"
-fi
+step decode 50 "${MH[@]}" bench --workload decode $(backend_args "${GPU_TORCH[@]}" "${GPU_JAX[@]}") \
+    --seq-lens "$KV_LENS" --query-lens "$Q_LENS" --dtype "$DTYPE" "${BENCH[@]}" --results "$OUTDIR/decode"
 
 # ---------------------------------------------------------------- 7. asv
-export ASV_HOME="$WORK/asv-home" ASV_CONF="$WORK/asv.conf.json" ASV_BACKENDS ASV_LENS ASV_BENCH
+export ASV_HOME="$WORK/asv-home" ASV_CONF="$WORK/asv.conf.json" ASV_BACKENDS ASV_LENS ASV_KV_LENS ASV_BENCH
 asv_session() {
     mkdir -p "$ASV_HOME"
     local repo="$REPO" hash
@@ -333,7 +324,7 @@ PYEOF
         --arch "$(uname -m)" --num_cpu "$(nproc)" --ram "$(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo)" \
         --cpu "$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) || true) / $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)" \
         || return 1
-    HOME="$ASV_HOME" MHA_ASV_BACKENDS="$ASV_BACKENDS" MHA_ASV_SEQ_LENS="$ASV_LENS" \
+    HOME="$ASV_HOME" MHA_ASV_BACKENDS="$ASV_BACKENDS" MHA_ASV_SEQ_LENS="$ASV_LENS" MHA_ASV_DECODE_KV_LENS="$ASV_KV_LENS" \
         "$PY" -m asv run --config "$ASV_CONF" --python=same --quick --show-stderr --set-commit-hash "$hash" -b "$ASV_BENCH" \
         --machine "$MACHINE" || return 1
     if [ -n "$COMMIT" ] && [ "$COMMIT" != "$hash" ]; then
@@ -354,7 +345,7 @@ PYEOF
 if [ -z "$ASV_BACKENDS" ]; then
     note asv "no available backend for the asv recording"
 elif "$PY" -c "import asv" 2>/dev/null; then
-    step asv 90 asv_session
+    step asv 75 asv_session
     if [ "$DRY" = 0 ] && [ -d "$OUTDIR/asv/$MACHINE" ]; then
         mkdir -p results/asv && rm -rf "results/asv/$MACHINE" && cp -r "$OUTDIR/asv/$MACHINE" "results/asv/$MACHINE"
     fi

@@ -65,10 +65,10 @@ def test_dry_run_refuses_gpu_names_runs_decode_and_asv_and_packs_one_tarball(tmp
     for name in ("torch-sdpa-flash-cuda", "jax-dpa-cudnn-gpu", "flax-mha-gpu"):
         assert name in (res / "gpu_backends.tsv").read_text()
     assert "UNEXPECTED" not in refused and refused.count("ok (exit 2)") >= 10
-    decode = json.loads((res / "decode" / "decode" / "decode.json").read_text())
-    assert decode["complete"] and decode["config"]["causal"] == "bottom-right"
+    decode = json.loads((res / "decode" / "bench-decode" / "bench.json").read_text())
+    assert decode["complete"]
     timed = [p for p in decode["points"] if p.get("median_s")]
-    assert {p["tq"] for p in timed} == {1, 4}
+    assert {p["tq"] for p in timed} == {1, 4} and {p["tk"] for p in timed} == {64}
     assert {"torch-sdpa-math-cpu", "jax-explicit"} <= {p["backend"] for p in timed}
     machine = res / "asv" / "h200-gpu"
     assert (machine / "machine.json").exists()
@@ -79,7 +79,7 @@ def test_dry_run_refuses_gpu_names_runs_decode_and_asv_and_packs_one_tarball(tmp
     assert (tmp_path / "out" / "gpu_summary.tsv").read_text() == (res / "summary.tsv").read_text()
     with tarfile.open(tmp_path / "out" / "gpu_results.tar.gz") as tar:
         names = tar.getnames()
-    assert "res/summary.tsv" in names and "res/decode/decode/decode.json" in names
+    assert "res/summary.tsv" in names and "res/decode/bench-decode/bench.json" in names
     assert any(n.startswith("res/asv/h200-gpu/") for n in names)
     assert not (ROOT / "results" / "asv" / "h200-gpu").exists()  # a dry run never writes into results/
 
@@ -104,7 +104,7 @@ def test_whole_dry_run_every_step_ok(tmp_path):
         assert status(rows, step) == "ok", (step, rows[step])
     assert (res / "conformance" / "conformance.json").exists()
     for folder in ("prefill-torch", "prefill-jax", "prefill-causal"):
-        assert (res / folder / "bench" / "bench.json").exists()
+        assert json.loads((res / folder / "bench" / "bench.json").read_text())["complete"]
 
 
 def test_jax_layers_on_gpu_run_float32_at_highest_matmul_precision():
