@@ -239,7 +239,7 @@ PYEOF
     [ ${#GPU_JAX[@]} -eq 0 ] && GPU_JAX=(jax-explicit)
     CAUSAL_SET=(torch-sdpa-math-cpu)
     DTYPE=float32
-    PREFILL_LENS=32,64
+    PREFILL_LENS=512,1024  # memory above the RSS method's resolution, or the memory plot has nothing to draw
     KV_LENS=64
     Q_LENS=1,4
     BENCH=(--threads 2 --budget 0.2 --bench-timeout 120)
