@@ -1,14 +1,24 @@
-"""Seeded inputs shared by the cases (NumPy only: cases never import torch or jax)."""
+"""Seeded inputs shared by the cases, built in the input form the backend takes (NumPy only: cases never
+import torch or jax).
+
+Forms (``Capabilities.inputs``): ``separate`` gives three distinct arrays, ``shared_kv`` an ``x_q`` and one
+``x_kv`` (``key is value``), ``self`` one ``x`` (``query is key is value``). Perturbing "keys" perturbs what
+makes them: the key and value arrays, ``x_kv``, or ``x`` itself (which moves the queries there too).
+"""
 from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.conformance.casekit import primary_dtype
+from mha_harness.conformance.casekit import CaseSkipped, primary_dtype
 from mha_harness.contract.api import AttentionConfig, AttentionInputs
-from mha_harness.contract.conventions import causal_offset
+from mha_harness.contract.conventions import TOP_LEFT, causal_offset
 from mha_harness.contract.params import make_inputs, make_params
 
 SMALL = dict(d_model=32, num_heads=4)
+#: every input form: most properties are defined whatever the form
+ALL_FORMS = ("separate", "shared_kv", "self")
+#: properties that need Tq != Tk or keys independent of queries
+CROSS_FORMS = ("separate", "shared_kv")
 
 
 def small_layer(backend, *, bias: bool = False, num_kv_heads=None, seed: int = 0, **overrides):
@@ -24,13 +34,43 @@ def separate_inputs(config: AttentionConfig, batch: int, tq: int, tk: int | None
     return make_inputs(config, batch, tq, tk, seed=seed, self_attention=False, **masks)
 
 
+def form_inputs(form: str, config: AttentionConfig, batch: int, tq: int, tk: int | None = None, seed: int = 1,
+                **masks) -> AttentionInputs:
+    """Standard-normal inputs in ``form``: separate arrays, (x_q, x_kv, x_kv) or (x, x, x).
+
+    One x cannot have Tq != Tk: asking for it is a skip naming the form (variant generators avoid it)."""
+    tk = tq if tk is None else tk
+    if form == "separate":
+        return separate_inputs(config, batch, tq, tk, seed=seed, **masks)
+    rng = np.random.default_rng(seed)
+    x_q = rng.standard_normal((batch, tq, config.d_model))
+    if form == "self":
+        if tk != tq:
+            raise CaseSkipped(f"Tq = {tq} != Tk = {tk} cannot be expressed with one x (inputs='self')")
+        return AttentionInputs(x_q, x_q, x_q, **masks)
+    x_kv = rng.standard_normal((batch, tk, config.d_model))
+    return AttentionInputs(x_q, x_kv, x_kv, **masks)
+
+
+def cross_ok(backend) -> bool:
+    """Whether variants with Tq != Tk apply: cross-attention declared (never for one x)."""
+    return backend.capabilities.cross_attention and backend.capabilities.inputs != "self"
+
+
 def causal_variants(backend) -> list[dict]:
-    """Each declared alignment at Tq == Tk and, where cross-attention is declared, Tq < Tk and Tq > Tk."""
+    """Each declared alignment at Tq == Tk and, where cross-attention is declared, Tq < Tk and Tq > Tk.
+
+    Named variants: ``square`` (9, 9), ``more_keys`` (5, 11), ``more_queries`` (11, 6) for top-left and
+    ``rows_without_visible_keys`` (11, 6) for bottom-right, where queries 0..4 see no key at all."""
     out = []
     dtype = primary_dtype(backend)
     for alignment in backend.capabilities.causal_alignments:
-        shapes = [(9, 9)] + ([(5, 11), (11, 6)] if backend.capabilities.cross_attention else [])
-        out += [{"dtype": dtype, "alignment": alignment, "seq": tq, "tk": tk} for tq, tk in shapes]
+        shapes = [("square", 9, 9)]
+        if cross_ok(backend):
+            shapes += [("more_keys", 5, 11),
+                       ("more_queries" if alignment == TOP_LEFT else "rows_without_visible_keys", 11, 6)]
+        out += [{"dtype": dtype, "alignment": alignment, "variant": name, "seq": tq, "tk": tk}
+                for name, tq, tk in shapes]
     return out
 
 
@@ -48,11 +88,45 @@ def poison(rng: np.random.Generator, shape, kind: str) -> np.ndarray:
     return rng.standard_normal(shape) * 100.0
 
 
-def with_keys_replaced(inputs: AttentionInputs, positions, kind: str, seed: int = 11, batch=slice(None)):
-    """Copy of ``inputs`` whose key and value at ``positions`` (of batch items ``batch``) are poisoned."""
+def poison_kinds(form: str) -> tuple[str, ...]:
+    """NaN/inf poison needs keys apart from queries: in one x it would be a non-finite query, which is invalid."""
+    return ("random",) if form == "self" else ("random", "nan", "inf")
+
+
+def with_keys_replaced(inputs: AttentionInputs, where, kind: str, seed: int = 11) -> AttentionInputs:
+    """Copy of ``inputs`` whose keys at ``where`` are poisoned, in the inputs' own form.
+
+    ``where`` indexes (batch, Tk) (a boolean array or a tuple such as ``(slice(None), slice(5, None))``).
+    Separate: key and value are replaced independently; shared_kv: x_kv; self: x (queries there move too)."""
     rng = np.random.default_rng(seed)
-    key, value = inputs.key.copy(), inputs.value.copy()
-    block = key[batch, positions].shape
-    key[batch, positions] = poison(rng, block, kind)
-    value[batch, positions] = poison(rng, block, kind)
+    form = inputs.form
+    key = inputs.key.copy()
+    block = key[where].shape
+    key[where] = poison(rng, block, kind)
+    if form == "self":
+        return inputs.replace(query=key, key=key, value=key)
+    if form == "shared_kv":
+        return inputs.replace(key=key, value=key)
+    value = inputs.value.copy()
+    value[where] = poison(rng, block, kind)
     return inputs.replace(key=key, value=value)
+
+
+def input_gradients(grads: dict, form: str) -> dict:
+    """The reference's per-array gradients (query, key, value) summed per distinct input of ``form``:
+    ``self`` -> ``query`` = d/dx; ``shared_kv`` -> ``query`` and ``key`` = d/dx_kv; parameters unchanged."""
+    out = dict(grads)
+    if form == "self":
+        out["query"] = grads["query"] + grads["key"] + grads["value"]
+        del out["key"], out["value"]
+    elif form == "shared_kv":
+        out["key"] = grads["key"] + grads["value"]
+        del out["value"]
+    return out
+
+
+def key_input_names(form: str) -> tuple[str, ...]:
+    """The gradient entries through which keys/values are reached in ``form``."""
+    return {"separate": ("key", "value"), "shared_kv": ("key",), "self": ("query",)}[form]
+
+

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mha_harness.cases._fixtures import ALL_FORMS, cross_ok, form_inputs
 from mha_harness.conformance.casekit import (
     CaseFailure,
     Measurement,
@@ -17,46 +18,56 @@ from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.tolerance import naive_dtype, tolerance_from
 
-# (batch, heads, d_head, Tq, Tk, bias, kv_heads): covers batch {1, 3}, T {1, 7, 64, 129, 1000}, Tq != Tk,
+# name: (batch, heads, d_head, Tq, Tk, bias, kv_heads): covers batch {1, 3}, T {1, 7, 64, 129, 1000}, Tq != Tk,
 # d_head {8, 64, 80}, heads {1, 2, 8}, with and without biases, grouped- and multi-query heads.
-GRID = (
-    (1, 1, 8, 1, 1, False, None),
-    (3, 2, 8, 7, 7, True, None),
-    (3, 8, 8, 64, 64, False, None),
-    (1, 2, 64, 129, 129, True, None),
-    (3, 2, 80, 129, 129, False, None),
-    (1, 2, 64, 1000, 1000, True, None),
-    (3, 2, 8, 7, 64, False, None),
-    (1, 8, 8, 129, 1000, True, None),
-    (3, 8, 8, 64, 1, False, None),
-    (3, 8, 8, 64, 64, True, 2),
-    (1, 8, 64, 129, 129, False, 1),
-)
+GRID = {
+    "single_token": (1, 1, 8, 1, 1, False, None),
+    "short_with_bias": (3, 2, 8, 7, 7, True, None),
+    "eight_heads": (3, 8, 8, 64, 64, False, None),
+    "d_head_64_with_bias": (1, 2, 64, 129, 129, True, None),
+    "d_head_80": (3, 2, 80, 129, 129, False, None),
+    "long_with_bias": (1, 2, 64, 1000, 1000, True, None),
+    "more_keys": (3, 2, 8, 7, 64, False, None),
+    "long_keys_with_bias": (1, 8, 8, 129, 1000, True, None),
+    "single_key": (3, 8, 8, 64, 1, False, None),
+    "grouped_query": (3, 8, 8, 64, 64, True, 2),
+    "multi_query": (1, 8, 64, 129, 129, False, 1),
+}
 
 
 def _grid_variants(backend):
+    """Every GRID row (named by ``variant``) the backend can run, in every declared dtype."""
     caps = backend.capabilities
     out = []
     for dtype in caps.dtypes:
-        for batch, heads, d_head, tq, tk, bias, kv in GRID:
-            if (tq != tk and not caps.cross_attention) or (kv and not caps.grouped_query) or (bias and not caps.bias):
+        for name, (batch, heads, d_head, tq, tk, bias, kv) in GRID.items():
+            if (tq != tk and not cross_ok(backend)) or (kv and not caps.grouped_query) or (bias and not caps.bias):
                 continue
             if caps.max_seq_len and max(tq, tk) > caps.max_seq_len:
                 continue
-            v = {"dtype": dtype, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq, "tk": tk, "bias": bias}
+            v = {"dtype": dtype, "variant": name, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq,
+                 "tk": tk, "bias": bias}
             if kv:
                 v["kv_heads"] = kv
             out.append(v)
     return out
 
 
-@case(variants=_grid_variants)
-def check_output_matches_reference(backend, *, dtype, batch, heads, d_head, seq, tk, bias, kv_heads=None):
+def _inputs(form, config, batch, tq, tk=None, seed=1, **masks):
+    """Separate backends: one x at Tq == Tk and separate arrays otherwise (as make_inputs); others: their form."""
+    if form == "separate":
+        return make_inputs(config, batch, tq, tk, seed=seed, **masks)
+    return form_inputs(form, config, batch, tq, tk, seed=seed, **masks)
+
+
+@case(variants=_grid_variants, forms=ALL_FORMS)
+def check_output_matches_reference(backend, *, form, dtype, variant, batch, heads, d_head, seq, tk, bias,
+                                   kv_heads=None):
     """Over a grid of batch sizes, sequence lengths (self and cross), head counts and widths, with and without
     biases, in every declared dtype, the output equals the float64 reference within the tolerance rule."""
     config = AttentionConfig(heads * d_head, heads, kv_heads, bias=bias)
     params = make_params(config, seed=seq + tk)
-    inputs = make_inputs(config, batch, seq, tk, seed=batch + heads)
+    inputs = _inputs(form, config, batch, seq, tk, seed=batch + heads)
     return Measurement(max_error=check_against_reference(backend, params, inputs, dtype))
 
 
@@ -70,13 +81,13 @@ def _long_variants(backend):
     return out
 
 
-@case(variants=_long_variants, slow=True)
-def check_long_sequence_sampled_rows_match_reference(backend, *, dtype, seq, causal):
+@case(variants=_long_variants, slow=True, forms=ALL_FORMS)
+def check_long_sequence_sampled_rows_match_reference(backend, *, form, dtype, seq, causal):
     """At T = 8192 a seeded sample of query rows (first, last and random) equals the row-subset reference,
     which costs O(rows * T) instead of O(T^2)."""
     config = AttentionConfig(16, 1)
     params = make_params(config, seed=8)
-    inputs = make_inputs(config, 1, seq, seed=8, causal="top-left" if causal else None)
+    inputs = _inputs(form, config, 1, seq, seed=8, causal="top-left" if causal else None)
     rows = np.unique(np.concatenate([[0, 1, seq // 2, seq - 1], np.random.default_rng(8).integers(0, seq, 12)]))
     err = check_against_reference(backend, params, inputs, dtype, "long-sequence rows", rows=rows)
     return Measurement(max_error=err)
@@ -90,8 +101,8 @@ def _weight_variants(backend):
     return out
 
 
-@case(requires=("attention_weights",), variants=_weight_variants)
-def check_attention_weights_match_reference(backend, *, dtype, masked):
+@case(requires=("attention_weights",), variants=_weight_variants, forms=ALL_FORMS)
+def check_attention_weights_match_reference(backend, *, form, dtype, masked):
     """Per-head weights (batch, heads, Tq, Tk) sum to 1 over keys, equal the reference, and masked keys
     have weight exactly 0."""
     config = AttentionConfig(32, 4, bias=backend.capabilities.bias)
@@ -103,7 +114,7 @@ def check_attention_weights_match_reference(backend, *, dtype, masked):
             masks["key_padding_mask"] = np.arange(9)[None, :] >= np.array([9, 5])[:, None]
         if "top-left" in caps.causal_alignments:
             masks["causal"] = "top-left"
-    inputs = make_inputs(config, 2, 9, seed=6, self_attention=False, **masks)
+    inputs = form_inputs(form, config, 2, 9, seed=6, **masks)
     got = run(backend, params, inputs, dtype, need_weights=True).weights
     ref = reference_attention(params, inputs, need_weights=True).weights
     naive = reference_attention(params, inputs, need_weights=True, dtype=naive_dtype(dtype)).weights
@@ -122,7 +133,7 @@ def check_attention_weights_match_reference(backend, *, dtype, masked):
                                               labels=labels))
 
 
-@case(variants=lambda b: [{"dtype": d} for d in b.capabilities.dtypes])
+@case(variants=lambda b: [{"dtype": d} for d in b.capabilities.dtypes], forms=ALL_FORMS)
 def check_lesson_worked_example_head_weights(backend, *, dtype):
     """The lesson's worked example (default_rng(7), T=4, d_model=8, h=2, weights * 0.5) gives the printed
     head weights to the printed two decimals, and the reference output."""

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from mha_harness.cases._fixtures import ALL_FORMS, cross_ok, form_inputs, input_gradients
 from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_close, case, require
 from mha_harness.contract.api import AttentionConfig
-from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.params import make_params
 from mha_harness.contract.reference import reference_vjp
 from mha_harness.contract.tolerance import naive_dtype, tolerance_from
 
@@ -24,19 +25,20 @@ def _gradient_variants(backend):
     return out
 
 
-@case(requires=("gradients",), variants=_gradient_variants)
-def check_gradients_match_reference(backend, *, dtype, causal, bias, kv_heads):
+@case(requires=("gradients",), variants=_gradient_variants, forms=ALL_FORMS)
+def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads):
     """Gradients of sum(output * cotangent) with respect to query, key, value and every parameter equal the
-    reference's, within the tolerance rule applied to the naive backward in the same dtype."""
+    reference's, within the tolerance rule applied to the naive backward in the same dtype. With one x the
+    input gradient is d/dx (the sum over its three uses); with shared K/V, d/dx_kv sums the key and value parts."""
     config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias)
     params = make_params(config, seed=21)
-    inputs = make_inputs(config, 2, 7, 9 if backend.capabilities.cross_attention and not causal else 7, seed=21,
-                         self_attention=False, causal=(backend.capabilities.causal_alignments[0] if causal else None))
+    inputs = form_inputs(form, config, 2, 7, 9 if cross_ok(backend) and not causal else 7, seed=21,
+                         causal=(backend.capabilities.causal_alignments[0] if causal else None))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     cotangent = np.random.default_rng(22).standard_normal((2, 7, 32))
     got = backend.load(params, dtype=dtype).vjp(inputs, cotangent)
-    exact = reference_vjp(params, inputs, cotangent)
-    naive = reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype))
+    exact = input_gradients(reference_vjp(params, inputs, cotangent), form)
+    naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), form)
     worst = 0.0
     for name, expected in exact.items():
         if name not in got:

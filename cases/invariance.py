@@ -3,13 +3,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.cases._fixtures import separate_inputs, small_layer
-from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_close, case, run, tolerance_for
+from mha_harness.cases._fixtures import ALL_FORMS, CROSS_FORMS, form_inputs, small_layer
+from mha_harness.conformance.casekit import (
+    CaseFailure,
+    Measurement,
+    assert_close,
+    case,
+    primary_dtype,
+    run,
+    tolerance_for,
+)
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_inputs, make_params
 
 
-@case()
+@case(forms=ALL_FORMS)
 def check_self_attention_is_permutation_equivariant(backend, *, dtype):
     """Without masks, permuting the tokens of a self-attention input permutes the output rows the same way."""
     params = small_layer(backend, bias=True)
@@ -22,28 +30,36 @@ def check_self_attention_is_permutation_equivariant(backend, *, dtype):
     return Measurement(max_error=assert_close(permuted, base[:, perm], tol, "permuted output"))
 
 
-@case(requires=("cross_attention",))
-def check_cross_attention_is_invariant_to_key_order(backend, *, dtype):
-    """Without masks, permuting key/value positions together leaves the cross-attention output unchanged."""
+@case(forms=CROSS_FORMS)  # needs cross_attention: run() requires it after the form check
+def check_cross_attention_is_invariant_to_key_order(backend, *, form, dtype):
+    """Without masks, permuting key/value positions together (with shared K/V: the rows of x_kv) leaves the
+    cross-attention output unchanged. Not defined for one x, where keys cannot move without the queries."""
     params = small_layer(backend, bias=True)
-    inputs = separate_inputs(params.config, 2, 5, 11)
+    inputs = form_inputs(form, params.config, 2, 5, 11)
     perm = np.random.default_rng(13).permutation(11)
     base = run(backend, params, inputs, dtype).output
-    shuffled = run(backend, params, inputs.replace(key=inputs.key[:, perm], value=inputs.value[:, perm]), dtype).output
+    key = inputs.key[:, perm]
+    value = key if form == "shared_kv" else inputs.value[:, perm]
+    shuffled = run(backend, params, inputs.replace(key=key, value=value), dtype).output
     _, tol = tolerance_for(params, inputs, dtype)
     return Measurement(max_error=assert_close(shuffled, base, tol, "output after permuting keys"))
 
 
-@case()
-def check_batch_items_are_independent(backend, *, dtype):
+@case(forms=ALL_FORMS)
+def check_batch_items_are_independent(backend, *, form, dtype):
     """Changing one batch item's inputs changes no other batch item's output."""
     params = small_layer(backend, bias=True)
-    inputs = separate_inputs(params.config, 3, 8)
+    inputs = form_inputs(form, params.config, 3, 8)
     base = run(backend, params, inputs, dtype).output
     rng = np.random.default_rng(14)
-    changed = {n: getattr(inputs, n).copy() for n in ("query", "key", "value")}
-    for array in changed.values():
-        array[1] = rng.standard_normal(array[1].shape) * 5
+    changed = {}
+    for name in ("query", "key", "value"):
+        array = getattr(inputs, name)
+        same = next((changed[n] for n in changed if getattr(inputs, n) is array), None)
+        if same is None:  # one new array per distinct input, so the form is kept
+            same = array.copy()
+            same[1] = rng.standard_normal(array[1].shape) * 5
+        changed[name] = same
     after = run(backend, params, inputs.replace(**changed), dtype).output
     _, tol = tolerance_for(params, inputs, dtype)
     for b in (0, 2):
@@ -53,28 +69,50 @@ def check_batch_items_are_independent(backend, *, dtype):
     return Measurement()
 
 
-@case()
-def check_large_logits_stay_finite_and_correct(backend, *, dtype):
-    """Scores of magnitude ~1e4 give finite outputs equal to the reference: softmax subtracts the row maximum."""
+#: named variants: ``short_rows`` (batch 2, Tk = 6, largest logit 1e4: exp overflows in any dtype) and
+#: ``long_rows`` (batch 1, Tk = 256, largest logit 120: in float32 exp(120) and sums of hundreds of exp(~85) overflow)
+LARGE_LOGITS = {"short_rows": (2, 6, 1e4), "long_rows": (1, 256, 120.0)}
+
+
+def _large_logit_variants(backend):
+    limit = backend.capabilities.max_seq_len
+    return [{"dtype": primary_dtype(backend), "variant": name} for name, (_, length, _) in LARGE_LOGITS.items()
+            if not limit or length <= limit]
+
+
+@case(variants=_large_logit_variants, forms=ALL_FORMS)
+def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant):
+    """Large scores give finite outputs equal to the reference: softmax subtracts the row maximum. Short rows
+    with logits ~1e4, and long rows (Tk = 256) with logits of order 100, where exp of one score or the sum of
+    hundreds of them overflows float32 unless the row maximum is subtracted first."""
+    batch, length, largest = LARGE_LOGITS[variant]
     config = AttentionConfig(16, 2)
     params = make_params(config, seed=15, scale=1.0)
-    inputs = separate_inputs(config, 2, 6)
-    scores = (inputs.query @ params.W_q)[0, :, :8] @ (inputs.key @ params.W_k)[0, :, :8].T / np.sqrt(8)
-    boost = np.sqrt(1e4 / np.abs(scores).max())
+    inputs = form_inputs(form, config, batch, length)
+    d = config.d_head
+    q = (inputs.query @ params.W_q).reshape(batch, length, 2, d)
+    k = (inputs.key @ params.W_k).reshape(batch, length, 2, d)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    boost = np.sqrt(largest / np.abs(scores).max())
     params = params.replace(W_q=params.W_q * boost, W_k=params.W_k * boost)
     got = run(backend, params, inputs, dtype).output
+    what = f"output with logits up to {largest:g} over {length} keys"
     if not np.all(np.isfinite(got)):
-        raise CaseFailure("numerical stability: scores of magnitude 1e4 gave non-finite outputs "
-                          f"({int(np.sum(~np.isfinite(got)))} entries); softmax must subtract the row maximum")
+        raise CaseFailure(f"numerical stability: {what} has {int(np.sum(~np.isfinite(got)))} non-finite entries; "
+                          "softmax must subtract the row maximum")
     expected, tol = tolerance_for(params, inputs, dtype)
-    return Measurement(max_error=assert_close(got, expected, tol, "output with 1e4 logits"))
+    try:
+        return Measurement(max_error=assert_close(got, expected, tol, what))
+    except CaseFailure as failure:
+        raise CaseFailure(f"numerical stability: {failure}; softmax must subtract the row maximum (an overflowing "
+                          "normaliser gives wrong finite values)", failure.max_error) from None
 
 
-@case(variants=lambda b: [{"dtype": d} for d in b.capabilities.dtypes])
-def check_repeated_calls_are_bitwise_identical(backend, *, dtype):
+@case(variants=lambda b: [{"dtype": d} for d in b.capabilities.dtypes], forms=ALL_FORMS)
+def check_repeated_calls_are_bitwise_identical(backend, *, form, dtype):
     """Two identical forward calls on one loaded layer return identical bits."""
     params = small_layer(backend, bias=True)
-    inputs = separate_inputs(params.config, 2, 33)
+    inputs = form_inputs(form, params.config, 2, 33)
     loaded = backend.load(params, dtype=dtype)
     first = run(backend, params, inputs, dtype, loaded=loaded).output
     second = run(backend, params, inputs, dtype, loaded=loaded).output

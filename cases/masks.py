@@ -3,7 +3,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.cases._fixtures import causal_variants, key_limit, separate_inputs, small_layer, with_keys_replaced
+from mha_harness.cases._diagnoses import normaliser_hint
+from mha_harness.cases._fixtures import (
+    ALL_FORMS,
+    causal_variants,
+    cross_ok,
+    form_inputs,
+    key_input_names,
+    key_limit,
+    poison_kinds,
+    small_layer,
+    with_keys_replaced,
+)
 from mha_harness.conformance.casekit import (
     CaseFailure,
     CaseSkipped,
@@ -20,8 +31,6 @@ from mha_harness.conformance.casekit import (
 from mha_harness.contract.conventions import causal_offset, other_alignment
 from mha_harness.contract.reference import reference_attention
 
-POISONS = ("random", "nan", "inf")
-
 
 def _unchanged(before, after, rows, tol, what):
     """Rows of ``after`` must equal ``before`` within the tolerance (NaN counts as a change)."""
@@ -29,15 +38,19 @@ def _unchanged(before, after, rows, tol, what):
 
 
 def _poisoned(variants):
-    return lambda backend: [{**v, "poison": kind} for v in variants(backend) for kind in POISONS]
+    """Each variant with every poison the backend's input form can carry (one x: random values only)."""
+    return lambda backend: [{**v, "poison": kind} for v in variants(backend)
+                            for kind in poison_kinds(backend.capabilities.inputs)]
 
 
-@case(requires=("causal",), variants=_poisoned(causal_variants))
-def check_causal_mask_blocks_future_keys(backend, *, dtype, alignment, seq, tk, poison):
+@case(requires=("causal",), variants=_poisoned(causal_variants), forms=ALL_FORMS)
+def check_causal_mask_blocks_future_keys(backend, *, form, dtype, alignment, variant, seq, tk, poison):
     """Changing keys/values after position i (to large random values, NaN or inf) leaves every output that
-    may only see keys <= i unchanged: no future information leaks through the causal mask."""
+    may only see keys <= i unchanged: no future information leaks through the causal mask, not even through
+    the softmax denominator. With one x (self-attention) x itself is changed after i, which moves the
+    queries, keys and values there; with shared K/V, x_kv is changed."""
     params = small_layer(backend)
-    inputs = separate_inputs(params.config, 2, seq, tk, causal=alignment)
+    inputs = form_inputs(form, params.config, 2, seq, tk, causal=alignment)
     require(backend, *inputs.features(), f"dtype:{dtype}")
     loaded = backend.load(params, dtype=dtype)
     base = run(backend, params, inputs, dtype, loaded=loaded).output
@@ -47,20 +60,20 @@ def check_causal_mask_blocks_future_keys(backend, *, dtype, alignment, seq, tk, 
         rows = [r for r in range(seq) if 0 <= key_limit(alignment, r, seq, tk) <= cut]
         if not rows:
             continue
-        poisoned = run(backend, params, with_keys_replaced(inputs, slice(cut + 1, None), poison), dtype,
-                       loaded=loaded).output
+        poisoned = run(backend, params, with_keys_replaced(inputs, (slice(None), slice(cut + 1, None)), poison),
+                       dtype, loaded=loaded).output
         _unchanged(base, poisoned, rows, tol,
                    f"{alignment} causal leak: keys/values after position {cut} set to {poison} changed the output")
         worst = max(worst, float(np.max(np.abs(poisoned[:, rows] - base[:, rows]))))
     return Measurement(max_error=worst)
 
 
-@case(requires=("causal",), variants=causal_variants)
-def check_causal_output_matches_reference(backend, *, dtype, alignment, seq, tk):
+@case(requires=("causal",), variants=causal_variants, forms=ALL_FORMS)
+def check_causal_output_matches_reference(backend, *, form, dtype, alignment, variant, seq, tk):
     """With a causal mask of the declared alignment (top-left, or bottom-right when Tq != Tk) the output
     equals the reference: the diagonal is kept, the future removed, and the alignment is the one declared."""
     params = small_layer(backend, bias=True)
-    inputs = separate_inputs(params.config, 2, seq, tk, causal=alignment)
+    inputs = form_inputs(form, params.config, 2, seq, tk, causal=alignment)
     try:
         err = check_against_reference(backend, params, inputs, dtype, what=f"{alignment} causal output")
     except CaseFailure as failure:
@@ -72,15 +85,17 @@ def check_causal_output_matches_reference(backend, *, dtype, alignment, seq, tk)
         diag = inputs.replace(attn_mask=~np.eye(seq, tk, k=causal_offset(alignment, seq, tk), dtype=bool))
         if seq == tk and np.allclose(got, reference_attention(params, diag).output, atol=1e-3, equal_nan=True):
             hint = "; the output matches a causal mask that excludes the diagonal (query i cannot see key i)"
+        hint = hint or normaliser_hint(got, params, inputs)
         raise CaseFailure(str(failure) + hint, failure.max_error) from None
     return Measurement(max_error=err)
 
 
-@case(requires=("causal", "gradients"), variants=causal_variants)
-def check_causal_jacobian_zero_for_future_inputs(backend, *, dtype, alignment, seq, tk):
-    """The Jacobian of outputs at positions <= i with respect to keys and values after i is exactly zero."""
+@case(requires=("causal", "gradients"), variants=causal_variants, forms=ALL_FORMS)
+def check_causal_jacobian_zero_for_future_inputs(backend, *, form, dtype, alignment, variant, seq, tk):
+    """The Jacobian of outputs at positions <= i with respect to keys and values after i is exactly zero
+    (with one x: with respect to x after i; with shared K/V: with respect to x_kv after i)."""
     params = small_layer(backend)
-    inputs = separate_inputs(params.config, 2, seq, tk, causal=alignment)
+    inputs = form_inputs(form, params.config, 2, seq, tk, causal=alignment)
     require(backend, *inputs.features(), f"dtype:{dtype}")
     loaded = backend.load(params, dtype=dtype)
     for cut in sorted({0, tk // 2}):
@@ -90,7 +105,7 @@ def check_causal_jacobian_zero_for_future_inputs(backend, *, dtype, alignment, s
         cotangent = np.zeros((2, seq, params.config.d_model))
         cotangent[:, rows] = np.random.default_rng(5).standard_normal((2, len(rows), params.config.d_model))
         grads = loaded.vjp(inputs, cotangent)
-        for name in ("key", "value"):
+        for name in key_input_names(form):
             future = np.asarray(grads[name], np.float64)[:, cut + 1:]
             if np.any(future != 0):
                 b, t, f = np.argwhere(future != 0)[0]
@@ -106,21 +121,19 @@ def _padding(batch: int, tk: int) -> np.ndarray:
     return np.arange(tk)[None, :] >= np.asarray(lengths)[:, None]
 
 
-@case(requires=("key_padding_mask",), variants=_poisoned(on_primary_dtype))
-def check_padding_mask_blocks_padded_keys(backend, *, dtype, poison):
+@case(requires=("key_padding_mask",), variants=_poisoned(on_primary_dtype), forms=ALL_FORMS)
+def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
     """Changing padded key/value positions (to large random values, NaN or inf) leaves the outputs of real queries
-    unchanged. Outputs at padded query positions are unspecified and not compared."""
+    unchanged, not even through the softmax denominator. Outputs at padded query positions are unspecified and
+    not compared. With one x the padded positions of x are changed; with shared K/V those of x_kv."""
     params = small_layer(backend, bias=True)
     tk = 10
     mask = _padding(3, tk)
-    inputs = separate_inputs(params.config, 3, tk, key_padding_mask=mask)
+    inputs = form_inputs(form, params.config, 3, tk, key_padding_mask=mask)
     loaded = backend.load(params, dtype=dtype)
     base = run(backend, params, inputs, dtype, loaded=loaded).output
     _, tol = tolerance_for(params, inputs, dtype)
-    poisoned = with_keys_replaced(inputs, slice(None), poison)
-    key, value = inputs.key.copy(), inputs.value.copy()
-    key[mask], value[mask] = poisoned.key[mask], poisoned.value[mask]
-    after = run(backend, params, inputs.replace(key=key, value=value), dtype, loaded=loaded).output
+    after = run(backend, params, with_keys_replaced(inputs, mask, poison), dtype, loaded=loaded).output
     real = ~mask[:, :, None]
     diff = np.where(real, np.abs(after - base), 0)
     bad = np.argwhere(real & ~(diff <= tol.bound))
@@ -133,17 +146,20 @@ def check_padding_mask_blocks_padded_keys(backend, *, dtype, poison):
     return Measurement(max_error=worst)
 
 
-@case(requires=("key_padding_mask",))
-def check_padding_mask_output_matches_reference(backend, *, dtype):
+@case(requires=("key_padding_mask",), forms=ALL_FORMS)
+def check_padding_mask_output_matches_reference(backend, *, form, dtype):
     """With a key padding mask (True = padding) the outputs of real queries equal the reference."""
     params = small_layer(backend, bias=True)
     mask = _padding(3, 10)
-    inputs = separate_inputs(params.config, 3, 10, key_padding_mask=mask)
+    inputs = form_inputs(form, params.config, 3, 10, key_padding_mask=mask)
     got = run(backend, params, inputs, dtype).output
     expected, tol = tolerance_for(params, inputs, dtype)
     real = ~mask[:, :, None]
-    return Measurement(max_error=assert_close(np.where(real, got, 0), np.where(real, expected, 0), tol,
-                                              "padding-masked output (real queries)"))
+    try:
+        return Measurement(max_error=assert_close(np.where(real, got, 0), np.where(real, expected, 0), tol,
+                                                  "padding-masked output (real queries)"))
+    except CaseFailure as failure:
+        raise CaseFailure(str(failure) + normaliser_hint(got, params, inputs, rows=~mask), failure.max_error) from None
 
 
 def _bool_mask(tq: int, tk: int, seed: int = 3) -> np.ndarray:
@@ -155,20 +171,21 @@ def _bool_mask(tq: int, tk: int, seed: int = 3) -> np.ndarray:
 
 
 def _mask_variants(backend):
+    """Named variants ``square`` (8, 8) and, with cross-attention, ``more_keys`` (6, 11); mask shared or per head."""
     dtype = primary_dtype(backend)
-    shapes = [(8, 8)] + ([(6, 11)] if backend.capabilities.cross_attention else [])
-    return [{"dtype": dtype, "seq": tq, "tk": tk, "per_head": per_head}
-            for tq, tk in shapes for per_head in (False, True)]
+    shapes = [("square", 8, 8)] + ([("more_keys", 6, 11)] if cross_ok(backend) else [])
+    return [{"dtype": dtype, "variant": name, "seq": tq, "tk": tk, "per_head": per_head}
+            for name, tq, tk in shapes for per_head in (False, True)]
 
 
-@case(requires=("bool_attn_mask",), variants=_mask_variants)
-def check_bool_attn_mask_matches_reference(backend, *, dtype, seq, tk, per_head):
+@case(requires=("bool_attn_mask",), variants=_mask_variants, forms=ALL_FORMS)
+def check_bool_attn_mask_matches_reference(backend, *, form, dtype, variant, seq, tk, per_head):
     """An arbitrary boolean attn_mask (True = may attend), shared or per batch and head, gives the reference output."""
     params = small_layer(backend, bias=True)
     mask = _bool_mask(seq, tk)
     if per_head:
         mask = np.stack([[_bool_mask(seq, tk, seed=10 * b + h) for h in range(4)] for b in range(2)])
-    inputs = separate_inputs(params.config, 2, seq, tk, attn_mask=mask)
+    inputs = form_inputs(form, params.config, 2, seq, tk, attn_mask=mask)
     try:
         return Measurement(max_error=check_against_reference(backend, params, inputs, dtype, "bool-masked output"))
     except CaseFailure as failure:
@@ -177,18 +194,18 @@ def check_bool_attn_mask_matches_reference(backend, *, dtype, seq, tk, per_head)
         if np.allclose(got, inverted, atol=1e-3):
             raise CaseFailure(f"{failure}; the output matches the INVERTED mask (True read as 'masked out'): "
                               "mask polarity is reversed", failure.max_error) from None
-        raise
+        raise CaseFailure(str(failure) + normaliser_hint(got, params, inputs), failure.max_error) from None
 
 
-@case(requires=("additive_attn_mask",), variants=_mask_variants)
-def check_additive_attn_mask_matches_reference(backend, *, dtype, seq, tk, per_head):
+@case(requires=("additive_attn_mask",), variants=_mask_variants, forms=ALL_FORMS)
+def check_additive_attn_mask_matches_reference(backend, *, form, dtype, variant, seq, tk, per_head):
     """A float attn_mask is added to the scaled scores (finite biases and -inf), giving the reference output."""
     params = small_layer(backend, bias=True)
     rng = np.random.default_rng(4)
     shape = (2, 4, seq, tk) if per_head else (seq, tk)
     mask = rng.standard_normal(shape) * 2.0
     mask = np.where(np.broadcast_to(_bool_mask(seq, tk), shape), mask, -np.inf)
-    inputs = separate_inputs(params.config, 2, seq, tk, attn_mask=mask)
+    inputs = form_inputs(form, params.config, 2, seq, tk, attn_mask=mask)
     return Measurement(max_error=check_against_reference(backend, params, inputs, dtype, "additive-masked output"))
 
 
@@ -205,8 +222,8 @@ def classify_fully_masked_rows(rows: np.ndarray, zero_out: np.ndarray, uniform_o
     return "other"
 
 
-@case(requires=())
-def check_fully_masked_rows_output_zeros(backend, *, dtype):
+@case(requires=(), forms=ALL_FORMS)
+def check_fully_masked_rows_output_zeros(backend, *, form, dtype):
     """A query row whose keys are all masked outputs zeros before W_o (the output row equals b_o),
     the flash-attention / SDPA convention; the observed behaviour is named (zeros, NaN, uniform average of V)."""
     params = small_layer(backend, bias=True)
@@ -214,12 +231,12 @@ def check_fully_masked_rows_output_zeros(backend, *, dtype):
     if backend.capabilities.key_padding_mask:
         mask = np.zeros((2, tk), bool)
         mask[1] = True
-        inputs = separate_inputs(params.config, 2, tk, key_padding_mask=mask)
+        inputs = form_inputs(form, params.config, 2, tk, key_padding_mask=mask)
         rows = (1, slice(None))
     elif backend.capabilities.bool_attn_mask:
         mask = np.ones((tk, tk), bool)
         mask[2] = False
-        inputs = separate_inputs(params.config, 2, tk, attn_mask=mask)
+        inputs = form_inputs(form, params.config, 2, tk, attn_mask=mask)
         rows = (slice(None), 2)
     else:
         raise CaseSkipped(f"{backend.name} declares neither key_padding_mask nor bool_attn_mask")
@@ -234,3 +251,68 @@ def check_fully_masked_rows_output_zeros(backend, *, dtype):
         raise CaseFailure(f"fully masked rows: expected zeros before W_o (output = b_o), observed {observed}",
                           observed=observed)
     return Measurement(max_error=float(np.max(np.abs(got[rows] - expected[rows]))), observed=observed)
+
+
+#: mask compositions: name -> (what is combined, the capabilities it needs besides the causal alignment)
+COMPOSITIONS = {
+    "causal_with_padding": ("key_padding_mask",),
+    "causal_with_bool_mask": ("bool_attn_mask",),
+    "causal_with_additive_mask": ("additive_attn_mask",),
+    "padding_with_bool_mask": ("key_padding_mask", "bool_attn_mask"),
+    "padding_with_additive_mask": ("key_padding_mask", "additive_attn_mask"),
+}
+
+
+def _composition_variants(backend):
+    """Each composition the backend can run, in each declared alignment (causal ones), at ``square`` (8, 8) and,
+    with cross-attention, ``more_keys`` (5, 11) shapes; every query keeps key 0, so no row is fully masked."""
+    caps, dtype = backend.capabilities, primary_dtype(backend)
+    shapes = [("square", 8, 8)] + ([("more_keys", 5, 11)] if cross_ok(backend) else [])
+    out = []
+    for name, needs in COMPOSITIONS.items():
+        if not all(caps.has(n) for n in needs):
+            continue
+        alignments = caps.causal_alignments if name.startswith("causal") else (None,)
+        out += [{"dtype": dtype, "variant": name, **({"alignment": a} if a else {}), "shape": shape,
+                 "seq": tq, "tk": tk} for a in alignments for shape, tq, tk in shapes]
+    return out
+
+
+def _composed_inputs(form, config, name, alignment, seq, tk) -> tuple:
+    """Inputs with the named masks combined, and a description such as 'causal top-left with key_padding_mask'."""
+    masks, parts = {}, []
+    if alignment:
+        masks["causal"] = alignment
+        parts.append(f"causal {alignment}")
+    if "padding" in name:
+        masks["key_padding_mask"] = np.arange(tk)[None, :] >= np.array([tk, tk // 2 + 1])[:, None]
+        parts.append("key_padding_mask")
+    allowed = _bool_mask(seq, tk, seed=7)
+    allowed[:, 0] = True
+    if "bool" in name:
+        masks["attn_mask"] = allowed
+        parts.append("bool attn_mask")
+    if "additive" in name:
+        masks["attn_mask"] = np.where(allowed, np.random.default_rng(8).standard_normal((seq, tk)) * 2.0, -np.inf)
+        parts.append("additive attn_mask")
+    return form_inputs(form, config, 2, seq, tk, **masks), " with ".join(parts)
+
+
+@case(requires=(), variants=_composition_variants, forms=ALL_FORMS)
+def check_mask_compositions_match_reference(backend, *, form, dtype, variant, shape, seq, tk, alignment=None):
+    """Two masks given together act as their intersection on the OUTPUT (no weights needed): causal (each
+    declared alignment) with key padding, causal with a bool or an additive attn_mask, key padding with a bool or
+    an additive attn_mask. A kernel that drops one mask when another is present is caught here."""
+    params = small_layer(backend, bias=True)
+    inputs, label = _composed_inputs(form, params.config, variant, alignment, seq, tk)
+    got = run(backend, params, inputs, dtype).output
+    expected, tol = tolerance_for(params, inputs, dtype)
+    real = np.ones((2, seq, 1), bool)
+    if inputs.key_padding_mask is not None and seq == tk:  # outputs at padded query positions are unspecified
+        real = ~inputs.key_padding_mask[:, :, None]
+    try:
+        return Measurement(max_error=assert_close(np.where(real, got, 0), np.where(real, expected, 0), tol,
+                                                  f"mask composition {label} output"))
+    except CaseFailure as failure:
+        raise CaseFailure(str(failure) + normaliser_hint(got, params, inputs, rows=real[..., 0]),
+                          failure.max_error) from None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.cases._fixtures import separate_inputs, small_layer
+from mha_harness.cases._fixtures import ALL_FORMS, form_inputs, small_layer
 from mha_harness.conformance.casekit import (
     CaseFailure,
     Measurement,
@@ -24,13 +24,13 @@ def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams
     return params.replace(W_q=params.W_q * factor, b_q=b_q)
 
 
-@case()
-def check_scores_scaled_by_sqrt_d_head(backend, *, dtype):
+@case(forms=ALL_FORMS)
+def check_scores_scaled_by_sqrt_d_head(backend, *, form, dtype):
     """Scores are divided by sqrt(d_head), not by sqrt(d_model) and not left unscaled; on failure the
     message names the wrong scale the output matches."""
     config = AttentionConfig(64, 4)  # d_head 8, d_model 64: the three candidate scales differ by 2.8x and 8x
     params = make_params(config, seed=2, scale=0.6)  # large enough that softmax is far from uniform
-    inputs = separate_inputs(config, 2, 12)
+    inputs = form_inputs(form, config, 2, 12)
     got = run(backend, params, inputs, dtype).output
     expected, tol = tolerance_for(params, inputs, dtype)
     try:
@@ -51,11 +51,13 @@ def check_scores_scaled_by_sqrt_d_head(backend, *, dtype):
 def token_split_attention(params: AttentionParams, inputs: AttentionInputs) -> np.ndarray:
     """The lesson's wrong reshape: (T, d_model) split into heads as reshape(h, T, d_head), i.e. tokens not features."""
     c = params.config
-    def split(x):
+
+    def split(x, n):
         b, t, w = x.shape
-        return x.reshape(b, c.num_heads, t, c.d_head)
-    q, k, v = (split(x @ w)
-               for x, w in ((inputs.query, params.W_q), (inputs.key, params.W_k), (inputs.value, params.W_v)))
+        return x.reshape(b, n, t, w // n)
+    q = split(inputs.query @ params.W_q, c.num_heads)
+    k, v = (np.repeat(split(x @ w, c.kv_heads), c.group, axis=1)
+            for x, w in ((inputs.key, params.W_k), (inputs.value, params.W_v)))
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -76,13 +78,13 @@ def _split_hint(backend, params, inputs, dtype) -> str:
 
 
 @case(variants=lambda b: [{"dtype": primary_dtype(b), "kv_heads": kv}
-                          for kv in ((4, 2) if b.capabilities.grouped_query else (4,))])
-def check_heads_are_separated(backend, *, dtype, kv_heads):
+                          for kv in ((4, 2) if b.capabilities.grouped_query else (4,))], forms=ALL_FORMS)
+def check_heads_are_separated(backend, *, form, dtype, kv_heads):
     """With W_o = identity, perturbing only head k's block of W_q, W_k or W_v changes only head k's
     slice of the concatenated output (for grouped-query: the query heads sharing that kv head)."""
     params = _identity_output(small_layer(backend, num_kv_heads=kv_heads))
     c = params.config
-    inputs = separate_inputs(c, 2, 7)
+    inputs = form_inputs(form, c, 2, 7)
     loaded = backend.load(params, dtype=dtype)
     base = run(backend, params, inputs, dtype, loaded=loaded).output
     _, tol = tolerance_for(params, inputs, dtype)
@@ -109,8 +111,8 @@ def check_heads_are_separated(backend, *, dtype, kv_heads):
     return Measurement()
 
 
-@case()
-def check_head_split_keeps_features_together(backend, *, dtype):
+@case(forms=ALL_FORMS)
+def check_head_split_keeps_features_together(backend, *, form, dtype):
     """The lesson's labelled-numbers test: with W_q = W_k = 0 (uniform attention) and W_v = W_o = I, head k
     must hold features k*d_head..(k+1)*d_head of every token, so each output row is the column mean of X."""
     c = AttentionConfig(8, 2)
@@ -118,7 +120,8 @@ def check_head_split_keeps_features_together(backend, *, dtype):
     params = AttentionParams(c, W_q=zeros, W_k=zeros, W_v=np.eye(8), W_o=np.eye(8))
     t = 5
     x = np.array([[[10.0 * tok + f for f in range(8)] for tok in range(t)]]) / 10.0  # entry = token + feature/10
-    inputs = AttentionInputs(x, x.copy(), x.copy())
+    kv = x if form == "self" else x.copy()
+    inputs = AttentionInputs(x, kv, kv if form != "separate" else x.copy())
     got = run(backend, params, inputs, dtype).output
     expected, tol = tolerance_for(params, inputs, dtype)
     try:
@@ -127,11 +130,11 @@ def check_head_split_keeps_features_together(backend, *, dtype):
         raise CaseFailure(str(failure) + _split_hint(backend, params, inputs, dtype), failure.max_error) from None
 
 
-@case()
-def check_output_projection_mixes_heads(backend, *, dtype):
+@case(forms=ALL_FORMS)
+def check_output_projection_mixes_heads(backend, *, form, dtype):
     """The output is concat(heads) @ W_o + b_o with a random W_o, not the bare concatenation: W_o mixes the heads."""
     params = small_layer(backend, bias=True)
-    inputs = separate_inputs(params.config, 2, 7)
+    inputs = form_inputs(form, params.config, 2, 7)
     no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
     concat = run(backend, _identity_output(params).replace(b_o=no_bias), inputs, dtype).output
     got = run(backend, params, inputs, dtype).output
@@ -155,7 +158,7 @@ def _count_variants(backend):
     return out
 
 
-@case(requires=("native_parameters",), variants=_count_variants)
+@case(requires=("native_parameters",), variants=_count_variants, forms=ALL_FORMS)
 def check_parameter_count_is_4_d_model_squared(backend, *, bias, kv_heads):
     """The parameters the backend itself allocates number 4*d_model^2 (+4*d_model with biases); with
     num_kv_heads < num_heads, 2*d_model^2 + 2*d_model*kv_heads*d_head (+ biases of those widths)."""

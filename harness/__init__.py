@@ -5,6 +5,8 @@ Public API::
     mha_harness.check(backend_or_name, ...) -> Report   # run the conformance cases
     mha_harness.AttentionBackend, mha_harness.LoadedAttention, mha_harness.Capabilities, mha_harness.Divergence
     mha_harness.function_backend(...)                   # the few-line adapter for a plain NumPy function
+    mha_harness.masks.causal_mask / padding_mask / combined_mask / additive_mask   # the public mask builder
+    mha_harness.configure_jax()                         # the built-in JAX backends' compile cache + float64
     mha_harness.load_registry()                         # every built-in and plugin backend
 """
 from mha_harness.checking import check, repro
@@ -24,10 +26,12 @@ from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention, reference_vjp
 from mha_harness.registry import load_registry
+from mha_harness.toolkit import masks
 from mha_harness.toolkit.function_backend import function_backend
+from mha_harness.toolkit.jax_setup import configure_jax
 
 __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
            "Capabilities", "Divergence", "LoadedAttention", "Report", "Unsupported", "causal_offset", "check",
-           "function_backend", "load_registry", "make_inputs", "make_params", "reference_attention", "reference_vjp",
-           "repro"]
+           "configure_jax", "function_backend", "load_registry", "make_inputs", "make_params", "masks",
+           "reference_attention", "reference_vjp", "repro"]

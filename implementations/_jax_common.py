@@ -18,6 +18,7 @@ from mha_harness.contract.api import (
     AttentionParams,
     LoadedAttention,
 )
+from mha_harness.toolkit.jax_setup import configure_jax
 
 # JAX takes 75% of a GPU's memory in every process by default: a worker checking one backend, or a sweep that
 # also runs torch, would leave the others nothing. Set before jax is first imported; a user's own setting wins.
@@ -39,31 +40,6 @@ def jax_reason(device: str = "cpu", needs_flax: bool = False) -> str | None:
         except RuntimeError:
             return f"no GPU device for jax {jax.__version__} (jax.devices('gpu') found none)"
     return None
-
-
-_CONFIGURED = False
-
-
-def configure_jax() -> None:
-    """Once per process: float64 support, and XLA's persistent compilation cache.
-
-    The cache (``$MHA_HARNESS_JAX_CACHE``, default ~/.cache/mha-harness/jax; set it to an empty
-    string to disable) makes a second conformance run skip most compilation.
-    """
-    global _CONFIGURED
-    if _CONFIGURED:
-        return
-    import os
-
-    import jax
-    jax.config.update("jax_enable_x64", True)  # float64 needs it; explicit dtypes everywhere keep float32 float32
-    default = os.path.join(os.path.expanduser("~"), ".cache", "mha-harness", "jax")
-    cache = os.environ.get("MHA_HARNESS_JAX_CACHE", default)
-    if cache:
-        jax.config.update("jax_compilation_cache_dir", cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    _CONFIGURED = True
 
 
 def jax_dtype(name: str):

@@ -56,6 +56,18 @@ class NumpyNaiveLoaded(LoadedAttention):
         e /= np.where(total == 0, 1, total)
         return e
 
+    def masked_softmax(self, scores: np.ndarray, allowed, additive) -> np.ndarray:
+        """Add the additive mask, set disallowed scores to -inf, then :meth:`softmax` (masks BEFORE the softmax)."""
+        if additive is not None:
+            scores += additive.astype(self.dtype)
+        if allowed is not None:
+            np.copyto(scores, -np.inf, where=~allowed)
+        return self.softmax(scores)
+
+    def weighted_values(self, weights: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """P @ V where a zero weight contributes nothing even if the masked value is NaN or inf."""
+        return weighted_values(weights, v)
+
     def merge_heads(self, heads: np.ndarray) -> np.ndarray:
         """(B, H, T, d_head) -> (B, T, H*d_head): heads side by side in order."""
         b, h, t, dh = heads.shape
@@ -90,12 +102,8 @@ class NumpyNaiveLoaded(LoadedAttention):
         scores = q @ k.transpose(0, 1, 3, 2)
         scores *= self.dtype.type(self.scale())
         allowed, additive = self.masks(inputs)
-        if additive is not None:
-            scores += additive.astype(self.dtype)
-        if allowed is not None:
-            np.copyto(scores, -np.inf, where=~allowed)
-        weights = self.softmax(scores)
-        out = self.output_projection(self.merge_heads(weighted_values(weights, v)))
+        weights = self.masked_softmax(scores, allowed, additive)
+        out = self.output_projection(self.merge_heads(self.weighted_values(weights, v)))
         return AttentionOutput(out, weights if need_weights else None)
 
 

@@ -1,36 +1,106 @@
-"""The mutant zoo proves every case bites: each mutant is caught by a case naming its bug, and every
-case fails on at least one mutant."""
+"""The mutant zoo proves every case bites: each named mutant is caught in the --quick set by a case whose message
+names its bug, even when it returns no attention weights (the catch is on outputs), and every case fails on at
+least one mutant."""
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 
 import pytest
 
 import mha_harness
 from mha_harness.conformance.casekit import all_cases
-from mha_harness.implementations.mutants import MUTANTS, mutant_backends
+from mha_harness.implementations.mutants import MUTANTS, mutant_backends, zoo
+from mha_harness.implementations.mutants.zoo import MutantBackend
 
-BACKENDS = {b.name: b for b in mutant_backends()}
+BY_NAME = {m.name: m for m in MUTANTS}
 
 
 @functools.cache
-def report_for(name: str):
-    return mha_harness.check(BACKENDS[name], include_slow=True)
+def quick_report(name: str, weights: bool = False, cases: tuple | None = None):
+    """The --quick set (no slow cases) on one mutant; without weights unless asked."""
+    return mha_harness.check(MutantBackend(BY_NAME[name], weights=weights), cases=cases, include_slow=False)
+
+
+def named_catches(mutant, report):
+    return [f for f in report.failures() if mutant.message_mentions.lower() in f.message.lower()]
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
-def test_each_mutant_is_caught_with_a_message_naming_its_bug(mutant):
-    failures = report_for(mutant.name).failures()
-    assert failures, f"{mutant.name} ({mutant.bug}) passed every case"
-    named = [f for f in failures if mutant.message_mentions.lower() in f.message.lower()]
-    assert named, f"{mutant.name}: no failure message mentions {mutant.message_mentions!r}: " \
-                  f"{[f.message[:100] for f in failures[:3]]}"
+def test_each_mutant_is_caught_in_quick_without_weights_by_a_message_naming_its_bug(mutant):
+    report = quick_report(mutant.name)
+    assert not [r for r in report.results if r.status == "error"], [r.message for r in report.results
+                                                                      if r.status == "error"][:2]
+    named = named_catches(mutant, report)
+    assert named, f"{mutant.name} ({mutant.bug}): no failure message mentions {mutant.message_mentions!r}: " \
+                  f"{[f.message[:120] for f in report.failures()[:3]]}"
+
+
+def test_each_mutant_is_also_caught_when_it_returns_weights():
+    """The mutation score (mha-harness check --mutants) runs the mutants with weights: still every one caught."""
+    from mha_harness.conformance.mutation import mutation_score
+    names = ["check_causal_mask_blocks_future_keys", "check_causal_output_matches_reference",
+             "check_padding_mask_blocks_padded_keys", "check_mask_compositions_match_reference",
+             "check_large_logits_stay_finite_and_correct", "check_attention_weights_match_reference"]
+    score = mutation_score(mutant_backends(), cases=names)
+    caught = {row["name"] for row in score["mutants"] if row["caught_by"]}
+    new = [m.name for m in MUTANTS if m.loaded.__name__.startswith(("CausalMaskNeverApplied", "MaskAfterSoftmax",
+                                                                     "FutureKeyIn", "PaddedKeysIn", "PaddingDropped",
+                                                                     "AttnMaskReplaces"))]
+    assert len(new) == 14 and set(new) <= caught, sorted(set(new) - caught)
 
 
 @pytest.mark.parametrize("case_name", list(all_cases()))
 def test_every_case_fails_on_at_least_one_mutant(case_name):
-    killers = [m.name for m in MUTANTS if any(f.case == case_name for f in report_for(m.name).failures())]
+    case = all_cases()[case_name]
+    if case.slow:  # not in --quick (and beyond the zoo's max_seq_len): one mutant, unlimited, on it alone
+        backend = MutantBackend(BY_NAME["mutant-no-scale"])
+        backend.capabilities = dataclasses.replace(backend.capabilities, max_seq_len=None)
+        killers = [backend.name] if mha_harness.check(backend, cases=[case_name]).failures() else []
+    elif "attention_weights" in case.requires:
+        killers = [m.name for m in MUTANTS if quick_report(m.name, True, (case_name,)).failures()]
+    else:
+        killers = [m.name for m in MUTANTS if any(f.case == case_name for f in quick_report(m.name).failures())]
     assert killers, f"{case_name} cannot fail: no mutant is caught by it"
+
+
+@pytest.mark.parametrize("form", ["separate", "self"])
+def test_long_rows_with_logits_of_order_100_catch_a_softmax_without_max_subtraction(form):
+    name = "mutant-softmax-no-max-subtraction" + ("" if form == "separate" else "-self")
+    report = mha_harness.check(MutantBackend(BY_NAME[name]), cases=["check_large_logits_stay_finite_and_correct"])
+    failed = {r.params["variant"]: r.message for r in report.failures()}
+    assert "long_rows" in failed and "row maximum" in failed["long_rows"], failed
+
+
+@pytest.mark.parametrize("name, case_name, mentions", [
+    ("mutant-causal-mask-never-applied-self", "check_causal_mask_blocks_future_keys", "causal leak"),
+    ("mutant-future-key-in-denominator-self", "check_causal_mask_blocks_future_keys", "causal leak"),
+    ("mutant-padded-keys-in-denominator-self", "check_padding_mask_blocks_padded_keys", "padding leak"),
+    ("mutant-mask-after-softmax-shared-kv", "check_causal_output_matches_reference", "without renormalising"),
+    ("mutant-padding-dropped-when-causal", "check_mask_compositions_match_reference", "with key_padding_mask"),
+])
+def test_normaliser_and_composition_bugs_are_caught_fast_at_small_t(name, case_name, mentions):
+    """Each such bug is caught by one small-T case in well under a second (no T = 8192 needed)."""
+    import time
+    start = time.perf_counter()
+    report = mha_harness.check(MutantBackend(BY_NAME[name], weights=False), cases=[case_name])
+    seconds = time.perf_counter() - start
+    assert any(mentions in f.message for f in report.failures()), [f.message[:120] for f in report.failures()]
+    print(f"{name}: caught by {case_name} in {seconds:.2f} s")
+
+
+def test_mutants_come_in_every_input_form_and_read_only_their_form():
+    forms = {m.inputs for m in MUTANTS}
+    assert forms == {"separate", "shared_kv", "self"}
+    assert MutantBackend(BY_NAME["mutant-causal-mask-never-applied-self"]).capabilities.inputs == "self"
+
+
+def test_mutants_subclass_backends_instead_of_patching_module_globals():
+    source = inspect.getsource(zoo)
+    assert "numpy_naive." not in source and "setattr(" not in source
+    from mha_harness.toolkit import masks
+    assert "invert" not in inspect.signature(masks.block_mask).parameters
 
 
 def test_mutation_score_counts_every_mutant():

@@ -8,6 +8,7 @@ Variants (explicit, seeded parameters) are generated from the backend's capabili
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -15,7 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionBackend, AttentionInputs, AttentionOutput, AttentionParams, supported
+from mha_harness.contract.api import (
+    INPUT_FORMS,
+    AttentionBackend,
+    AttentionInputs,
+    AttentionOutput,
+    AttentionParams,
+    supported,
+)
 from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.tolerance import Tolerance, naive_dtype, tolerance_from
 
@@ -41,9 +49,20 @@ class Case:
     variants: Callable[[AttentionBackend], list[dict]]
     doc: str
     slow: bool = False
+    #: the input forms (``Capabilities.inputs``) in which the case's property is defined
+    forms: tuple[str, ...] = ("separate",)
 
     def variants_for(self, backend: AttentionBackend) -> list[dict]:
-        return self.variants(backend)
+        """The variants for this backend, each recording the input form it runs in as ``form``.
+
+        A backend whose form the case is not defined for gets one variant that skips naming the form."""
+        form = backend.capabilities.inputs
+        if form not in self.forms:
+            return [{"form": form}]
+        variants = self.variants(backend)
+        if not variants:  # the runner reports it as skipped: no parameters this case can run with
+            return [{"form": form, "unsupported": True}]
+        return [{**v, "form": form} for v in variants]
 
 
 _REGISTRY: dict[str, Case] = {}
@@ -58,9 +77,38 @@ def on_primary_dtype(backend: AttentionBackend) -> list[dict]:
     return [{"dtype": primary_dtype(backend)}]
 
 
+FORM_WORDS = {"separate": "separate query/key/value", "shared_kv": "one x_q and one x_kv", "self": "one x"}
+
+
+def _in_form(func: Callable[..., Any], forms: tuple[str, ...]) -> Callable[..., Any]:
+    """``func`` called with the variant's ``form`` (when it takes one) after checking the case is defined for it."""
+    takes_form = "form" in inspect.signature(func).parameters
+
+    @functools.wraps(func)
+    def run_in_form(backend, *, form: str | None = None, **params):
+        form = form or backend.capabilities.inputs
+        if form not in forms:
+            raise CaseSkipped(f"{func.__name__} is defined only for {' or '.join(FORM_WORDS[f] for f in forms)}; "
+                              f"{backend.name} declares inputs={form!r} ({FORM_WORDS.get(form, form)})")
+        if not backend.capabilities.accepts_form(form):
+            raise CaseSkipped(f"{backend.name} declares inputs={backend.capabilities.inputs!r}, which does not "
+                              f"accept {FORM_WORDS.get(form, form)} (form={form!r})")
+        return func(backend, form=form, **params) if takes_form else func(backend, **params)
+    return run_in_form
+
+
 def case(*, requires: Iterable[str] = (), variants: Callable[[AttentionBackend], list[dict]] = on_primary_dtype,
-         slow: bool = False):
-    """Register a ``check_*`` function as a conformance case."""
+         slow: bool = False, forms: Iterable[str] = ("separate",)):
+    """Register a ``check_*`` function as a conformance case.
+
+    ``forms``: the input forms (:data:`mha_harness.contract.api.INPUT_FORMS`) the property is defined for; a
+    backend declaring another form skips the case with a reason naming its form. A function that takes a
+    ``form`` keyword builds its inputs in that form (every variant records it)."""
+    forms = tuple(forms)
+    unknown = [f for f in forms if f not in INPUT_FORMS]
+    if unknown or not forms:
+        raise ValueError(f"forms: got {forms!r}; accepted: a non-empty subset of {INPUT_FORMS}")
+
     def register(func):
         if not func.__name__.startswith("check_"):
             raise ValueError(f"case name: got {func.__name__!r}; accepted: a name starting with 'check_'")
@@ -68,8 +116,8 @@ def case(*, requires: Iterable[str] = (), variants: Callable[[AttentionBackend],
         if existing is not None and existing.func.__module__ != func.__module__:  # a re-import replaces itself
             raise ValueError(f"case name: {func.__name__!r} is registered twice, by {existing.func.__module__} "
                              f"and {func.__module__}")
-        _REGISTRY[func.__name__] = Case(func.__name__, func, tuple(requires), variants,
-                                        inspect.cleandoc(func.__doc__ or ""), slow)
+        _REGISTRY[func.__name__] = Case(func.__name__, _in_form(func, forms), tuple(requires), variants,
+                                        inspect.cleandoc(func.__doc__ or ""), slow, forms)
         return func
     return register
 
@@ -104,7 +152,11 @@ def variant_id(backend_name: str, params: Mapping[str, Any]) -> str:
     short = {"batch": "b", "heads": "h", "seq": "t", "tk": "tk", "d_head": "dh", "kv_heads": "kv"}
     parts = [backend_name]
     for key, value in params.items():
-        if key == "dtype":
+        if key == "form":  # one form per backend: it never tells two variants of a backend apart
+            continue
+        if key == "variant":
+            parts.append(str(value).replace("_", "-"))
+        elif key == "dtype":
             parts.append(str(value))
         elif key in short:
             parts.append(f"{short[key]}{value}")

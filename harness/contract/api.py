@@ -27,12 +27,25 @@ from typing import Any
 
 import numpy as np
 
-from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, DTYPES, MASK_POLARITY, PARAM_NAMES
-from mha_harness.contract.validation import validate_config, validate_dtype, validate_inputs, validate_params
+from mha_harness.contract.conventions import (
+    ACCEPTED_FORMS,
+    CAUSAL_ALIGNMENTS,
+    DTYPES,
+    INPUT_FORMS,
+    MASK_POLARITY,
+    PARAM_NAMES,
+)
+from mha_harness.contract.validation import (
+    validate_config,
+    validate_dtype,
+    validate_form,
+    validate_inputs,
+    validate_params,
+)
 
-__all__ = ["CAUSAL_ALIGNMENTS", "DTYPES", "PARAM_NAMES", "AttentionBackend", "AttentionConfig", "AttentionInputs",
-           "AttentionOutput", "AttentionParams", "Capabilities", "Divergence", "LoadedAttention", "Unsupported",
-           "supported"]
+__all__ = ["ACCEPTED_FORMS", "CAUSAL_ALIGNMENTS", "DTYPES", "INPUT_FORMS", "PARAM_NAMES", "AttentionBackend",
+           "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams", "Capabilities", "Divergence",
+           "LoadedAttention", "Unsupported", "supported"]
 
 
 class Unsupported(Exception):
@@ -44,7 +57,19 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend supports, as data. Cases that need a missing capability skip with its name."""
+    """What a backend supports, as data. Cases that need a missing capability skip with its name.
+
+    ``inputs`` is the input form the backend takes (see :class:`AttentionInputs`):
+
+    * ``"separate"`` (default): three arrays ``query``, ``key``, ``value``; it accepts the other two forms too;
+    * ``"shared_kv"``: ``x_q`` and one ``x_kv`` that makes both K and V (encoder-decoder cross-attention);
+      the backend receives ``AttentionInputs(query=x_q, key=x_kv, value=x_kv)`` with ``key is value``;
+    * ``"self"``: one ``x`` (the lesson's ``multi_head_attention(X, ...)``, GPT-2's attention); the backend
+      receives ``AttentionInputs(x, x, x)`` with ``query is key is value``. It implies ``cross_attention=False``.
+
+    A call in a form the backend does not accept is refused by validation (ValueError naming ``inputs``);
+    cases build their inputs in the backend's form, and a case defined only for another form skips naming it.
+    """
 
     causal_alignments: tuple[str, ...] = CAUSAL_ALIGNMENTS
     key_padding_mask: bool = True
@@ -59,6 +84,18 @@ class Capabilities:
     dtypes: tuple[str, ...] = ("float32", "float64")
     devices: tuple[str, ...] = ("cpu",)
     max_seq_len: int | None = None
+    inputs: str = "separate"
+
+    def __post_init__(self):
+        if not isinstance(self.inputs, str) or self.inputs not in INPUT_FORMS:
+            raise ValueError(f"inputs: got {self.inputs!r}; accepted: {', '.join(map(repr, INPUT_FORMS))} "
+                             "(separate query/key/value, one x_q plus one x_kv, or one x)")
+        if self.inputs == "self" and self.cross_attention:
+            object.__setattr__(self, "cross_attention", False)  # one x cannot have Tq != Tk
+
+    def accepts_form(self, form: str) -> bool:
+        """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
+        return form in ACCEPTED_FORMS[self.inputs]
 
     def has(self, capability: str) -> bool:
         """True when the named boolean capability, or ``causal:<alignment>``, ``dtype:<name>``, is declared."""
@@ -66,13 +103,15 @@ class Capabilities:
             return capability.split(":", 1)[1] in self.causal_alignments
         if capability.startswith("dtype:"):
             return capability.split(":", 1)[1] in self.dtypes
+        if capability.startswith("inputs:"):
+            return self.accepts_form(capability.split(":", 1)[1])
         if capability == "causal":
             return bool(self.causal_alignments)
         value = getattr(self, capability, None)
         if not isinstance(value, bool):
             raise ValueError(f"capability: unknown capability {capability!r}; accepted: "
                              f"{sorted(f.name for f in dataclasses.fields(self) if f.type == 'bool')}"
-                             " or causal, causal:<alignment>, dtype:<name>")
+                             " or causal, causal:<alignment>, dtype:<name>, inputs:<form>")
         return value
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,7 +200,12 @@ class AttentionParams:
 
 @dataclass
 class AttentionInputs:
-    """One call's inputs: (batch, T, d_model) arrays and masks in the harness's conventions."""
+    """One call's inputs: (batch, T, d_model) arrays and masks in the harness's conventions.
+
+    The input form is carried by identity (see :attr:`form`): ``query is key is value`` is one ``x``
+    (self-attention), ``key is value`` is one ``x_kv`` (shared K/V). Arrays may arrive strided
+    (non-contiguous views); a backend that needs contiguous memory copies them itself.
+    """
 
     query: np.ndarray
     key: np.ndarray
@@ -186,12 +230,19 @@ class AttentionInputs:
     def is_self_attention(self) -> bool:
         return self.query is self.key and self.key is self.value
 
+    @property
+    def form(self) -> str:
+        """``"self"`` when query is key is value, ``"shared_kv"`` when key is value, else ``"separate"``."""
+        if self.key is self.value:
+            return "self" if self.query is self.key else "shared_kv"
+        return "separate"
+
     def replace(self, **fields) -> AttentionInputs:
         return dataclasses.replace(self, **fields)
 
     def features(self) -> set[str]:
         """Capabilities this call needs from a backend."""
-        needs = set()
+        needs = {f"inputs:{self.form}"}
         if self.causal:
             needs.add(f"causal:{self.causal}")
         if self.key_padding_mask is not None:
@@ -216,9 +267,12 @@ class LoadedAttention:
 
     #: set by the backend's ``load``: the layer's shape
     config: AttentionConfig
+    #: set by the backend's ``load``: the backend's declared ``Capabilities.inputs``
+    input_form: str = "separate"
 
     def forward(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
         """Validate, then run the layer on NumPy inputs and return NumPy outputs."""
+        validate_form(inputs, self.input_form)
         validate_inputs(inputs, self.config)
         return self.compute(inputs, need_weights=need_weights)
 
@@ -231,8 +285,11 @@ class LoadedAttention:
 
         Returns gradients keyed by ``query``, ``key``, ``value`` and the parameter names
         (``W_q`` ...), all in the canonical layout. Only for backends declaring ``gradients``.
+        One gradient per distinct input array: a ``self`` backend returns ``query`` (d/dx), a ``shared_kv``
+        backend ``query`` (d/dx_q) and ``key`` (d/dx_kv); a ``value`` entry is then ignored.
         Validates like :meth:`forward`, then calls :meth:`compute_vjp`.
         """
+        validate_form(inputs, self.input_form)
         validate_inputs(inputs, self.config)
         return self.compute_vjp(inputs, cotangent)
 
@@ -287,6 +344,7 @@ class AttentionBackend:
                              f"grouped-query heads; accepted: num_kv_heads == num_heads ({params.config.num_heads})")
         loaded = self.load_native(params, dtype)
         loaded.config = params.config
+        loaded.input_form = self.capabilities.inputs
         return loaded
 
     def load_native(self, params: AttentionParams, dtype: str) -> LoadedAttention:

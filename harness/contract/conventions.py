@@ -55,6 +55,14 @@ def other_alignment(alignment: str) -> str:
     return BOTTOM_RIGHT if alignment == TOP_LEFT else TOP_LEFT
 
 
+# --- input forms ----------------------------------------------------------------------------------------------
+
+#: how a backend takes its inputs (``Capabilities.inputs``): three arrays, x_q plus one x_kv, or one x
+INPUT_FORMS = ("separate", "shared_kv", "self")
+#: the forms of AttentionInputs a backend of each declared form accepts: one x is also a valid (x_q, x_kv) pair and
+#: a valid (query, key, value) triple, never the other way round
+ACCEPTED_FORMS = {"separate": INPUT_FORMS, "shared_kv": ("shared_kv", "self"), "self": ("self",)}
+
 # --- mask polarities -------------------------------------------------------------------------------------------
 
 #: a boolean attn_mask: True = the query may attend to the key; a float attn_mask is added to the scaled scores

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, DTYPES
+from mha_harness.contract.conventions import ACCEPTED_FORMS, CAUSAL_ALIGNMENTS, DTYPES
 
 if TYPE_CHECKING:  # annotations only: api imports this module, never the other way round at run time
     from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
@@ -82,6 +82,17 @@ def validate_params(params: AttentionParams) -> None:
             raise ValueError(f"{name}: got shape {value.shape}; accepted: {shape} "
                              f"for d_model={c.d_model}, num_heads={c.num_heads}, num_kv_heads={c.kv_heads}")
         _finite(name, value)
+
+
+def validate_form(inputs: AttentionInputs, declared: str) -> None:
+    """Refuse inputs in a form the backend did not declare (``Capabilities.inputs``), naming ``inputs``."""
+    form = inputs.form
+    accepted = ACCEPTED_FORMS[declared]
+    if form not in accepted:
+        how = {"self": "one array x (query is key is value)",
+               "shared_kv": "x_q and one x_kv (key is value)"}
+        raise ValueError(f"inputs: got the {form} form but the backend declares inputs={declared!r}; accepted: "
+                         + " or ".join(how[f] for f in accepted if f in how))
 
 
 def validate_inputs(inputs: AttentionInputs, config: AttentionConfig) -> None:

@@ -1,16 +1,57 @@
-"""Mask construction on the host, in NumPy, for every backend: per block of queries and keys (numpy-tiled)
-or over the whole (Tq, Tk) range (everyone else, through :func:`full_mask`). Framework backends convert the
-result to their own tensors and polarity."""
+"""Mask construction in NumPy, for the built-in backends and for plugin authors.
+
+Harness convention (see :mod:`mha_harness.contract.api`): ``attn_mask`` bool True = *may attend*, float = added
+to the scaled scores (``-inf`` = masked); ``key_padding_mask`` True = *padding key to ignore*; ``causal``
+``"top-left"`` (query i sees keys j <= i) or ``"bottom-right"`` (keys j <= i + Tk - Tq).
+
+Public builders (re-exported as ``mha_harness.masks``):
+
+* :func:`causal_mask` (Tq, Tk) in either alignment; :func:`padding_mask` (batch, Tk) from lengths;
+* :func:`combined_mask` one boolean mask (batch|1, heads|1, Tq, Tk) for every mask of an
+  :class:`~mha_harness.AttentionInputs` call, in the ``"attend"`` polarity (True = may attend) or the
+  ``"ignore"`` polarity (True = masked out, e.g. ``torch.nn.MultiheadAttention``'s attn_mask);
+* :func:`additive_mask` the same as a float mask (0 where allowed, ``masked_value`` where not, plus the finite
+  values of a float attn_mask), for kernels that only take an additive bias.
+
+The built-in backends build their masks with :func:`block_mask` / :func:`full_mask` (allowed, additive).
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs
-from mha_harness.contract.conventions import causal_offset
+from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, causal_offset
+
+POLARITIES = ("attend", "ignore")
 
 
-def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, invert_attn_mask: bool = False):
-    """Allowed (bool) and additive (float or None) masks for queries q0:q1 and keys k0:k1.
+def _polarity(allowed: np.ndarray, polarity: str) -> np.ndarray:
+    if polarity not in POLARITIES:
+        raise ValueError(f"polarity: got {polarity!r}; accepted: 'attend' (True = may attend) or "
+                         "'ignore' (True = masked out)")
+    return allowed if polarity == "attend" else ~allowed
+
+
+def causal_mask(tq: int, tk: int, alignment: str = "top-left", *, polarity: str = "attend") -> np.ndarray:
+    """(Tq, Tk) bool causal mask: ``top-left`` lets query i see keys j <= i, ``bottom-right`` keys j <= i + Tk - Tq."""
+    if alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"alignment: got {alignment!r}; accepted: 'top-left' or 'bottom-right'")
+    offset = causal_offset(alignment, tq, tk)
+    return _polarity(np.arange(tk)[None, :] <= np.arange(tq)[:, None] + offset, polarity)
+
+
+def padding_mask(lengths, tk: int, *, polarity: str = "ignore") -> np.ndarray:
+    """(batch, Tk) bool mask for sequences of the given real ``lengths``; by default True marks padding (the
+    harness's ``key_padding_mask`` convention); ``polarity="attend"`` gives True for real keys instead."""
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or np.any(lengths < 0) or np.any(lengths > tk):
+        raise ValueError(f"lengths: got {lengths.tolist()}; accepted: a 1-D sequence of integers in 0..Tk={tk}")
+    real = np.arange(tk)[None, :] < lengths[:, None]
+    return _polarity(real, polarity)  # "attend": True = real key; "ignore": True = padding
+
+
+def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int):
+    """Allowed (bool, True = may attend) and additive (float or None) masks for queries q0:q1 and keys k0:k1.
 
     Shapes broadcast to (batch, heads, q1 - q0, k1 - k0); ``allowed`` is None when nothing is masked.
     """
@@ -28,16 +69,37 @@ def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, inve
         m = inputs.attn_mask
         m = (m.reshape((1, 1) + m.shape) if m.ndim == 2 else m)[:, :, q0:q1, k0:k1]
         if m.dtype == np.bool_:
-            allowed = allowed & (~m if invert_attn_mask else m)
+            allowed = allowed & m
         else:
             allowed = allowed & ~np.isneginf(m)
             additive = np.where(np.isneginf(m), 0.0, m)
     return allowed, additive
 
 
-def full_mask(inputs: AttentionInputs, invert_attn_mask: bool = False):
+def full_mask(inputs: AttentionInputs):
     """:func:`block_mask` over all queries and keys: (allowed or None, additive or None)."""
-    return block_mask(inputs, 0, inputs.tq, 0, inputs.tk, invert_attn_mask)
+    return block_mask(inputs, 0, inputs.tq, 0, inputs.tk)
+
+
+def combined_mask(inputs: AttentionInputs, *, polarity: str = "attend") -> np.ndarray | None:
+    """Every mask of the call (causal, key padding, attn_mask) as ONE bool array (batch|1, heads|1, Tq, Tk), or
+    None when nothing is masked. ``polarity="attend"``: True = may attend (SDPA, jax); ``"ignore"``: True = masked
+    out (``nn.MultiheadAttention``). The finite values of a float attn_mask are not in it: see
+    :func:`additive_mask`."""
+    allowed, _ = full_mask(inputs)
+    return None if allowed is None else _polarity(allowed, polarity)
+
+
+def additive_mask(inputs: AttentionInputs, *, masked_value: float = -np.inf, dtype=np.float64) -> np.ndarray | None:
+    """Every mask of the call as ONE float array (batch|1, heads|1, Tq, Tk) to add to the scaled scores: the
+    finite values of a float attn_mask where allowed, ``masked_value`` where not (a library that cannot take
+    -inf may pass a large finite negative value; rows with every key masked then differ). None when unmasked."""
+    allowed, additive = full_mask(inputs)
+    if allowed is None:
+        return None
+    base = np.zeros(allowed.shape) if additive is None else np.broadcast_to(additive, np.broadcast_shapes(
+        additive.shape, allowed.shape))
+    return np.where(allowed, base, masked_value).astype(dtype)
 
 
 def causal_key_limit(inputs: AttentionInputs, q1: int) -> int:

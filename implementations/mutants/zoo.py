@@ -1,11 +1,14 @@
-"""Each mutant: numpy-naive (or its gradients) with one deliberate, realistic bug."""
+"""Each mutant: numpy-naive (or its gradients) with one deliberate, realistic bug, built by subclassing one step of
+:class:`NumpyNaiveLoaded` (never by patching module globals). Bugs that make sense in every input form also come
+as a GPT-2-style self-attention module (one x, packed c_attn projection) and a shared-K/V module (x_q, x_kv with a
+packed K/V projection), by composing the bug class with the module class."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionConfig, AttentionInputs, Capabilities
+from mha_harness.contract.api import INPUT_FORMS, AttentionConfig, AttentionInputs, Capabilities
 from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.reference import reference_vjp
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
@@ -22,6 +25,40 @@ class Mutant:
     message_mentions: str
     gradients: bool = False
     parameter_shapes: object = None
+    #: the input form the mutant module takes (Capabilities.inputs)
+    inputs: str = "separate"
+
+
+class SelfAttentionModule(NumpyNaiveLoaded):
+    """GPT-2-style self-attention: one x, one packed projection c_attn = [W_q | W_k | W_v] (only x is read)."""
+
+    def heads(self, inputs):
+        c, w = self.config, self.weights
+        kv = c.kv_heads * c.d_head
+        c_attn = np.concatenate([w["W_q"], w["W_k"], w["W_v"]], axis=1)
+        qkv = np.asarray(inputs.query, self.dtype) @ c_attn
+        if "b_q" in w:
+            qkv = qkv + np.concatenate([w["b_q"], w["b_k"], w["b_v"]])
+        d = c.d_model
+        return (self.split_heads(qkv[..., :d], c.num_heads), self.split_heads(qkv[..., d:d + kv], c.kv_heads),
+                self.split_heads(qkv[..., d + kv:], c.kv_heads))
+
+
+class SharedKVModule(NumpyNaiveLoaded):
+    """Encoder-decoder cross-attention: x_q and one x_kv through a packed [W_k | W_v] (inputs.value is never read)."""
+
+    def heads(self, inputs):
+        c, w = self.config, self.weights
+        kv = c.kv_heads * c.d_head
+        packed = np.asarray(inputs.key, self.dtype) @ np.concatenate([w["W_k"], w["W_v"]], axis=1)
+        if "b_k" in w:
+            packed = packed + np.concatenate([w["b_k"], w["b_v"]])
+        q = self.project(np.asarray(inputs.query, self.dtype), "q")
+        return (self.split_heads(q, c.num_heads), self.split_heads(packed[..., :kv], c.kv_heads),
+                self.split_heads(packed[..., kv:], c.kv_heads))
+
+
+MODULES = {"shared_kv": SharedKVModule, "self": SelfAttentionModule}
 
 
 class SplitTokens(NumpyNaiveLoaded):
@@ -53,13 +90,18 @@ def _with_mask(allowed, extra):
     return extra if allowed is None else allowed & extra
 
 
+def _one_future_token_masks(inputs):
+    """The masks with the causal limit moved one key into the future."""
+    allowed, additive = full_mask(inputs.replace(causal=None))
+    if inputs.causal:
+        offset = causal_offset(inputs.causal, inputs.tq, inputs.tk)
+        allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] <= np.arange(inputs.tq)[:, None] + offset + 1)
+    return allowed, additive
+
+
 class CausalOneFutureToken(NumpyNaiveLoaded):
     def masks(self, inputs):
-        allowed, additive = full_mask(inputs.replace(causal=None))
-        if inputs.causal:
-            offset = causal_offset(inputs.causal, inputs.tq, inputs.tk)
-            allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] <= np.arange(inputs.tq)[:, None] + offset + 1)
-        return allowed, additive
+        return _one_future_token_masks(inputs)
 
 
 class CausalExcludesDiagonal(NumpyNaiveLoaded):
@@ -81,6 +123,74 @@ class PaddingIgnored(NumpyNaiveLoaded):
         return full_mask(inputs.replace(key_padding_mask=None))
 
 
+class CausalMaskNeverApplied(NumpyNaiveLoaded):
+    """Declares causal masking, builds the other masks, never applies the causal one."""
+
+    def masks(self, inputs):
+        return full_mask(inputs.replace(causal=None))
+
+
+class _DenominatorMask(NumpyNaiveLoaded):
+    """Masked keys get weight 0 in the numerator, but the keys of :meth:`denominator_inputs`'s masks (a superset)
+    all enter the softmax normaliser: the kept weights no longer sum to 1 and depend on hidden keys."""
+
+    def denominator_mask(self, inputs: AttentionInputs):
+        """Keys counted in the normaliser (bool, True = counted; None = every key)."""
+        raise NotImplementedError
+
+    def masks(self, inputs):
+        self._denominator = self.denominator_mask(inputs)
+        return super().masks(inputs)
+
+    def masked_softmax(self, scores, allowed, additive):
+        if additive is not None:
+            scores += additive.astype(self.dtype)
+        if allowed is None:
+            return self.softmax(scores)
+        counted = np.ones_like(allowed) if self._denominator is None else self._denominator | allowed
+        counted = np.broadcast_to(counted, scores.shape)
+        s = np.where(counted, scores, -np.inf)
+        row_max = s.max(axis=-1, keepdims=True)
+        e = np.exp(s - np.where(np.isfinite(row_max), row_max, 0))
+        total = e.sum(axis=-1, keepdims=True)
+        return np.where(allowed, e, 0) / np.where(total == 0, 1, total)
+
+
+class MaskAfterSoftmax(_DenominatorMask):
+    """softmax over every key, then the mask multiplied in, without renormalising."""
+
+    def denominator_mask(self, inputs):
+        return None
+
+
+class FutureKeyInDenominator(_DenominatorMask):
+    """The causal numerator is right, but the normaliser also sums key i + 1 (an off-by-one in its mask)."""
+
+    def denominator_mask(self, inputs):
+        return _one_future_token_masks(inputs)[0]
+
+
+class PaddedKeysInDenominator(_DenominatorMask):
+    """Padded keys get weight 0, but the normaliser sums over them too."""
+
+    def denominator_mask(self, inputs):
+        return full_mask(inputs.replace(key_padding_mask=None))[0]
+
+
+class PaddingDroppedWhenCausal(NumpyNaiveLoaded):
+    """Combines masks wrongly: with causal on, the key padding mask is forgotten."""
+
+    def masks(self, inputs):
+        return full_mask(inputs.replace(key_padding_mask=None) if inputs.causal else inputs)
+
+
+class AttnMaskReplacesCausal(NumpyNaiveLoaded):
+    """Combines masks wrongly: an explicit attn_mask replaces the causal mask instead of joining it."""
+
+    def masks(self, inputs):
+        return full_mask(inputs.replace(causal=None) if inputs.attn_mask is not None else inputs)
+
+
 class AdditiveMaskIgnored(NumpyNaiveLoaded):
     def masks(self, inputs):
         allowed, _ = full_mask(inputs)
@@ -89,7 +199,8 @@ class AdditiveMaskIgnored(NumpyNaiveLoaded):
 
 class MaskPolarityInverted(NumpyNaiveLoaded):
     def masks(self, inputs):
-        return full_mask(inputs, invert_attn_mask=True)
+        m = inputs.attn_mask
+        return full_mask(inputs.replace(attn_mask=~m) if m is not None and m.dtype == np.bool_ else inputs)
 
 
 class SoftmaxWithoutMaxSubtraction(NumpyNaiveLoaded):
@@ -134,15 +245,8 @@ class DropoutAtInference(NumpyNaiveLoaded):
 class NaNPoisonLeaks(NumpyNaiveLoaded):
     """Masked keys get weight 0, but P @ V still multiplies 0 by the NaN stored there."""
 
-    def attend(self, inputs, need_weights):
-        import mha_harness.contract.numerics as numerics
-        original = numerics.weighted_values
-        try:
-            from mha_harness.implementations import numpy_naive
-            numpy_naive.weighted_values = lambda w, v: w @ v
-            return super().attend(inputs, need_weights)
-        finally:
-            numpy_naive.weighted_values = original
+    def weighted_values(self, weights, v):
+        return weights @ v
 
 
 class NoInputValidation(NumpyNaiveLoaded):
@@ -217,13 +321,52 @@ MUTANTS = (
 )
 
 
+FORM_WORDS = {"shared_kv": "shared-K/V module (x_q, x_kv)", "self": "GPT-2-style self-attention module (one x)"}
+
+
+def in_every_form(mutant: Mutant, forms=INPUT_FORMS) -> tuple[Mutant, ...]:
+    """The mutant as given (separate query/key/value) plus, for each other form, the same bug composed with the
+    module of that form, named ``<name>-shared-kv`` / ``<name>-self``."""
+    out = []
+    for form in forms:
+        if form == "separate":
+            out.append(mutant)
+            continue
+        module = MODULES[form]
+        loaded = type(f"{mutant.loaded.__name__}{module.__name__}", (mutant.loaded, module), {})
+        out.append(Mutant(f"{mutant.name}-{form.replace('_', '-')}", f"{mutant.bug}, in a {FORM_WORDS[form]}", loaded,
+                          mutant.message_mentions, mutant.gradients, mutant.parameter_shapes, inputs=form))
+    return tuple(out)
+
+
+#: bugs the suite once caught only at T = 8192 (or not at all for one-x modules), now named and in every form
+MUTANTS += (
+    *in_every_form(Mutant("mutant-causal-mask-never-applied", "declares causal masking but never applies it",
+                          CausalMaskNeverApplied, "causal leak")),
+    *in_every_form(Mutant("mutant-mask-after-softmax", "applies the masks after the softmax without renormalising",
+                          MaskAfterSoftmax, "without renormalising")),
+    *in_every_form(Mutant("mutant-future-key-in-denominator", "the softmax normaliser also sums key i + 1 "
+                          "(the numerator is causal)", FutureKeyInDenominator, "causal leak")),
+    *in_every_form(Mutant("mutant-padded-keys-in-denominator", "padded keys get weight 0 but enter the softmax "
+                          "normaliser", PaddedKeysInDenominator, "padding leak")),
+    *in_every_form(Mutant("mutant-softmax-no-max-subtraction", "softmax without subtracting the row maximum",
+                          SoftmaxWithoutMaxSubtraction, "row maximum"), forms=("self",)),
+    Mutant("mutant-padding-dropped-when-causal", "forgets the key padding mask when causal masking is on",
+           PaddingDroppedWhenCausal, "with key_padding_mask"),
+    Mutant("mutant-attn-mask-replaces-causal", "an explicit attn_mask replaces the causal mask instead of joining it",
+           AttnMaskReplacesCausal, "causal top-left with"),
+)
+
+
 class MutantBackend(NumpyNaive):
     """A registered-looking backend that carries one mutant's bug."""
 
-    def __init__(self, mutant: Mutant):
+    def __init__(self, mutant: Mutant, *, weights: bool = True):
         self.mutant = mutant
         self.name = mutant.name
-        self.capabilities = Capabilities(dtypes=("float32", "float64"), gradients=mutant.gradients)
+        # float32 only and T <= 512 keep the zoo fast: no mutant's bug depends on float64 or on T = 1000
+        self.capabilities = Capabilities(dtypes=("float32",), gradients=mutant.gradients, max_seq_len=512,
+                                         inputs=mutant.inputs, attention_weights=weights)
         self.loaded_class = mutant.loaded
 
     def native_parameter_shapes(self, config):
@@ -237,6 +380,7 @@ class MutantBackend(NumpyNaive):
         return loaded
 
 
-def mutant_backends() -> list[MutantBackend]:
-    """Every mutant as a backend (an entry-point-style factory; not registered by default)."""
-    return [MutantBackend(m) for m in MUTANTS]
+def mutant_backends(*, weights: bool = True) -> list[MutantBackend]:
+    """Every mutant as a backend (an entry-point-style factory; not registered by default). ``weights=False``
+    gives mutants that declare no attention weights, like most fast kernels: they must be caught on outputs."""
+    return [MutantBackend(m, weights=weights) for m in MUTANTS]

@@ -1,0 +1,38 @@
+"""The JAX settings every built-in JAX backend uses, for a JAX plugin to share: float64 enabled and XLA's
+persistent compilation cache.
+
+    from mha_harness.toolkit.jax_setup import configure_jax   # also mha_harness.configure_jax
+    configure_jax()          # once, before the plugin builds its first jax array
+
+jax is imported only when the function is called. The cache lives in ``$MHA_HARNESS_JAX_CACHE`` (default
+``~/.cache/mha-harness/jax``; set it to an empty string to disable), so a second conformance run skips most
+compilation, and a plugin shares compiled programs with the built-in backends.
+"""
+from __future__ import annotations
+
+import os
+
+CACHE_ENV = "MHA_HARNESS_JAX_CACHE"
+_CONFIGURED = False
+
+
+def jax_cache_dir() -> str | None:
+    """Where XLA's persistent compilation cache goes (None when disabled by an empty ``$MHA_HARNESS_JAX_CACHE``)."""
+    cache = os.environ.get(CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "mha-harness", "jax"))
+    return cache or None
+
+
+def configure_jax() -> None:
+    """Once per process: ``jax_enable_x64`` (float64 needs it; explicit dtypes keep float32 float32) and the
+    persistent compilation cache with no minimum compile time or entry size, so every program is cached."""
+    global _CONFIGURED
+    if _CONFIGURED:
+        return
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    cache = jax_cache_dir()
+    if cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _CONFIGURED = True

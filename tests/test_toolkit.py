@@ -1,0 +1,78 @@
+"""The public toolkit for plugin authors: mask builder, JAX settings helper, and the documented case catalogue."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mha_harness
+from mha_harness import masks
+from mha_harness.contract.reference import allowed_and_bias
+from tests.conftest import ROOT
+
+
+def test_causal_mask_in_both_alignments_and_polarities():
+    assert masks.causal_mask(2, 4).tolist() == [[True, False, False, False], [True, True, False, False]]
+    assert masks.causal_mask(2, 4, "bottom-right").tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert (masks.causal_mask(3, 3, polarity="ignore") == ~np.tril(np.ones((3, 3), bool))).all()
+    with pytest.raises(ValueError, match="alignment: got 'diagonal'"):
+        masks.causal_mask(2, 2, "diagonal")
+    with pytest.raises(ValueError, match="polarity: got 'keep'"):
+        masks.causal_mask(2, 2, polarity="keep")
+
+
+def test_padding_mask_marks_padding_by_default():
+    assert masks.padding_mask([3, 1], 3).tolist() == [[False, False, False], [False, True, True]]
+    assert masks.padding_mask([3, 1], 3, polarity="attend").tolist() == [[True, True, True], [True, False, False]]
+    with pytest.raises(ValueError, match="lengths"):
+        masks.padding_mask([4], 3)
+
+
+def test_combined_and_additive_masks_agree_with_the_reference():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 4, 8))
+    bias = np.where(rng.random((4, 6)) < 0.7, rng.standard_normal((4, 6)), -np.inf)
+    inputs = mha_harness.AttentionInputs(x, rng.standard_normal((2, 6, 8)), rng.standard_normal((2, 6, 8)),
+                                         causal="bottom-right", key_padding_mask=masks.padding_mask([6, 4], 6),
+                                         attn_mask=bias)
+    params = mha_harness.make_params(mha_harness.AttentionConfig(8, 2))
+    allowed, additive = allowed_and_bias(params, inputs)
+    assert (masks.combined_mask(inputs) == allowed).all()
+    assert (masks.combined_mask(inputs, polarity="ignore") == ~allowed).all()
+    add = masks.additive_mask(inputs)
+    assert np.array_equal(np.isneginf(add), ~np.broadcast_to(allowed, add.shape))
+    assert np.allclose(np.where(np.isfinite(add), add, 0), np.where(allowed, additive, 0))
+    assert masks.additive_mask(inputs, masked_value=-1e9).min() == -1e9
+    assert masks.combined_mask(inputs.replace(causal=None, key_padding_mask=None, attn_mask=None)) is None
+
+
+def test_jax_helper_is_the_one_the_builtin_jax_backends_use():
+    from mha_harness.implementations import _jax_common
+    from mha_harness.toolkit import jax_setup
+    assert _jax_common.configure_jax is jax_setup.configure_jax is mha_harness.configure_jax
+
+
+def test_jax_cache_dir_follows_the_environment(monkeypatch):
+    from mha_harness.toolkit.jax_setup import jax_cache_dir
+    monkeypatch.setenv("MHA_HARNESS_JAX_CACHE", "")
+    assert jax_cache_dir() is None
+    monkeypatch.setenv("MHA_HARNESS_JAX_CACHE", "/tmp/x")
+    assert jax_cache_dir() == "/tmp/x"
+
+
+def test_readme_case_parameter_table_is_the_generated_one():
+    from mha_harness.cases._catalogue import markdown_table
+    readme = (ROOT / "README.md").read_text()
+    assert markdown_table() in readme, "regenerate with: python -m mha_harness.cases._catalogue"
+
+
+def test_named_variants_replace_shape_numbers_in_builtin_divergences():
+    from mha_harness.cases._catalogue import case_parameters
+    catalogue = case_parameters()
+    from mha_harness.implementations.jax_dpa import DIVERGENCES
+    from mha_harness.toolkit.divergences import uniform_fully_masked_divergences
+    for d in uniform_fully_masked_divergences("r") + DIVERGENCES:
+        assert not {"seq", "tk"} & set(d.when), d
+        named = d.when.get("variant")
+        if named is not None:
+            names = named if isinstance(named, (list, tuple)) else [named]
+            assert set(names) <= set(catalogue[d.case]["variants"]), d
