@@ -28,10 +28,16 @@ def unsupported(backend, shape: Shape) -> str | None:
     return None
 
 
-def prepared_call(backend, shape: Shape):
-    """The backend's zero-argument prepared callable for ``shape`` (seeded inputs and parameters)."""
+def call_arguments(shape: Shape):
+    """(params, inputs) of the benchmarked call for ``shape``: seeded, the same in every process."""
     from mha_harness.contract.api import AttentionConfig
     from mha_harness.contract.params import make_inputs, make_params
     attn = AttentionConfig(shape.d_model, shape.num_heads)
     inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal_alignment(shape))
-    return backend.load(make_params(attn, seed=0), dtype=shape.dtype).prepare(inputs, backward=shape.backward)
+    return make_params(attn, seed=0), inputs
+
+
+def prepared_call(backend, shape: Shape):
+    """The backend's zero-argument prepared callable for ``shape`` (seeded inputs and parameters)."""
+    params, inputs = call_arguments(shape)
+    return backend.load(params, dtype=shape.dtype).prepare(inputs, backward=shape.backward)

@@ -1,146 +1,255 @@
 """Figures that show the benchmarks measure what they claim (``mha-harness fidelity``).
 
-1. Harness overhead: torch-sdpa's prepared callable against the same layer written directly
-   (x @ W projections, F.scaled_dot_product_attention under the same sdpa_kernel, x @ W_o) on the
-   same tensors, and jax-dpa's against a directly jitted jax.nn.dot_product_attention layer;
-   interleaved repeats at T = 1024, ratio of medians (target <= 1.03).
-2. Memory accuracy: numpy-naive's measured peak extra memory at T = 2048 and 4096 against the
-   bytes its score matrices need: 3 * B * H * T^2 * itemsize (three score-sized arrays are live
-   at the softmax's exp: scores, scores - max, exp(...)); target within 10%.
-3. numpy-tiled against numpy-naive at T = 4096 (d_model 512, 8 heads, float32): peak extra memory
-   ratio (target <= 1/10) and throughput ratio (target >= 1).
+1. **Timing against torch.utils.benchmark.** For every CPU backend at T = 512 and 2048: the median of
+   ``mha-harness bench`` with all backends interleaved ("sweep"), the same engine with this backend alone
+   ("alone"), and torch.utils.benchmark's ``adaptive_autorange`` on the very same prepared callable, alone in
+   the backend's own worker. Targets: sweep within +-10% of adaptive_autorange; sweep within +-5% of alone
+   (the interleaving does not slow a backend down).
+2. **Memory methods against analytical figures.** Each method the benchmarks use measures a dense kernel whose
+   allocations can be counted, at T = 1024 and 2048, in the backend's own worker; target within +-10% of
+   a*B*H*T^2*s + b*B*T*d_model*s (score-sized and projection-sized buffers live at the peak, s the itemsize):
+   numpy-naive (a=3: scores, scores - max, exp; b=3: q, k, v) with tracemalloc and with RSS; torch-eager (a=3:
+   scores, exp(scores - max), weights; b=6: q, k, v, their head-major copies... as counted from its code, see
+   the table) with RSS on CPU and torch.cuda on a GPU; jax-explicit (a=2: XLA keeps the scores and their exp;
+   b=3) with RSS on CPU and the device statistics on a GPU, and against XLA's own compiled memory analysis
+   (temp buffers of ``jax.jit(f).lower(...).compile().memory_analysis()``). Each method's noise floor (an empty
+   call) is printed; readings below the method's resolution are shown as such.
+3. **Harness overhead**: a backend's prepared callable against its direct library call, through the public
+   ``AttentionBackend.direct_callable`` hook where a backend offers it (target <= 1.03).
+4. **numpy-tiled against numpy-naive** at T = 4096: memory ratio (target <= 1/10), throughput ratio (>= 1).
 """
 from __future__ import annotations
 
 import statistics
-import time
+from dataclasses import replace
 from pathlib import Path
 
-from mha_harness.bench.memory import peak_extra_bytes
-from mha_harness.bench.sweep import rotated, warm_up
-from mha_harness.contract.api import AttentionConfig
-from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.bench.memory import resolution_bytes
+from mha_harness.bench.metrics import ITEMSIZE, Shape
+from mha_harness.bench.sweep import MEASURED, BenchConfig, run_bench
+from mha_harness.bench.worker import BackendWorker, WorkerLost
 from mha_harness.util.atomic import write_json_atomic
 
-
-def _interleaved(fns: dict, repeats: int) -> dict:
-    """Median time of each callable over ``repeats`` rounds, the order rotating each round."""
-    times = {name: [] for name in fns}
-    for r in range(repeats):
-        for name in rotated(list(fns), r):
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def torch_overhead(seq_len: int = 1024, repeats: int = 60, kernel: str = "flash") -> dict:
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
-
-    from mha_harness.implementations.torch_sdpa import TorchSdpa, _sdp_backend
-    config = AttentionConfig(512, 8)
-    params, inputs = make_params(config), make_inputs(config, 1, seq_len)
-    loaded = TorchSdpa(kernel, "cpu").load(params, dtype="float32")
-    harness_fn = warm_up(loaded.prepare(inputs), 0.3)
-    w = {name: loaded.w[name] for name in ("W_q", "W_k", "W_v", "W_o")}
-    xq, xk, xv = harness_fn.native_inputs
-
-    def direct():
-        with torch.no_grad(), sdpa_kernel([_sdp_backend(kernel)]):
-            q, k, v = ((x @ w[n]).reshape(1, seq_len, 8, 64).transpose(1, 2)
-                       for x, n in ((xq, "W_q"), (xk, "W_k"), (xv, "W_v")))
-            out = F.scaled_dot_product_attention(q, k, v)
-            return out.transpose(1, 2).reshape(1, seq_len, 512) @ w["W_o"]
-    medians = _interleaved({"harness": harness_fn, "direct": warm_up(direct, 0.3)}, repeats)
-    return {"backend": f"torch-sdpa-{kernel}-cpu", "seq_len": seq_len, "repeats": repeats,
-            "harness_median_s": medians["harness"], "direct_median_s": medians["direct"],
-            "ratio": round(medians["harness"] / medians["direct"], 4), "target": "<= 1.03"}
+TIMING_SEQ_LENS = (512, 2048)
+MEMORY_SEQ_LENS = (1024, 2048)
+#: (backend, method, a, b): peak = a*B*H*T^2*s + b*B*T*d_model*s, counted from each kernel's code
+MEMORY_KERNELS = (
+    ("numpy-naive", "tracemalloc", 3, 3),
+    ("numpy-naive", "rss", 3, 3),
+    ("torch-eager", "rss", 3, 6),
+    ("jax-explicit", "rss", 2, 3),
+    ("torch-eager-cuda", "cuda", 3, 6),
+    ("jax-explicit-gpu", "jax-device", 2, 3),
+)
+OVERHEAD_BACKENDS = ("torch-sdpa-flash-cpu", "jax-dpa", "torch-sdpa-flash-cuda", "jax-dpa-xla-gpu")
 
 
-def jax_overhead(seq_len: int = 1024, repeats: int = 60) -> dict:
-    import jax
-
-    from mha_harness.implementations.jax_dpa import JaxDpa
-    config = AttentionConfig(512, 8)
-    params, inputs = make_params(config), make_inputs(config, 1, seq_len)
-    loaded = JaxDpa().load(params, dtype="float32")
-    harness_fn = warm_up(loaded.prepare(inputs), 0.3)
-    w = loaded.params
-    x = loaded.array(inputs.query)
-
-    @jax.jit
-    def layer(w, x):
-        q, k, v = ((x @ w[n]).reshape(1, seq_len, 8, 64) for n in ("W_q", "W_k", "W_v"))
-        out = jax.nn.dot_product_attention(q, k, v, implementation="xla")
-        return out.reshape(1, seq_len, 512) @ w["W_o"]
-
-    def direct():
-        return jax.block_until_ready(layer(w, x))
-    medians = _interleaved({"harness": harness_fn, "direct": warm_up(direct, 0.3)}, repeats)
-    return {"backend": "jax-dpa", "seq_len": seq_len, "repeats": repeats,
-            "harness_median_s": medians["harness"], "direct_median_s": medians["direct"],
-            "ratio": round(medians["harness"] / medians["direct"], 4), "target": "<= 1.03"}
+def _quiet(*args, **kwargs):
+    pass
 
 
-def naive_memory_accuracy(seq_lens=(2048, 4096)) -> list[dict]:
-    from mha_harness.implementations.numpy_naive import NumpyNaive
-    config = AttentionConfig(512, 8)
-    out = []
-    for t in seq_lens:
-        fn = NumpyNaive().load(make_params(config), dtype="float32").prepare(make_inputs(config, 1, t))
-        fn()
-        measured = peak_extra_bytes(fn, "tracemalloc")
-        predicted = 3 * 1 * 8 * t * t * 4
-        out.append({"seq_len": t, "measured_bytes": measured, "predicted_bytes": predicted,
-                    "formula": "3 * B * H * T^2 * itemsize", "relative_error": round(measured / predicted - 1, 4),
-                    "target": "within 10%"})
-    return out
+def _medians(doc) -> dict:
+    return {(p["backend"], p["seq_len"]): p["median_s"] for p in doc["points"] if p["status"] == MEASURED}
 
 
-def tiled_vs_naive(seq_len: int = 4096, repeats: int = 5) -> dict:
-    from mha_harness.implementations.numpy_naive import NumpyNaive
-    from mha_harness.implementations.numpy_tiled import NumpyTiled
-    config = AttentionConfig(512, 8)
-    params, inputs = make_params(config), make_inputs(config, 1, seq_len)
-    fns = {b.name: warm_up(b.load(params, dtype="float32").prepare(inputs), 0.0) for b in (NumpyNaive(), NumpyTiled())}
-    memory = {name: peak_extra_bytes(fn, "tracemalloc") for name, fn in fns.items()}
-    medians = _interleaved(fns, repeats)
-    return {"seq_len": seq_len, "d_model": 512, "heads": 8, "dtype": "float32", "repeats": repeats,
-            "peak_extra_bytes": memory, "median_s": medians,
-            "memory_ratio_tiled_over_naive": round(memory["numpy-tiled"] / memory["numpy-naive"], 4),
-            "throughput_ratio_tiled_over_naive": round(medians["numpy-naive"] / medians["numpy-tiled"], 3),
-            "targets": {"memory_ratio": "<= 0.1", "throughput_ratio": ">= 1"}}
+def _ask(worker: BackendWorker, message: tuple, timeout: float = 600):
+    status, value = worker.request(message, timeout)
+    if status != "ok":
+        raise RuntimeError(f"{status}: {value}")
+    return value
 
 
-def run_fidelity(registry, names, results_dir: Path, threads: int = 2, repeats: int = 60) -> dict:
+def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LENS, log=print) -> list[dict]:
+    """Sweep median vs alone vs torch.utils.benchmark adaptive_autorange, per backend and T."""
+    log(f"timing: {len(backends)} backends interleaved at T = {list(seq_lens)} ...", flush=True)
+    sweep = _medians(run_bench(backends, None, seq_lens=seq_lens, config=config, log=_quiet))
+    rows = []
+    for backend in backends:
+        log(f"timing: {backend.name} alone, and torch.utils.benchmark adaptive_autorange ...", flush=True)
+        alone = _medians(run_bench([backend], None, seq_lens=seq_lens, config=config, log=_quiet))
+        worker = BackendWorker(backend, config.threads, max_bytes=config.max_memory_bytes)
+        try:
+            for t in seq_lens:
+                shape = Shape(config.batch, t, t, config.d_model, config.num_heads, config.dtype)
+                row = {"backend": backend.name, "seq_len": t, "sweep_median_s": sweep.get((backend.name, t)),
+                       "alone_median_s": alone.get((backend.name, t))}
+                try:
+                    _ask(worker, ("prepare", "fidelity", shape, config.warm_up_s, config.min_sample_s))
+                    row["autorange"] = _ask(worker, ("autorange", "fidelity", 20.0))
+                    row["autorange_median_s"] = row["autorange"]["median_s"]
+                except (RuntimeError, WorkerLost) as exc:
+                    row["autorange_error"] = str(exc)
+                if row["sweep_median_s"] and row.get("autorange_median_s"):
+                    row["sweep_over_autorange"] = round(row["sweep_median_s"] / row["autorange_median_s"], 4)
+                    row["within_10pct"] = abs(row["sweep_over_autorange"] - 1) <= 0.10
+                if row["sweep_median_s"] and row["alone_median_s"]:
+                    row["sweep_over_alone"] = round(row["sweep_median_s"] / row["alone_median_s"], 4)
+                    row["within_5pct"] = abs(row["sweep_over_alone"] - 1) <= 0.05
+                rows.append(row)
+                log(_timing_line(row), flush=True)
+        finally:
+            worker.close()
+    return rows
+
+
+def _ms(x):
+    return f"{x * 1e3:8.2f}" if x else "     n/a"
+
+
+def _timing_line(row: dict) -> str:
+    a = row.get("sweep_over_autorange")
+    b = row.get("sweep_over_alone")
+    return (f"  {row['backend']:<24} T={row['seq_len']:<5} sweep {_ms(row['sweep_median_s'])} ms  alone "
+            f"{_ms(row['alone_median_s'])} ms  adaptive_autorange {_ms(row.get('autorange_median_s'))} ms  "
+            f"sweep/autorange {a if a else 'n/a'} {'ok' if row.get('within_10pct') else 'OUTSIDE +-10%'}  "
+            f"sweep/alone {b if b else 'n/a'} {'ok' if row.get('within_5pct') else 'OUTSIDE +-5%'}")
+
+
+def predicted_bytes(a: int, b: int, shape: Shape) -> int:
+    s = ITEMSIZE[shape.dtype]
+    return a * shape.batch * shape.num_heads * shape.tq * shape.tk * s + b * shape.batch * shape.tq * shape.d_model * s
+
+
+def memory_validation(registry, config: BenchConfig, seq_lens=MEMORY_SEQ_LENS, log=print) -> list[dict]:
+    """Each memory method on a countable dense kernel, in the kernel's own worker, against its formula."""
+    rows = []
+    for name, method, a, b in MEMORY_KERNELS:
+        formula = f"{a}*B*H*T^2*s + {b}*B*T*d_model*s"
+        base = {"backend": name, "method": method, "formula": formula}
+        entry = registry.entries.get(name)
+        reason = "not registered" if entry is None else entry.reason_unavailable
+        if reason:
+            rows.append({**base, "not_runnable": reason})
+            log(f"  memory {method:<11} {name:<18} not runnable here: {reason}")
+            continue
+        worker = BackendWorker(entry.backend, config.threads, max_bytes=config.max_memory_bytes)
+        try:
+            floor = _ask(worker, ("memory_floor",)) if method == entry.backend.memory_method else None
+            for t in seq_lens:
+                shape = Shape(config.batch, t, t, config.d_model, config.num_heads, config.dtype)
+                row = {**base, "seq_len": t, "noise_floor_bytes": floor, "resolution_bytes": resolution_bytes(method)}
+                try:
+                    readings = [_ask(worker, ("memory", f"m{t}", shape, config.warm_up_s, config.min_sample_s,
+                                              method))["peak_extra_bytes"] for _ in range(3)]
+                    row["measured_bytes"] = int(statistics.median(readings))
+                    row["readings_bytes"] = readings
+                    row["predicted_bytes"] = predicted_bytes(a, b, shape)
+                    row["relative_error"] = round(row["measured_bytes"] / row["predicted_bytes"] - 1, 4)
+                    row["within_10pct"] = abs(row["relative_error"]) <= 0.10
+                    row["below_resolution"] = row["measured_bytes"] < row["resolution_bytes"]
+                    xla = _ask(worker, ("memory_analysis", f"m{t}"))
+                    if xla:
+                        row["xla_memory_analysis"] = xla
+                        row["xla_temp_plus_output_bytes"] = xla["temp"] + xla["output"]
+                        row["relative_error_vs_xla"] = round(row["measured_bytes"] / row["xla_temp_plus_output_bytes"]
+                                                             - 1, 4)
+                        row["within_10pct_of_xla"] = abs(row["relative_error_vs_xla"]) <= 0.10
+                except (RuntimeError, WorkerLost) as exc:
+                    row["error"] = str(exc)
+                rows.append(row)
+                log(_memory_line(row), flush=True)
+        finally:
+            worker.close()
+    return rows
+
+
+def _mib(x):
+    return f"{x / 2 ** 20:8.1f}"
+
+
+def _memory_line(row: dict) -> str:
+    if "error" in row:
+        return f"  memory {row['method']:<11} {row['backend']:<18} T={row['seq_len']}: error: {row['error']}"
+    line = (f"  memory {row['method']:<11} {row['backend']:<18} T={row['seq_len']:<5} measured "
+            f"{_mib(row['measured_bytes'])} MiB  {row['formula']} = {_mib(row['predicted_bytes'])} MiB  "
+            f"error {100 * row['relative_error']:+5.1f}% {'ok' if row['within_10pct'] else 'OUTSIDE +-10%'}")
+    if "xla_temp_plus_output_bytes" in row:
+        line += (f"  XLA memory_analysis temp+output {_mib(row['xla_temp_plus_output_bytes'])} MiB "
+                 f"({100 * row['relative_error_vs_xla']:+.1f}% "
+                 f"{'ok' if row['within_10pct_of_xla'] else 'OUTSIDE +-10%'})")
+    if row.get("noise_floor_bytes") is not None:
+        line += f"  noise floor {row['noise_floor_bytes'] / 1024:.0f} KiB"
+    return line
+
+
+def harness_overhead(registry, config: BenchConfig, seq_len: int = 1024, rounds: int = 30, log=print) -> list[dict]:
+    """Prepared callable vs the backend's direct library call (public hook ``direct_callable``), same inputs."""
+    rows = []
+    for name in OVERHEAD_BACKENDS:
+        entry = registry.entries.get(name)
+        if entry is None or entry.reason_unavailable:
+            continue
+        if not callable(getattr(entry.backend, "direct_callable", None)):
+            rows.append({"backend": name, "not_runnable": "the backend offers no direct_callable hook"})
+            log(f"  overhead {name}: the backend offers no direct_callable hook")
+            continue
+        worker = BackendWorker(entry.backend, config.threads, max_bytes=config.max_memory_bytes)
+        shape = Shape(config.batch, seq_len, seq_len, config.d_model, config.num_heads, config.dtype)
+        try:
+            _ask(worker, ("prepare", "o", shape, config.warm_up_s, config.min_sample_s))
+            medians = _ask(worker, ("overhead", "o", shape, rounds))
+            row = {"backend": name, "seq_len": seq_len, "rounds": rounds, "harness_median_s": medians["harness"],
+                   "direct_median_s": medians["direct"], "ratio": round(medians["harness"] / medians["direct"], 4),
+                   "target": "<= 1.03"}
+        except (RuntimeError, WorkerLost) as exc:
+            row = {"backend": name, "error": str(exc)}
+        finally:
+            worker.close()
+        rows.append(row)
+        if "ratio" in row:
+            log(f"  overhead {name} at T={seq_len}: prepared {row['harness_median_s'] * 1e3:.2f} ms vs direct "
+                f"{row['direct_median_s'] * 1e3:.2f} ms, ratio {row['ratio']:.3f} (target <= 1.03)")
+        else:
+            log(f"  overhead {name}: {row.get('error')}")
+    return rows
+
+
+def tiled_vs_naive(registry, config: BenchConfig, seq_len: int = 4096, log=print) -> dict:
+    """numpy-tiled against numpy-naive through the bench engine: peak memory ratio and throughput ratio."""
+    backends = [registry.get(n).backend for n in ("numpy-naive", "numpy-tiled")]
+    doc = run_bench(backends, None, seq_lens=[seq_len], config=replace(config, budget_s=4.0), log=_quiet)
+    points = {p["backend"]: p for p in doc["points"]}
+    naive, tiled = points["numpy-naive"], points["numpy-tiled"]
+    row = {"seq_len": seq_len, "peak_extra_bytes": {n: p["peak_extra_bytes"] for n, p in points.items()},
+           "median_s": {n: p["median_s"] for n, p in points.items()},
+           "memory_ratio_tiled_over_naive": round(tiled["peak_extra_bytes"] / naive["peak_extra_bytes"], 4),
+           "throughput_ratio_tiled_over_naive": round(naive["median_s"] / tiled["median_s"], 3),
+           "targets": {"memory_ratio": "<= 0.1", "throughput_ratio": ">= 1"}}
+    log(f"  numpy-tiled vs numpy-naive at T={seq_len}: memory {_mib(tiled['peak_extra_bytes'])} vs "
+        f"{_mib(naive['peak_extra_bytes'])} MiB (ratio {row['memory_ratio_tiled_over_naive']:.3f}, target <= 0.1); "
+        f"time {tiled['median_s'] * 1e3:.0f} vs {naive['median_s'] * 1e3:.0f} ms (throughput ratio "
+        f"{row['throughput_ratio_tiled_over_naive']:.2f}, target >= 1)")
+    return row
+
+
+def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, timing_budget_s: float = 3.0,
+                 log=print) -> dict:
+    """All four figures; written to ``<results>/bench/fidelity.json``."""
     import importlib.util
-    doc = {"schema": "mha-harness/fidelity", "schema_version": "1.0"}
-    # overhead first: the NumPy runs leave BLAS threads spinning that would disturb torch's timings
-    doc["overhead"] = []
-    if importlib.util.find_spec("torch"):
-        doc["overhead"].append(torch_overhead(repeats=repeats))
-    if importlib.util.find_spec("jax"):
-        doc["overhead"].append(jax_overhead(repeats=repeats))
-    for row in doc["overhead"]:
-        print(f"  harness overhead {row['backend']} at T={row['seq_len']}: "
-              f"prepared {row['harness_median_s'] * 1e3:.2f} ms"
-              f" vs direct {row['direct_median_s'] * 1e3:.2f} ms, ratio {row['ratio']:.3f} (target <= 1.03)")
-    print("numpy-tiled vs numpy-naive at T = 4096 ...", flush=True)
-    doc["tiled_vs_naive"] = r = tiled_vs_naive()
-    print(f"  peak extra memory: naive {r['peak_extra_bytes']['numpy-naive'] / 2**20:.1f} MiB, tiled "
-          f"{r['peak_extra_bytes']['numpy-tiled'] / 2**20:.1f} MiB, ratio {r['memory_ratio_tiled_over_naive']:.3f} "
-          f"(target <= 0.1)")
-    print(f"  median time: naive {r['median_s']['numpy-naive'] * 1e3:.0f} ms, tiled "
-          f"{r['median_s']['numpy-tiled'] * 1e3:.0f} ms, throughput ratio {r['throughput_ratio_tiled_over_naive']:.2f}"
-          " (target >= 1)")
-    print("numpy-naive memory accuracy ...", flush=True)
-    doc["naive_memory_accuracy"] = rows = naive_memory_accuracy()
-    for row in rows:
-        print(f"  T={row['seq_len']}: measured {row['measured_bytes'] / 2**20:.1f} MiB, 3*B*H*T^2*4 = "
-              f"{row['predicted_bytes'] / 2**20:.1f} MiB, error {100 * row['relative_error']:+.1f}% "
-              "(target within 10%)")
-    path = write_json_atomic(Path(results_dir) / "bench" / "fidelity.json", doc)
-    print(f"  json: {path}")
+    config = BenchConfig(threads=threads, budget_s=timing_budget_s)
+    doc = {"schema": "mha-harness/fidelity", "schema_version": "2.0", "threads": threads,
+           "config": {"batch": config.batch, "d_model": config.d_model, "num_heads": config.num_heads,
+                      "dtype": config.dtype}}
+    path = Path(results_dir) / "bench" / "fidelity.json"
+    log("memory methods against analytical figures (each kernel in its own worker):", flush=True)
+    doc["memory"] = memory_validation(registry, config, log=log)
+    write_json_atomic(path, doc)
+    log("harness overhead (prepared callable vs the backend's direct library call):", flush=True)
+    doc["overhead"] = harness_overhead(registry, config, log=log)
+    write_json_atomic(path, doc)
+    log("numpy-tiled vs numpy-naive:", flush=True)
+    doc["tiled_vs_naive"] = tiled_vs_naive(registry, config, log=log)
+    write_json_atomic(path, doc)
+    if importlib.util.find_spec("torch") is None:
+        doc["timing"] = "not runnable: torch (torch.utils.benchmark) is not installed"
+        log(f"timing: {doc['timing']}")
+    else:
+        backends = [registry.get(n).backend for n in names]
+        doc["timing"] = timing_agreement(backends, config, log=log)
+        ok = [r for r in doc["timing"] if r.get("within_10pct")]
+        alone_ok = [r for r in doc["timing"] if r.get("within_5pct")]
+        log(f"timing: {len(ok)}/{len(doc['timing'])} sweep medians within +-10% of adaptive_autorange; "
+            f"{len(alone_ok)}/{len(doc['timing'])} within +-5% of the backend alone")
+    write_json_atomic(path, doc)
+    log(f"  json: {path}")
     return doc

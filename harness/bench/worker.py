@@ -105,16 +105,61 @@ class _Server:
         samples = [_time_calls(fn, calls) / calls for _ in range(count)]
         return {"samples_s": samples, "spent_s": time.perf_counter() - start}
 
-    def do_memory(self, key, shape, warm_up_s: float, min_sample_s: float):
-        """Peak extra memory of one call (prepared again if this worker is a restarted one)."""
+    def do_memory(self, key, shape, warm_up_s: float, min_sample_s: float, method: str | None = None):
+        """Peak extra memory of one call (prepared again if this worker is a restarted one); ``method`` overrides
+        the backend's own (mha-harness fidelity measures one kernel with two methods)."""
         from mha_harness.bench.memory import peak_extra_bytes, pin_mmap_threshold
-        method = self.backend.memory_method
+        method = method or self.backend.memory_method
         if method == "rss" and not self.pinned:
             self.pinned = pin_mmap_threshold()
         if key not in self.prepared:
             self.do_prepare(key, shape, warm_up_s, min_sample_s)
         fn, _ = self.prepared[key]
         return {"peak_extra_bytes": peak_extra_bytes(fn, method), "memory_method": method}
+
+    def do_memory_floor(self, repeats: int = 5):
+        """The largest reading of this backend's memory method for an empty call: its noise floor here."""
+        from mha_harness.bench.memory import peak_extra_bytes, pin_mmap_threshold
+        method = self.backend.memory_method
+        if method == "rss" and not self.pinned:
+            self.pinned = pin_mmap_threshold()
+        return max(peak_extra_bytes(lambda: None, method) for _ in range(repeats))
+
+    def do_memory_analysis(self, key):
+        """The compiler's own memory figures for the prepared call, when it offers them (XLA: memory_analysis())."""
+        fn, _ = self.prepared[key]
+        analysis = getattr(fn, "memory_analysis", None)
+        if analysis is None:
+            return None
+        ma = analysis()
+        return {name: int(getattr(ma, f"{name}_size_in_bytes")) for name in
+                ("argument", "output", "alias", "temp", "generated_code")}
+
+    def do_autorange(self, key, max_run_time: float):
+        """torch.utils.benchmark's adaptive_autorange on the same prepared callable, alone in this process."""
+        from torch.utils.benchmark import Timer
+        fn, _ = self.prepared[key]
+        m = Timer(stmt="fn()", globals={"fn": fn}, num_threads=self.threads).adaptive_autorange(
+            threshold=0.1, max_run_time=max_run_time)
+        return {"median_s": m.median, "iqr_s": m.iqr, "n_measurements": len(m.times),
+                "number_per_run": m.number_per_run}
+
+    def do_overhead(self, key, shape, rounds: int):
+        """Prepared callable against the backend's direct library call (its public ``direct_callable`` hook) on
+        the same inputs: medians over ``rounds`` interleaved rounds of calibrated samples."""
+        import statistics
+
+        from mha_harness.bench.calls import call_arguments
+        fn, calls = self.prepared[key]
+        params, inputs = call_arguments(shape)
+        direct = self.backend.direct_callable(inputs, params, dtype=shape.dtype)
+        direct()
+        times = {"harness": [], "direct": []}
+        pair = [("harness", fn), ("direct", direct)]
+        for r in range(rounds):
+            for name, f in pair if r % 2 == 0 else pair[::-1]:
+                times[name].append(_time_calls(f, calls) / calls)
+        return {name: statistics.median(v) for name, v in times.items()}
 
     def do_drop(self, key):
         self.prepared.pop(key, None)
