@@ -205,3 +205,24 @@ def test_run_survives_a_backend_that_passes_check_but_hangs_in_prepare(tmp_path)
     assert status == {("numpy-tiled", 32): "measured", ("numpy-tiled", 64): "measured",
                       ("bench-hangs-in-prepare", 32): "timeout", ("bench-hangs-in-prepare", 64): "not-run"}
     assert bench["complete"] is True
+
+
+def test_fidelity_validates_tracemalloc_and_rss_against_the_dense_formula_in_own_workers():
+    from mha_harness.bench.fidelity import memory_validation
+    from mha_harness.registry import load_registry
+    rows = memory_validation(load_registry(), BenchConfig(d_model=64, num_heads=4), seq_lens=(768,),
+                             kernels=(("numpy-naive", "tracemalloc", 3, 3), ("numpy-naive", "rss", 3, 3),
+                                      ("numpy-naive", "rss", 1, 0)), log=lambda *a, **k: None)
+    assert [r["within_10pct"] for r in rows] == [True, True, False]  # a wrong formula is caught
+    assert rows[0]["predicted_bytes"] == 3 * 4 * 768 ** 2 * 4 + 3 * 768 * 64 * 4
+
+
+def test_fidelity_compares_the_sweep_with_torch_utils_benchmark_and_alone():
+    pytest.importorskip("torch")
+    from mha_harness.bench.fidelity import timing_agreement
+    rows = timing_agreement([NumpyTiled(), NumpyNaive()], BenchConfig(**SMALL), seq_lens=(64,),
+                            log=lambda *a, **k: None)
+    assert [r["backend"] for r in rows] == ["numpy-tiled", "numpy-naive"]
+    for row in rows:
+        assert row["sweep_median_s"] > 0 and row["alone_median_s"] > 0 and row["autorange_median_s"] > 0
+        assert {"sweep_over_autorange", "within_10pct", "sweep_over_alone", "within_5pct"} <= set(row)
