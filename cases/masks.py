@@ -37,6 +37,12 @@ def _unchanged(before, after, rows, tol, what):
     assert_close(after[:, rows], before[:, rows], tol, what, row_ids=rows)
 
 
+def _what_changed(form: str) -> str:
+    """What a leakage case perturbs in each input form."""
+    return {"separate": "keys/values", "shared_kv": "x_kv rows (keys and values)",
+            "self": "x rows (their queries, keys and values)"}[form]
+
+
 def _poisoned(variants):
     """Each variant with every poison the backend's input form can carry (one x: random values only)."""
     return lambda backend: [{**v, "poison": kind} for v in variants(backend)
@@ -63,7 +69,8 @@ def check_causal_mask_blocks_future_keys(backend, *, form, dtype, alignment, var
         poisoned = run(backend, params, with_keys_replaced(inputs, (slice(None), slice(cut + 1, None)), poison),
                        dtype, loaded=loaded).output
         _unchanged(base, poisoned, rows, tol,
-                   f"{alignment} causal leak: keys/values after position {cut} set to {poison} changed the output")
+                   f"{alignment} causal leak: {_what_changed(form)} after position {cut} set to {poison} changed the "
+                   "output")
         worst = max(worst, float(np.max(np.abs(poisoned[:, rows] - base[:, rows]))))
     return Measurement(max_error=worst)
 
@@ -139,7 +146,8 @@ def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
     bad = np.argwhere(real & ~(diff <= tol.bound))
     if len(bad):
         b, t, f = bad[0]
-        raise CaseFailure(f"padding leak: padded keys/values set to {poison} changed the output of real query "
+        raise CaseFailure(f"padding leak: padded {_what_changed(form)} set to {poison} changed the output of real "
+                          "query "
                           f"(batch {b}, position {t}, feature {f}) from {base[b, t, f]:.6g} to {after[b, t, f]:.6g}; "
                           f"{tol.describe()}", max_error=float(np.nanmax(diff)))
     worst = float(np.max(diff))
