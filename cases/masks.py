@@ -30,6 +30,7 @@ from mha_harness.conformance.casekit import (
 )
 from mha_harness.contract.conventions import causal_offset, other_alignment
 from mha_harness.contract.reference import reference_attention
+from mha_harness.contract.validation import causal_future_poison_allowed
 
 
 def _unchanged(before, after, rows, tol, what):
@@ -66,8 +67,9 @@ def check_causal_mask_blocks_future_keys(backend, *, form, dtype, alignment, var
         rows = [r for r in range(seq) if 0 <= key_limit(alignment, r, seq, tk) <= cut]
         if not rows:
             continue
-        poisoned = run(backend, params, with_keys_replaced(inputs, (slice(None), slice(cut + 1, None)), poison),
-                       dtype, loaded=loaded).output
+        with causal_future_poison_allowed():  # later queries see the poison; rows <= cut must not
+            poisoned = run(backend, params, with_keys_replaced(inputs, (slice(None), slice(cut + 1, None)), poison),
+                           dtype, loaded=loaded).output
         _unchanged(base, poisoned, rows, tol,
                    f"{alignment} causal leak: {_what_changed(form)} after position {cut} set to {poison} changed the "
                    "output")

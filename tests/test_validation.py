@@ -100,3 +100,76 @@ def test_function_backend_rejects_non_callables():
         mha_harness.function_backend(3, name="x")
     with pytest.raises(ValueError, match="name: got ''"):
         mha_harness.function_backend(lambda *a: None, name="")
+
+
+# --- non-finite keys/values: refused where some query sees them, accepted only where every query is blind ---
+
+def _layer():
+    params = make_params(AttentionConfig(8, 2), seed=3)
+    return params, NumpyNaive().load(params, dtype="float64")
+
+
+def _poisoned(inputs, position, value=np.nan):
+    key, val = inputs.key.copy(), inputs.value.copy()
+    key[0, position, 0] = value
+    val[0, position, 1] = value
+    return inputs.replace(key=key, value=val)
+
+
+@pytest.mark.parametrize("masks, position", [
+    ({"causal": "top-left"}, 2),                       # query 2 and later see key 2
+    ({"causal": "bottom-right"}, 5),                   # Tq = Tk: the last query sees every key
+    ({"attn_mask": np.eye(6, dtype=bool)}, 3),         # query 3 sees key 3
+    ({"attn_mask": np.where(np.eye(6, dtype=bool), 0.0, -np.inf)}, 1),
+    ({"causal": "top-left", "attn_mask": np.ones((6, 6), bool)}, 0),
+])
+def test_non_finite_key_or_value_that_a_query_sees_is_refused(masks, position):
+    params, loaded = _layer()
+    inputs = _poisoned(make_inputs(params.config, 1, 6, seed=4, self_attention=False, **masks), position)
+    with pytest.raises(ValueError, match=rf"key: got a non-finite value nan at index \(0, {position}, 0\), a "
+                                         "position some query attends to"):
+        loaded.forward(inputs)
+
+
+@pytest.mark.parametrize("tq, tk, masks, position", [
+    (3, 6, {"causal": "top-left"}, 4),                  # top-left, Tq < Tk: keys >= Tq are seen by no query
+    (6, 6, {"attn_mask": np.ones((6, 6), bool) & (np.arange(6) != 2)[None, :]}, 2),  # column 2 all False
+    (6, 6, {"attn_mask": np.where(np.arange(6)[None, :] == 5, -np.inf, np.zeros((6, 6)))}, 5),
+    (6, 6, {"key_padding_mask": np.arange(6)[None, :] == 4}, 4),
+])
+def test_non_finite_key_or_value_that_no_query_sees_is_accepted(tq, tk, masks, position):
+    params, loaded = _layer()
+    inputs = _poisoned(make_inputs(params.config, 1, tq, tk, seed=4, self_attention=False, **masks), position)
+    assert np.all(np.isfinite(loaded.forward(inputs).output))
+
+
+def test_vjp_cotangent_is_validated_like_an_output():
+    params = make_params(AttentionConfig(8, 2), seed=3)
+    entry = load_registry().get("torch-eager")
+    if not entry.available:
+        pytest.skip(f"no backend with gradients here: {entry.reason_unavailable}")
+    loaded = entry.backend.load(params, dtype="float64")
+    inputs = make_inputs(params.config, 2, 5, seed=1)
+    with pytest.raises(ValueError, match=r"cotangent: got shape \(2, 4, 8\); accepted: the output's shape "
+                                         r"\(batch, Tq, d_model\) = \(2, 5, 8\)"):
+        loaded.vjp(inputs, np.ones((2, 4, 8)))
+    bad = np.ones((2, 5, 8))
+    bad[1, 2, 3] = np.nan
+    with pytest.raises(ValueError, match=r"cotangent: got a non-finite value nan at index \(1, 2, 3\)"):
+        loaded.vjp(inputs, bad)
+    with pytest.raises(TypeError, match="cotangent: got dtype int64; accepted: a floating dtype"):
+        loaded.vjp(inputs, np.ones((2, 5, 8), dtype=np.int64))
+    with pytest.raises(TypeError, match="cotangent: got list; accepted: a numpy.ndarray"):
+        loaded.vjp(inputs, [[0.0]])
+
+
+def test_params_with_a_dict_config_name_config():
+    good = make_params(AttentionConfig(8, 2))
+    with pytest.raises(TypeError, match=r"config: got dict; accepted: mha_harness.AttentionConfig\("):
+        AttentionParams({"d_model": 8, "num_heads": 2}, good.W_q, good.W_k, good.W_v, good.W_o)
+
+
+def test_forward_with_something_other_than_inputs_names_inputs():
+    _, loaded = _layer()
+    with pytest.raises(TypeError, match=r"inputs: got dict; accepted: mha_harness.AttentionInputs\("):
+        loaded.forward({"query": np.zeros((1, 2, 8))})

@@ -37,6 +37,7 @@ from mha_harness.contract.conventions import (
 )
 from mha_harness.contract.validation import (
     validate_config,
+    validate_cotangent,
     validate_dtype,
     validate_form,
     validate_inputs,
@@ -287,10 +288,12 @@ class LoadedAttention:
         (``W_q`` ...), all in the canonical layout. Only for backends declaring ``gradients``.
         One gradient per distinct input array: a ``self`` backend returns ``query`` (d/dx), a ``shared_kv``
         backend ``query`` (d/dx_q) and ``key`` (d/dx_kv); a ``value`` entry is then ignored.
-        Validates like :meth:`forward`, then calls :meth:`compute_vjp`.
+        Validates like :meth:`forward`, and ``cotangent`` like an output (shape, dtype, finite), then calls
+        :meth:`compute_vjp`.
         """
         validate_form(inputs, self.input_form)
         validate_inputs(inputs, self.config)
+        validate_cotangent(cotangent, inputs, self.config)
         return self.compute_vjp(inputs, cotangent)
 
     def compute_vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:

@@ -5,11 +5,13 @@ and what it accepts, so a user can fix the call without reading the source.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mha_harness.contract.conventions import ACCEPTED_FORMS, CAUSAL_ALIGNMENTS, DTYPES
+from mha_harness.contract.conventions import ACCEPTED_FORMS, CAUSAL_ALIGNMENTS, DTYPES, causal_offset
 
 if TYPE_CHECKING:  # annotations only: api imports this module, never the other way round at run time
     from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
@@ -62,7 +64,15 @@ def _finite(name: str, array: np.ndarray) -> None:
         raise ValueError(f"{name}: got a non-finite value {array[bad]} at index {bad}; accepted: finite values only")
 
 
+def _require_kind(name: str, value, attributes: tuple[str, ...], accepted: str) -> None:
+    """``value`` must be the harness's own type (checked by its attributes: api imports this module, not back)."""
+    if not all(hasattr(value, a) for a in attributes):
+        raise TypeError(f"{name}: got {type(value).__name__}; accepted: {accepted}")
+
+
 def validate_params(params: AttentionParams) -> None:
+    _require_kind("config", params.config, ("d_model", "num_heads", "kv_heads", "d_head", "bias"),
+                  "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False)")
     c = params.config
     kv_width = c.kv_heads * c.d_head
     shapes = {"W_q": (c.d_model, c.d_model), "W_k": (c.d_model, kv_width),
@@ -101,6 +111,8 @@ def validate_inputs(inputs: AttentionInputs, config: AttentionConfig) -> None:
     query must be finite; key/value may hold NaN/inf only where a mask can hide it
     (the leakage cases put poison there on purpose).
     """
+    _require_kind("inputs", inputs, ("query", "key", "value", "causal", "key_padding_mask", "attn_mask"),
+                  "mha_harness.AttentionInputs(query, key, value, causal=None, key_padding_mask=None, attn_mask=None)")
     q = _array("query", inputs.query, 3)
     k = _array("key", inputs.key, 3)
     v = _array("value", inputs.value, 3)
@@ -136,9 +148,75 @@ def validate_inputs(inputs: AttentionInputs, config: AttentionConfig) -> None:
         if m.dtype != np.bool_ and np.any(np.isnan(m)):
             raise ValueError("attn_mask: got NaN in an additive mask; accepted: finite values or -inf")
     _finite("query", q)
-    if inputs.causal is None and inputs.attn_mask is None:
-        keep = slice(None) if inputs.key_padding_mask is None else ~inputs.key_padding_mask
-        # NaN/inf is only allowed where a mask hides it: padded keys, or (with causal or attn_mask) keys some
-        # query skips
-        _finite("key", k[keep])
-        _finite("value", v[keep])
+    visible = visible_keys(inputs)
+    _finite_where("key", k, visible)
+    _finite_where("value", v, visible)
+
+
+_CAUSAL_FUTURE_POISON = contextvars.ContextVar("mha_harness_causal_future_poison", default=False)
+
+
+@contextlib.contextmanager
+def causal_future_poison_allowed():
+    """For the causal leakage case only: inside this block NaN/inf may also sit at keys the causal mask hides
+    from the *first* query (later queries then read poison, and their outputs are garbage by design). The
+    case uses it to prove that queries which cannot see those keys stay unaffected; every other caller gets
+    the strict rule of :func:`visible_keys`."""
+    token = _CAUSAL_FUTURE_POISON.set(True)
+    try:
+        yield
+    finally:
+        _CAUSAL_FUTURE_POISON.reset(token)
+
+
+def visible_keys(inputs: AttentionInputs) -> np.ndarray | None:
+    """(batch, Tk) bool: True where at least one query of some head may attend to that key under the causal
+    mask, the key padding mask and attn_mask together; None when nothing is masked (every key is visible).
+
+    A key no query can see contributes nothing by the harness's convention, so it may hold NaN or inf (the
+    leakage cases put poison there on purpose); a key some query sees must be finite (inside
+    :func:`causal_future_poison_allowed`, the causal mask counts only the first query)."""
+    causal, padding, attn = inputs.causal, inputs.key_padding_mask, inputs.attn_mask
+    if causal is None and padding is None and attn is None:
+        return None
+    b, tq, tk = inputs.query.shape[0], inputs.query.shape[1], inputs.key.shape[1]
+    keys = np.arange(tk)
+    queries = np.arange(1 if causal is not None and _CAUSAL_FUTURE_POISON.get() else tq)
+    if attn is None:
+        visible = np.ones((1, tk), dtype=bool)
+        if causal is not None:  # key j is seen by the last query exactly when j <= Tq - 1 + offset
+            visible = visible & (keys <= queries[-1] + causal_offset(causal, tq, tk))[None, :]
+    else:
+        allowed = attn if attn.dtype == np.bool_ else ~np.isneginf(attn)
+        allowed = allowed.reshape((1, 1) + allowed.shape) if allowed.ndim == 2 else allowed
+        if causal is not None:
+            allowed = allowed[:, :, : len(queries)] & (keys[None, :] <= queries[:, None]
+                                                       + causal_offset(causal, tq, tk))
+        visible = allowed.any(axis=(1, 2))
+    if padding is not None:
+        visible = visible & ~padding
+    return np.broadcast_to(visible, (b, tk))
+
+
+def _finite_where(name: str, array: np.ndarray, visible: np.ndarray | None) -> None:
+    """Finite values at every (batch, position) some query sees; anything at hidden positions."""
+    if visible is None:
+        _finite(name, array)
+        return
+    bad = ~np.isfinite(array).all(axis=-1) & visible
+    if bad.any():
+        bi, ti = (int(i) for i in np.argwhere(bad)[0])
+        fi = int(np.argwhere(~np.isfinite(array[bi, ti]))[0][0])
+        raise ValueError(f"{name}: got a non-finite value {array[bi, ti, fi]} at index {(bi, ti, fi)}, a position "
+                         "some query attends to; accepted: finite values wherever a query can see them "
+                         "(NaN/inf only at keys every query's mask hides)")
+
+
+def validate_cotangent(cotangent, inputs: AttentionInputs, config: AttentionConfig) -> None:
+    """A vjp cotangent is checked like an output: an ndarray of shape (batch, Tq, d_model), floating, finite."""
+    expected = (inputs.query.shape[0], inputs.query.shape[1], config.d_model)
+    c = _array("cotangent", cotangent, 3)
+    if c.shape != expected:
+        raise ValueError(f"cotangent: got shape {c.shape}; accepted: the output's shape (batch, Tq, d_model) = "
+                         f"{expected}")
+    _finite("cotangent", c)
