@@ -70,6 +70,11 @@ def _require_kind(name: str, value, attributes: tuple[str, ...], accepted: str) 
         raise TypeError(f"{name}: got {type(value).__name__}; accepted: {accepted}")
 
 
+def _require_inputs(inputs) -> None:
+    _require_kind("inputs", inputs, ("query", "key", "value", "causal", "key_padding_mask", "attn_mask"),
+                  "mha_harness.AttentionInputs(query, key, value, causal=None, key_padding_mask=None, attn_mask=None)")
+
+
 def validate_params(params: AttentionParams) -> None:
     _require_kind("config", params.config, ("d_model", "num_heads", "kv_heads", "d_head", "bias"),
                   "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False)")
@@ -96,6 +101,7 @@ def validate_params(params: AttentionParams) -> None:
 
 def validate_form(inputs: AttentionInputs, declared: str) -> None:
     """Refuse inputs in a form the backend did not declare (``Capabilities.inputs``), naming ``inputs``."""
+    _require_inputs(inputs)
     form = inputs.form
     accepted = ACCEPTED_FORMS[declared]
     if form not in accepted:
@@ -111,8 +117,7 @@ def validate_inputs(inputs: AttentionInputs, config: AttentionConfig) -> None:
     query must be finite; key/value may hold NaN/inf only where a mask can hide it
     (the leakage cases put poison there on purpose).
     """
-    _require_kind("inputs", inputs, ("query", "key", "value", "causal", "key_padding_mask", "attn_mask"),
-                  "mha_harness.AttentionInputs(query, key, value, causal=None, key_padding_mask=None, attn_mask=None)")
+    _require_inputs(inputs)
     q = _array("query", inputs.query, 3)
     k = _array("key", inputs.key, 3)
     v = _array("value", inputs.value, 3)
