@@ -7,7 +7,8 @@
 # against the current commit (--set-commit-hash). Narrow a run with MHA_ASV_BACKENDS / MHA_ASV_SEQ_LENS,
 # e.g. MHA_ASV_SEQ_LENS=128,512,2048 benchmarks/asv_record.sh cpu-box. Results from other machines (a GPU box)
 # copied into results/asv/<their machine>/ are merged by the same `asv publish` into one dashboard with a
-# machine selector. Preview: asv preview (serves results/html on http://127.0.0.1:8080).
+# machine selector. Preview on this machine only (asv preview listens on every interface):
+#   python -m http.server --bind 127.0.0.1 --directory results/html 8080   # http://127.0.0.1:8080
 set -euo pipefail
 cd "$(dirname "$0")/.."
 machine="${1:-$(hostname)}"

@@ -11,9 +11,25 @@ compilation, and a plugin shares compiled programs with the built-in backends.
 from __future__ import annotations
 
 import os
+import warnings
+
+from mha_harness.util.private_dir import private_dir
 
 CACHE_ENV = "MHA_HARNESS_JAX_CACHE"
+#: bound of the cache's size in MiB (``$MHA_HARNESS_JAX_CACHE_MAX_MB``); JAX evicts the least recently used entries
+CACHE_MAX_ENV = "MHA_HARNESS_JAX_CACHE_MAX_MB"
+DEFAULT_CACHE_MAX_MB = 1024
 _CONFIGURED = False
+
+
+def jax_cache_max_bytes() -> int:
+    """The cache's size bound in bytes: ``$MHA_HARNESS_JAX_CACHE_MAX_MB`` (a positive integer) or 1024 MiB."""
+    text = os.environ.get(CACHE_MAX_ENV, "")
+    try:
+        mib = int(text)
+    except ValueError:
+        mib = DEFAULT_CACHE_MAX_MB
+    return (mib if mib > 0 else DEFAULT_CACHE_MAX_MB) * 2**20
 
 
 def jax_cache_dir() -> str | None:
@@ -24,15 +40,22 @@ def jax_cache_dir() -> str | None:
 
 def configure_jax() -> None:
     """Once per process: ``jax_enable_x64`` (float64 needs it; explicit dtypes keep float32 float32) and the
-    persistent compilation cache with no minimum compile time or entry size, so every program is cached."""
+    persistent compilation cache with no minimum compile time or entry size, so every program is cached.
+
+    The cache holds compiled code that later runs execute, so it must be private: the folder is created with
+    mode 0700, and one that another user owns or can write is not used (a warning says why). Its size is
+    bounded by ``jax_compilation_cache_max_size`` (:func:`jax_cache_max_bytes`; least recently used entries go)."""
     global _CONFIGURED
     if _CONFIGURED:
         return
     import jax
     jax.config.update("jax_enable_x64", True)
-    cache = jax_cache_dir()
+    cache, refused = private_dir(jax_cache_dir()) if jax_cache_dir() else (None, None)
+    if refused:
+        warnings.warn(f"mha-harness: JAX compile cache not used: {refused}", RuntimeWarning, stacklevel=2)
     if cache:
         jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_compilation_cache_max_size", jax_cache_max_bytes())
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _CONFIGURED = True
