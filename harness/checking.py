@@ -73,7 +73,7 @@ def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Ta
     return targets, unavailable
 
 
-def _check_arguments(cases, timeout, jobs) -> list[str] | None:
+def _check_arguments(cases, timeout, jobs, isolate) -> list[str] | None:
     """Validate check()'s options; each mistake is an error naming the parameter and the accepted values."""
     import math
     if isinstance(cases, str):
@@ -84,6 +84,8 @@ def _check_arguments(cases, timeout, jobs) -> list[str] | None:
         cases = list(cases)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
         raise ValueError(f"timeout: got {timeout!r}; accepted: a finite number of seconds > 0")
+    if not isinstance(isolate, bool):
+        raise TypeError(f"isolate: got {isolate!r}; accepted: True or False")
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs: got {jobs!r}; accepted: None (one per CPU) or an integer >= 1")
     return cases
@@ -98,7 +100,7 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
     of these. ``isolate=True`` runs each backend in its own worker process with a per-case ``timeout``.
     """
     start = time.perf_counter()
-    cases = _check_arguments(cases, timeout, jobs)
+    cases = _check_arguments(cases, timeout, jobs, isolate)
     chosen = select_cases(cases, include_slow)
     targets, unavailable = resolve_targets(backends, registry)
     report = Report()

@@ -278,6 +278,9 @@ def load_registry(extra_specs=(), *, entry_points: bool = True, builtins: bool =
     """Build the registry; malformed ``extra_specs`` raise ValueError (they are the caller's input)."""
     if isinstance(extra_specs, str):
         extra_specs = [extra_specs]
+    if not isinstance(extra_specs, (list, tuple, set, frozenset)):
+        raise TypeError(f"extra_specs: got {type(extra_specs).__name__}; accepted: a list of "
+                        "'package.module:object' strings")
     extra_specs = list(extra_specs)
     for spec in extra_specs:
         parse_spec(spec)

@@ -173,3 +173,19 @@ def test_forward_with_something_other_than_inputs_names_inputs():
     _, loaded = _layer()
     with pytest.raises(TypeError, match=r"inputs: got dict; accepted: mha_harness.AttentionInputs\("):
         loaded.forward({"query": np.zeros((1, 2, 8))})
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: mha_harness.make_params({"d_model": 8}), TypeError, "config: got dict"),
+    (lambda: mha_harness.make_params(AttentionConfig(8, 2), seed="x"), TypeError, "seed: got 'x'"),
+    (lambda: mha_harness.make_inputs(AttentionConfig(8, 2), 0, 5), ValueError, "batch: got 0"),
+    (lambda: mha_harness.make_inputs(AttentionConfig(8, 2), 1, -5), ValueError, "tq: got -5"),
+    (lambda: mha_harness.make_inputs(AttentionConfig(8, 2), 1, 5, causal="up"), ValueError, "causal: got 'up'"),
+    (lambda: mha_harness.load_registry(42), TypeError, "extra_specs: got int"),
+    (lambda: mha_harness.check("numpy-naive", isolate="yes"), TypeError, "isolate: got 'yes'"),
+    (lambda: mha_harness.reference_attention(AttentionConfig(8, 2), None), TypeError, "params: got AttentionConfig"),
+    (lambda: mha_harness.reference_attention(make_params(AttentionConfig(8, 2)), {}), TypeError, "inputs: got dict"),
+])
+def test_public_functions_name_the_offending_parameter(call, error, words):
+    with pytest.raises(error, match=words):
+        call()

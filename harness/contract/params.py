@@ -4,11 +4,13 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
+from mha_harness.contract.validation import require_config, validate_causal, validate_seed, validate_sizes
 
 
 def make_params(config: AttentionConfig, seed: int = 0, scale: float | None = None) -> AttentionParams:
     """Random parameters with std ``scale`` (default 1/sqrt(d_model), which keeps activations O(1))."""
-    rng = np.random.default_rng(seed)
+    require_config(config)
+    rng = np.random.default_rng(validate_seed(seed))
     s = 1.0 / np.sqrt(config.d_model) if scale is None else scale
     kv = config.kv_heads * config.d_head
     d = config.d_model
@@ -23,7 +25,10 @@ def make_params(config: AttentionConfig, seed: int = 0, scale: float | None = No
 def make_inputs(config: AttentionConfig, batch: int, tq: int, tk: int | None = None, seed: int = 1,
                 self_attention: bool | None = None, **masks) -> AttentionInputs:
     """Standard-normal query/key/value of shape (batch, T, d_model); self-attention shares one array."""
-    rng = np.random.default_rng(seed)
+    require_config(config)
+    validate_sizes(batch=batch, tq=tq, tk=tk)
+    validate_causal(masks.get("causal"))
+    rng = np.random.default_rng(validate_seed(seed))
     tk = tq if tk is None else tk
     x = rng.standard_normal((batch, tq, config.d_model))
     if self_attention is None:

@@ -21,6 +21,7 @@ import numpy as np
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams
 from mha_harness.contract.conventions import causal_offset, round_to
 from mha_harness.contract.numerics import weighted_values
+from mha_harness.contract.validation import require_inputs, require_params
 
 
 def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.ndarray | None = None):
@@ -93,6 +94,8 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
 
     With ``rows`` only those query rows are computed (output shape (B, len(rows), d_model)).
     """
+    require_params(params)
+    require_inputs(inputs)
     *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype)
     out = _project(concat, params.W_o, params.b_o, dtype)
     return AttentionOutput(out.astype(np.float64), weights.astype(np.float64) if need_weights else None)

@@ -70,14 +70,43 @@ def _require_kind(name: str, value, attributes: tuple[str, ...], accepted: str) 
         raise TypeError(f"{name}: got {type(value).__name__}; accepted: {accepted}")
 
 
-def _require_inputs(inputs) -> None:
+def require_config(config) -> None:
+    """``config`` must be an AttentionConfig (a TypeError naming ``config`` otherwise)."""
+    _require_kind("config", config, ("d_model", "num_heads", "kv_heads", "d_head", "bias"),
+                  "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False)")
+
+
+def require_params(params) -> None:
+    """``params`` must be an AttentionParams (a TypeError naming ``params`` otherwise)."""
+    _require_kind("params", params, ("config", "W_q", "W_k", "W_v", "W_o"),
+                  "mha_harness.AttentionParams (e.g. from mha_harness.make_params(config))")
+
+
+def validate_seed(seed) -> int:
+    """A seed for numpy.random.default_rng: a non-negative integer."""
+    return _int("seed", seed, 0)
+
+
+def validate_sizes(**sizes) -> None:
+    """Each named size (batch, tq, tk ...) an integer >= 1, or None where optional."""
+    for name, value in sizes.items():
+        if value is not None:
+            _int(name, value, 1)
+
+
+def validate_causal(causal) -> None:
+    if causal is not None and causal not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal: got {causal!r}; accepted: None, {' or '.join(map(repr, CAUSAL_ALIGNMENTS))}")
+
+
+def require_inputs(inputs) -> None:
+    """``inputs`` must be an AttentionInputs (a TypeError naming ``inputs`` otherwise)."""
     _require_kind("inputs", inputs, ("query", "key", "value", "causal", "key_padding_mask", "attn_mask"),
                   "mha_harness.AttentionInputs(query, key, value, causal=None, key_padding_mask=None, attn_mask=None)")
 
 
 def validate_params(params: AttentionParams) -> None:
-    _require_kind("config", params.config, ("d_model", "num_heads", "kv_heads", "d_head", "bias"),
-                  "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False)")
+    require_config(params.config)
     c = params.config
     kv_width = c.kv_heads * c.d_head
     shapes = {"W_q": (c.d_model, c.d_model), "W_k": (c.d_model, kv_width),
@@ -101,7 +130,7 @@ def validate_params(params: AttentionParams) -> None:
 
 def validate_form(inputs: AttentionInputs, declared: str) -> None:
     """Refuse inputs in a form the backend did not declare (``Capabilities.inputs``), naming ``inputs``."""
-    _require_inputs(inputs)
+    require_inputs(inputs)
     form = inputs.form
     accepted = ACCEPTED_FORMS[declared]
     if form not in accepted:
@@ -117,7 +146,7 @@ def validate_inputs(inputs: AttentionInputs, config: AttentionConfig) -> None:
     query must be finite; key/value may hold NaN/inf only where a mask can hide it
     (the leakage cases put poison there on purpose).
     """
-    _require_inputs(inputs)
+    require_inputs(inputs)
     q = _array("query", inputs.query, 3)
     k = _array("key", inputs.key, 3)
     v = _array("value", inputs.value, 3)
