@@ -27,27 +27,49 @@ def weighted_values(torch, weights, values):
     return torch.where(nan_hit, torch.full_like(out, math.nan), out)
 
 
+def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: int, need_weights: bool):
+    """The whole layer on tensors: projections, head split, masked softmax, weighted values, W_o.
+
+    ``w`` maps canonical names (W_q, b_q, ...) to x @ W tensors; ``allowed`` (True = attend) and ``additive``
+    are mask tensors broadcastable to (B, H, Tq, Tk) or None. A pure function of its tensors, so torch.compile
+    can trace it once per shape (torch-compile-cpu)."""
+    import torch
+
+    def project(x, which):
+        y = x @ w[f"W_{which}"]
+        bias = w.get(f"b_{which}")
+        return y if bias is None else y + bias
+
+    def split(x, n):
+        b, t, width = x.shape
+        return x.reshape(b, t, n, width // n).transpose(1, 2)
+    group = num_heads // kv_heads
+    qh = split(project(q, "q"), num_heads)
+    kh = split(project(k, "k"), kv_heads).repeat_interleave(group, dim=1)
+    vh = split(project(v, "v"), kv_heads).repeat_interleave(group, dim=1)
+    scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(qh.shape[-1])
+    if additive is not None:
+        scores = scores + additive
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -math.inf)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    e = torch.exp(scores - row_max)
+    total = e.sum(dim=-1, keepdim=True)
+    weights = e / torch.where(total == 0, torch.ones_like(total), total)
+    out = weighted_values(torch, weights, vh)
+    b, h, t, dh = out.shape
+    return project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), weights if need_weights else None
+
+
 class TorchEagerLoaded(LinearTorchLoaded):
+    layer = staticmethod(eager_layer)
+
     def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
-        torch, c = self.torch, self.config
-        qh = self.split_heads(self.project(q, "q"), c.num_heads)
-        kh = self.split_heads(self.project(k, "k"), c.kv_heads).repeat_interleave(c.group, dim=1)
-        vh = self.split_heads(self.project(v, "v"), c.kv_heads).repeat_interleave(c.group, dim=1)
-        scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(c.d_head)
+        c = self.config
         allowed, additive = full_mask(inputs)
-        if additive is not None:
-            scores = scores + self.mask_tensor(additive)
-        if allowed is not None:
-            scores = scores.masked_fill(~self.mask_tensor(allowed), -math.inf)
-        row_max = scores.amax(dim=-1, keepdim=True)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
-        e = torch.exp(scores - row_max)
-        total = e.sum(dim=-1, keepdim=True)
-        weights = e / torch.where(total == 0, torch.ones_like(total), total)
-        out = weighted_values(torch, weights, vh)
-        b, h, t, dh = out.shape
-        concat = out.transpose(1, 2).reshape(b, t, h * dh)
-        return self.project(concat, "o"), weights if need_weights else None
+        return self.layer(q, k, v, self.w, self.mask_tensor(allowed), self.mask_tensor(additive), c.num_heads,
+                          c.kv_heads, need_weights)
 
 
 class TorchEager(TorchBackend):
