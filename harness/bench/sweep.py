@@ -268,6 +268,8 @@ class Sweep:
             if progress:
                 progress(i, group)
         for name in self.backends:  # memory after every timing: the RSS method pins glibc's mmap threshold
+            if name in self.workers:  # a fresh worker: no heap or allocator cache left by the timing runs
+                self.workers[name].kill()
             for point in self.points:
                 if point.backend == name and point.status == MEASURED and name not in self.lost_reason:
                     self.measure_memory(point)
