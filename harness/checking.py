@@ -91,22 +91,40 @@ def _check_arguments(cases, timeout, jobs, isolate) -> list[str] | None:
     return cases
 
 
+def _declaration_errors(targets: list[Target]) -> tuple[list[Target], list[BackendInfo]]:
+    """Refuse, at load, backends whose divergence declarations name unknown cases or ``when`` keys."""
+    from mha_harness.conformance.runner import divergence_problems
+    kept, refused = [], []
+    for t in targets:
+        problems = divergence_problems(t.backend)
+        if problems:
+            info = backend_info(t.backend, t.source, "declared divergences refused: " + "; ".join(problems))
+            info.load_error = True
+            refused.append(info)
+        else:
+            kept.append(t)
+    return kept, refused
+
+
 def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False, timeout: float = 120.0,
           jobs: int | None = None, include_slow: bool = True, registry: Registry | None = None,
           progress=None, on_backend_done=None) -> Report:
     """Run the conformance cases on one or more backends and return a :class:`Report`.
 
     ``backends``: a backend instance or class, a registered name, a ``module:object`` spec, or a list
-    of these. ``isolate=True`` runs each backend in its own worker process with a per-case ``timeout``.
+    of these. ``isolate=True`` runs each backend's plugin code in its own worker process with a per-case
+    ``timeout``, out of reach of the verdict; ``isolate=False`` runs it in this process, where a plugin that
+    patches NumPy or the harness can change the verdict (use it only for code you trust).
     """
     start = time.perf_counter()
     cases = _check_arguments(cases, timeout, jobs, isolate)
     chosen = select_cases(cases, include_slow)
     targets, unavailable = resolve_targets(backends, registry)
+    targets, refused = _declaration_errors(targets)
     report = Report()
     for t in targets:
         report.backends[t.name] = backend_info(t.backend, t.source, None)
-    for info in unavailable:
+    for info in unavailable + refused:
         report.backends[info.name] = info
     if isolate:
         by_backend = run_isolated(targets, chosen, timeout=timeout, jobs=jobs, progress=progress,
@@ -115,7 +133,7 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
             report.results += by_backend.get(t.name, [])
     else:
         for t in targets:
-            results = run_backend(t.backend, chosen, progress)
+            results = run_backend(t.backend, chosen, progress, spec=t.repro_spec)
             report.results += results
             if on_backend_done:
                 on_backend_done(t.name, results)
@@ -137,15 +155,25 @@ def _case_named(case) -> Case:
     return cases[case]
 
 
-def repro(backend, case: str, **params) -> None:
-    """Rerun one case variant in this process and raise its failure (the one-line repro in reports)."""
+def repro(backend, case: str, *, backend_name: str | None = None, **params) -> None:
+    """Rerun one case variant in this process and raise its failure (the one-line repro in reports).
+
+    ``backend``: a registered name or a ``module:object`` spec; ``backend_name`` picks one backend when the spec
+    yields several. Prints ``status: message``; raises :class:`CaseFailure` unless the variant holds."""
     from mha_harness.conformance.casekit import CaseFailure
+    from mha_harness.conformance.results import HOLDS
     chosen = _case_named(case)
     targets, unavailable = resolve_targets(backend)
+    if backend_name is not None:
+        targets = [t for t in targets if t.name == backend_name]
     if not targets:
         why = "; ".join(f"{i.name}: {i.reason}" for i in unavailable)
-        raise ValueError(f"backend: got {backend!r}, which is not available here ({why})")
-    result = run_case(targets[0].backend, chosen, params)
+        raise ValueError(f"backend: got {backend!r}{f' (name {backend_name!r})' if backend_name else ''}, "
+                         f"which is not available here ({why})")
+    targets, refused = _declaration_errors(targets[:1])
+    if refused:
+        raise CaseFailure(refused[0].reason)
+    result = run_case(targets[0].backend, chosen, params, spec=targets[0].repro_spec)
     print(f"{result.status}: {result.message}")
-    if result.status not in ("passed", "skipped", "expected-divergence"):
+    if result.status not in HOLDS:
         raise CaseFailure(result.message)

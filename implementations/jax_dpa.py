@@ -14,28 +14,29 @@ from mha_harness.contract.api import (
     AttentionInputs,
     AttentionParams,
     Capabilities,
-    Divergence,
     Unsupported,
 )
 from mha_harness.implementations._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, linear_tree
-from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
+from mha_harness.toolkit.divergences import (
+    masked_poison_divergences,
+    precision_divergences,
+    uniform_fully_masked_divergences,
+)
 from mha_harness.toolkit.masks import full_mask
 
 _UNIFORM = ("jax.nn.dot_product_attention (xla) masks logits with a large finite negative value, so a row "
             "with every key masked softmaxes to uniform weights (observed on jax 0.10.2 CPU)")
 _FLOAT32_INSIDE = ("jax.nn.dot_product_attention computes float64 inputs at float32 precision inside (observed max "
                    "error ~1e-7 against the float64 reference on jax 0.10.2 CPU)")
-DIVERGENCES = uniform_fully_masked_divergences(_UNIFORM) + (
+DIVERGENCES = uniform_fully_masked_divergences(_UNIFORM) + precision_divergences(
     # with a single key the softmax is exactly 1 and no precision is lost: single_token and single_key pass
-    Divergence("check_output_matches_reference", observed="float64 results only float32-accurate",
-               reason=_FLOAT32_INSIDE, when={"dtype": "float64", "variant": (
-                   "short_with_bias", "eight_heads", "d_head_64_with_bias", "d_head_80", "long_with_bias", "more_keys",
-                   "long_keys_with_bias", "grouped_query", "multi_query")}),
-) + tuple(Divergence(case, observed="float64 results only float32-accurate", reason=_FLOAT32_INSIDE,
-                     when={"dtype": "float64"})
-          for case in ("check_lesson_worked_example_head_weights", "check_gradients_match_reference")
-          ) + masked_poison_divergences("dot_product_attention multiplies masked (zero-weight) values in P @ V, and "
-                                        "0 * NaN = NaN (observed on jax 0.10.2 CPU)")
+    "float64", "float32", _FLOAT32_INSIDE, ("check_output_matches_reference",), when={"variant": (
+        "short_with_bias", "eight_heads", "d_head_64_with_bias", "d_head_80", "long_with_bias", "more_keys",
+        "long_keys_with_bias", "grouped_query", "multi_query")},
+) + precision_divergences("float64", "float32", _FLOAT32_INSIDE,
+                          ("check_lesson_worked_example_head_weights", "check_gradients_match_reference"),
+                          ) + masked_poison_divergences("dot_product_attention multiplies masked (zero-weight) values "
+                                                        "in P @ V, and 0 * NaN = NaN (observed on jax 0.10.2 CPU)")
 
 
 @functools.cache

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_each_hostile_plugin_is_reported_with_its_reason(hostile_check, backend,
     first = mine[0]["message"]
     reason = {"hostile-raises": "forward exploded", "hostile-wrong-shape": "output shape",
               "hostile-nan": "expected finite values", "hostile-hangs": "no result within 4 s",
-              "hostile-exits": "exit code 17", "hostile-segfault": "exit code -11"}[backend]
+              "hostile-exits": "exit code 17", "hostile-segfault": "SIGSEGV (exit code -11)"}[backend]
     assert reason in first
 
 
@@ -70,7 +71,7 @@ def test_a_plugin_that_fails_to_import_is_a_reported_load_error(hostile_check):
 
 def test_run_survives_hostile_plugins_and_still_benchmarks_the_rest(tmp_path):
     out = run_cli("run", "--backend", "numpy-naive", "--backend-spec", "tests.hostile_plugins:KillsProcess",
-                  "--backend-spec", "tests.hostile_plugins:Hangs", "--timeout", "4", "--seq-lens", "32,64,128",
+                  "--backend-spec", "tests.hostile_plugins:Hangs", "--timeout", "30", "--seq-lens", "32,64,128",
                   "--results", tmp_path, timeout=600)
     assert out.returncode == 1, out.stdout + out.stderr
     doc = json.loads((tmp_path / "conformance" / "conformance.json").read_text())
@@ -121,3 +122,109 @@ def test_python_check_with_isolation_reports_crashes_too():
                            cases=["check_output_projection_mixes_heads"])
     statuses = {r.backend: r.status for r in report.results}
     assert statuses == {KillsProcess.name: "crashed", "numpy-tiled": "passed"}
+
+
+# --- the verdict lives where the plugin cannot reach; plugin exits are that backend's errors ------------------
+
+VERDICT = {"PatchesTheVerdict": ("hostile-patches-verdict", "failed", "expected"),
+           "ReturnsComplex": ("hostile-complex", "failed",
+                              "output dtype: got complex64; accepted: a real floating dtype"),
+           "ReturnsObjects": ("hostile-object", "failed", "output dtype: got object"),
+           "RaisesSystemExit": ("hostile-systemexit", "error", "SystemExit"),
+           "RaisesKeyboardInterrupt": ("hostile-keyboardinterrupt", "error", "KeyboardInterrupt"),
+           "RaisesGeneratorExit": ("hostile-generatorexit", "error", "GeneratorExit"),
+           "ExitsZeroAtLoad": ("hostile-exit0-at-load", "error", "SystemExit: 0"),
+           "KilledBySignal9": ("hostile-sigkill", "crashed", "killed by SIGKILL (exit code -9)"),
+           "SpawnsChild": ("hostile-spawns-child", "passed", "")}
+ONE_CASE = "check_output_projection_mixes_heads"
+
+
+@pytest.fixture(scope="module")
+def verdict_check(tmp_path_factory):
+    results = tmp_path_factory.mktemp("verdict")
+    pid_file = results / "children.txt"
+    args = ["check", "--backend", "numpy-tiled", "--case", ONE_CASE, "--timeout", "60", "--results", results]
+    for obj in VERDICT:
+        args += ["--backend-spec", f"tests.hostile_plugins:{obj}"]
+    # capture_output waits for EOF on stdout: a plugin's child still holding it would make this time out
+    out = run_cli(*args, timeout=600, env={"MHA_HOSTILE_PID_FILE": str(pid_file)})
+    return out, json.loads((results / "conformance" / "conformance.json").read_text()), pid_file
+
+
+@pytest.mark.parametrize("obj", sorted(VERDICT))
+def test_hostile_plugins_get_their_own_verdict(verdict_check, obj):
+    out, doc, _ = verdict_check
+    name, status, words = VERDICT[obj]
+    mine = [r for r in doc["results"] if r["backend"] == name]
+    assert [r["status"] for r in mine] == [status], (mine, out.stderr[-2000:])
+    assert words in mine[0]["message"]
+
+
+def test_the_run_fails_and_healthy_backends_keep_their_results(verdict_check):
+    out, doc, _ = verdict_check
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert [r["status"] for r in doc["results"] if r["backend"] == "numpy-tiled"] == ["passed"]
+
+
+def test_a_patching_plugin_fails_on_the_clean_verdict_with_the_true_error(verdict_check):
+    _, doc, _ = verdict_check
+    result = next(r for r in doc["results"] if r["backend"] == "hostile-patches-verdict")
+    assert result["max_error"] > 0.1 and "exceeds tolerance" in result["message"]
+
+
+def test_a_plugins_child_process_does_not_outlive_the_run(verdict_check):
+    _, _, pid_file = verdict_check
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert pids
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat")
+        alive = stat.exists() and stat.read_text().split(") ")[-1][:1] not in ("Z", "X")
+        assert not alive, f"the plugin's child {pid} outlived the run"
+
+
+@pytest.mark.parametrize("obj", ["RaisesSystemExit", "ExitsZeroAtLoad", "RaisesKeyboardInterrupt"])
+def test_a_plugin_alone_cannot_make_the_run_exit_0_or_130(tmp_path, obj):
+    out = run_cli("check", "--backend-spec", f"tests.hostile_plugins:{obj}", "--case", ONE_CASE,
+                  "--results", tmp_path, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    doc = json.loads((tmp_path / "conformance" / "conformance.json").read_text())
+    assert doc["complete"] and not doc["ok"]
+
+
+def test_without_isolation_a_patching_plugin_reaches_the_verdict_as_documented(tmp_path):
+    """--no-isolate runs plugin code in the harness's process: the README says it cannot protect the verdict."""
+    out = run_cli("check", "--no-isolate", "--backend-spec", "tests.hostile_plugins:PatchesTheVerdict",
+                  "--case", ONE_CASE, "--results", tmp_path, timeout=300)
+    doc = json.loads((tmp_path / "conformance" / "conformance.json").read_text())
+    assert [r["status"] for r in doc["results"]] == ["passed"], out.stderr
+
+
+def test_out_of_memory_is_named_when_the_kernel_counter_rose():
+    from mha_harness.conformance.isolation import death_message, oom_kills
+    assert death_message(-9, 3, 4) == "killed: out of memory (signal 9)"
+    assert death_message(-9, 3, 3) == "worker process killed by SIGKILL (exit code -9)"
+    assert death_message(-9, None, None) == "worker process killed by SIGKILL (exit code -9)"
+    assert death_message(17, 0, 1) == "worker process exited with exit code 17 before answering"
+    assert isinstance(oom_kills(), int)  # this machine exposes a counter (cgroup memory.oom_control / vmstat)
+
+
+def test_oom_counter_is_read_from_the_cgroup_files(tmp_path, monkeypatch):
+    from mha_harness.conformance import isolation
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 2\noom 1\noom_kill 5\n")
+    monkeypatch.setattr(isolation, "OOM_COUNTER_FILES", [tmp_path / "missing", events])
+    assert isolation.oom_kills() == 5
+
+
+def test_worker_answers_cross_as_data_never_as_pickles():
+    import numpy as np
+
+    from mha_harness.conformance.wire import UnsendableArray, decode, encode
+    message = {"ok": {"output": np.arange(6.0).reshape(2, 3), "weights": None, "o": np.array([1, None], object)}}
+    back = decode(encode(message))
+    assert np.array_equal(back["ok"]["output"], message["ok"]["output"]) and back["ok"]["weights"] is None
+    assert back["ok"]["o"] == UnsendableArray("object", (2,))
+    import pickle
+    import struct
+    with pytest.raises((ValueError, UnicodeDecodeError, struct.error)):
+        decode(pickle.dumps(message))

@@ -1,59 +1,233 @@
-"""Reports: statuses, divergences (expected and unexpected), the policy table, JSON schema and markdown."""
+"""Reports and verified divergences: statuses, declarations checked against what the backend does, the truthful
+policy table, JSON schema and markdown, repro lines that run."""
 from __future__ import annotations
 
 import json
+import subprocess
+
+import numpy as np
+import pytest
 
 import mha_harness
 from mha_harness.conformance.report import SCHEMA_VERSION
+from mha_harness.conformance.results import Status, repro_command
 from mha_harness.contract.api import Divergence
-from mha_harness.implementations.numpy_naive import NumpyNaive
+from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+from mha_harness.toolkit.divergences import (
+    masked_poison_divergences,
+    nan_fully_masked_divergences,
+    precision_divergences,
+    uniform_fully_masked_divergences,
+)
+from tests.conftest import ROOT
+
+FULLY = "check_fully_masked_rows_output_zeros"
 
 
 class ClaimsNaN(NumpyNaive):
     """Declares a divergence that does not happen: the run must flag it."""
     name = "claims-nan"
-    divergences = (Divergence("check_fully_masked_rows_output_zeros", observed="NaN", reason="stale declaration"),)
+    divergences = (Divergence(FULLY, "fully_masked_rows:nan", reason="stale declaration"),)
+
+
+class _NaNRowsLoaded(NumpyNaiveLoaded):
+    def softmax(self, scores):
+        e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
 
 
 class NaNRows(NumpyNaive):
     name = "nan-rows"
-    divergences = (Divergence("check_fully_masked_rows_output_zeros", observed="NaN",
-                              reason="this backend divides 0 by 0"),)
+    loaded_class = _NaNRowsLoaded
+    divergences = nan_fully_masked_divergences("this backend divides 0 by 0", with_empty_causal_rows=False)
 
-    def load_native(self, params, dtype):
-        from mha_harness.implementations.mutants.zoo import FullyMaskedRowsNaN
-        return FullyMaskedRowsNaN(params, dtype)
+
+class _UniformRowsLoaded(NumpyNaiveLoaded):
+    def masks(self, inputs):
+        allowed, additive = super().masks(inputs)
+        if allowed is None:
+            return allowed, additive
+        bias = np.where(allowed, 0.0, -1e9) + (0.0 if additive is None else additive)
+        return None, bias
+
+
+class UniformRows(NumpyNaive):
+    """Masks with a large finite negative value, as jax.nn.dot_product_attention does."""
+    name = "uniform-rows"
+    loaded_class = _UniformRowsLoaded
+    divergences = uniform_fully_masked_divergences("finite mask value")
+
+
+class LiesUniformButNaN(NaNRows):
+    name = "lies-uniform"
+    divergences = uniform_fully_masked_divergences("claims uniform, gives NaN", with_empty_causal_rows=False)
 
 
 def test_a_declared_divergence_that_does_not_happen_is_an_unexpected_pass_and_fails_the_run():
-    report = mha_harness.check(ClaimsNaN(), cases=["check_fully_masked_rows_output_zeros"])
-    assert [r.status for r in report.results] == ["unexpected-pass"] and not report.ok
+    report = mha_harness.check(ClaimsNaN(), cases=[FULLY])
+    assert [r.status for r in report.results] == [Status.UNEXPECTED_PASS] and not report.ok
     assert "remove or narrow the declaration" in report.results[0].message
 
 
-def test_a_declared_divergence_that_happens_is_reported_and_the_run_passes():
-    report = mha_harness.check(NaNRows(), cases=["check_fully_masked_rows_output_zeros"])
+def test_a_declared_divergence_that_happens_is_verified_and_the_run_passes():
+    report = mha_harness.check(NaNRows(), cases=[FULLY])
     result = report.results[0]
-    assert result.status == "expected-divergence" and report.ok
-    assert result.observed == "NaN" and "this backend divides 0 by 0" in result.message
-    assert report.policies()["nan-rows"]["fully_masked_rows"] == "NaN"
+    assert result.status == "expected-divergence" and report.ok, result.message
+    assert "verified" in result.message and "this backend divides 0 by 0" in result.message
+    assert report.policies()["nan-rows"]["fully_masked_rows"] == "NaN (declared, verified)"
+
+
+def test_uniform_average_declaration_is_verified_in_the_fully_masked_and_the_empty_causal_rows():
+    report = mha_harness.check(UniformRows(), cases=[FULLY, "check_causal_output_matches_reference"])
+    statuses = {(r.case, r.variant): r.status for r in report.results}
+    assert report.ok, [r.message for r in report.failures()]
+    assert statuses[(FULLY, "uniform-rows-float32")] == Status.EXPECTED_DIVERGENCE
+    diverging = [v for (c, v), s in statuses.items() if s == Status.EXPECTED_DIVERGENCE and c != FULLY]
+    assert diverging == ["uniform-rows-float32-alignmentbottom-right-t11-tk6"]
+
+
+def test_a_declaration_that_does_not_match_the_output_fails_and_says_what_came_out():
+    report = mha_harness.check(LiesUniformButNaN(), cases=[FULLY])
+    result = report.results[0]
+    assert result.status == Status.FAILED and not report.ok
+    assert "declared fully masked rows output the uniform average of V; not what happens" in result.message
+    assert "observed NaN" in result.message
+
+
+class _Float32Inside(NumpyNaiveLoaded):
+    """float64 in name only: computes in float32 (as jax.nn.dot_product_attention does)."""
+
+    def __init__(self, params, dtype):
+        super().__init__(params, "float32" if dtype == "float64" else dtype)
+
+
+class _Float16Inside(NumpyNaiveLoaded):
+    def __init__(self, params, dtype):
+        super().__init__(params, "float16" if dtype == "float64" else dtype)
+
+
+GRID = "check_output_matches_reference"
+GRID_FLOAT64 = {"dtype": "float64", "batch": 2, "heads": 2, "d_head": 8, "seq": 33, "tk": 33, "bias": False}
+
+
+class Float32Inside(NumpyNaive):
+    name = "f32-inside"
+    loaded_class = _Float32Inside
+    divergences = precision_divergences("float64", "float32", "computes in float32", [GRID])
+
+
+class Float16Inside(Float32Inside):
+    """Declares float32 precision but is worse: the float32 bound must still hold, so this fails."""
+    name = "f16-inside"
+    loaded_class = _Float16Inside
+
+
+def _grid_float64(backend):
+    from mha_harness.conformance.casekit import all_cases
+    from mha_harness.conformance.runner import run_case
+    return run_case(backend, all_cases()[GRID], dict(GRID_FLOAT64))
+
+
+def test_a_precision_declaration_is_held_to_the_bound_of_the_declared_dtype():
+    ok = _grid_float64(Float32Inside())
+    assert ok.status == Status.EXPECTED_DIVERGENCE, ok.message
+    assert "float64 error" in ok.message  # the strict run failed against the float64 bound
+    bad = _grid_float64(Float16Inside())
+    assert bad.status == Status.FAILED
+    assert "declared compared against the bound of dtype float32; not what happens" in bad.message
+    assert "float32 error" in bad.message
+
+
+class _PoisonEverywhere(NumpyNaiveLoaded):
+    """NaN poison leaks (0 * NaN), and finite poison leaks too: masking is broken."""
+
+    def masks(self, inputs):
+        return None, None
+
+
+class LeaksAndBlamesPoison(NumpyNaive):
+    name = "leaks-blames-poison"
+    loaded_class = _PoisonEverywhere
+    divergences = masked_poison_divergences("claims only 0 * NaN")
+
+
+class PoisonOnly(NumpyNaive):
+    name = "poison-only"
+    divergences = masked_poison_divergences("P @ V computes 0 * NaN")
+
+    def load_native(self, params, dtype):
+        from mha_harness.implementations.mutants.zoo import NaNPoisonLeaks
+        return NaNPoisonLeaks(params, dtype)
+
+
+def test_masked_poison_is_verified_and_a_real_leak_is_not_excused():
+    good = mha_harness.check(PoisonOnly(), cases=["check_padding_mask_blocks_padded_keys"])
+    assert good.ok, [r.message for r in good.failures()]
+    assert {r.params["poison"]: r.status for r in good.results} == {
+        "random": Status.PASSED, "nan": Status.EXPECTED_DIVERGENCE, "inf": Status.EXPECTED_DIVERGENCE}
+    bad = mha_harness.check(LeaksAndBlamesPoison(), cases=["check_padding_mask_blocks_padded_keys"])
+    by_poison = {r.params["poison"]: r for r in bad.results}
+    assert all(r.status == Status.FAILED for r in by_poison.values())
+    assert "declared NaN/inf held by a masked key/value" in by_poison["nan"].message
+
+
+@pytest.mark.parametrize("divergence, words", [
+    (Divergence("check_no_such_case", "masked_poison", "r"), "unknown case 'check_no_such_case'"),
+    (Divergence(FULLY, "fully_masked_rows:nan", "r", when={"seqlen": 3}), "unknown 'when' key(s) 'seqlen'"),
+    (Divergence(FULLY, "masked_poison", "r"), "masked_poison needs a case with a 'poison' parameter"),
+])
+def test_declarations_are_checked_at_load(divergence, words):
+    backend = type("Declares", (NumpyNaive,), {"name": "declares", "divergences": (divergence,)})()
+    report = mha_harness.check(backend, cases=[FULLY])
+    assert not report.ok and not report.results
+    info = report.backends["declares"]
+    assert info.load_error and words in info.reason
+
+
+def test_an_unknown_behaviour_is_refused_naming_the_vocabulary():
+    with pytest.raises(ValueError, match="accepted: fully_masked_rows:uniform_average"):
+        Divergence(FULLY, "uniform average of V", "free text is not checkable")
+
+
+def test_builtin_declarations_name_known_cases_and_keys():
+    from mha_harness.conformance.runner import divergence_problems
+    registry = mha_harness.load_registry()
+    for entry in registry.entries.values():
+        if entry.backend is not None:
+            assert divergence_problems(entry.backend) == [], entry.name
+
+
+def test_zero_cases_ran_is_never_ok():
+    report = mha_harness.check(NumpyNaive(), cases=["check_gradients_match_reference"])  # numpy has no gradients
+    assert {r.status for r in report.results} == {Status.SKIPPED}
+    assert not report.ok and report.without_results() == ["numpy-naive"]
+    assert "no case ran" in "\n".join(report.summary_lines())
 
 
 def test_json_and_markdown_carry_the_matrix_policies_divergences_and_repro(tmp_path):
-    report = mha_harness.check([NumpyNaive(), NaNRows()], cases=["check_fully_masked_rows_output_zeros",
-                                                           "check_causal_output_matches_reference"])
+    report = mha_harness.check([NumpyNaive(), NaNRows()], cases=[FULLY, "check_causal_output_matches_reference"])
     report.mutation = {"caught": 1, "total": 1, "mutants": [{"name": "m", "bug": "b", "caught_by": ["check_x"]}]}
     paths = report.write(tmp_path)
     doc = json.loads(paths["json"].read_text())
     assert doc["schema_version"] == SCHEMA_VERSION and doc["complete"]
-    assert doc["policies"]["numpy-naive"]["fully_masked_rows"] == "zeros"
-    assert "top-left" in doc["policies"]["numpy-naive"]["causal_alignment"]
-    assert "bottom-right" in doc["policies"]["numpy-naive"]["causal_alignment"]
-    assert doc["results"][0]["repro"].startswith("python -c \"import mha_harness; mha_harness.repro(")
+    policy = doc["policies"]["numpy-naive"]
+    assert policy["fully_masked_rows"] == "zeros (verified)"
+    assert policy["causal_alignment"] == "top-left verified (Tq != Tk too); bottom-right verified (Tq != Tk too)"
+    assert doc["results"][0]["repro"].startswith("python -c 'import mha_harness; mha_harness.repro(")
+    assert doc["results"][0]["status"] == "passed"
     md = paths["markdown"].read_text()
-    assert "| check_fully_masked_rows_output_zeros | pass | diverges |" in md
-    assert "## Declared divergences" in md and "this backend divides 0 by 0" in md
+    assert f"| {FULLY} | pass | diverges |" in md
+    assert "## Declared divergences" in md and "this backend divides 0 by 0" in md and "`fully_masked_rows:nan`" in md
     assert "## Mutation score" in md and "1 of 1 mutants caught" in md
+
+
+def test_policy_table_shows_the_reason_of_a_skip():
+    from mha_harness.contract.api import Capabilities
+    plain = type("NoMasks", (NumpyNaive,), {"name": "no-masks", "capabilities": Capabilities(
+        causal_alignments=(), key_padding_mask=False, bool_attn_mask=False, additive_attn_mask=False)})()
+    row = mha_harness.check(plain, cases=[FULLY, "check_output_projection_mixes_heads"]).policies()["no-masks"]
+    assert row["fully_masked_rows"] == "not run: no-masks declares neither key_padding_mask nor bool_attn_mask"
+    assert row["causal_alignment"] == "no causal mask declared"
 
 
 def test_failure_messages_say_expected_got_where_and_by_how_much():
@@ -66,8 +240,44 @@ def test_failure_messages_say_expected_got_where_and_by_how_much():
 
 
 def test_repro_reruns_one_variant():
-    import pytest
     mha_harness.repro("numpy-naive", "check_scores_scaled_by_sqrt_d_head", dtype="float32")
     with pytest.raises(AssertionError):
         mha_harness.repro("tests.plugin_objects:LessonFunction", "check_causal_mask_blocks_future_keys",
                           dtype="float32", alignment="top-left", seq=9, tk=9, poison="nan")
+
+
+def test_repro_lines_are_python_literals_and_one_shell_word():
+    line = repro_command("a'b$(touch x)", "check_c", {"bias": False, "x": None, "dtype": "float32"})
+    assert "False" in line and "None" in line and "false" not in line
+    import shlex
+    words = shlex.split(line)
+    assert words[:2] == ["python", "-c"] and len(words) == 3
+    assert '"a\'b$(touch x)"' in words[2]
+
+
+def test_a_hostile_backend_name_in_a_repro_line_runs_nothing(tmp_path):
+    line = repro_command("a'b$(touch pwned)`touch pwned2`", "check_scores_scaled_by_sqrt_d_head", {"dtype": "float32"})
+    out = subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env=_env())
+    assert out.returncode != 0 and "a'b$(touch pwned)`touch pwned2`" in out.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def _env():
+    import os
+    import sys
+    from pathlib import Path
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(ROOT)}
+
+
+def test_the_repro_line_of_a_failing_spec_backend_fails_the_same_way_in_bash():
+    report = mha_harness.check("tests.hostile_plugins:WrongShape", cases=["check_output_projection_mixes_heads"])
+    result = report.failures()[0]
+    assert result.repro == ("python -c 'import mha_harness; mha_harness.repro(\"tests.hostile_plugins:WrongShape\", "
+                            "\"check_output_projection_mixes_heads\", backend_name=\"hostile-wrong-shape\", "
+                            "dtype=\"float32\")'")
+    out = subprocess.run(["bash", "-c", result.repro], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=_env())
+    assert out.returncode != 0
+    assert f"failed: {result.message}" in out.stdout

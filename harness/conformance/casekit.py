@@ -9,6 +9,8 @@ Variants (explicit, seeded parameters) are generated from the backend's capabili
 from __future__ import annotations
 
 import functools
+import contextlib
+import contextvars
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ import numpy as np
 
 from mha_harness.contract.api import (
     INPUT_FORMS,
+    FULLY_MASKED_ROWS,
     AttentionBackend,
     AttentionInputs,
     AttentionOutput,
@@ -174,18 +177,71 @@ def require(backend: AttentionBackend, *features: str) -> None:
         raise CaseSkipped(reason)
 
 
+#: the behaviour of a declared divergence being verified now (None: the case runs strictly)
+_DECLARED: contextvars.ContextVar[str | None] = contextvars.ContextVar("declared", default=None)
+
+
+@contextlib.contextmanager
+def verifying(behaviour: str):
+    """Run a case under a declared behaviour (see :class:`mha_harness.Divergence`): precision declarations
+    change the tolerance bound, fully-masked-row declarations the reference, ``masked_poison`` what :func:`run`
+    accepts from the backend."""
+    from mha_harness.contract.reference import empty_rows_as
+    from mha_harness.contract.tolerance import bound_of
+    kind, _, value = behaviour.partition(":")
+    token = _DECLARED.set(behaviour)
+    try:
+        with contextlib.ExitStack() as stack:
+            if kind == "precision":
+                stack.enter_context(bound_of(value))
+            elif kind == "fully_masked_rows":
+                stack.enter_context(empty_rows_as(value))
+            yield
+    finally:
+        _DECLARED.reset(token)
+
+
+def expected_fully_masked_rows() -> str:
+    """What rows with every key masked must output now, in words: "zeros", or a declared alternative."""
+    from mha_harness.contract.reference import empty_rows_convention
+    return FULLY_MASKED_ROWS[empty_rows_convention()]
+
+
+def _accept_masked_poison(loaded, inputs: AttentionInputs, output: np.ndarray, need_weights: bool) -> np.ndarray:
+    """Under a declared ``masked_poison``: NaN/inf may come out only in batch items where a key/value held
+    NaN/inf; those rows are replaced by the backend's own output with those inputs made finite (zeros), so the
+    case still checks that the masked positions do not leak."""
+    key, value = np.asarray(inputs.key, np.float64), np.asarray(inputs.value, np.float64)
+    poisoned = ~np.isfinite(key).all(axis=(1, 2)) | ~np.isfinite(value).all(axis=(1, 2))
+    bad_rows = ~np.isfinite(output).all(axis=-1)
+    stray = bad_rows & ~poisoned[:, None]
+    if stray.any():
+        b, t = (int(i) for i in np.argwhere(stray)[0])
+        raise CaseFailure(f"declared masked_poison (NaN/inf from a masked key/value); got {output[b, t, 0]:.6g} at "
+                          f"batch {b}, position {t}, where no key or value held NaN/inf")
+    if not bad_rows.any():
+        return output
+    finite = inputs.replace(key=np.where(np.isfinite(key), key, 0.0), value=np.where(np.isfinite(value), value, 0.0))
+    clean = np.asarray(loaded.forward(finite, need_weights=need_weights).output, np.float64)
+    return np.where(bad_rows[..., None], clean, output)
+
+
 def run(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str,
         *, need_weights: bool = False, loaded=None) -> AttentionOutput:
-    """Load ``params`` into the backend and run one forward; check shapes before anyone compares values."""
+    """Load ``params`` into the backend and run one forward. The output (and weights) arrive validated: real
+    floating arrays of exactly the expected shapes (see :mod:`mha_harness.conformance.proxy`)."""
     require(backend, *inputs.features(), f"dtype:{dtype}")
     if need_weights:
         require(backend, "attention_weights")
     loaded = loaded or backend.load(params, dtype=dtype)
     out = loaded.forward(inputs, need_weights=need_weights)
-    expected = (inputs.batch, inputs.tq, params.config.d_model)
     output = np.asarray(out.output)
+    expected = (inputs.batch, inputs.tq, params.config.d_model)
     if output.shape != expected:
         raise CaseFailure(f"output shape: expected {expected}, got {output.shape}")
+    output = output.astype(np.float64)
+    if _DECLARED.get() == "masked_poison":
+        output = _accept_masked_poison(loaded, inputs, output, need_weights)
     weights = None
     if need_weights:
         if out.weights is None:
@@ -194,7 +250,7 @@ def run(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInp
         w_expected = (inputs.batch, params.config.num_heads, inputs.tq, inputs.tk)
         if weights.shape != w_expected:
             raise CaseFailure(f"weights shape: expected (batch, heads, Tq, Tk) = {w_expected}, got {weights.shape}")
-    return AttentionOutput(output.astype(np.float64), weights)
+    return AttentionOutput(output, weights)
 
 
 def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str,
@@ -208,7 +264,21 @@ def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str,
 def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what: str,
                  labels=("batch", "position", "feature"), row_ids=None) -> float:
     """Fail with location and size of the largest error when ``actual`` is outside ``tol`` of ``expected``."""
-    actual = np.asarray(actual, np.float64)
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    nan_expected = np.isnan(expected)
+    if _DECLARED.get() != "fully_masked_rows:nan" and not np.all(np.isfinite(expected)):
+        # the baseline is the backend's own earlier output in the invariance cases: NaN there is no excuse
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(expected))[0])
+        where = ", ".join(f"{label} {i}" for label, i in zip(labels, bad))
+        raise CaseFailure(f"{what}: expected finite values, got {expected[bad]} (in the output compared against) "
+                          f"at {where}")
+    if nan_expected.any():  # only while a declared fully_masked_rows:nan is verified
+        wrong = nan_expected & ~np.isnan(actual)
+        if wrong.any():
+            bad = tuple(int(i) for i in np.argwhere(wrong)[0])
+            where = ", ".join(f"{label} {i}" for label, i in zip(labels, bad))
+            raise CaseFailure(f"{what}: expected NaN (declared), got {actual[bad]:.6g} at {where}")
+        actual, expected = np.where(nan_expected, 0.0, actual), np.where(nan_expected, 0.0, expected)
     if not np.all(np.isfinite(actual)):
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(actual))[0])
         where = ", ".join(f"{label} {i}" for label, i in zip(labels, bad))

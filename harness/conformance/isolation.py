@@ -1,35 +1,51 @@
-"""Running each backend in its own worker process with a per-case timeout (pebble).
+"""Each backend's plugin code runs in its own worker process; the verdict stays in the harness's process.
 
-A plugin that raises, hangs or kills its process takes down only its own worker: the case
-is reported as error, timeout or crashed with the reason, a fresh worker takes the next
-case, and every other backend's results are untouched. After ``MAX_CONSECUTIVE_LOSSES``
-timeouts or crashes in a row the backend's remaining cases are reported as errors rather
-than run (a plugin that hangs on every call would otherwise cost cases x timeout).
+The case function, the float64 reference, the tolerance and the comparison run here (the parent). The
+backend a case sees is a :class:`~mha_harness.conformance.proxy.BackendProxy` whose calls (load, forward,
+vjp, native_parameter_shapes) are sent to the backend's worker, which only runs plugin code and answers with
+plain data and arrays (:mod:`mha_harness.conformance.wire`: never unpickled here). So a plugin that patches
+``np.exp``, ``np.testing`` or the harness inside its worker changes nothing the verdict uses.
+
+Guarantees:
+
+* a case has ``timeout`` seconds of worker time; past it the worker is killed (``timeout``);
+* a worker that dies is ``crashed`` with its exit code or signal, and "killed: out of memory (signal 9)" when the
+  kernel's OOM counter (the cgroup's ``memory.events`` / ``memory.oom_control``, else ``/proc/vmstat``) rose;
+* any ``BaseException`` raised by plugin code (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``...) is that
+  call's error, reported for that case, never the harness's exit code;
+* every worker starts its own session (process group); the whole group is killed when the worker ends, so a
+  process the plugin started cannot outlive the run or hold its stdout open (one that calls ``setsid`` itself
+  leaves the group: not covered);
+* after ``MAX_CONSECUTIVE_LOSSES`` timeouts or crashes in a row the backend's remaining cases are errors, not run.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
-from concurrent.futures import TimeoutError as FutureTimeout
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from mha_harness.conformance.casekit import Case, variant_id
-from mha_harness.conformance.results import CRASHED, ERROR, TIMEOUT, CaseResult, repro_command
-from mha_harness.conformance.runner import plan, run_case
+from mha_harness.conformance.casekit import Case
+from mha_harness.conformance.proxy import BackendProxy, WorkerLost, describe_exception, raise_described
+from mha_harness.conformance.results import CaseResult, Status
+from mha_harness.conformance.runner import lost_result, plan, run_case
+from mha_harness.conformance.wire import decode
 from mha_harness.contract.api import AttentionBackend
 
 MAX_CONSECUTIVE_LOSSES = 2
+#: seconds a worker may take to import and build its backend, on top of the case's own timeout
+START_TIMEOUT = 300.0
+#: seconds a worker may take to drop a case's loaded layers
+RELEASE_TIMEOUT = 30.0
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 def require_pebble() -> None:
-    """Worker isolation needs pebble; say how to get it (or how to do without) in one line."""
-    import importlib.util
-    if importlib.util.find_spec("pebble") is None:
-        raise ModuleNotFoundError("isolation: pebble is not installed (pip install 'mha-harness[isolation]'); "
-                                  "or run without worker processes (--no-isolate / isolate=False)")
+    """Kept for callers of the old API: isolation no longer needs pebble (it uses multiprocessing directly)."""
 
 
 @dataclass
@@ -44,97 +60,289 @@ class Target:
     def name(self) -> str:
         return self.backend.name
 
+    @property
+    def repro_spec(self) -> str | None:
+        """The spec a repro line must name: backends given as module:object are not found by name."""
+        return self.spec if self.source.startswith(("--backend-spec", "spec ")) else None
+
     def payload(self):
         if self.spec:
             return ("spec", self.spec, self.name)
         return ("pickle", pickle.dumps(self.backend), self.name)
 
 
-_WORKER_CACHE: dict = {}
-_ACTIVE_POOLS: set = set()
-_STOPPING = threading.Event()
+# --- the worker process -------------------------------------------------------------------------------------
+
+def _build_backend(payload) -> AttentionBackend:
+    kind, data, name = payload
+    if kind == "spec":
+        from mha_harness.registry import backends_from_spec
+        matches = [b for b in backends_from_spec(data) if b.name == name]
+        if not matches:
+            raise LookupError(f"{data} no longer produces a backend named {name!r}")
+        return matches[0]
+    return pickle.loads(data)
 
 
-def _init_worker(threads: int | None) -> None:
+def worker_main(conn, payload, threads: int | None) -> None:
+    """The worker: its own process group; answers (op, args) requests with encoded {"ok": ...} or {"error": ...}."""
+    try:
+        os.setsid()
+    except OSError:
+        pass
     if threads:
         for var in _THREAD_VARS:
             os.environ[var] = str(threads)
+        try:
+            from threadpoolctl import threadpool_limits
+            threadpool_limits(threads)
+        except Exception:  # noqa: BLE001 - thread limits are an optimisation
+            pass
+    from mha_harness.conformance.proxy import Server
+    from mha_harness.conformance.wire import encode
+    server, startup_error = None, None
+    try:
+        server = Server(_build_backend(payload))
+    except BaseException as exc:  # noqa: BLE001 - the plugin's import or constructor: that backend's error
+        startup_error = describe_exception(exc)
+        startup_error["message"] = f"building the backend in its worker: {startup_error['message']}"
+    while True:
+        try:
+            op, args = conn.recv()
+        except BaseException:  # noqa: BLE001 - the harness went away
+            os._exit(0)
+        try:
+            if startup_error is not None:
+                reply = {"error": startup_error}
+            elif op == "hello":
+                reply = {"ok": None}
+            else:
+                reply = {"ok": getattr(server, op)(*args)}
+            data = encode(reply)
+        except BaseException as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt... from plugin code
+            try:
+                data = encode({"error": describe_exception(exc)})
+            except BaseException:  # noqa: BLE001
+                data = encode({"error": {"type": "Error", "message": "unreportable exception", "kind": "other"}})
+        try:
+            conn.send_bytes(data)
+        except BaseException:  # noqa: BLE001
+            os._exit(0)
 
 
-def _backend_in_worker(payload) -> AttentionBackend:
-    kind, data, name = payload
-    key = (kind, data if kind == "spec" else hash(data), name)
-    if key not in _WORKER_CACHE:
-        if kind == "spec":
-            from mha_harness.registry import backends_from_spec
-            matches = [b for b in backends_from_spec(data) if b.name == name]
-            if not matches:
-                raise LookupError(f"{data} no longer produces a backend named {name!r}")
-            _WORKER_CACHE[key] = matches[0]
-        else:
-            _WORKER_CACHE[key] = pickle.loads(data)
-    return _WORKER_CACHE[key]
+# --- out-of-memory evidence ---------------------------------------------------------------------------------
+
+def _memory_cgroup_files() -> list[Path]:
+    """Files holding this process's cgroup OOM-kill counter (v2 memory.events, v1 memory.oom_control)."""
+    out = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            out.append(Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events")
+        elif "memory" in controllers.split(","):
+            out.append(Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control")
+    return out
 
 
-def _run_in_worker(payload, case_name: str, params: dict) -> CaseResult:
-    from mha_harness.conformance.casekit import all_cases
-    return run_case(_backend_in_worker(payload), all_cases()[case_name], params)
+OOM_COUNTER_FILES: list[Path] = _memory_cgroup_files() + [Path("/proc/vmstat")]
 
 
-def _lost(target: Target, case: Case, params: dict, status: str, message: str) -> CaseResult:
-    return CaseResult(target.name, case.name, variant_id(target.name, params), dict(params), status, message,
-                      repro=repro_command(target.name, case.name, params))
+def oom_kills() -> int | None:
+    """The kernel's OOM-kill count for this process's memory cgroup (else the whole machine); None if unknown."""
+    for path in OOM_COUNTER_FILES:
+        try:
+            for line in path.read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def death_message(exitcode: int | None, oom_before: int | None, oom_after: int | None) -> str:
+    """Why a worker died, in words: exit code, signal, or out of memory when the OOM counter rose."""
+    if exitcode is None:
+        return "worker process died (exit status unknown)"
+    if exitcode < 0:
+        sig = -exitcode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        if sig == signal.SIGKILL and oom_before is not None and oom_after is not None and oom_after > oom_before:
+            return "killed: out of memory (signal 9)"
+        return f"worker process killed by {name} (exit code {exitcode})"
+    return f"worker process exited with exit code {exitcode} before answering"
+
+
+# --- the harness's side --------------------------------------------------------------------------------------
+
+_ACTIVE: set = set()
+_STOPPING = threading.Event()
+
+
+class WorkerTransport:
+    """Sends a backend's calls to its worker process, restarting it after a loss.
+
+    Each case gives the worker ``timeout`` seconds in total: only the time spent waiting for the worker is
+    charged (the harness's own reference and comparison are not), and so is not the worker's start."""
+
+    isolated = True
+
+    def __init__(self, payload, threads: int | None):
+        self.payload, self.threads = payload, threads
+        self.process = self.conn = None
+        self.budget: float | None = None  # worker seconds left to the current case
+        self.timeout = None
+        self.limit_message = ""
+
+    # lifecycle
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=worker_main, args=(child, self.payload, self.threads), daemon=True)
+        self.oom_before = oom_kills()
+        self.process.start()
+        child.close()
+        _ACTIVE.add(self)
+        case_budget, case_message = self.budget, self.limit_message
+        self.budget, self.limit_message = START_TIMEOUT, (
+            f"the worker did not import and build the backend within {START_TIMEOUT:g} s; worker killed")
+        try:
+            self.call("hello")  # the plugin's import and constructor are not charged to the case
+        finally:
+            self.budget, self.limit_message = case_budget, case_message
+
+    def stop(self) -> None:
+        """Kill the worker and its whole process group (whatever plugin processes it started)."""
+        process, self.process = self.process, None
+        _ACTIVE.discard(self)
+        if process is None:
+            return
+        for kill in (lambda: os.killpg(process.pid, signal.SIGKILL), lambda: process.kill()):
+            try:
+                kill()
+            except (ProcessLookupError, PermissionError, OSError, AttributeError):
+                pass
+        process.join(5)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # members that outlived the leader
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+    # per case
+    def begin_case(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.limit_message = f"no result within {timeout:g} s; worker killed" if timeout else ""
+        self.budget = timeout
+
+    def end_case(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.budget, self.limit_message = RELEASE_TIMEOUT, "releasing the case's loaded layers timed out"
+            try:
+                self.call("release")
+            except WorkerLost:
+                pass
+        self.budget = None
+
+    def call(self, op: str, *args):
+        if _STOPPING.is_set():
+            raise WorkerLost(Status.ERROR, "not run: the run was interrupted")
+        if self.process is None:
+            self._start()
+        try:
+            self.conn.send((op, args))
+        except (OSError, EOFError, BrokenPipeError):
+            self._lost()
+        started = time.monotonic()
+        deadline = None if self.budget is None else started + self.budget
+        try:
+            while True:
+                wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
+                try:
+                    ready = self.conn.poll(wait)
+                except (OSError, EOFError):
+                    self._lost()
+                if ready:
+                    try:
+                        data = self.conn.recv_bytes()
+                    except (OSError, EOFError):
+                        self._lost()
+                    break
+                if _STOPPING.is_set():
+                    self.stop()
+                    raise WorkerLost(Status.ERROR, "not run: the run was interrupted")
+                if not self.process.is_alive():
+                    self._lost()
+                if deadline is not None and time.monotonic() >= deadline:
+                    self.stop()
+                    raise WorkerLost(Status.TIMEOUT, self.limit_message)
+        finally:
+            if self.budget is not None:
+                self.budget = max(0.0, self.budget - (time.monotonic() - started))
+        try:
+            reply = decode(data)
+        except Exception as exc:  # noqa: BLE001 - a worker answering garbage is that backend's error
+            raise WorkerLost(Status.ERROR, f"the worker's answer could not be read ({type(exc).__name__}: {exc})") \
+                from None
+        if not isinstance(reply, dict) or not ({"ok", "error"} & set(reply)):
+            raise WorkerLost(Status.ERROR, "the worker's answer is not a reply")
+        if "error" in reply:
+            raise_described(reply["error"] if isinstance(reply["error"], dict) else {"message": reply["error"]})
+        return reply["ok"]
+
+    def _lost(self):
+        process = self.process
+        process.join(2)
+        exitcode = process.exitcode
+        message = death_message(exitcode, self.oom_before, oom_kills())
+        self.stop()
+        raise WorkerLost(Status.CRASHED, message)
 
 
 def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, threads: int | None,
                         progress=None) -> list[CaseResult]:
-    """All planned variants of one backend, each in the backend's worker process under ``timeout`` seconds."""
+    """All planned variants of one backend; plugin calls in its worker, each case under ``timeout`` seconds."""
     results: list[CaseResult] = []
+    spec = target.repro_spec
     try:
         payload = target.payload()
     except Exception as exc:  # noqa: BLE001 - an unpicklable object: run nothing, say why
-        return [_lost(target, c, p, ERROR, f"cannot send the backend to a worker process ({exc}); "
-                      "give it as module:object or pass isolate=False") for c, p in plan(target.backend, cases)]
-    from pebble import ProcessExpired, ProcessPool
-    context = multiprocessing.get_context("spawn")
-    pool = ProcessPool(max_workers=1, initializer=_init_worker, initargs=(threads,), context=context)
-    _ACTIVE_POOLS.add(pool)
+        return [lost_result(target.name, c, p, Status.ERROR, f"cannot send the backend to a worker process "
+                            f"({exc}); give it as module:object or pass isolate=False", spec)
+                for c, p in plan(target.backend, cases)]
+    transport = WorkerTransport(payload, threads)
+    proxy = BackendProxy(target.backend, transport)
     losses = 0
     try:
         for case, params in plan(target.backend, cases):
             if _STOPPING.is_set():
                 break
             if losses >= MAX_CONSECUTIVE_LOSSES:
-                result = _lost(target, case, params, ERROR, f"not run: {target.name}'s worker was lost "
-                               f"{MAX_CONSECUTIVE_LOSSES} times in a row (timeouts or crashes)")
+                result = lost_result(target.name, case, params, Status.ERROR, f"not run: {target.name}'s worker was "
+                                     f"lost {MAX_CONSECUTIVE_LOSSES} times in a row (timeouts or crashes)", spec)
             else:
-                future = pool.schedule(_run_in_worker, args=(payload, case.name, params), timeout=timeout)
-                try:
-                    result = future.result()
-                    losses = 0
-                except FutureTimeout:
-                    losses += 1
-                    result = _lost(target, case, params, TIMEOUT, f"no result within {timeout:g} s; worker killed")
-                except ProcessExpired as exc:
-                    losses += 1
-                    result = _lost(target, case, params, CRASHED,
-                                   f"worker process died with exit code {exc.exitcode} ({exc})")
-                except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable result or a failed rebuild
-                    result = _lost(target, case, params, ERROR, f"{type(exc).__name__}: {exc}")
+                result = run_case(proxy, case, params, spec=spec, timeout=timeout)
+                losses = losses + 1 if result.status in (Status.TIMEOUT, Status.CRASHED) else 0
             results.append(result)
             if progress:
                 progress(result)
     finally:
-        _ACTIVE_POOLS.discard(pool)
-        pool.stop()
-        pool.join(timeout=10)
+        transport.stop()
     return results
 
 
 def run_isolated(targets: list[Target], cases: list[Case], *, timeout: float = 120.0, jobs: int | None = None,
                  progress=None, on_backend_done=None) -> dict[str, list[CaseResult]]:
-    """Run several backends, ``jobs`` at a time, each in its own worker; results keyed by backend name."""
-    require_pebble()
+    """Run several backends, ``jobs`` at a time, each with its own worker; results keyed by backend name."""
     jobs = max(1, jobs or min(len(targets), os.cpu_count() or 1))
     threads = 1 if jobs > 1 else None
     out: dict[str, list[CaseResult]] = {}
@@ -168,8 +376,8 @@ def run_isolated(targets: list[Target], cases: list[Case], *, timeout: float = 1
                 thread.join(0.2)
     except BaseException:  # Ctrl-C / SIGTERM: kill every worker now; finished results are already kept
         _STOPPING.set()
-        for pool in list(_ACTIVE_POOLS):
-            pool.stop()
+        for transport in list(_ACTIVE):
+            transport.stop()
         raise
     if errors:
         raise errors[0]

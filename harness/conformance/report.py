@@ -14,22 +14,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mha_harness.conformance.results import (
-    BAD,
-    EXPECTED_DIVERGENCE,
-    FAILED,
-    PASSED,
-    SKIPPED,
-    STATUSES,
-    UNEXPECTED_PASS,
-    CaseResult,
-)
+from mha_harness.conformance.results import BAD, SEVERITY, STATUSES, CaseResult, Status
 from mha_harness.util.atomic import results_lock, write_json_atomic, write_text_atomic
 from mha_harness.util.markdown import md_code, md_text
 
-SCHEMA_VERSION = "1.0"
-_SYMBOL = {PASSED: "pass", FAILED: "FAIL", SKIPPED: "skip", EXPECTED_DIVERGENCE: "diverges",
-           UNEXPECTED_PASS: "UNEXPECTED PASS", "error": "ERROR", "timeout": "TIMEOUT", "crashed": "CRASHED"}
+SCHEMA_VERSION = "1.1"
+_SYMBOL = {Status.PASSED: "pass", Status.FAILED: "FAIL", Status.SKIPPED: "skip", Status.EXPECTED_DIVERGENCE: "diverges",
+           Status.UNEXPECTED_PASS: "UNEXPECTED PASS", Status.ERROR: "ERROR", Status.TIMEOUT: "TIMEOUT",
+           Status.CRASHED: "CRASHED"}
+#: statuses that count as "this case ran and held"
+_RAN = (Status.PASSED, Status.EXPECTED_DIVERGENCE)
+CAUSAL_CASES = ("check_causal_output_matches_reference", "check_causal_mask_blocks_future_keys")
+FULLY_MASKED_CASE = "check_fully_masked_rows_output_zeros"
 
 
 @dataclass
@@ -49,8 +45,9 @@ class BackendInfo:
 @dataclass
 class Report:
     """Results of one conformance run; ``ok`` is True only when the run completed, no backend failed to
-    load, every available backend has results, and no result is failed, error, timeout, crashed or an
-    unexpected pass. A plugin therefore cannot make a run look fine by vanishing."""
+    load, every available backend has at least one case that ran and held (not only skips), and no result is
+    failed, error, timeout, crashed or an unexpected pass. A plugin therefore cannot make a run look fine by
+    vanishing or by declaring nothing a case can run with."""
 
     results: list[CaseResult] = field(default_factory=list)
     backends: dict[str, BackendInfo] = field(default_factory=dict)
@@ -64,12 +61,19 @@ class Report:
     @property
     def ok(self) -> bool:
         return (self.complete and not any(r.status in BAD for r in self.results)
-                and not any(info.load_error for info in self.backends.values()) and not self.missing_results())
+                and not any(info.load_error for info in self.backends.values()) and not self.missing_results()
+                and not self.nothing_ran())
 
     def missing_results(self) -> list[str]:
         """Available backends with no result at all (their worker vanished, or nothing was run)."""
         have = {r.backend for r in self.results}
         return [n for n, info in self.backends.items() if info.available and n not in have]
+
+    def nothing_ran(self) -> list[str]:
+        """Available backends with results, none of which ran and held (all skipped): never OK."""
+        ran = {r.backend for r in self.results if r.status in _RAN}
+        have = {r.backend for r in self.results}
+        return [n for n, info in self.backends.items() if info.available and n in have and n not in ran]
 
     def counts(self, backend: str | None = None) -> Counter:
         return Counter(r.status for r in self.results if backend is None or r.backend == backend)
@@ -83,30 +87,51 @@ class Report:
     def cell(self, backend: str, case: str) -> str:
         """One status for a (backend, case) cell: the worst of its variants."""
         statuses = {r.status for r in self.results if r.backend == backend and r.case == case}
-        for status in ("crashed", "timeout", "error", UNEXPECTED_PASS, FAILED, EXPECTED_DIVERGENCE, PASSED, SKIPPED):
-            if status in statuses:
-                return status
-        return ""
+        return next((status for status in SEVERITY if status in statuses), "")
 
-    # --- the three policies backends legitimately differ on -----------------------------
+    # --- the policies backends legitimately differ on, from what ran -----------------------
+    @staticmethod
+    def _fully_masked(rows: list[CaseResult]) -> str:
+        masked = [r for r in rows if r.case == FULLY_MASKED_CASE]
+        if not masked:
+            return "not run"
+        r = masked[0]
+        if r.status == Status.PASSED:
+            return "zeros (verified)"
+        if r.status == Status.EXPECTED_DIVERGENCE:
+            return f"{r.observed} (declared, verified)"
+        if r.status == Status.SKIPPED:
+            return f"not run: {r.message}"
+        return f"{r.status.value.upper()}: {r.observed or r.message[:80]}"
+
+    @staticmethod
+    def _alignments(rows: list[CaseResult], declared: list[str]) -> str:
+        """Per declared alignment: verified when its causal cases ran and held; FAILS; or the skip's reason."""
+        if not declared:
+            return "no causal mask declared"
+        parts = []
+        for alignment in declared:
+            mine = [r for r in rows if r.case in CAUSAL_CASES and r.params.get("alignment") == alignment]
+            if not mine:
+                parts.append(f"{alignment} not run")
+            elif any(r.status in BAD for r in mine):
+                parts.append(f"{alignment} FAILS")
+            elif any(r.status in _RAN for r in mine):
+                cross = any(r.status in _RAN and r.params.get("seq") != r.params.get("tk") for r in mine)
+                diverges = any(r.status == Status.EXPECTED_DIVERGENCE for r in mine)
+                parts.append(f"{alignment} verified" + (" (Tq != Tk too)" if cross else " (Tq == Tk only)")
+                             + (" with declared divergences" if diverges else ""))
+            else:
+                parts.append(f"{alignment} skipped: {mine[0].message}")
+        return "; ".join(parts)
+
     def policies(self) -> dict[str, dict[str, str]]:
         table = {}
         for name, info in self.backends.items():
             rows = self.for_backend(name)
-            masked = [r for r in rows if r.case == "check_fully_masked_rows_output_zeros"]
-            fully = masked[0].observed or masked[0].status if masked else "not run"
-            if masked and masked[0].status == SKIPPED:
-                fully = "not applicable (no masks)"
-            verified = sorted({r.params.get("alignment") for r in rows
-                               if r.case == "check_causal_output_matches_reference"
-                               and r.params.get("seq") != r.params.get("tk") and r.status in (PASSED,)})
-            if not info.capabilities.get("causal_alignments"):
-                alignment = "no causal mask"
-            elif verified:
-                alignment = " and ".join(verified) + " (verified with Tq != Tk)"
-            else:
-                alignment = ", ".join(info.capabilities.get("causal_alignments", [])) + " (declared; not verified)"
-            table[name] = {"fully_masked_rows": fully, "causal_alignment": alignment,
+            table[name] = {"fully_masked_rows": self._fully_masked(rows),
+                           "causal_alignment": self._alignments(rows, list(info.capabilities.get("causal_alignments",
+                                                                                                  []))),
                            "native_causal": info.native_causal, "mask_polarity": info.mask_polarity}
         return table
 
@@ -117,9 +142,10 @@ class Report:
             "machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "processor": platform.processor() or platform.machine()},
             "seconds": round(self.seconds, 2), "ok": self.ok, "complete": self.complete,
-            "summary": {name: dict(self.counts(name)) for name in self.backends},
+            "summary": {name: {s.value: n for s, n in self.counts(name).items()} for name in self.backends},
             "backends": {name: vars(info) for name, info in self.backends.items()},
-            "missing_results": self.missing_results(), "earlier_runs": list(self.earlier),
+            "missing_results": self.missing_results(), "nothing_ran": self.nothing_ran(),
+            "earlier_runs": list(self.earlier),
             "policies": self.policies(), "mutation": self.mutation,
             "results": [r.to_dict() for r in self.results],
         }
@@ -143,6 +169,7 @@ class Report:
         lines += ["", "## Policies that backends legitimately differ on", "",
                   "The harness pins: fully masked rows output zeros; both causal alignments; "
                   "attn_mask True = may attend, key_padding_mask True = ignore.", "",
+                  "An alignment is *verified* when its causal cases ran and held; a skip shows its reason.", "",
                   "| backend | fully masked rows | causal alignments verified | its own causal flag | "
                   "mask polarity at its own API |",
                   "|---|---|---|---|---|"]
@@ -152,10 +179,12 @@ class Report:
                              f"| {e(row['native_causal'])} | {e(row['mask_polarity'])} |")
         divergent = [(n, d) for n, info in self.backends.items() for d in info.divergences]
         if divergent:
-            lines += ["", "## Declared divergences", "", "| backend | case | when | observed | reason |",
-                      "|---|---|---|---|---|"]
+            lines += ["", "## Declared divergences", "", "Each is verified: the case is rerun under the declared "
+                      "behaviour and must pass there.", "",
+                      "| backend | case | when | behaviour | observed | reason |", "|---|---|---|---|---|---|"]
             for n, d in divergent:
-                lines.append(f"| {e(n)} | {e(d['case'])} | {e(d.get('when') or 'always')} | {e(d['observed'])} "
+                lines.append(f"| {e(n)} | {e(d['case'])} | {e(d.get('when') or 'always')} "
+                             f"| {md_code(str(d.get('behaviour', '')), in_table=True)} | {e(d['observed'])} "
                              f"| {e(d['reason'])} |")
         unavailable = [(n, i) for n, i in self.backends.items() if not i.available]
         if unavailable:
@@ -165,6 +194,10 @@ class Report:
         if missing:
             lines += ["", "## No results", ""] + [
                 f"- **{e(n)}**: available, but no case result came back (counted as a failure)" for n in missing]
+        if self.nothing_ran():
+            lines += ["", "## No case ran", ""] + [
+                f"- **{e(n)}**: every case was skipped (a backend with no verdict is not OK)"
+                for n in self.nothing_ran()]
         if self.mutation:
             m = self.mutation
             lines += ["", "## Mutation score", "",
@@ -178,7 +211,7 @@ class Report:
         if bad:
             lines += ["", "## Failures", ""]
             for r in bad:
-                lines.append(f"- {md_code(f'{r.case}[{r.variant}]')} **{e(r.status)}**: {e(r.message)}  \n"
+                lines.append(f"- {md_code(f'{r.case}[{r.variant}]')} **{e(r.status.value)}**: {e(r.message)}  \n"
                              f"  repro: {md_code(r.repro)}")
         return "\n".join(lines) + "\n"
 
@@ -229,6 +262,8 @@ class Report:
             c = self.counts(name)
             bad = sum(c.get(s, 0) for s in BAD)
             text = ", ".join(f"{c[s]} {s}" for s in STATUSES if c.get(s)) or "no results came back"
+            if c and name in self.nothing_ran():
+                bad, text = 1, text + "; no case ran"
             out.append(f"  {name:<28} {'OK  ' if c and not bad else 'FAIL'} {text}")
         return out
 
@@ -265,7 +300,8 @@ def _describe(backend, source: str, reason: str | None) -> BackendInfo:
     return BackendInfo(backend.name, source=source, available=reason is None, reason=reason,
                        capabilities=backend.capabilities.to_dict(), versions=versions,
                        mask_polarity=backend.native_mask_polarity, native_causal=backend.native_causal,
-                       divergences=[{"case": d.case, "when": {k: list(v) if isinstance(v, tuple) else v
+                       divergences=[{"case": d.case, "behaviour": d.behaviour,
+                                     "when": {k: list(v) if isinstance(v, tuple) else v
                                                               for k, v in d.when.items()},
                                      "observed": d.observed, "reason": d.reason} for d in backend.divergences])
 

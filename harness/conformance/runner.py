@@ -1,22 +1,27 @@
-"""Running cases against a backend in this process: one variant -> one CaseResult."""
+"""Running one case variant: case, reference, tolerance and comparison here; plugin calls through a proxy.
+
+One variant -> one :class:`CaseResult`. A failure the backend declared is verified, not trusted: the case is
+rerun under the declared behaviour (:func:`mha_harness.conformance.casekit.verifying`) and only passing there
+makes it an expected divergence.
+"""
 from __future__ import annotations
 
+import inspect
 import time
-import traceback
 from collections.abc import Iterable
 
-from mha_harness.conformance.casekit import Case, CaseFailure, CaseSkipped, Measurement, all_cases, variant_id
-from mha_harness.conformance.results import (
-    ERROR,
-    EXPECTED_DIVERGENCE,
-    FAILED,
-    PASSED,
-    SKIPPED,
-    UNEXPECTED_PASS,
-    CaseResult,
-    repro_command,
+from mha_harness.conformance.casekit import (
+    Case,
+    CaseFailure,
+    CaseSkipped,
+    Measurement,
+    all_cases,
+    variant_id,
+    verifying,
 )
-from mha_harness.contract.api import AttentionBackend, Unsupported, supported
+from mha_harness.conformance.proxy import PluginError, WorkerLost, as_proxy
+from mha_harness.conformance.results import CaseResult, Status, repro_command
+from mha_harness.contract.api import AttentionBackend, Divergence, Unsupported, supported
 
 
 def select_cases(names: Iterable[str] | None = None, include_slow: bool = True) -> list[Case]:
@@ -43,54 +48,129 @@ def plan(backend: AttentionBackend, cases: list[Case]) -> list[tuple[Case, dict]
     return out
 
 
-def _apply_divergence(backend: AttentionBackend, result: CaseResult) -> CaseResult:
-    declared = [d for d in backend.divergences if d.matches(result.case, result.params)]
-    if not declared:
-        return result
-    d = declared[0]
-    if result.status == FAILED:
-        result.status = EXPECTED_DIVERGENCE
-        result.message = f"declared divergence: {d.observed} ({d.reason}); case said: {result.message}"
-        result.observed = result.observed or d.observed
-    elif result.status == PASSED:
-        result.status = UNEXPECTED_PASS
-        result.message = (f"declared divergence did not happen: {backend.name} was declared to give "
-                          f"'{d.observed}' ({d.reason}) but passed; remove or narrow the declaration")
-    return result
+def case_parameters(case: Case) -> set[str]:
+    """The parameter names a case takes (the keys a divergence's ``when`` may use)."""
+    return {name for name, p in inspect.signature(case.func).parameters.items()
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and name != "backend"}
 
 
-def run_case(backend: AttentionBackend, case: Case, params: dict) -> CaseResult:
-    """Run one variant; never raises for the backend's faults (they become failed/error results)."""
-    vid = variant_id(backend.name, {k: v for k, v in params.items() if k != "unsupported"})
-    result = CaseResult(backend.name, case.name, vid, dict(params), PASSED,
-                        repro=repro_command(backend.name, case.name, params))
-    start = time.perf_counter()
+def divergence_problems(backend: AttentionBackend) -> list[str]:
+    """What is wrong with a backend's declarations: unknown case names, unknown ``when`` keys, a behaviour the
+    case cannot show. Empty when every declaration can be checked."""
+    cases = all_cases()
+    problems = []
+    try:
+        declared = tuple(backend.divergences)
+    except Exception as exc:  # noqa: BLE001 - a plugin's property: its fault, reported
+        return [f"divergences could not be read ({type(exc).__name__}: {exc})"]
+    for d in declared:
+        if not isinstance(d, Divergence):
+            problems.append(f"divergences: got {type(d).__name__}; accepted: mha_harness.Divergence")
+            continue
+        if d.case not in cases:
+            problems.append(f"divergence for unknown case {d.case!r}; accepted: {', '.join(cases)}")
+            continue
+        accepted = case_parameters(cases[d.case])
+        unknown = sorted(set(d.when) - accepted)
+        if unknown:
+            problems.append(f"divergence for {d.case}: unknown 'when' key(s) {', '.join(map(repr, unknown))}; "
+                            f"accepted: {', '.join(sorted(accepted))}")
+        if d.behaviour == "masked_poison" and "poison" not in accepted:
+            problems.append(f"divergence for {d.case}: masked_poison needs a case with a 'poison' parameter")
+    return problems
+
+
+def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | None, str | None]:
+    """Run the case once: (status, message, max_error, observed). Plugin faults become errors, never raise;
+    :class:`~mha_harness.conformance.isolation.WorkerLost` (a lost worker) propagates."""
     try:
         if params.get("unsupported"):
             raise CaseSkipped(f"{backend.name} declares no parameters this case can run with")
         reason = supported(backend, case.requires)
         if reason:
             raise CaseSkipped(reason)
-        measurement = case.func(backend, **params)
+        measurement = case.func(backend, **{k: v for k, v in params.items() if k != "unsupported"})
         if isinstance(measurement, Measurement):
-            result.max_error, result.observed = measurement.max_error, measurement.observed
+            return Status.PASSED, "", measurement.max_error, measurement.observed
+        return Status.PASSED, "", None, None
     except (CaseSkipped, Unsupported) as skip:
-        result.status, result.message = SKIPPED, str(skip)
+        return Status.SKIPPED, str(skip), None, None
     except CaseFailure as failure:
-        result.status, result.message = FAILED, str(failure)
-        result.max_error, result.observed = failure.max_error, failure.observed
+        return Status.FAILED, str(failure), failure.max_error, failure.observed
+    except PluginError as exc:
+        where = f" at {exc.where}" if exc.where else ""
+        return Status.ERROR, f"{exc}{where}", None, None
     except Exception as exc:  # noqa: BLE001 - the backend's fault, reported not raised
-        tb = traceback.extract_tb(exc.__traceback__)
-        where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-        result.status, result.message = ERROR, f"{type(exc).__name__}: {exc}{where}"
+        where = getattr(exc, "where", "")
+        if not where:
+            import traceback
+            tb = traceback.extract_tb(exc.__traceback__)
+            where = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+        return Status.ERROR, f"{type(exc).__name__}: {exc}" + (f" at {where}" if where else ""), None, None
+
+
+def _verify(backend, case: Case, params: dict, d: Divergence, result: CaseResult) -> None:
+    """The strict run failed and ``d`` is declared: rerun under its behaviour; only a pass there is expected."""
+    with verifying(d.behaviour):
+        status, message, max_error, observed = _execute(backend, case, params)
+    if status == Status.PASSED and d.behaviour == "masked_poison" and params.get("poison") not in (None, "random"):
+        finite = {**params, "poison": "random"}
+        status, message, max_error, _ = _execute(backend, case, finite)
+        if status == Status.FAILED:
+            message = f"the finite-value variant ({variant_id(backend.name, finite)}) fails too: {message}"
+    if status == Status.PASSED:
+        result.status = Status.EXPECTED_DIVERGENCE
+        result.message = (f"declared divergence, verified: {d.observed} ({d.reason}); "
+                          f"the strict case said: {result.message}")
+        result.observed = result.observed or d.observed
+    elif status == Status.FAILED:
+        result.message = f"declared {d.observed}; not what happens: {message}"
+        result.max_error = max_error
+    else:
+        result.status, result.message = status, f"while verifying the declared {d.observed}: {message}"
+
+
+def run_case(backend, case: Case, params: dict, *, spec: str | None = None,
+             timeout: float | None = None) -> CaseResult:
+    """Run one variant; never raises for the backend's faults (they become failed/error/timeout/crashed)."""
+    proxy = as_proxy(backend)
+    vid = variant_id(proxy.name, {k: v for k, v in params.items() if k != "unsupported"})
+    result = CaseResult(proxy.name, case.name, vid, dict(params), Status.PASSED,
+                        repro=repro_command(proxy.name, case.name, params, spec))
+    start = time.perf_counter()
+    proxy.transport.begin_case(timeout)
+    try:
+        result.status, result.message, result.max_error, result.observed = _execute(proxy, case, params)
+        declared = [d for d in proxy.divergences if d.matches(case.name, params)]
+        if declared and result.status == Status.FAILED:
+            _verify(proxy, case, params, declared[0], result)
+        elif declared and result.status == Status.PASSED:
+            d = declared[0]
+            result.status = Status.UNEXPECTED_PASS
+            result.message = (f"declared divergence did not happen: {proxy.name} was declared to give "
+                              f"'{d.observed}' ({d.reason}) but passed; remove or narrow the declaration")
+    except WorkerLost as lost:
+        result.status, result.message = lost.status, str(lost)
+    finally:
+        proxy.transport.end_case()
     result.seconds = round(time.perf_counter() - start, 4)
-    return _apply_divergence(backend, result)
+    return result
 
 
-def run_backend(backend: AttentionBackend, cases: list[Case], progress=None) -> list[CaseResult]:
+def lost_result(backend: str, case: Case, params: dict, status: Status, message: str,
+                spec: str | None = None) -> CaseResult:
+    """A variant that got no verdict (not run, or its worker was lost)."""
+    return CaseResult(backend, case.name, variant_id(backend, {k: v for k, v in params.items() if k != "unsupported"}),
+                      dict(params), status, message, repro=repro_command(backend, case.name, params, spec))
+
+
+def run_backend(backend: AttentionBackend, cases: list[Case], progress=None,
+                spec: str | None = None) -> list[CaseResult]:
+    """Every planned variant in this process (``isolate=False``: the plugin can reach the verdict)."""
+    proxy = as_proxy(backend)
     results = []
     for case, params in plan(backend, cases):
-        results.append(run_case(backend, case, params))
+        results.append(run_case(proxy, case, params, spec=spec))
         if progress:
             progress(results[-1])
     return results

@@ -119,20 +119,70 @@ class Capabilities:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
 
 
+#: fully masked rows (no key to attend to) -> what the backend outputs for them before W_o
+FULLY_MASKED_ROWS = {"uniform_average": "uniform average of V", "nan": "NaN", "zeros": "zeros"}
+
+
+def describe_behaviour(behaviour: str) -> str:
+    """A declared behaviour in words, e.g. ``precision:float32`` -> "compared against the bound of dtype float32"."""
+    kind, _, value = behaviour.partition(":")
+    if kind == "fully_masked_rows":
+        return f"fully masked rows output the {FULLY_MASKED_ROWS[value]}" if value == "uniform_average" else \
+            f"fully masked rows output {FULLY_MASKED_ROWS[value]}"
+    if kind == "precision":
+        return f"compared against the bound of dtype {value}"
+    return "NaN/inf held by a masked key/value reaches the output (only there)"
+
+
+def parse_behaviour(behaviour: str) -> str:
+    """Check a declared behaviour against the vocabulary; a ValueError lists the accepted forms."""
+    accepted = ([f"fully_masked_rows:{v}" for v in FULLY_MASKED_ROWS] + [f"precision:{d}" for d in DTYPES]
+                + ["masked_poison"])
+    if behaviour not in accepted:
+        raise ValueError(f"Divergence behaviour: got {behaviour!r}; accepted: {', '.join(accepted)} "
+                         "(ready-made: mha_harness.toolkit.divergences)")
+    return behaviour
+
+
 @dataclass(frozen=True)
 class Divergence:
-    """A declared, reasoned difference between a backend and the harness's convention.
+    """A declared, reasoned difference between a backend and the harness's convention, which the harness verifies.
 
-    ``case`` names the check; ``when`` restricts it to case parameters (e.g. ``{"dtype": "float16"}``;
-    a list or tuple value means "any of these");
-    ``observed`` says what the backend does; ``reason`` why (library behaviour and version).
-    If the case passes anyway, the run reports an *unexpected pass* and fails, so declarations cannot rot.
+    ``case`` names the check; ``when`` restricts it to case parameters (e.g. ``{"dtype": "float64"}``; a list or
+    tuple value means "any of these"); ``reason`` says why (library behaviour and version). ``behaviour`` names
+    the alternative from a small vocabulary the harness checks:
+
+    * ``fully_masked_rows:uniform_average`` | ``fully_masked_rows:nan`` | ``fully_masked_rows:zeros``: rows with
+      no key to attend to are compared against that output instead of the convention;
+    * ``precision:<dtype>``: the result is compared against the tolerance bound of ``dtype`` (a float64 run
+      declared ``precision:float32`` must still meet the float32 bound);
+    * ``masked_poison``: NaN/inf may come out only in batch items where a masked key/value held NaN/inf, the
+      output must be right once those are finite, and the finite-value variant of the case must pass.
+
+    When the case fails, it is rerun under the declaration: passing there is an *expected divergence*; failing
+    there is a failure ("declared ...; not what happens: ..."). A declaration whose case passes anyway is an
+    *unexpected pass* and fails the run, so declarations cannot rot. Unknown case names or ``when`` keys are
+    refused when the backend is checked.
     """
 
     case: str
-    observed: str
+    behaviour: str
     reason: str
     when: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("case", "behaviour", "reason"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise TypeError(f"Divergence {name}: got {getattr(self, name)!r}; accepted: a non-empty string")
+        parse_behaviour(self.behaviour)
+        if not isinstance(self.when, Mapping):
+            raise TypeError(f"Divergence when: got {type(self.when).__name__}; accepted: a mapping of case "
+                            "parameter names to values")
+
+    @property
+    def observed(self) -> str:
+        """The declared behaviour in words (shown in reports)."""
+        return describe_behaviour(self.behaviour)
 
     def matches(self, case: str, params: Mapping[str, Any]) -> bool:
         def fits(key, wanted):

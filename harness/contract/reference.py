@@ -16,12 +16,37 @@ dtype" (rounding after every stage), whose error against float64 sets the tolera
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams
 from mha_harness.contract.conventions import causal_offset, round_to
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.contract.validation import require_inputs, require_params
+
+#: what a row with no key to attend to outputs before W_o: "zeros" (the convention), "uniform_average" or "nan";
+#: changed only while a backend's declared ``fully_masked_rows:...`` divergence is verified
+_EMPTY_ROWS: contextvars.ContextVar[str] = contextvars.ContextVar("empty_rows", default="zeros")
+EMPTY_ROW_CONVENTIONS = ("zeros", "uniform_average", "nan")
+
+
+@contextlib.contextmanager
+def empty_rows_as(convention: str):
+    """Within this block the reference gives rows with no visible key the ``convention`` output."""
+    if convention not in EMPTY_ROW_CONVENTIONS:
+        raise ValueError(f"convention: got {convention!r}; accepted: {', '.join(EMPTY_ROW_CONVENTIONS)}")
+    token = _EMPTY_ROWS.set(convention)
+    try:
+        yield
+    finally:
+        _EMPTY_ROWS.reset(token)
+
+
+def empty_rows_convention() -> str:
+    """The output the reference gives rows with no visible key now (see :func:`empty_rows_as`)."""
+    return _EMPTY_ROWS.get()
 
 
 def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.ndarray | None = None):
@@ -60,17 +85,18 @@ def _project(x, w, bias, dtype):
     return round_to(y, dtype)
 
 
-def _masked_softmax(scores, allowed):
+def _masked_softmax(scores, allowed, empty_rows: str = "zeros"):
     scores = np.where(allowed, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     any_allowed = np.isfinite(row_max)
     e = np.exp(scores - np.where(any_allowed, row_max, 0.0))
     e = np.where(allowed, e, 0.0)
     total = e.sum(axis=-1, keepdims=True)
-    return np.where(any_allowed, e / np.where(total == 0, 1, total), 0.0)
+    empty = {"zeros": 0.0, "nan": np.nan, "uniform_average": 1.0 / scores.shape[-1]}[empty_rows]
+    return np.where(any_allowed, e / np.where(total == 0, 1, total), empty)
 
 
-def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype: str):
+def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype: str, empty_rows: str | None = None):
     c = params.config
     query = inputs.query if rows is None else inputs.query[:, np.asarray(rows)]
     q = _heads(_project(query, params.W_q, params.b_q, dtype), c.num_heads)
@@ -81,7 +107,8 @@ def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype
     allowed, additive = allowed_and_bias(params, inputs, rows)
     if additive is not None:
         scores = round_to(scores + additive, dtype)
-    weights = round_to(_masked_softmax(scores, np.broadcast_to(allowed, scores.shape)), dtype)
+    weights = round_to(_masked_softmax(scores, np.broadcast_to(allowed, scores.shape),
+                                       empty_rows or empty_rows_convention()), dtype)
     heads = round_to(weighted_values(weights, v), dtype)
     b, h, r, dh = heads.shape
     concat = heads.transpose(0, 2, 1, 3).reshape(b, r, h * dh)
@@ -89,14 +116,16 @@ def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype
 
 
 def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, rows=None,
-                        need_weights: bool = False, dtype: str = "float64") -> AttentionOutput:
+                        need_weights: bool = False, dtype: str = "float64",
+                        empty_rows: str | None = None) -> AttentionOutput:
     """Multi-head attention by the definition, in float64 unless ``dtype`` says otherwise.
 
-    With ``rows`` only those query rows are computed (output shape (B, len(rows), d_model)).
+    With ``rows`` only those query rows are computed (output shape (B, len(rows), d_model)). ``empty_rows``
+    overrides the output of rows with no visible key (default: :func:`empty_rows_convention`, normally zeros).
     """
     require_params(params)
     require_inputs(inputs)
-    *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype)
+    *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype, empty_rows)
     out = _project(concat, params.W_o, params.b_o, dtype)
     return AttentionOutput(out.astype(np.float64), weights.astype(np.float64) if need_weights else None)
 

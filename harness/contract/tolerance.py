@@ -15,6 +15,8 @@ orders of magnitude above the bound.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +25,23 @@ from mha_harness.contract.conventions import EPS
 
 FACTOR = 3.0
 FLOOR_ULPS = 1.0
+#: set while a declared ``precision:<dtype>`` divergence is verified: bounds are those of that dtype
+_BOUND_DTYPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("bound_dtype", default=None)
+
+
+@contextlib.contextmanager
+def bound_of(dtype: str):
+    """Within this block every tolerance is the bound of ``dtype``, whatever dtype the backend ran in."""
+    token = _BOUND_DTYPE.set(dtype)
+    try:
+        yield
+    finally:
+        _BOUND_DTYPE.reset(token)
+
+
+def bound_dtype(dtype: str) -> str:
+    """The dtype whose bound applies to a run in ``dtype`` (itself, unless a precision declaration is verified)."""
+    return _BOUND_DTYPE.get() or dtype
 
 
 @dataclass(frozen=True)
@@ -50,14 +69,16 @@ def tolerance_from(expected64: np.ndarray, naive_same_dtype: np.ndarray, dtype: 
     against itself: pass the naive float32 result instead, and its error is scaled by the
     ratio of the unit roundoffs (2^-52 / 2^-23), rounding error being linear in it.
     """
+    dtype = bound_dtype(dtype)
     naive_error = max_abs_error(naive_same_dtype, expected64)
     if dtype == "float64":
         naive_error *= EPS["float64"] / EPS["float32"]
-    magnitude = max(1.0, float(np.max(np.abs(expected64)))) if expected64.size else 1.0
+    magnitude = max(1.0, float(np.nanmax(np.abs(expected64)))) if np.isfinite(expected64).any() else 1.0
     floor = FLOOR_ULPS * EPS[dtype] * magnitude * float(np.sqrt(max(1, length)))
     return Tolerance(FACTOR * naive_error + floor, naive_error, dtype)
 
 
 def naive_dtype(dtype: str) -> str:
     """The dtype to run the naive algorithm in, to estimate a backend's honest error in ``dtype``."""
+    dtype = bound_dtype(dtype)
     return "float32" if dtype == "float64" else dtype

@@ -1,22 +1,59 @@
-"""Divergence declarations that several library backends share, built from each library's own reason."""
+"""Ready-made :class:`~mha_harness.Divergence` declarations for behaviours common to attention libraries.
+
+Each returns a tuple to put in your backend's ``divergences``; each declaration is *verified* by the harness
+(the case is rerun under the declared behaviour and must pass there), so declaring one that does not match
+what your backend does fails the run. Give the library, its version and the mechanism as ``reason``::
+
+    from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
+    divergences = uniform_fully_masked_divergences("mylib masks with a finite minimum (mylib 2.1)") + \\
+        masked_poison_divergences("mylib computes P @ V densely, 0 * NaN = NaN (mylib 2.1)")
+
+The vocabulary (``Divergence.behaviour``): ``fully_masked_rows:uniform_average|nan|zeros``,
+``precision:<dtype>``, ``masked_poison``.
+"""
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from mha_harness.contract.api import Divergence
 
 POISON_CASES = ("check_causal_mask_blocks_future_keys", "check_padding_mask_blocks_padded_keys")
+FULLY_MASKED_CASE = "check_fully_masked_rows_output_zeros"
+#: the causal-reference variant with query rows that see no key (bottom-right alignment, Tq > Tk)
+EMPTY_CAUSAL_ROWS = ("check_causal_output_matches_reference", {"variant": "rows_without_visible_keys"})
 
 
-def masked_poison_divergences(reason: str) -> tuple[Divergence, ...]:
-    """NaN/inf stored in a masked key/value reaches the output (dense P @ V computes 0 * NaN = NaN)."""
-    return tuple(Divergence(case, observed=f"{kind} in a masked key/value reaches the output", reason=reason,
-                            when={"poison": kind}) for case in POISON_CASES for kind in ("nan", "inf"))
+def masked_poison_divergences(reason: str, cases: Iterable[str] = POISON_CASES) -> tuple[Divergence, ...]:
+    """NaN/inf stored in a masked key/value reaches the output (a dense P @ V computes 0 * NaN = NaN).
+
+    Verified: non-finite output only in batch items whose keys/values held NaN/inf, the right output once they
+    are finite, and the finite-value (``poison="random"``) variant of the case passing."""
+    return tuple(Divergence(case, "masked_poison", reason, when={"poison": ("nan", "inf")}) for case in cases)
 
 
-def uniform_fully_masked_divergences(reason: str) -> tuple[Divergence, ...]:
-    """Rows with every key masked softmax to uniform weights (a finite mask value instead of -inf)."""
-    return (
-        Divergence("check_fully_masked_rows_output_zeros", observed="uniform average of V", reason=reason),
-        Divergence("check_causal_output_matches_reference", observed="query rows with no visible key "
-                   "(bottom-right, Tq > Tk) output the uniform average of V", reason=reason,
-                   when={"variant": "rows_without_visible_keys"}),
-    )
+def _fully_masked(value: str, reason: str, with_empty_causal_rows: bool) -> tuple[Divergence, ...]:
+    out = (Divergence(FULLY_MASKED_CASE, f"fully_masked_rows:{value}", reason),)
+    if with_empty_causal_rows:
+        case, when = EMPTY_CAUSAL_ROWS
+        out += (Divergence(case, f"fully_masked_rows:{value}", reason, when=dict(when)),)
+    return out
+
+
+def uniform_fully_masked_divergences(reason: str, *, with_empty_causal_rows: bool = True) -> tuple[Divergence, ...]:
+    """Rows with every key masked output the uniform average of V (a finite mask value instead of -inf), also
+    the bottom-right causal rows that see no key when Tq > Tk (``with_empty_causal_rows``)."""
+    return _fully_masked("uniform_average", reason, with_empty_causal_rows)
+
+
+def nan_fully_masked_divergences(reason: str, *, with_empty_causal_rows: bool = True) -> tuple[Divergence, ...]:
+    """Rows with every key masked output NaN (softmax of a row of -inf: 0 / 0)."""
+    return _fully_masked("nan", reason, with_empty_causal_rows)
+
+
+def precision_divergences(dtype: str, bound: str, reason: str, cases: Iterable[str],
+                          when: Mapping[str, Any] | None = None) -> tuple[Divergence, ...]:
+    """Runs in ``dtype`` are computed at the precision of ``bound`` inside the library (e.g. float64 inputs
+    computed in float32): the result is compared against the tolerance bound of ``bound``, and must meet it."""
+    return tuple(Divergence(case, f"precision:{bound}", reason, when={"dtype": dtype, **(when or {})})
+                 for case in cases)

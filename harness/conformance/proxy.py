@@ -1,0 +1,203 @@
+"""The backend a conformance case sees: a proxy whose calls go to wherever the plugin's code runs.
+
+Cases, the float64 reference, the tolerance and the comparison run in the harness's process; every call that
+runs plugin code (load, forward, vjp, native_parameter_shapes) goes through a *transport*: the backend's own
+worker process (:mod:`mha_harness.conformance.isolation`), or this process when isolation is off
+(:class:`InProcess`, which cannot protect the verdict from a plugin that patches NumPy or the harness).
+
+What comes back is validated here before any case looks at it: the output, weights and gradients must be
+NumPy arrays of a real floating dtype (complex, integer, bool or object output is a failure that says so;
+nothing is cast silently) and of exactly the expected shape.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import numpy as np
+
+from mha_harness.conformance.casekit import CaseFailure
+from mha_harness.conformance.wire import UnsendableArray
+from mha_harness.contract.api import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionInputs,
+    AttentionOutput,
+    AttentionParams,
+    Unsupported,
+)
+
+
+class PluginError(Exception):
+    """An exception the plugin raised where it runs (its worker), brought back as its type name and message."""
+
+    def __init__(self, type_name: str, message: str, where: str = ""):
+        super().__init__(f"{type_name}: {message}")
+        self.type_name, self.where = type_name, where
+
+
+class WorkerLost(BaseException):
+    """The worker gave no answer (timeout, death, garbage). A BaseException so no case code can swallow it."""
+
+    def __init__(self, status, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+#: exception kinds whose class a case may rely on (bad input must raise ValueError/TypeError)
+_KINDS = (("unsupported", Unsupported), ("value", ValueError), ("type", TypeError),
+          ("notimplemented", NotImplementedError))
+
+
+def describe_exception(exc: BaseException) -> dict:
+    """Any exception, even a hostile one (a ``__str__`` that raises), as plain data."""
+    try:
+        message = str(exc)
+    except BaseException:  # noqa: BLE001
+        message = "<unprintable message>"
+    tb = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    kind = next((k for k, cls in _KINDS if isinstance(exc, cls)), "other")
+    return {"type": type(exc).__name__, "message": message, "kind": kind,
+            "where": f"{tb[-1].filename}:{tb[-1].lineno}" if tb else ""}
+
+
+def raise_described(error: dict) -> None:
+    """Raise, in the harness, the exception a worker described: the builtin class a case may catch, else PluginError."""
+    kind, type_name, message = error.get("kind"), str(error.get("type")), str(error.get("message"))
+    cls = dict(_KINDS).get(kind)
+    if cls is None:
+        exc = PluginError(type_name, message, str(error.get("where", "")))
+    else:
+        exc = cls(message if type_name == cls.__name__ else f"{type_name}: {message}")
+        exc.where = str(error.get("where", ""))
+    raise exc
+
+
+def as_array(value) -> Any:
+    """The backend's array as NumPy without any dtype conversion (a tensor converts through its __array__)."""
+    return value if value is None or isinstance(value, (np.ndarray, UnsendableArray)) else np.asarray(value)
+
+
+class Server:
+    """Runs the plugin's side of each call on the real backend object; used inside the worker and in-process."""
+
+    def __init__(self, backend: AttentionBackend):
+        self.backend = backend
+        self.loaded: dict[int, Any] = {}
+
+    def load(self, params: AttentionParams, dtype: str) -> int:
+        handle = len(self.loaded)
+        self.loaded[handle] = self.backend.load(params, dtype=dtype)
+        return handle
+
+    def forward(self, handle: int, inputs: AttentionInputs, need_weights: bool) -> dict:
+        out = self.loaded[handle].forward(inputs, need_weights=need_weights)
+        if not hasattr(out, "output"):
+            raise TypeError(f"forward: returned {type(out).__name__}; accepted: mha_harness.AttentionOutput")
+        return {"output": as_array(out.output), "weights": as_array(getattr(out, "weights", None))}
+
+    def vjp(self, handle: int, inputs: AttentionInputs, cotangent: np.ndarray) -> dict:
+        grads = self.loaded[handle].vjp(inputs, cotangent)
+        if not isinstance(grads, dict):
+            raise TypeError(f"vjp: returned {type(grads).__name__}; accepted: a dict of gradients by name")
+        return {str(k): as_array(v) for k, v in grads.items()}
+
+    def native_parameter_shapes(self, config: AttentionConfig) -> dict:
+        shapes = self.backend.native_parameter_shapes(config)
+        return {str(k): [int(s) for s in v] for k, v in dict(shapes).items()}
+
+    def release(self) -> None:
+        self.loaded.clear()
+
+
+class InProcess:
+    """Transport for ``isolate=False``: plugin code runs in this process (it can reach the verdict)."""
+
+    isolated = False
+
+    def __init__(self, backend: AttentionBackend):
+        self.server = Server(backend)
+
+    def call(self, op: str, *args):
+        return getattr(self.server, op)(*args)
+
+    def begin_case(self, timeout: float | None) -> None:
+        pass
+
+    def end_case(self) -> None:
+        self.server.release()
+
+
+def real_float(value, what: str, shape: tuple | None = None) -> np.ndarray:
+    """``value`` as it came back, required to be a real floating NumPy array (of ``shape``): never cast."""
+    if isinstance(value, UnsendableArray):
+        raise CaseFailure(f"{what} dtype: got {value.dtype}; accepted: a real floating dtype "
+                          "(float16, float32, float64)")
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if array.dtype.kind != "f":
+        note = "; the imaginary part would be lost by a cast" if array.dtype.kind == "c" else ""
+        raise CaseFailure(f"{what} dtype: got {array.dtype}; accepted: a real floating dtype "
+                          f"(float16, float32, float64){note}")
+    if shape is not None and array.shape != tuple(shape):
+        raise CaseFailure(f"{what} shape: expected {tuple(shape)}, got {array.shape}")
+    return array
+
+
+class LoadedProxy:
+    """A loaded backend as a case sees it; each call runs in the transport and returns validated arrays."""
+
+    def __init__(self, proxy: BackendProxy, handle: int, config: AttentionConfig):
+        self._proxy, self._handle, self.config = proxy, handle, config
+
+    def forward(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
+        got = self._proxy.transport.call("forward", self._handle, inputs, need_weights)
+        output = real_float(got.get("output"), "output",
+                            (inputs.batch, inputs.tq, self.config.d_model) if _shaped(inputs) else None)
+        weights = got.get("weights")
+        if need_weights and weights is not None:
+            weights = real_float(weights, "weights", (inputs.batch, self.config.num_heads, inputs.tq, inputs.tk)
+                                 if _shaped(inputs) else None)
+        return AttentionOutput(output, weights if need_weights else None)
+
+    def vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
+        got = self._proxy.transport.call("vjp", self._handle, inputs, np.asarray(cotangent))
+        return {name: real_float(value, f"gradient of {name}") for name, value in got.items()}
+
+
+def _shaped(inputs: AttentionInputs) -> bool:
+    return all(getattr(x, "ndim", 0) == 3 for x in (inputs.query, inputs.key))
+
+
+class BackendProxy:
+    """What a case gets as ``backend``: the backend's declarations as data, and calls that go to its transport.
+
+    Only data attributes (name, capabilities, divergences, device...) are read from the backend object; no
+    method of the plugin runs here unless the transport is :class:`InProcess`."""
+
+    def __init__(self, backend: AttentionBackend, transport=None):
+        self._backend = backend
+        self.transport = transport or InProcess(backend)
+        self.name = backend.name
+        self.capabilities = backend.capabilities
+        self.divergences = tuple(backend.divergences)
+
+    def __getattr__(self, attr: str):
+        value = getattr(self._backend, attr)
+        if callable(value):
+            raise AttributeError(f"{attr}: a case may only call load and native_parameter_shapes on a backend")
+        return value
+
+    def load(self, params: AttentionParams, *, dtype: str = "float32") -> LoadedProxy:
+        handle = self.transport.call("load", params, dtype)
+        return LoadedProxy(self, handle, params.config)
+
+    def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(shape) for name, shape in self.transport.call("native_parameter_shapes", config).items()}
+
+    def __repr__(self) -> str:
+        return f"<proxy of {self.name!r}{' in its worker' if self.transport.isolated else ''}>"
+
+
+def as_proxy(backend) -> BackendProxy:
+    """A proxy for ``backend`` (in-process unless it is one already)."""
+    return backend if isinstance(backend, BackendProxy) else BackendProxy(backend)
