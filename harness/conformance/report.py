@@ -70,8 +70,8 @@ class Report:
         return [n for n, info in self.backends.items() if info.available and n not in have]
 
     def nothing_ran(self) -> list[str]:
-        """Available backends with results, none of which ran and held (all skipped): never OK."""
-        ran = {r.backend for r in self.results if r.status in _RAN}
+        """Available backends whose every result is a skip (no case gave a verdict): never OK."""
+        ran = {r.backend for r in self.results if r.status != Status.SKIPPED}
         have = {r.backend for r in self.results}
         return [n for n, info in self.backends.items() if info.available and n in have and n not in ran]
 
