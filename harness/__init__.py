@@ -29,6 +29,9 @@ from mha_harness.registry import load_registry
 from mha_harness.toolkit import masks
 from mha_harness.toolkit.function_backend import function_backend
 from mha_harness.toolkit.jax_setup import configure_jax
+from mha_harness.util import integrity
+
+integrity.take_snapshot()  # before any plugin is imported: see mha_harness.util.integrity
 
 __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",

@@ -137,6 +137,8 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
             report.results += results
             if on_backend_done:
                 on_backend_done(t.name, results)
+    from mha_harness.util import integrity
+    report.tampered = integrity.changes()
     report.seconds = time.perf_counter() - start
     return report
 

@@ -191,12 +191,26 @@ def test_a_plugin_alone_cannot_make_the_run_exit_0_or_130(tmp_path, obj):
     assert doc["complete"] and not doc["ok"]
 
 
-def test_without_isolation_a_patching_plugin_reaches_the_verdict_as_documented(tmp_path):
-    """--no-isolate runs plugin code in the harness's process: the README says it cannot protect the verdict."""
+def test_without_isolation_a_patching_plugin_reaches_the_verdict_but_trips_the_wire(tmp_path):
+    """--no-isolate runs plugin code in the harness's process: the plugin does fool its case (as the README says),
+    but the integrity tripwire sees what it replaced and fails the run."""
     out = run_cli("check", "--no-isolate", "--backend-spec", "tests.hostile_plugins:PatchesTheVerdict",
                   "--case", ONE_CASE, "--results", tmp_path, timeout=300)
     doc = json.loads((tmp_path / "conformance" / "conformance.json").read_text())
     assert [r["status"] for r in doc["results"]] == ["passed"], out.stderr
+    assert out.returncode == 1 and not doc["ok"]
+    assert {"numpy.exp", "mha_harness.conformance.runner._execute",
+            "mha_harness.conformance.casekit.assert_close"} <= set(doc["tampered"])
+    assert "TAMPERED" in out.stdout
+    assert "tampered with" in (tmp_path / "conformance" / "conformance.md").read_text()
+
+
+def test_a_plugin_patching_numpy_at_import_trips_the_wire(tmp_path):
+    """Import happens in the harness's process (the registry reads names and declarations there)."""
+    out = run_cli("check", "--backend-spec", "tests.hostile_patch_at_import:Backend", "--case", ONE_CASE,
+                  "--results", tmp_path, timeout=300)
+    doc = json.loads((tmp_path / "conformance" / "conformance.json").read_text())
+    assert out.returncode == 1 and "numpy.exp" in doc["tampered"], out.stdout + out.stderr
 
 
 def test_out_of_memory_is_named_when_the_kernel_counter_rose():

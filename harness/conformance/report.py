@@ -57,12 +57,14 @@ class Report:
 
     #: backends kept from an earlier run's file in the same results folder (see :meth:`write`)
     earlier: list = field(default_factory=list)
+    #: NumPy or harness functions replaced in the harness's process during the run (mha_harness.util.integrity)
+    tampered: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return (self.complete and not any(r.status in BAD for r in self.results)
                 and not any(info.load_error for info in self.backends.values()) and not self.missing_results()
-                and not self.nothing_ran())
+                and not self.nothing_ran() and not self.tampered)
 
     def missing_results(self) -> list[str]:
         """Available backends with no result at all (their worker vanished, or nothing was run)."""
@@ -144,7 +146,7 @@ class Report:
             "seconds": round(self.seconds, 2), "ok": self.ok, "complete": self.complete,
             "summary": {name: {s.value: n for s, n in self.counts(name).items()} for name in self.backends},
             "backends": {name: vars(info) for name, info in self.backends.items()},
-            "missing_results": self.missing_results(), "nothing_ran": self.nothing_ran(),
+            "missing_results": self.missing_results(), "nothing_ran": self.nothing_ran(), "tampered": self.tampered,
             "earlier_runs": list(self.earlier),
             "policies": self.policies(), "mutation": self.mutation,
             "results": [r.to_dict() for r in self.results],
@@ -157,6 +159,10 @@ class Report:
         lines = ["# mha-harness conformance report", "",
                  f"Run took {self.seconds:.1f} s. Overall: **{'OK' if self.ok else 'FAILED'}**"
                  + ("" if self.complete else " (INCOMPLETE: the run was interrupted)") + ".", ""]
+        if self.tampered:
+            lines += ["**The harness's process was tampered with**: plugin code replaced "
+                      + ", ".join(md_code(t) for t in self.tampered)
+                      + "; no verdict of this run can be trusted.", ""]
         if self.earlier:
             lines += [f"Kept from earlier runs into this folder: {', '.join(e(n) for n in self.earlier)}.", ""]
         lines += ["| case | " + " | ".join(e(n) for n in names) + " |", "|---|" + "---|" * len(names)]
@@ -235,7 +241,8 @@ class Report:
         if not earlier:
             return self
         merged = Report(results=list(self.results), backends=dict(self.backends), mutation=self.mutation,
-                        seconds=self.seconds, complete=self.complete, earlier=list(self.earlier))
+                        seconds=self.seconds, complete=self.complete, earlier=list(self.earlier),
+                        tampered=list(self.tampered))
         results_by = {}
         for row in earlier.get("results", []):
             results_by.setdefault(row.get("backend"), []).append(row)
@@ -254,6 +261,9 @@ class Report:
 
     def summary_lines(self) -> list[str]:
         out = []
+        if self.tampered:
+            out.append(f"  TAMPERED: plugin code replaced {', '.join(self.tampered)} in the harness's process; "
+                       "the run fails")
         for name, info in self.backends.items():
             if not info.available:
                 label = "ERROR" if info.load_error else "not run"
