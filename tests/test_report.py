@@ -83,7 +83,7 @@ def test_uniform_average_declaration_is_verified_in_the_fully_masked_and_the_emp
     assert report.ok, [r.message for r in report.failures()]
     assert statuses[(FULLY, "uniform-rows-float32")] == Status.EXPECTED_DIVERGENCE
     diverging = [v for (c, v), s in statuses.items() if s == Status.EXPECTED_DIVERGENCE and c != FULLY]
-    assert diverging == ["uniform-rows-float32-alignmentbottom-right-t11-tk6"]
+    assert diverging == ["uniform-rows-float32-alignmentbottom-right-rows-without-visible-keys-t11-tk6"]
 
 
 def test_a_declaration_that_does_not_match_the_output_fails_and_says_what_came_out():
@@ -107,7 +107,6 @@ class _Float16Inside(NumpyNaiveLoaded):
 
 
 GRID = "check_output_matches_reference"
-GRID_FLOAT64 = {"dtype": "float64", "batch": 2, "heads": 2, "d_head": 8, "seq": 33, "tk": 33, "bias": False}
 
 
 class Float32Inside(NumpyNaive):
@@ -125,7 +124,9 @@ class Float16Inside(Float32Inside):
 def _grid_float64(backend):
     from mha_harness.conformance.casekit import all_cases
     from mha_harness.conformance.runner import run_case
-    return run_case(backend, all_cases()[GRID], dict(GRID_FLOAT64))
+    case = all_cases()[GRID]
+    params = next(v for v in case.variants_for(backend) if v["dtype"] == "float64" and v["variant"] == "eight_heads")
+    return run_case(backend, case, params)
 
 
 def test_a_precision_declaration_is_held_to_the_bound_of_the_declared_dtype():
@@ -276,7 +277,7 @@ def test_the_repro_line_of_a_failing_spec_backend_fails_the_same_way_in_bash():
     result = report.failures()[0]
     assert result.repro == ("python -c 'import mha_harness; mha_harness.repro(\"tests.hostile_plugins:WrongShape\", "
                             "\"check_output_projection_mixes_heads\", backend_name=\"hostile-wrong-shape\", "
-                            "dtype=\"float32\")'")
+                            "dtype=\"float32\", form=\"separate\")'")
     out = subprocess.run(["bash", "-c", result.repro], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env=_env())
     assert out.returncode != 0

@@ -8,9 +8,9 @@ Variants (explicit, seeded parameters) are generated from the backend's capabili
 """
 from __future__ import annotations
 
-import functools
 import contextlib
 import contextvars
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from mha_harness.contract.api import (
-    INPUT_FORMS,
     FULLY_MASKED_ROWS,
+    INPUT_FORMS,
     AttentionBackend,
     AttentionInputs,
     AttentionOutput,
@@ -221,7 +221,11 @@ def _accept_masked_poison(loaded, inputs: AttentionInputs, output: np.ndarray, n
                           f"batch {b}, position {t}, where no key or value held NaN/inf")
     if not bad_rows.any():
         return output
-    finite = inputs.replace(key=np.where(np.isfinite(key), key, 0.0), value=np.where(np.isfinite(value), value, 0.0))
+    cleaned: dict[int, np.ndarray] = {}  # one cleaned array per distinct input: the input form (x, x_kv) is kept
+
+    def clean(array):
+        return cleaned.setdefault(id(array), np.where(np.isfinite(array), array, 0.0))
+    finite = inputs.replace(query=clean(inputs.query), key=clean(inputs.key), value=clean(inputs.value))
     clean = np.asarray(loaded.forward(finite, need_weights=need_weights).output, np.float64)
     return np.where(bad_rows[..., None], clean, output)
 
