@@ -11,6 +11,7 @@ nothing is cast silently) and of exactly the expected shape.
 """
 from __future__ import annotations
 
+import contextlib
 import traceback
 from typing import Any
 
@@ -78,6 +79,22 @@ def as_array(value) -> Any:
     return value if value is None or isinstance(value, (np.ndarray, UnsendableArray)) else np.asarray(value)
 
 
+def current_context() -> dict:
+    """The harness settings a call must carry to where the plugin runs (the validation rule the case chose)."""
+    from mha_harness.contract.validation import _CAUSAL_FUTURE_POISON
+    return {"causal_future_poison": bool(_CAUSAL_FUTURE_POISON.get())}
+
+
+@contextlib.contextmanager
+def harness_context(context: dict | None):
+    """Re-establish, where the plugin runs, the settings :func:`current_context` captured."""
+    from mha_harness.contract.validation import causal_future_poison_allowed
+    with contextlib.ExitStack() as stack:
+        if context and context.get("causal_future_poison"):
+            stack.enter_context(causal_future_poison_allowed())
+        yield
+
+
 class Server:
     """Runs the plugin's side of each call on the real backend object; used inside the worker and in-process."""
 
@@ -90,14 +107,16 @@ class Server:
         self.loaded[handle] = self.backend.load(params, dtype=dtype)
         return handle
 
-    def forward(self, handle: int, inputs: AttentionInputs, need_weights: bool) -> dict:
-        out = self.loaded[handle].forward(inputs, need_weights=need_weights)
+    def forward(self, handle: int, inputs: AttentionInputs, need_weights: bool, context: dict | None = None) -> dict:
+        with harness_context(context):
+            out = self.loaded[handle].forward(inputs, need_weights=need_weights)
         if not hasattr(out, "output"):
             raise TypeError(f"forward: returned {type(out).__name__}; accepted: mha_harness.AttentionOutput")
         return {"output": as_array(out.output), "weights": as_array(getattr(out, "weights", None))}
 
-    def vjp(self, handle: int, inputs: AttentionInputs, cotangent: np.ndarray) -> dict:
-        grads = self.loaded[handle].vjp(inputs, cotangent)
+    def vjp(self, handle: int, inputs: AttentionInputs, cotangent: np.ndarray, context: dict | None = None) -> dict:
+        with harness_context(context):
+            grads = self.loaded[handle].vjp(inputs, cotangent)
         if not isinstance(grads, dict):
             raise TypeError(f"vjp: returned {type(grads).__name__}; accepted: a dict of gradients by name")
         return {str(k): as_array(v) for k, v in grads.items()}
@@ -150,7 +169,7 @@ class LoadedProxy:
         self._proxy, self._handle, self.config = proxy, handle, config
 
     def forward(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
-        got = self._proxy.transport.call("forward", self._handle, inputs, need_weights)
+        got = self._proxy.transport.call("forward", self._handle, inputs, need_weights, current_context())
         output = real_float(got.get("output"), "output",
                             (inputs.batch, inputs.tq, self.config.d_model) if _shaped(inputs) else None)
         weights = got.get("weights")
@@ -160,7 +179,7 @@ class LoadedProxy:
         return AttentionOutput(output, weights if need_weights else None)
 
     def vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
-        got = self._proxy.transport.call("vjp", self._handle, inputs, np.asarray(cotangent))
+        got = self._proxy.transport.call("vjp", self._handle, inputs, np.asarray(cotangent), current_context())
         return {name: real_float(value, f"gradient of {name}") for name, value in got.items()}
 
 
