@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.cases._fixtures import ALL_FORMS, cross_ok, form_inputs, input_gradients
-from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_close, case, require
+from mha_harness.conformance.casekit import Measurement, assert_gradients_close, case, require
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_params
 from mha_harness.contract.reference import reference_vjp
-from mha_harness.contract.tolerance import naive_dtype, tolerance_from
+from mha_harness.contract.tolerance import naive_dtype
 
 
 def _gradient_variants(backend):
@@ -39,14 +39,5 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     got = backend.load(params, dtype=dtype).vjp(inputs, cotangent)
     exact = input_gradients(reference_vjp(params, inputs, cotangent), form)
     naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), form)
-    worst = 0.0
-    for name, expected in exact.items():
-        if name not in got:
-            raise CaseFailure(f"gradients: the backend returned no gradient for {name}; returned {sorted(got)}")
-        actual = np.asarray(got[name], np.float64)
-        if actual.shape != expected.shape:
-            raise CaseFailure(f"gradient of {name}: expected shape {expected.shape}, got {actual.shape}")
-        labels = ("batch", "position", "feature") if expected.ndim == 3 else ("row", "column")[:expected.ndim]
-        tol = tolerance_from(expected, naive[name], dtype, length=inputs.batch * max(inputs.tq, inputs.tk))
-        worst = max(worst, assert_close(actual, expected, tol, f"gradient of {name}", labels=labels))
+    worst = assert_gradients_close(got, exact, naive, dtype, length=inputs.batch * max(inputs.tq, inputs.tk))
     return Measurement(max_error=worst)

@@ -315,3 +315,78 @@ class Measurement:
     max_error: float | None = None
     observed: str | None = None
     extra: dict = field(default_factory=dict)
+
+
+def _with_query(inputs, query):
+    """``inputs`` with a new query, keeping the form: with one x the same array is also key and value."""
+    if inputs.form == "self":
+        return inputs.replace(query=query, key=query, value=query)
+    return inputs.replace(query=query)
+
+
+def bad_calls(inputs: AttentionInputs) -> list[tuple[str, str, AttentionInputs]]:
+    """Malformed calls built from well-formed ``inputs`` (batch >= 2, Tq >= 3, Tk >= 2), each in the inputs' form:
+    (the parameter the error message must name, a description, the modified inputs)."""
+    q, k, v, form = inputs.query, inputs.key, inputs.value, inputs.form
+    nan_query = np.where(np.arange(q.shape[1])[None, :, None] == 2, np.nan, q)
+    calls = [
+        ("query", "query of width d_model + 1", _with_query(inputs, np.concatenate([q, q[..., :1]], -1))),
+        ("query", "query of rank 2", _with_query(inputs, q[0])),
+        ("query", "empty query sequence", _with_query(inputs, q[:, :0])),
+        ("query", "NaN in the query", _with_query(inputs, nan_query)),
+        ("key_padding_mask", "key_padding_mask of the wrong shape",
+         inputs.replace(key_padding_mask=np.zeros((1, 3), bool))),
+        ("key_padding_mask", "float key_padding_mask", inputs.replace(key_padding_mask=np.zeros(k.shape[:2]))),
+        ("attn_mask", "attn_mask of the wrong shape", inputs.replace(attn_mask=np.ones((2, 2), bool))),
+        ("attn_mask", "integer attn_mask", inputs.replace(attn_mask=np.ones((q.shape[1], k.shape[1]), np.int64))),
+        ("causal", "causal='diagonal'", inputs.replace(causal="diagonal")),
+    ]
+    if form == "separate":
+        calls += [("key", "key with another batch size", inputs.replace(key=k[:1], value=v[:1])),
+                  ("value", "value shorter than key", inputs.replace(value=v[:, :-1]))]
+    if form == "shared_kv":
+        calls.append(("key", "x_kv with another batch size", inputs.replace(key=k[:1], value=k[:1])))
+    if form != "separate":  # a form the backend did not declare is refused by validation, naming inputs
+        calls.append(("inputs", "separate query/key/value arrays", inputs.replace(key=k.copy(), value=v.copy() + 1)))
+    return calls
+
+
+def bad_call_problem(loaded, parameter: str, description: str, bad: AttentionInputs) -> str | None:
+    """None when ``loaded.forward(bad)`` raises ValueError/TypeError naming ``parameter``, else what went wrong."""
+    try:
+        loaded.forward(bad)
+    except (ValueError, TypeError) as exc:
+        if parameter not in str(exc):
+            return f"{description}: raised {type(exc).__name__}({exc}) which does not name {parameter!r}"
+        return None
+    except Exception as exc:  # noqa: BLE001 - any other exception is the finding
+        return f"{description}: raised {type(exc).__name__} instead of ValueError/TypeError: {exc}"
+    return f"{description}: accepted silently (no error)"
+
+
+def parameter_count_problem(shapes: Mapping[str, Any], config) -> str | None:
+    """None when the parameter ``shapes`` a backend allocates for ``config`` number its expected count."""
+    count = int(sum(int(np.prod(s)) for s in shapes.values()))
+    expected = config.expected_parameter_count()
+    if count == expected:
+        return None
+    listing = ", ".join(f"{k}{tuple(v)}" for k, v in shapes.items())
+    return (f"parameter count: expected {expected} for d_model={config.d_model}, heads={config.num_heads}, "
+            f"kv_heads={config.kv_heads}, bias={config.bias}; the backend allocates {count} ({listing})")
+
+
+def assert_gradients_close(got: Mapping[str, np.ndarray], exact: Mapping[str, np.ndarray],
+                           naive: Mapping[str, np.ndarray], dtype: str, length: int) -> float:
+    """Every gradient in ``exact`` present in ``got`` with its shape and within the tolerance rule applied to the
+    naive backward in ``dtype`` (reductions of ``length`` terms); returns the worst error."""
+    worst = 0.0
+    for name, expected in exact.items():
+        if name not in got:
+            raise CaseFailure(f"gradients: the backend returned no gradient for {name}; returned {sorted(got)}")
+        actual = np.asarray(got[name], np.float64)
+        if actual.shape != expected.shape:
+            raise CaseFailure(f"gradient of {name}: expected shape {expected.shape}, got {actual.shape}")
+        labels = ("batch", "position", "feature") if expected.ndim == 3 else ("row", "column")[:expected.ndim]
+        worst = max(worst, assert_close(actual, expected, tolerance_from(expected, naive[name], dtype, length=length),
+                                        f"gradient of {name}", labels=labels))
+    return worst
