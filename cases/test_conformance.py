@@ -1,7 +1,8 @@
 """The conformance cases as pytest tests (collected through the mha-harness pytest plugin).
 
 ``pytest --pyargs mha_harness.cases --mha-backend NAME_OR_MODULE:OBJECT`` runs every case on that backend;
-without ``--mha-backend`` every available registered backend is checked.
+without ``--mha-backend`` every available registered backend is checked. ``--mha-search`` adds one property-based
+search test per backend (``search_property_holds[NAME]``).
 """
 from mha_harness.conformance.casekit import all_cases
 
@@ -19,3 +20,12 @@ def _make(case_name: str):
 for _name in all_cases():
     globals()[_name] = _make(_name)
 del _name
+
+
+def search_property_holds(mha_backend, request):
+    """``--mha-search``: hypothesis finds no input on which the backend breaks the search property."""
+    from mha_harness.pytest_plugin import run_search_as_test
+    run_search_as_test(mha_backend, request.config)
+
+
+search_property_holds._mha_search = True

@@ -1,4 +1,4 @@
-"""The ``mha-harness`` command line: list, check, bench and run.
+"""The ``mha-harness`` command line: list, check, search, bench and run.
 
 Usage errors (unknown backend or case, malformed spec, bad sequence lengths, unwritable results
 directory, missing optional dependency) print one line and exit with status 2; failing
@@ -104,7 +104,7 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mha-harness", description="Conformance and benchmarks for multi-head attention backends.")
-    sub = parser.add_subparsers(dest="command", metavar="{list,check,bench,fidelity,run}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{list,check,search,bench,fidelity,run}", parser_class=_Parser)
 
     p = sub.add_parser("list", help="every backend: available or why not, and its capabilities")
     p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT")
@@ -120,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "that patches NumPy or the harness can change the verdict: only for code you trust)")
     p.add_argument("--quick", action="store_true", help="skip the slow cases (T = 8192)")
     p.add_argument("--mutants", action="store_true", help="also compute the mutation score")
+
+    p = sub.add_parser("search", help="property-based search (hypothesis) for inputs a backend gets wrong; shrinks "
+                                      "to a minimal runnable repro saved under results/search/")
+    _add_selection(p)
+    p.add_argument("--max-examples", type=int, default=None,
+                   help="examples per backend (default 200; 50 with --quick)")
+    p.add_argument("--seed", type=int, default=None, help="fix hypothesis's seed (deterministic search)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="seconds of generation per backend (shrinking a found failure is not cut short)")
+    p.add_argument("--quick", action="store_true", help="a smaller space (T <= 129, batch <= 2) and fewer examples")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per backend call before the worker is killed")
+    p.add_argument("--no-isolate", action="store_true", help="call the backend in this process")
+    p.add_argument("--mutants", action="store_true",
+                   help="search the mutant zoo (every mutant, or the --backend ones) and write the table of what "
+                        "was found to <results>/search/mutants.md")
 
     p = sub.add_parser("bench", help="time and peak memory across sequence lengths, each backend in its own worker; "
                                      "tables, JSON with confidence intervals, plots")
@@ -215,8 +230,11 @@ def cmd_list(args) -> int:
 
 def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, mutants=False):
     from mha_harness.checking import check
+    import os
     from mha_harness.conformance.mutation import mutation_score
+    from mha_harness.conformance.search_examples import SEARCH_DIR_ENV, search_dir
     _usage(check_writable, results_dir / "conformance", "--results")
+    os.environ[SEARCH_DIR_ENV] = str(search_dir(results_dir))  # the search regressions check replays (workers inherit)
     names = _targets(args, registry)
     start = time.perf_counter()
     partial = {}
@@ -274,6 +292,49 @@ def cmd_check(args) -> int:
 
 def _available_backends(registry, names):
     return [registry.get(n).backend for n in names if registry.get(n).available]
+
+
+def cmd_search(args) -> int:
+    from mha_harness.conformance.isolation import Target
+    from mha_harness.conformance.search import (DEFAULT_MAX_EXAMPLES, MUTANT_SPEC, QUICK_MAX_EXAMPLES, mutant_table,
+                                                run_search)
+    _require("hypothesis", "search")
+    if args.max_examples is not None and args.max_examples < 1:
+        raise UsageError(f"--max-examples: got {args.max_examples}; accepted: a positive integer")
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise UsageError(f"--time-budget: got {args.time_budget:g}; accepted: positive seconds")
+    mutants = args.mutants or any(n.startswith("mutant-") for n in args.backend)
+    registry = _registry(list(args.backend_spec) + ([MUTANT_SPEC] if mutants else []))
+    if args.mutants and not args.backend:
+        names = [e.name for e in registry.entries.values() if e.spec == MUTANT_SPEC]
+    elif args.backend or args.backend_spec:
+        names = _targets(args, registry)
+    else:
+        names = [e.name for e in registry.available() if e.spec != MUTANT_SPEC]
+    if not args.no_isolate:
+        _require("pebble", "isolation")
+    results = Path(args.results)
+    _usage(check_writable, results / "search", "--results")
+    targets = []
+    for name in names:
+        entry = registry.get(name)
+        if entry.backend is None or not entry.available:
+            raise UsageError(f"--backend {name}: not available here: {entry.reason_unavailable}")
+        targets.append(Target(entry.backend, entry.spec, entry.source))
+    outcomes = run_search(targets, max_examples=args.max_examples or (QUICK_MAX_EXAMPLES if args.quick
+                                                                       else DEFAULT_MAX_EXAMPLES),
+                          seed=args.seed, time_budget=args.time_budget, quick=args.quick, results=results,
+                          isolate=not args.no_isolate, timeout=args.timeout)
+    if args.mutants:
+        from mha_harness.implementations.mutants import MUTANTS
+        from mha_harness.util.atomic import write_text_atomic
+        table = mutant_table(outcomes, {m.name: m.bug for m in MUTANTS})
+        command = "mha-harness search " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["search"] else "mha-harness search"
+        path = write_text_atomic(results / "search" / "mutants.md", f"Produced by `{command}`\n\n{table}\n")
+        found = sum(not o.passed for o in outcomes)
+        print(f"\n{table}\n\nmutants found: {found}/{len(outcomes)}; table: {path}")
+        return EXIT_OK if found == len(outcomes) else EXIT_FAILED
+    return EXIT_OK if all(o.passed for o in outcomes) else EXIT_FAILED
 
 
 def cmd_bench(args) -> int:
@@ -342,8 +403,8 @@ def main(argv=None) -> int:
             parser.print_help()
             return EXIT_USAGE
         signal.signal(signal.SIGTERM, _sigterm)
-        command = {"list": cmd_list, "check": cmd_check, "bench": cmd_bench, "fidelity": cmd_fidelity,
-                   "run": cmd_run}[args.command]
+        command = {"list": cmd_list, "check": cmd_check, "search": cmd_search, "bench": cmd_bench,
+                   "fidelity": cmd_fidelity, "run": cmd_run}[args.command]
         try:
             return command(args)
         except SystemExit as exc:  # only plugin code calls sys.exit inside a command: never its exit code

@@ -20,6 +20,10 @@ def pytest_addoption(parser):
                     help="attention backend(s) for the mha-harness conformance cases: a registered name or "
                          "'package.module:object' (default: every available registered backend)")
     group.addoption("--mha-include-slow", action="store_true", help="also run the slow (T = 8192) cases")
+    group.addoption("--mha-search", action="store_true",
+                    help="also run the property-based search (hypothesis) on each backend: one test per backend")
+    group.addoption("--mha-search-examples", type=int, default=200, help="examples per backend for --mha-search")
+    group.addoption("--mha-search-seed", type=int, default=0, help="hypothesis seed for --mha-search (default 0)")
 
 
 def _targets(config):
@@ -33,6 +37,7 @@ def _targets(config):
         else:
             targets, _ = resolve_targets([e.name for e in load_registry().available()])
         cached = config._mha_targets = [t.backend for t in targets]
+        config._mha_specs = {t.backend.name: t.spec for t in targets}
     return cached
 
 
@@ -40,10 +45,16 @@ def pytest_pycollect_makeitem(collector, name, obj):
     """Collect the ``check_*`` functions that cases/test_conformance.py exposes, as tests."""
     if getattr(obj, "_mha_case", None) and name.startswith("check_"):
         return list(collector._genfunctions(name, obj))
+    if getattr(obj, "_mha_search", False):  # the search test exists only when --mha-search asks for it
+        return list(collector._genfunctions(name, obj)) if collector.config.getoption("--mha-search") else []
     return None
 
 
 def pytest_generate_tests(metafunc):
+    if getattr(metafunc.function, "_mha_search", False):
+        backends = _targets(metafunc.config)
+        metafunc.parametrize("mha_backend", backends, ids=[b.name for b in backends])
+        return
     case_name = getattr(metafunc.function, "_mha_case", None)
     if not case_name:
         return
@@ -72,3 +83,15 @@ def run_as_test(case_name: str, backend, params: dict) -> None:
         pytest.xfail(result.message)
     if result.status != "passed":
         pytest.fail(f"{result.status}: {result.message}\nrepro: {result.repro}", pytrace=False)
+
+
+def run_search_as_test(backend, config) -> None:
+    """Search ``backend`` in this process (``--mha-search``); fail with the shrunk example and its repro."""
+    from mha_harness.conformance.isolation import Target
+    from mha_harness.conformance.search import search_backend
+    from mha_harness.conformance.search_examples import search_dir
+    spec = getattr(config, "_mha_specs", {}).get(backend.name)
+    outcome = search_backend(Target(backend, spec), max_examples=config.getoption("--mha-search-examples"),
+                             seed=config.getoption("--mha-search-seed"), results=search_dir().parent, isolate=False)
+    if not outcome.passed:
+        pytest.fail("\n".join(outcome.lines()), pytrace=False)

@@ -1,0 +1,298 @@
+"""One search example: explicit, JSON-able parameters -> a layer and its inputs, and the property they must satisfy.
+
+An *example* is a plain dict (what ``mha-harness search`` draws, shrinks, prints and saves)::
+
+    {"dtype": "float32", "form": "separate", "batch": 1, "tq": 1, "tk": 2, "heads": 1, "kv_heads": 1,
+     "d_head": 2, "bias": false, "causal": null, "padding": null, "attn_mask": null, "logit_scale": 1,
+     "cut": 0, "poison": "random", "gradients": false, "malformed": null, "seed": 0}
+
+:func:`build` rebuilds the parameters and inputs from it deterministically (seeded NumPy), and
+:func:`check_example` states the property: the backend's output equals the float64 reference under the one
+tolerance rule; keys and values no query may attend to (plus those after ``cut``), set to ``poison``, leave every
+query row that cannot see them unchanged; with ``gradients`` the VJPs equal the reference's; with ``malformed``
+one of the bad calls of ``check_bad_input_raises_clear_error`` raises a clear error; the parameters the backend
+allocates number the expected count. Whatever a backend's declared divergences cover is not asserted
+(:class:`Coverage`). No hypothesis here: a saved example replays without it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from mha_harness.contract.api import AttentionBackend, AttentionConfig, AttentionInputs, AttentionParams
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import allowed_and_bias, reference_vjp
+from mha_harness.contract.tolerance import naive_dtype
+from mha_harness.conformance.casekit import (CaseFailure, assert_close, assert_gradients_close, bad_call_problem,
+                                             bad_calls, parameter_count_problem, run, tolerance_for)
+
+SCHEMA = "mha-harness/search-regression"
+SCHEMA_VERSION = 1
+SEARCH_DIR_ENV = "MHA_HARNESS_SEARCH_DIR"
+#: the poison a key/value no query may see is set to, in the leakage invariant
+POISONS = ("random", "nan", "inf")
+
+
+# --- input forms: the one place a new form (shared_kv, self) is added ----------------------------------------------
+def _separate_form(config: AttentionConfig, batch: int, tq: int, tk: int, seed: int, **masks) -> AttentionInputs:
+    return make_inputs(config, batch, tq, tk, seed=seed, self_attention=False, **masks)
+
+
+#: form name -> builder of (query, key, value); every form must give Tq == Tk unless it is "separate"
+FORMS = {"separate": _separate_form}
+
+
+# --- what declared divergences cover --------------------------------------------------------------------------------
+_EMPTY_ROW_CASES = ("check_fully_masked_rows_output_zeros",)
+_POISON_CASES = ("check_causal_mask_blocks_future_keys", "check_padding_mask_blocks_padded_keys")
+
+
+def _declared(backend: AttentionBackend, case: str, **params) -> bool:
+    """A declared divergence of ``case`` applies to ``params``. Only the ``when`` keys the search shares with the
+    cases (dtype, poison) restrict it: other keys name the grid points where the behaviour was verified."""
+    for d in backend.divergences:
+        if d.case != case:
+            continue
+        shared = {k: v for k, v in d.when.items() if k in ("dtype", "poison")}
+        if all(params.get(k) in (v if isinstance(v, (list, tuple, set, frozenset)) else (v,))
+               for k, v in shared.items()):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """The inputs a backend's declared divergences cover, which the search does not draw or does not assert."""
+
+    compare_empty_rows: bool = True  # False: rows with no key to attend to (uniform average declared) not compared
+    poisons: tuple[str, ...] = POISONS  # poisons whose leakage is not declared
+    output_dtypes: tuple[str, ...] = ()  # dtypes whose output is held to the reference (not declared otherwise)
+    gradient_dtypes: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, backend: AttentionBackend) -> "Coverage":
+        dtypes = backend.capabilities.dtypes
+        return cls(
+            compare_empty_rows=not any(_declared(backend, c) for c in _EMPTY_ROW_CASES),
+            poisons=tuple(p for p in POISONS if not any(_declared(backend, c, poison=p) for c in _POISON_CASES)),
+            output_dtypes=tuple(d for d in dtypes if not _declared(backend, "check_output_matches_reference", dtype=d)),
+            gradient_dtypes=tuple(d for d in dtypes
+                                  if not _declared(backend, "check_gradients_match_reference", dtype=d)),
+        )
+
+
+# --- building the layer and inputs ----------------------------------------------------------------------------------
+def _padding(spec: Mapping[str, Any], batch: int, tk: int) -> np.ndarray:
+    """(batch, Tk) True = padding: the last Tk - valid keys (side "end") or the first ones (side "start")."""
+    valid = [int(v) for v in spec["valid"]][:batch]
+    valid += [valid[-1]] * (batch - len(valid))
+    k = np.arange(tk)[None, :]
+    v = np.clip(np.array(valid), 0, tk)[:, None]
+    return k >= v if spec.get("side", "end") == "end" else k < tk - v
+
+
+def _attn_mask(spec: Mapping[str, Any], batch: int, heads: int, tq: int, tk: int) -> np.ndarray:
+    """Random "may attend" pattern of ``density`` (shared (Tq, Tk) or per (batch, head)); ``empty_rows`` are fully
+    masked (every batch item when shared, the last batch item's head 0 when per (batch, head)); additive masks
+    put -inf where not allowed and N(0, magnitude) elsewhere."""
+    rng = np.random.default_rng(int(spec.get("seed", 0)) + 7)
+    shape = (tq, tk) if spec.get("per", "shared") == "shared" else (batch, heads, tq, tk)
+    allow = rng.random(shape) < float(spec.get("density", 1.0))
+    rows = [r for r in spec.get("empty_rows", []) if r < tq]
+    if rows:
+        if len(shape) == 2:
+            allow[rows, :] = False
+        else:
+            allow[-1, 0, rows, :] = False
+    if spec.get("kind", "bool") == "bool":
+        return allow
+    return np.where(allow, rng.standard_normal(shape) * float(spec.get("magnitude", 1.0)), -np.inf)
+
+
+def build(example: Mapping[str, Any]) -> tuple[AttentionParams, AttentionInputs]:
+    """The layer and the inputs an example names, rebuilt deterministically from its explicit parameters.
+
+    ``logit_scale`` s multiplies W_q, b_q, W_k and b_k by sqrt(s), so every logit is s times its unscaled value
+    (unscaled logits are O(1): s = 1000 reaches the range where exp overflows float64 without max subtraction)."""
+    e = example
+    heads, kv = int(e["heads"]), int(e["kv_heads"])
+    config = AttentionConfig(heads * int(e["d_head"]), heads, None if kv == heads else kv, bias=bool(e["bias"]))
+    params = make_params(config, seed=int(e["seed"]))
+    g = float(np.sqrt(float(e.get("logit_scale", 1))))
+    if g != 1.0:
+        params = params.replace(**{n: a * g for n, a in params.arrays().items() if n in ("W_q", "W_k", "b_q", "b_k")})
+    batch, tq, tk = int(e["batch"]), int(e["tq"]), int(e["tk"])
+    masks = {"causal": e.get("causal")}
+    if e.get("padding"):
+        masks["key_padding_mask"] = _padding(e["padding"], batch, tk)
+    if e.get("attn_mask"):
+        masks["attn_mask"] = _attn_mask(e["attn_mask"], batch, heads, tq, tk)
+    form = e.get("form", "separate")
+    if form not in FORMS:
+        raise ValueError(f"form: got {form!r}; accepted: {', '.join(FORMS)}")
+    return params, FORMS[form](config, batch, tq, tk, int(e["seed"]) + 1, **masks)
+
+
+# --- the property ---------------------------------------------------------------------------------------------------
+def _allowed(params: AttentionParams, inputs: AttentionInputs) -> np.ndarray:
+    allowed, _ = allowed_and_bias(params, inputs)
+    return np.broadcast_to(allowed, (inputs.batch, params.config.num_heads, inputs.tq, inputs.tk))
+
+
+def _ignoring(actual: np.ndarray, expected: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    """``actual`` with the (batch, position) ``rows`` replaced by ``expected``'s: those rows are not compared."""
+    if rows is None or not rows.any():
+        return actual
+    out = actual.copy()
+    out[rows] = expected[rows]
+    return out
+
+
+_COUNTED: dict = {}
+
+
+def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> float:
+    """Raise :class:`CaseFailure` where ``backend`` breaks the search property on ``example``; else the worst
+    output error. The backend may be a proxy whose ``load``/``forward`` run in a worker: every comparison is here."""
+    coverage = Coverage.of(backend)
+    params, inputs = build(example)
+    config, dtype = params.config, example["dtype"]
+    if backend.capabilities.native_parameters:
+        key = (backend.name, config)
+        if key not in _COUNTED:
+            _COUNTED[key] = parameter_count_problem(backend.native_parameter_shapes(config), config)
+        if _COUNTED[key]:
+            raise CaseFailure(_COUNTED[key])
+    loaded = backend.load(params, dtype=dtype)
+    if example.get("malformed") is not None:
+        calls = bad_calls(make_inputs(config, 2, 6, 6, seed=int(example["seed"]), self_attention=False))
+        problem = bad_call_problem(loaded, *calls[int(example["malformed"]) % len(calls)])
+        if problem:
+            raise CaseFailure(f"bad input not rejected clearly: {problem}")
+    allowed = _allowed(params, inputs)
+    empty = None if coverage.compare_empty_rows else ~allowed.any(axis=(1, 3))  # (batch, Tq)
+    got = run(backend, params, inputs, dtype, loaded=loaded).output
+    expected, tol = tolerance_for(params, inputs, dtype)
+    worst = 0.0
+    if dtype in coverage.output_dtypes:
+        worst = assert_close(_ignoring(got, expected, empty), expected, tol, "output")
+    _check_leakage(backend, params, inputs, example, loaded, allowed, empty, got, tol)
+    if example.get("gradients") and backend.capabilities.gradients and dtype in coverage.gradient_dtypes \
+            and (empty is None or not empty.any()):
+        cotangent = np.random.default_rng(int(example["seed"]) + 3).standard_normal(got.shape)
+        assert_gradients_close(loaded.vjp(inputs, cotangent), reference_vjp(params, inputs, cotangent),
+                               reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), dtype,
+                               length=inputs.batch * max(inputs.tq, inputs.tk))
+    return worst
+
+
+def _check_leakage(backend, params, inputs, example, loaded, allowed, empty, base, tol) -> None:
+    """Keys/values no query of a batch item may attend to, and those after ``cut``, set to ``poison``: every query
+    row that may attend to none of them keeps its output (within the tolerance; NaN counts as a change)."""
+    if inputs.query is inputs.key or inputs.query is inputs.value:
+        return  # poisoning keys would change the queries too
+    never = ~allowed.any(axis=(1, 2))  # (batch, Tk)
+    poisoned = never | (np.arange(inputs.tk) > int(example.get("cut", inputs.tk)))[None, :]
+    clean = ~(allowed & poisoned[:, None, None, :]).any(axis=(1, 3))  # (batch, Tq)
+    kind = example.get("poison", "random")
+    if kind != "random":  # NaN/inf may only sit where a mask hides it from some query (see validate_inputs)
+        poisoned &= ~allowed.all(axis=(1, 2))
+        clean = ~(allowed & poisoned[:, None, None, :]).any(axis=(1, 3))
+    if empty is not None:
+        clean &= ~empty
+    if not poisoned.any() or not clean.any():
+        return
+    rng = np.random.default_rng(int(example["seed"]) + 11)
+    key, value = inputs.key.copy(), inputs.value.copy()
+    for arr in (key, value):
+        n = int(poisoned.sum())
+        arr[poisoned] = {"nan": np.full((n, arr.shape[-1]), np.nan), "inf": np.full((n, arr.shape[-1]), np.inf)}.get(
+            kind, rng.standard_normal((n, arr.shape[-1])) * 100.0)
+    after = run(backend, params, inputs.replace(key=key, value=value), example["dtype"], loaded=loaded).output
+    keys = [f"b{b}:k{k}" for b, k in zip(*np.nonzero(poisoned))][:6]
+    assert_close(_ignoring(after, base, ~clean), base, tol,
+                 f"leak: keys/values no unchanged row may attend to ({', '.join(keys)}"
+                 f"{'...' if poisoned.sum() > 6 else ''}) set to {kind} changed the output")
+
+
+# --- regression cases and repro lines --------------------------------------------------------------------------------
+def search_dir(results: str | Path | None = None) -> Path:
+    """Where search regressions live: ``<results>/search``, else ``$MHA_HARNESS_SEARCH_DIR``, else results/search."""
+    if results is not None:
+        return Path(results) / "search"
+    return Path(os.environ.get(SEARCH_DIR_ENV) or "results/search")
+
+
+def example_id(example: Mapping[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(example, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def saved_regressions(backend_name: str, directory: str | Path | None = None) -> list[Path]:
+    folder = (Path(directory) if directory is not None else search_dir()) / backend_name
+    return sorted(folder.glob("*.json")) if folder.is_dir() else []
+
+
+def load_regression(path: str | Path) -> dict:
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"regression file {path}: schema is {data.get('schema')!r}; accepted: {SCHEMA!r}")
+    return data
+
+
+def save_regression(backend_name: str, spec: str | None, example: Mapping[str, Any], message: str,
+                    directory: str | Path) -> Path:
+    from mha_harness.util.atomic import write_json_atomic
+    path = Path(directory) / backend_name / f"{example_id(example)}.json"
+    write_json_atomic(path, {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "backend": backend_name,
+                             "spec": spec, "example": dict(example), "message": message,
+                             "repro": repro_line(backend_name, spec, example)})
+    return path
+
+
+def _literal(value) -> str:
+    """A Python literal with double-quoted strings only (so it can sit inside single quotes in a shell)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if value is None or isinstance(value, (bool, int)):
+        return repr(value)
+    if isinstance(value, float):
+        return repr(value) if np.isfinite(value) else f'float("{value}")'
+    raise TypeError(f"example: cannot write {type(value).__name__} {value!r} as a literal")
+
+
+def repro_line(backend_name: str, spec: str | None, example: Mapping[str, Any]) -> str:
+    """A shell-safe one-liner that rebuilds the example from its parameters, calls the backend and raises."""
+    target = _literal(spec or backend_name)
+    name = f", name={_literal(backend_name)}" if spec else ""
+    code = (f"from mha_harness.conformance.search_examples import replay; "
+            f"replay({target}, {_literal(dict(example))}{name})")
+    if "'" in code:
+        raise ValueError(f"example: {code!r} contains a single quote; it cannot be written shell-safe")
+    return f"python -c '{code}'"
+
+
+def replay(backend: str | AttentionBackend, example: Mapping[str, Any], *, name: str | None = None) -> float:
+    """Rebuild ``example``, run ``backend`` (a registered name, a ``module:object`` spec, or an object; ``name``
+    picks one when the spec gives several) in this process and raise its failure; print what happened."""
+    if isinstance(backend, str):
+        from mha_harness.registry import backends_from_spec, load_registry
+        found = backends_from_spec(backend) if ":" in backend else [load_registry().backend(backend)]
+        matches = [b for b in found if name is None or b.name == name]
+        if not matches:
+            raise ValueError(f"name: got {name!r}; accepted: {', '.join(b.name for b in found)}")
+        backend = matches[0]
+    shapes = {k: example[k] for k in ("batch", "tq", "tk", "heads", "kv_heads", "d_head")}
+    print(f"{backend.name}: {json.dumps(shapes)} dtype {example['dtype']}")
+    err = check_example(backend, example)
+    print(f"passed: max output error {err:.3g}")
+    return err

@@ -1,0 +1,139 @@
+"""mha-harness search: hypothesis finds mutants, shrinks them to small runnable repros that are saved as regression
+cases `check` replays, honours declared capabilities and divergences, and passes on numpy-tiled."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mha_harness
+from mha_harness.contract.api import AttentionInputs, Capabilities
+from mha_harness.conformance.isolation import Target
+from mha_harness.conformance.search import MUTANT_SPEC, search_backend
+from mha_harness.conformance.search_examples import (SEARCH_DIR_ENV, Coverage, build, load_regression, repro_line,
+                                                     saved_regressions)
+from mha_harness.conformance.strategies import SearchSpace, logit_scales
+from mha_harness.implementations.mutants import mutant_backends
+from mha_harness.implementations.numpy_naive import NumpyNaive
+from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
+
+pytest.importorskip("hypothesis")
+MUTANTS = {b.name: b for b in mutant_backends()}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def _search(name, tmp_path, **options):
+    return search_backend(Target(MUTANTS[name], MUTANT_SPEC), results=tmp_path, isolate=False,
+                          **{"max_examples": 200, "seed": 0, **options})
+
+
+@pytest.mark.parametrize("name, needs", [
+    ("mutant-causal-always-top-left", lambda e: e["causal"] == "bottom-right"),
+    ("mutant-nan-poison-leaks", lambda e: e["poison"] == "nan"),
+    ("mutant-fully-masked-rows-nan", lambda e: e["padding"] or e["attn_mask"] or e["tq"] > e["tk"]),
+    ("mutant-heads-reversed", lambda e: e["heads"] == 2),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_search_finds_a_mutant_and_shrinks_it_to_a_tiny_example(name, needs, tmp_path):
+    outcome = _search(name, tmp_path)
+    assert not outcome.passed, f"{name} was not found"
+    e = outcome.example
+    assert max(e["batch"], e["tq"], e["tk"], e["heads"], e["d_head"]) <= 2, outcome.lines()
+    assert needs(e), outcome.lines()
+    saved = load_regression(outcome.saved)
+    assert saved["example"] == e and saved["backend"] == name and saved["repro"] == outcome.repro
+
+
+def test_printed_repro_runs_when_pasted_into_bash(tmp_path):
+    outcome = _search("mutant-no-scale", tmp_path)
+    assert outcome.repro.startswith("python -c '")
+    done = subprocess.run(["bash", "-c", outcome.repro.replace("python", sys.executable, 1)], cwd=tmp_path,
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert done.returncode != 0 and "CaseFailure: output: expected" in done.stderr, done.stderr[-800:]
+    fixed = repro_line("numpy-naive", None, outcome.example)
+    done = subprocess.run(["bash", "-c", fixed.replace("python", sys.executable, 1)], cwd=tmp_path,
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert done.returncode == 0 and "passed" in done.stdout, done.stderr[-800:]
+
+
+def test_same_seed_same_search(tmp_path):
+    first = _search("mutant-value-bias-dropped", tmp_path / "a")
+    second = _search("mutant-value-bias-dropped", tmp_path / "b")
+    assert (first.example, first.examples) == (second.example, second.examples)
+
+
+def test_saved_regression_is_replayed_by_check_and_fails_the_mutant(tmp_path, monkeypatch):
+    outcome = _search("mutant-no-output-projection", tmp_path)
+    monkeypatch.setenv(SEARCH_DIR_ENV, str(tmp_path / "search"))
+    assert [p.name for p in saved_regressions("mutant-no-output-projection")] == [Path(outcome.saved).name]
+    report = mha_harness.check(MUTANTS["mutant-no-output-projection"], cases=["check_search_regressions_still_pass"])
+    assert [r.status for r in report.results] == ["failed"] and "output" in report.results[0].message
+    # the same example replayed on a correct backend passes
+    (tmp_path / "search" / "numpy-naive").mkdir()
+    Path(outcome.saved).rename(tmp_path / "search" / "numpy-naive" / Path(outcome.saved).name)
+    report = mha_harness.check(NumpyNaive(), cases=["check_search_regressions_still_pass"])
+    assert [r.status for r in report.results] == ["passed"]
+
+
+def test_regression_case_skips_with_a_reason_when_none_is_saved(tmp_path, monkeypatch):
+    monkeypatch.setenv(SEARCH_DIR_ENV, str(tmp_path))
+    result = mha_harness.check(NumpyNaive(), cases=["check_search_regressions_still_pass"]).results[0]
+    assert result.status == "skipped" and "no search regression saved" in result.message
+
+
+def test_search_draws_only_what_the_backend_declares():
+    class Narrow(NumpyNaive):
+        name = "narrow"
+        capabilities = Capabilities(dtypes=("float64",), causal_alignments=("top-left",), key_padding_mask=False,
+                                    additive_attn_mask=False, cross_attention=False, grouped_query=False, bias=False)
+    space = SearchSpace.for_backend(Narrow())
+    assert space.dtypes == ("float64",) and space.causal == (None, "top-left") and not space.padding
+    assert space.mask_kinds == ("bool",) and not space.cross_attention and not space.grouped_query
+    from hypothesis import given, settings
+    from mha_harness.conformance.strategies import examples
+
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(examples(space))
+    def drawn(e):
+        assert e["dtype"] == "float64" and e["tq"] == e["tk"] and e["kv_heads"] == e["heads"]
+        assert e["padding"] is None and not e["bias"] and e["causal"] in (None, "top-left")
+        assert e["attn_mask"] is None or e["attn_mask"]["kind"] == "bool"
+        params, inputs = build(e)
+        assert isinstance(inputs, AttentionInputs) and inputs.features() <= {"causal:top-left", "bool_attn_mask"}
+    drawn()
+
+
+def test_declared_divergences_are_not_searched():
+    class UniformAverage(NumpyNaive):
+        name = "uniform"
+        divergences = uniform_fully_masked_divergences("finite mask value") + masked_poison_divergences("0 * NaN")
+    coverage = Coverage.of(UniformAverage())
+    assert not coverage.compare_empty_rows and coverage.poisons == ("random",)
+    assert Coverage.of(NumpyNaive()) == Coverage(True, ("random", "nan", "inf"), ("float32", "float64"),
+                                                 ("float32", "float64"))
+
+
+def test_logit_scales_reach_exp_overflow_of_each_dtype():
+    assert logit_scales("float64") == (1, 10, 100, 1000) and logit_scales("float32") == (1, 10, 100)
+
+
+def test_cli_search_on_a_mutant_exits_1_with_a_repro_and_bad_options_exit_2(tmp_path):
+    cmd = [sys.executable, "-m", "mha_harness", "search", "--results", str(tmp_path)]
+    done = subprocess.run(cmd + ["--backend", "mutant-no-scale", "--max-examples", "50", "--seed", "0"],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "repro: python -c '" in done.stdout and "minimal example: B=1" in done.stdout
+    assert list((tmp_path / "search" / "mutant-no-scale").glob("*.json"))
+    done = subprocess.run(cmd + ["--backend", "numpy-naive", "--max-examples", "0"], capture_output=True, text=True,
+                          env=ENV, timeout=120)
+    assert done.returncode == 2 and "--max-examples" in done.stderr
+
+
+@pytest.mark.slow
+def test_cli_search_numpy_tiled_200_examples_passes(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mha_harness", "search", "--backend", "numpy-tiled",
+                           "--max-examples", "200", "--seed", "0", "--results", str(tmp_path)],
+                          capture_output=True, text=True, env=ENV, timeout=900)
+    assert done.returncode == 0 and "no failure" in done.stdout, done.stdout + done.stderr
