@@ -4,5 +4,4 @@ Each case is a plain function over any backend (see :mod:`mha_harness.casekit`).
 backends only through the plugin API and never import torch or jax. Run them with
 ``mha-harness check``, ``mha_harness.check(backend)`` or ``pytest --pyargs mha_harness.cases``.
 """
-from mha_harness.cases import (agreement, bad_input, gradients, invariance, masks, projections,  # noqa: F401
-                              search_regressions)
+from mha_harness.cases import agreement, bad_input, gradients, invariance, masks, projections, search_regressions  # noqa: F401

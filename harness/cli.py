@@ -229,8 +229,9 @@ def cmd_list(args) -> int:
 
 
 def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, mutants=False):
-    from mha_harness.checking import check
     import os
+
+    from mha_harness.checking import check
     from mha_harness.conformance.mutation import mutation_score
     from mha_harness.conformance.search_examples import SEARCH_DIR_ENV, search_dir
     _usage(check_writable, results_dir / "conformance", "--results")
@@ -296,8 +297,13 @@ def _available_backends(registry, names):
 
 def cmd_search(args) -> int:
     from mha_harness.conformance.isolation import Target
-    from mha_harness.conformance.search import (DEFAULT_MAX_EXAMPLES, MUTANT_SPEC, QUICK_MAX_EXAMPLES, mutant_table,
-                                                run_search)
+    from mha_harness.conformance.search import (
+        DEFAULT_MAX_EXAMPLES,
+        MUTANT_SPEC,
+        QUICK_MAX_EXAMPLES,
+        mutant_table,
+        run_search,
+    )
     _require("hypothesis", "search")
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError(f"--max-examples: got {args.max_examples}; accepted: a positive integer")
@@ -329,7 +335,7 @@ def cmd_search(args) -> int:
         from mha_harness.implementations.mutants import MUTANTS
         from mha_harness.util.atomic import write_text_atomic
         table = mutant_table(outcomes, {m.name: m.bug for m in MUTANTS})
-        command = "mha-harness search " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["search"] else "mha-harness search"
+        command = "mha-harness " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["search"] else "mha-harness search"
         path = write_text_atomic(results / "search" / "mutants.md", f"Produced by `{command}`\n\n{table}\n")
         found = sum(not o.passed for o in outcomes)
         print(f"\n{table}\n\nmutants found: {found}/{len(outcomes)}; table: {path}")

@@ -10,12 +10,18 @@ from pathlib import Path
 import pytest
 
 import mha_harness
-from mha_harness.contract.api import AttentionInputs, Capabilities
 from mha_harness.conformance.isolation import Target
 from mha_harness.conformance.search import MUTANT_SPEC, search_backend
-from mha_harness.conformance.search_examples import (SEARCH_DIR_ENV, Coverage, build, load_regression, repro_line,
-                                                     saved_regressions)
+from mha_harness.conformance.search_examples import (
+    SEARCH_DIR_ENV,
+    Coverage,
+    build,
+    load_regression,
+    repro_line,
+    saved_regressions,
+)
 from mha_harness.conformance.strategies import SearchSpace, logit_scales
+from mha_harness.contract.api import AttentionInputs, Capabilities
 from mha_harness.implementations.mutants import mutant_backends
 from mha_harness.implementations.numpy_naive import NumpyNaive
 from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
@@ -92,6 +98,7 @@ def test_search_draws_only_what_the_backend_declares():
     assert space.dtypes == ("float64",) and space.causal == (None, "top-left") and not space.padding
     assert space.mask_kinds == ("bool",) and not space.cross_attention and not space.grouped_query
     from hypothesis import given, settings
+
     from mha_harness.conformance.strategies import examples
 
     @settings(max_examples=60, deadline=None, database=None)

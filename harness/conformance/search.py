@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from mha_harness.contract.api import AttentionConfig, Unsupported
 from mha_harness.conformance.casekit import CaseFailure, CaseSkipped
 from mha_harness.conformance.isolation import Target, _backend_in_worker
-from mha_harness.conformance.search_examples import (check_example, example_id, repro_line, save_regression,
-                                                     search_dir)
+from mha_harness.conformance.search_examples import check_example, example_id, repro_line, save_regression, search_dir
+from mha_harness.contract.api import AttentionConfig, Unsupported
 
 MUTANT_SPEC = "mha_harness.implementations.mutants:mutant_backends"
 DEFAULT_MAX_EXAMPLES = 200
@@ -49,7 +49,7 @@ def _call_in_worker(payload, op: str, *args):
 
 
 class _RemoteLoaded:
-    def __init__(self, remote: "RemoteBackend", params, dtype: str):
+    def __init__(self, remote: RemoteBackend, params, dtype: str):
         self.remote, self.params, self.dtype, self.config = remote, params, dtype, params.config
         self.token = (id(self), time.perf_counter_ns())
 
@@ -75,6 +75,7 @@ class RemoteBackend:
 
     def call(self, op: str, *args):
         from concurrent.futures import TimeoutError as FutureTimeout
+
         from pebble import ProcessExpired
         future = self.pool.schedule(_call_in_worker, args=(self.payload, op) + args, timeout=self.timeout)
         try:

@@ -19,18 +19,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
+from mha_harness.conformance.casekit import (
+    CaseFailure,
+    assert_close,
+    assert_gradients_close,
+    bad_call_problem,
+    bad_calls,
+    parameter_count_problem,
+    run,
+    tolerance_for,
+)
 from mha_harness.contract.api import AttentionBackend, AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import allowed_and_bias, reference_vjp
 from mha_harness.contract.tolerance import naive_dtype
-from mha_harness.conformance.casekit import (CaseFailure, assert_close, assert_gradients_close, bad_call_problem,
-                                             bad_calls, parameter_count_problem, run, tolerance_for)
 
 SCHEMA = "mha-harness/search-regression"
 SCHEMA_VERSION = 1
@@ -76,7 +85,7 @@ class Coverage:
     gradient_dtypes: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, backend: AttentionBackend) -> "Coverage":
+    def of(cls, backend: AttentionBackend) -> Coverage:
         dtypes = backend.capabilities.dtypes
         return cls(
             compare_empty_rows=not any(_declared(backend, c) for c in _EMPTY_ROW_CASES),
@@ -286,7 +295,7 @@ def replay(backend: str | AttentionBackend, example: Mapping[str, Any], *, name:
     picks one when the spec gives several) in this process and raise its failure; print what happened."""
     if isinstance(backend, str):
         from mha_harness.registry import backends_from_spec, load_registry
-        found = backends_from_spec(backend) if ":" in backend else [load_registry().backend(backend)]
+        found = backends_from_spec(backend) if ":" in backend else [load_registry().get(backend).backend]
         matches = [b for b in found if name is None or b.name == name]
         if not matches:
             raise ValueError(f"name: got {name!r}; accepted: {', '.join(b.name for b in found)}")

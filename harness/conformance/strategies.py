@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from mha_harness.contract.api import AttentionBackend
 from mha_harness.conformance.casekit import bad_calls
 from mha_harness.conformance.search_examples import FORMS, Coverage
+from mha_harness.contract.api import AttentionBackend
 
 #: sequence lengths: every small one, then both sides of power-of-two tile sizes (and one in between), in the order
 #: hypothesis shrinks them (towards the front)
@@ -46,7 +46,7 @@ class SearchSpace:
     max_d_head: int
 
     @classmethod
-    def for_backend(cls, backend: AttentionBackend, *, quick: bool = False) -> "SearchSpace":
+    def for_backend(cls, backend: AttentionBackend, *, quick: bool = False) -> SearchSpace:
         caps, coverage = backend.capabilities, Coverage.of(backend)
         limit = QUICK_MAX_LENGTH if quick else (caps.max_seq_len or max(LENGTHS))
         declared_forms = getattr(caps, "inputs", None) or ("separate",)
@@ -137,6 +137,7 @@ def examples(draw, space: SearchSpace):
 
 def _count_bad_calls() -> int:
     import numpy as np
+
     from mha_harness.contract.api import AttentionInputs
     x = np.zeros((2, 6, 4))
     return len(bad_calls(AttentionInputs(x, x, x)))
