@@ -124,13 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("search", help="property-based search (hypothesis) for inputs a backend gets wrong; shrinks "
                                       "to a minimal runnable repro saved under results/search/")
     _add_selection(p)
-    p.add_argument("--max-examples", type=int, default=None,
+    p.add_argument("--max-examples", type=int_range(1, 1_000_000), default=None,
                    help="examples per backend (default 200; 50 with --quick)")
-    p.add_argument("--seed", type=int, default=None, help="fix hypothesis's seed (deterministic search)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+    p.add_argument("--seed", type=int_range(0, None), default=None, help="fix hypothesis's seed (deterministic search)")
+    p.add_argument("--time-budget", type=float_range(0.0, 7 * 24 * 3600.0), default=None, metavar="S",
                    help="seconds of generation per backend (shrinking a found failure is not cut short)")
     p.add_argument("--quick", action="store_true", help="a smaller space (T <= 129, batch <= 2) and fewer examples")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per backend call before the worker is killed")
+    p.add_argument("--timeout", type=TIMEOUT, default=60.0, help="seconds per backend call before the worker is killed")
     p.add_argument("--no-isolate", action="store_true", help="call the backend in this process")
     p.add_argument("--mutants", action="store_true",
                    help="search the mutant zoo (every mutant, or the --backend ones) and write the table of what "
@@ -305,10 +305,6 @@ def cmd_search(args) -> int:
         run_search,
     )
     _require("hypothesis", "search")
-    if args.max_examples is not None and args.max_examples < 1:
-        raise UsageError(f"--max-examples: got {args.max_examples}; accepted: a positive integer")
-    if args.time_budget is not None and args.time_budget <= 0:
-        raise UsageError(f"--time-budget: got {args.time_budget:g}; accepted: positive seconds")
     mutants = args.mutants or any(n.startswith("mutant-") for n in args.backend)
     registry = _registry(list(args.backend_spec) + ([MUTANT_SPEC] if mutants else []))
     if args.mutants and not args.backend:
