@@ -144,3 +144,17 @@ def test_cli_search_numpy_tiled_200_examples_passes(tmp_path):
                            "--max-examples", "200", "--seed", "0", "--results", str(tmp_path)],
                           capture_output=True, text=True, env=ENV, timeout=900)
     assert done.returncode == 0 and "no failure" in done.stdout, done.stdout + done.stderr
+
+
+def test_pytest_mha_search_runs_one_search_test_per_backend(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "mha_harness.cases",
+                           "--mha-backend", "numpy-naive", "--mha-backend", MUTANT_SPEC, "--mha-search",
+                           "--mha-search-examples", "30", "-k", "search_property_holds and (naive or no-output)", "-q"],
+                          cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+    assert "1 failed, 1 passed" in done.stdout, done.stdout[-2000:]
+    assert "search_property_holds[mutant-no-output-projection]" in done.stdout and "repro: python -c" in done.stdout
+    assert list((tmp_path / "results" / "search" / "mutant-no-output-projection").glob("*.json"))
+    quiet = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "mha_harness.cases",
+                            "--mha-backend", "numpy-naive", "--collect-only", "-q", "-k", "search_property_holds"],
+                           cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
+    assert "search_property_holds" not in quiet.stdout  # without --mha-search there is no search test

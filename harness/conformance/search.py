@@ -36,6 +36,8 @@ _WORKER_LOADED: dict = {}
 
 def _call_in_worker(payload, op: str, *args):
     backend = _backend_in_worker(payload)
+    if op == "start":  # the worker has imported the backend's framework and built it
+        return backend.name
     if op == "shapes":
         return backend.native_parameter_shapes(args[0])
     params, dtype, token = args[:3]
@@ -161,6 +163,14 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
     from mha_harness.conformance.strategies import SearchSpace, examples
 
     backend = RemoteBackend(target, timeout) if isolate else target.backend
+    if isolate:
+        try:  # the worker's start (importing torch or jax) is not charged to the time budget
+            backend.call("start")
+        except Exception as exc:  # noqa: BLE001 - a backend its worker cannot build is reported, not raised
+            backend.close()
+            return SearchOutcome(target.name, passed=False,
+                                 message=f"the worker process could not build {target.name}: "
+                                         f"{type(exc).__name__}: {exc}")
     space = SearchSpace.for_backend(target.backend, quick=quick)
     folder = search_dir(results)
     state: dict[str, Any] = {"n": 0, "rejected": 0, "failing": None}

@@ -53,8 +53,20 @@ def _separate_form(config: AttentionConfig, batch: int, tq: int, tk: int, seed: 
     return make_inputs(config, batch, tq, tk, seed=seed, self_attention=False, **masks)
 
 
-#: form name -> builder of (query, key, value); every form must give Tq == Tk unless it is "separate"
-FORMS = {"separate": _separate_form}
+def _shared_kv_form(config: AttentionConfig, batch: int, tq: int, tk: int, seed: int, **masks) -> AttentionInputs:
+    separate = make_inputs(config, batch, tq, tk, seed=seed, self_attention=False, **masks)
+    return separate.replace(value=separate.key)  # key is value: one memory array
+
+
+def _self_form(config: AttentionConfig, batch: int, tq: int, tk: int, seed: int, **masks) -> AttentionInputs:
+    if tq != tk:
+        raise ValueError(f"form: 'self' needs Tq == Tk; got tq={tq}, tk={tk}")
+    return make_inputs(config, batch, tq, tq, seed=seed, self_attention=True, **masks)
+
+
+#: form name -> builder of the inputs (the names of ``Capabilities.inputs``, where the API declares it): separate
+#: query/key/value; key is value (encoder-decoder memory); query is key is value (self-attention, Tq == Tk)
+FORMS = {"separate": _separate_form, "shared_kv": _shared_kv_form, "self": _self_form}
 
 
 # --- what declared divergences cover --------------------------------------------------------------------------------
@@ -218,8 +230,9 @@ def _check_leakage(backend, params, inputs, example, loaded, allowed, empty, bas
     if not poisoned.any() or not clean.any():
         return
     rng = np.random.default_rng(int(example["seed"]) + 11)
-    key, value = inputs.key.copy(), inputs.value.copy()
-    for arr in (key, value):
+    key = inputs.key.copy()
+    value = key if inputs.value is inputs.key else inputs.value.copy()  # a shared key/value stays one array
+    for arr in ((key,) if value is key else (key, value)):
         n = int(poisoned.sum())
         arr[poisoned] = {"nan": np.full((n, arr.shape[-1]), np.nan), "inf": np.full((n, arr.shape[-1]), np.inf)}.get(
             kind, rng.standard_normal((n, arr.shape[-1])) * 100.0)

@@ -49,7 +49,7 @@ class SearchSpace:
     def for_backend(cls, backend: AttentionBackend, *, quick: bool = False) -> SearchSpace:
         caps, coverage = backend.capabilities, Coverage.of(backend)
         limit = QUICK_MAX_LENGTH if quick else (caps.max_seq_len or max(LENGTHS))
-        declared_forms = getattr(caps, "inputs", None) or ("separate",)
+        declared_forms = getattr(caps, "inputs", None) or ("separate",)  # Capabilities.inputs, where declared
         return cls(
             dtypes=coverage.output_dtypes or caps.dtypes,
             forms=tuple(f for f in FORMS if f in declared_forms) or ("separate",),
@@ -112,7 +112,7 @@ def examples(draw, space: SearchSpace):
     form = draw(st.sampled_from(space.forms))
     batch = draw(st.integers(1, space.max_batch))
     tq = draw(_length(space))
-    tk = draw(_length(space)) if space.cross_attention and form == "separate" else tq
+    tk = draw(_length(space)) if space.cross_attention and form != "self" else tq
     heads = draw(st.sampled_from(HEADS))
     kv_heads = draw(st.sampled_from([heads] + [k for k in range(heads - 1, 0, -1) if heads % k == 0])) \
         if space.grouped_query else heads
