@@ -64,7 +64,7 @@ def _self_form(config: AttentionConfig, batch: int, tq: int, tk: int, seed: int,
     return make_inputs(config, batch, tq, tq, seed=seed, self_attention=True, **masks)
 
 
-#: form name -> builder of the inputs (the names of ``Capabilities.inputs``, where the API declares it): separate
+#: form name -> builder of the inputs (the names of ``Capabilities.inputs``): separate
 #: query/key/value; key is value (encoder-decoder memory); query is key is value (self-attention, Tq == Tk)
 FORMS = {"separate": _separate_form, "shared_kv": _shared_kv_form, "self": _self_form}
 
@@ -192,7 +192,7 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
             raise CaseFailure(_COUNTED[key])
     loaded = backend.load(params, dtype=dtype)
     if example.get("malformed") is not None:
-        calls = bad_calls(make_inputs(config, 2, 6, 6, seed=int(example["seed"]), self_attention=False))
+        calls = bad_calls(FORMS[example.get("form", "separate")](config, 2, 6, 6, int(example["seed"])))
         problem = bad_call_problem(loaded, *calls[int(example["malformed"]) % len(calls)])
         if problem:
             raise CaseFailure(f"bad input not rejected clearly: {problem}")
@@ -206,9 +206,11 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
     _check_leakage(backend, params, inputs, example, loaded, allowed, empty, got, tol)
     if example.get("gradients") and backend.capabilities.gradients and dtype in coverage.gradient_dtypes \
             and (empty is None or not empty.any()):
+        from mha_harness.cases._fixtures import input_gradients  # per distinct input array of the form
         cotangent = np.random.default_rng(int(example["seed"]) + 3).standard_normal(got.shape)
-        assert_gradients_close(loaded.vjp(inputs, cotangent), reference_vjp(params, inputs, cotangent),
-                               reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), dtype,
+        exact = input_gradients(reference_vjp(params, inputs, cotangent), inputs.form)
+        naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), inputs.form)
+        assert_gradients_close(loaded.vjp(inputs, cotangent), exact, naive, dtype,
                                length=inputs.batch * max(inputs.tq, inputs.tk))
     return worst
 

@@ -49,10 +49,9 @@ class SearchSpace:
     def for_backend(cls, backend: AttentionBackend, *, quick: bool = False) -> SearchSpace:
         caps, coverage = backend.capabilities, Coverage.of(backend)
         limit = QUICK_MAX_LENGTH if quick else (caps.max_seq_len or max(LENGTHS))
-        declared_forms = getattr(caps, "inputs", None) or ("separate",)  # Capabilities.inputs, where declared
         return cls(
             dtypes=coverage.output_dtypes or caps.dtypes,
-            forms=tuple(f for f in FORMS if f in declared_forms) or ("separate",),
+            forms=tuple(f for f in FORMS if caps.accepts_form(f)),  # every form Capabilities.inputs accepts
             causal=(None,) + tuple(caps.causal_alignments),
             cross_attention=caps.cross_attention,
             grouped_query=caps.grouped_query,
