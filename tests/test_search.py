@@ -108,7 +108,8 @@ def test_search_draws_only_what_the_backend_declares():
         assert e["padding"] is None and not e["bias"] and e["causal"] in (None, "top-left")
         assert e["attn_mask"] is None or e["attn_mask"]["kind"] == "bool"
         params, inputs = build(e)
-        assert isinstance(inputs, AttentionInputs) and inputs.features() <= {"causal:top-left", "bool_attn_mask"}
+        assert isinstance(inputs, AttentionInputs) and inputs.features() <= {"causal:top-left", "bool_attn_mask",
+                                                                          f"inputs:{e['form']}"}
     drawn()
 
 
