@@ -224,8 +224,8 @@ def _check_leakage(backend, params, inputs, example, loaded, allowed, empty, bas
     poisoned = never | (np.arange(inputs.tk) > int(example.get("cut", inputs.tk)))[None, :]
     clean = ~(allowed & poisoned[:, None, None, :]).any(axis=(1, 3))  # (batch, Tq)
     kind = example.get("poison", "random")
-    if kind != "random":  # NaN/inf may only sit where a mask hides it from some query (see validate_inputs)
-        poisoned &= ~allowed.all(axis=(1, 2))
+    if kind != "random":  # NaN/inf may only sit at keys every query's mask hides (validate_inputs)
+        poisoned &= never
         clean = ~(allowed & poisoned[:, None, None, :]).any(axis=(1, 3))
     if empty is not None:
         clean &= ~empty
