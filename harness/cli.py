@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float_range(0.0, 7 * 24 * 3600.0), default=None, metavar="S",
                    help="seconds of generation per backend (shrinking a found failure is not cut short)")
     p.add_argument("--quick", action="store_true", help="a smaller space (T <= 129, batch <= 2) and fewer examples")
-    p.add_argument("--timeout", type=TIMEOUT, default=60.0, help="seconds per backend call before the worker is killed")
+    p.add_argument("--timeout", type=TIMEOUT, default=60.0,
+                   help="worker seconds per example before the worker is killed")
     p.add_argument("--no-isolate", action="store_true", help="call the backend in this process")
     p.add_argument("--mutants", action="store_true",
                    help="search the mutant zoo (every mutant, or the --backend ones) and write the table of what "
@@ -313,8 +314,6 @@ def cmd_search(args) -> int:
         names = _targets(args, registry)
     else:
         names = [e.name for e in registry.available() if e.spec != MUTANT_SPEC]
-    if not args.no_isolate:
-        _require("pebble", "isolation")
     results = Path(args.results)
     _usage(check_writable, results / "search", "--results")
     targets = []

@@ -7,13 +7,13 @@ prints it as a shell-safe one-line repro and saves it as a regression case that 
 (``check_search_regressions_still_pass``).
 
 The hypothesis loop and every comparison run in this process; the backend's own calls (load, forward, vjp,
-native_parameter_shapes) run in its worker process (:class:`RemoteBackend`, pebble) with a per-call timeout, so a
-plugin that crashes or hangs is a finding, not the end of the run. ``seed`` makes the search deterministic;
-hypothesis's example database under ``<results>/search/.hypothesis/<backend>/`` replays earlier failures first.
+native_parameter_shapes) run in its worker process (the conformance proxy and worker transport, as ``check``) with
+a timeout per example, so a plugin that crashes or hangs is a finding, not the end of the run. ``seed`` makes the
+search deterministic; hypothesis's example database under ``<results>/search/.hypothesis/<backend>/`` replays
+earlier failures first.
 """
 from __future__ import annotations
 
-import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,81 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from mha_harness.conformance.casekit import CaseFailure, CaseSkipped
-from mha_harness.conformance.isolation import Target, _backend_in_worker
+from mha_harness.conformance.isolation import Target, WorkerTransport
+from mha_harness.conformance.proxy import BackendProxy, WorkerLost
 from mha_harness.conformance.search_examples import check_example, example_id, repro_line, save_regression, search_dir
-from mha_harness.contract.api import AttentionConfig, Unsupported
+from mha_harness.contract.api import Unsupported
 
 MUTANT_SPEC = "mha_harness.implementations.mutants:mutant_backends"
 DEFAULT_MAX_EXAMPLES = 200
 QUICK_MAX_EXAMPLES = 50
-
-
-# --- the backend's calls in its worker process ---------------------------------------------------------------------
-_WORKER_LOADED: dict = {}
-
-
-def _call_in_worker(payload, op: str, *args):
-    backend = _backend_in_worker(payload)
-    if op == "start":  # the worker has imported the backend's framework and built it
-        return backend.name
-    if op == "shapes":
-        return backend.native_parameter_shapes(args[0])
-    params, dtype, token = args[:3]
-    if _WORKER_LOADED.get("token") != token:
-        _WORKER_LOADED.clear()
-        _WORKER_LOADED.update(token=token, loaded=backend.load(params, dtype=dtype))
-    loaded = _WORKER_LOADED["loaded"]
-    if op == "forward":
-        return loaded.forward(args[3], need_weights=args[4])
-    return loaded.vjp(args[3], args[4])
-
-
-class _RemoteLoaded:
-    def __init__(self, remote: RemoteBackend, params, dtype: str):
-        self.remote, self.params, self.dtype, self.config = remote, params, dtype, params.config
-        self.token = (id(self), time.perf_counter_ns())
-
-    def forward(self, inputs, *, need_weights: bool = False):
-        return self.remote.call("forward", self.params, self.dtype, self.token, inputs, need_weights)
-
-    def vjp(self, inputs, cotangent):
-        return self.remote.call("vjp", self.params, self.dtype, self.token, inputs, cotangent)
-
-
-class RemoteBackend:
-    """Looks like the backend (name, capabilities, divergences) to the search; its calls run in one worker
-    process with ``timeout`` seconds each. A timeout or a dead worker raises :class:`CaseFailure` (a finding);
-    the worker is replaced for the next call. Exceptions the backend raises come back as themselves."""
-
-    def __init__(self, target: Target, timeout: float = 60.0):
-        from pebble import ProcessPool
-        self.backend, self.timeout = target.backend, timeout
-        self.name, self.capabilities, self.divergences = target.name, target.backend.capabilities, \
-            target.backend.divergences
-        self.payload = target.payload()
-        self.pool = ProcessPool(max_workers=1, context=multiprocessing.get_context("spawn"))
-
-    def call(self, op: str, *args):
-        from concurrent.futures import TimeoutError as FutureTimeout
-
-        from pebble import ProcessExpired
-        future = self.pool.schedule(_call_in_worker, args=(self.payload, op) + args, timeout=self.timeout)
-        try:
-            return future.result()
-        except FutureTimeout:
-            raise CaseFailure(f"{op}: no result within {self.timeout:g} s; worker killed") from None
-        except ProcessExpired as exc:
-            raise CaseFailure(f"{op}: the worker process died with exit code {exc.exitcode} ({exc})") from None
-
-    def native_parameter_shapes(self, config: AttentionConfig):
-        return self.call("shapes", config)
-
-    def load(self, params, *, dtype: str = "float32"):
-        return _RemoteLoaded(self, params, dtype)
-
-    def close(self) -> None:
-        self.pool.stop()
-        self.pool.join(timeout=10)
 
 
 # --- the search -----------------------------------------------------------------------------------------------------
@@ -162,15 +95,15 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
 
     from mha_harness.conformance.strategies import SearchSpace, examples
 
-    backend = RemoteBackend(target, timeout) if isolate else target.backend
+    transport = WorkerTransport(target.payload(), None) if isolate else None
+    backend = BackendProxy(target.backend, transport) if isolate else target.backend
     if isolate:
         try:  # the worker's start (importing torch or jax) is not charged to the time budget
-            backend.call("start")
-        except Exception as exc:  # noqa: BLE001 - a backend its worker cannot build is reported, not raised
-            backend.close()
+            transport.call("hello")
+        except (Exception, WorkerLost) as exc:  # a backend its worker cannot build is reported, not raised
+            transport.stop()
             return SearchOutcome(target.name, passed=False,
-                                 message=f"the worker process could not build {target.name}: "
-                                         f"{type(exc).__name__}: {exc}")
+                                 message=f"the worker process could not build {target.name}: {exc}")
     space = SearchSpace.for_backend(target.backend, quick=quick)
     folder = search_dir(results)
     state: dict[str, Any] = {"n": 0, "rejected": 0, "failing": None}
@@ -180,14 +113,23 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
         if state["failing"] is None and time_budget is not None and time.perf_counter() - start > time_budget:
             return  # generation budget spent: the remaining draws are not run
         state["n"] += 1
+        if isolate:
+            transport.begin_case(timeout)  # the worker gets ``timeout`` seconds per example
         try:
             check_example(backend, example)
         except (Unsupported, CaseSkipped):
             state["rejected"] += 1
             reject()
+        except WorkerLost as lost:  # a hang or a crash of the worker is a finding
+            failure = CaseFailure(f"{getattr(lost, 'status', 'lost')}: {lost}")
+            state["failing"] = (dict(example), failure)
+            raise failure from None
         except Exception as exc:
             state["failing"] = (dict(example), exc)
             raise
+        finally:
+            if isolate:
+                transport.end_case()
 
     test = settings(max_examples=max_examples, deadline=None, derandomize=False, report_multiple_bugs=False,
                     database=DirectoryBasedExampleDatabase(str(folder / ".hypothesis" / target.name)),
@@ -204,7 +146,7 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
             raise
     finally:
         if isolate:
-            backend.close()
+            transport.stop()
     outcome.seconds = round(time.perf_counter() - start, 2)
     outcome.examples, outcome.rejected = state["n"], state["rejected"]
     if state["failing"] is not None:
