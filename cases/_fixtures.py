@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.conformance.casekit import CaseSkipped, primary_dtype
+from mha_harness.conformance.casekit import CaseSkipped, input_gradients, primary_dtype  # noqa: F401 - re-exported
 from mha_harness.contract.api import AttentionConfig, AttentionInputs
 from mha_harness.contract.conventions import TOP_LEFT, causal_offset
 from mha_harness.contract.params import make_inputs, make_params
@@ -110,19 +110,6 @@ def with_keys_replaced(inputs: AttentionInputs, where, kind: str, seed: int = 11
     value = inputs.value.copy()
     value[where] = poison(rng, block, kind)
     return inputs.replace(key=key, value=value)
-
-
-def input_gradients(grads: dict, form: str) -> dict:
-    """The reference's per-array gradients (query, key, value) summed per distinct input of ``form``:
-    ``self`` -> ``query`` = d/dx; ``shared_kv`` -> ``query`` and ``key`` = d/dx_kv; parameters unchanged."""
-    out = dict(grads)
-    if form == "self":
-        out["query"] = grads["query"] + grads["key"] + grads["value"]
-        del out["key"], out["value"]
-    elif form == "shared_kv":
-        out["key"] = grads["key"] + grads["value"]
-        del out["value"]
-    return out
 
 
 def key_input_names(form: str) -> tuple[str, ...]:

@@ -38,3 +38,12 @@ __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionO
            "Capabilities", "Divergence", "LoadedAttention", "Report", "Unsupported", "causal_offset", "check",
            "configure_jax", "function_backend", "load_registry", "make_inputs", "make_params", "masks",
            "reference_attention", "reference_vjp", "repro"]
+
+
+def __getattr__(name: str):
+    """``parametrize_with_cases`` lives in the pytest plugin; loaded on first use so importing mha_harness does not
+    import pytest."""
+    if name == "parametrize_with_cases":
+        from mha_harness.pytest_plugin import parametrize_with_cases
+        return parametrize_with_cases
+    raise AttributeError(f"module 'mha_harness' has no attribute {name!r}")

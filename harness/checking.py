@@ -14,6 +14,7 @@ from mha_harness.registry import (
     Registry,
     availability_of,
     backends_from_object,
+    backends_from_spec,
     entries_for_spec,
     load_registry,
     parse_spec,
@@ -43,7 +44,7 @@ def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Ta
     def add_entry(entry):
         if entry.backend is not None and entry.available:
             targets.append(Target(entry.backend, entry.spec if entry.spec != "python object" else None,
-                                  entry.source))
+                                  entry.source, backends_from_spec))
         else:
             unavailable.append(entry_info(entry))
 

@@ -6,19 +6,35 @@
 Each case becomes a test named after it, parametrised over backends and variants with readable
 ids (``check_scores_scaled_by_sqrt_d_head[torch-sdpa-math-cpu-float32]``). Skips carry the
 reason; a declared divergence is an xfail; a failure shows the case's message and a repro.
-The plugin only adds the ``--mha-backend`` option and acts on the functions of
-``cases/test_conformance.py``; it does nothing in other projects' runs.
+
+The plugin acts only when asked. It adds its two options, and otherwise collects, parametrises and imports
+nothing unless pytest is collecting mha_harness's own cases module (``mha_harness.cases.test_conformance``,
+which carries the marker ``MHA_HARNESS_CASES = True``): a module-level ``Mock()`` or lazy proxy named
+``check_...`` in another project is never looked at; the cases and backends are imported only then.
+
+In a test file of your own, the scikit-learn style (like ``parametrize_with_checks``)::
+
+    from mha_harness.pytest_plugin import parametrize_with_cases
+
+    @parametrize_with_cases(MyAttention())
+    def test_my_attention(backend, case):
+        case(backend)
 """
 from __future__ import annotations
 
+import types
+
 import pytest
+
+CASES_MARKER = "MHA_HARNESS_CASES"
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("mha-harness")
     group.addoption("--mha-backend", action="append", default=[], metavar="NAME_OR_MODULE:OBJECT",
-                    help="attention backend(s) for the mha-harness conformance cases: a registered name or "
-                         "'package.module:object' (default: every available registered backend)")
+                    help="attention backend(s) for the mha-harness conformance cases (pytest --pyargs "
+                         "mha_harness.cases): a registered name or 'package.module:object' (default: every "
+                         "available registered backend)")
     group.addoption("--mha-include-slow", action="store_true", help="also run the slow (T = 8192) cases")
     group.addoption("--mha-search", action="store_true",
                     help="also run the property-based search (hypothesis) on each backend: one test per backend")
@@ -26,37 +42,66 @@ def pytest_addoption(parser):
     group.addoption("--mha-search-seed", type=int, default=0, help="hypothesis seed for --mha-search (default 0)")
 
 
+def _is_cases_module(module) -> bool:
+    """True only for mha_harness's own cases module: a real module object carrying the marker set to True."""
+    return type(module) is types.ModuleType and module.__dict__.get(CASES_MARKER) is True
+
+
+def _case_name(function) -> str | None:
+    """The case a collected function runs: only plain functions the cases module made (no Mock, no proxy)."""
+    if type(function) is not types.FunctionType:
+        return None
+    name = function.__dict__.get("_mha_case")
+    return name if isinstance(name, str) else None
+
+
+def _resolve_targets(specs) -> list:
+    from mha_harness.checking import resolve_targets
+    from mha_harness.registry import load_registry
+    if not specs:
+        specs = [e.name for e in load_registry().available()]
+    targets, _ = resolve_targets(specs)
+    return targets
+
+
+def _resolve(specs) -> list:
+    return [t.backend for t in _resolve_targets(specs)]
+
+
 def _targets(config):
     cached = getattr(config, "_mha_targets", None)
     if cached is None:
-        from mha_harness.checking import resolve_targets
-        from mha_harness.registry import load_registry
-        specs = config.getoption("--mha-backend")
-        if specs:
-            targets, _ = resolve_targets(specs)
-        else:
-            targets, _ = resolve_targets([e.name for e in load_registry().available()])
+        targets = _resolve_targets(config.getoption("--mha-backend"))
         cached = config._mha_targets = [t.backend for t in targets]
         config._mha_specs = {t.backend.name: t.spec for t in targets}
     return cached
 
 
+def _is_search(function) -> bool:
+    return type(function) is types.FunctionType and function.__dict__.get("_mha_search") is True
+
+
 def pytest_pycollect_makeitem(collector, name, obj):
-    """Collect the ``check_*`` functions that cases/test_conformance.py exposes, as tests."""
-    if getattr(obj, "_mha_case", None) and name.startswith("check_"):
+    """Collect the ``check_*`` functions of mha_harness's cases module as tests; return None (pytest's own
+    collection) everywhere else."""
+    if not isinstance(collector, pytest.Module) or not _is_cases_module(collector.obj):
+        return None
+    if name.startswith("check_") and _case_name(obj) == name:
         return list(collector._genfunctions(name, obj))
-    if getattr(obj, "_mha_search", False):  # the search test exists only when --mha-search asks for it
+    if _is_search(obj):  # the search test exists only when --mha-search asks for it
         return list(collector._genfunctions(name, obj)) if collector.config.getoption("--mha-search") else []
     return None
 
 
 def pytest_generate_tests(metafunc):
-    if getattr(metafunc.function, "_mha_search", False):
+    if not _is_cases_module(metafunc.module):
+        return
+    if _is_search(metafunc.function):
         backends = _targets(metafunc.config)
         metafunc.parametrize("mha_backend", backends, ids=[b.name for b in backends])
         return
-    case_name = getattr(metafunc.function, "_mha_case", None)
-    if not case_name:
+    case_name = _case_name(metafunc.function)
+    if case_name is None:
         return
     from mha_harness.conformance.casekit import all_cases, variant_id
     case = all_cases()[case_name]
@@ -72,26 +117,20 @@ def pytest_generate_tests(metafunc):
     metafunc.parametrize(("mha_backend", "mha_params"), params, ids=ids)
 
 
-def run_as_test(case_name: str, backend, params: dict) -> None:
-    """Run one variant and translate its status into pytest's outcomes."""
-    from mha_harness.conformance.casekit import all_cases
-    from mha_harness.conformance.runner import run_case
-    result = run_case(backend, all_cases()[case_name], params)
-    if result.status == "skipped":
-        pytest.skip(result.message)
-    if result.status == "expected-divergence":
-        pytest.xfail(result.message)
-    if result.status != "passed":
-        pytest.fail(f"{result.status}: {result.message}\nrepro: {result.repro}", pytrace=False)
+def parametrize_with_cases(backends, *, cases=None, include_slow: bool = False):
+    """Decorator for a test of your own: one test per (backend, case, variant), ids like
+    ``check_scores_scaled_by_sqrt_d_head[my-mha-float32]``. The test receives ``backend`` and ``case``; its body is
+    ``case(backend)``, which skips, xfails (a declared divergence) or fails exactly as ``mha-harness check`` would.
 
-
-def run_search_as_test(backend, config) -> None:
-    """Search ``backend`` in this process (``--mha-search``); fail with the shrunk example and its repro."""
-    from mha_harness.conformance.isolation import Target
-    from mha_harness.conformance.search import search_backend
-    from mha_harness.conformance.search_examples import search_dir
-    spec = getattr(config, "_mha_specs", {}).get(backend.name)
-    outcome = search_backend(Target(backend, spec), max_examples=config.getoption("--mha-search-examples"),
-                             seed=config.getoption("--mha-search-seed"), results=search_dir().parent, isolate=False)
-    if not outcome.passed:
-        pytest.fail("\n".join(outcome.lines()), pytrace=False)
+    ``backends``: a backend instance or class, a registered name, a ``module:object`` spec, or a list of these.
+    ``cases``: case names (default: all; the slow T = 8192 cases only with ``include_slow=True``).
+    """
+    from mha_harness.conformance.as_pytest import CaseVariant
+    from mha_harness.conformance.runner import plan, select_cases
+    chosen = select_cases(cases, include_slow)
+    params = []
+    for backend in _resolve(backends if isinstance(backends, (list, tuple)) else [backends]):
+        for case, variant in plan(backend, chosen):
+            bound = CaseVariant(case.name, variant)
+            params.append(pytest.param(backend, bound, id=bound.test_id(backend)))
+    return pytest.mark.parametrize(("backend", "case"), params)

@@ -100,7 +100,8 @@ class FlaxMha(JaxBackend):
     def __init__(self, device: str = "cpu"):
         self.device = device
         self.name = "flax-mha" if device == "cpu" else f"flax-mha-{device}"
-        self.capabilities = Capabilities(additive_attn_mask=False, grouped_query=False, gradients=True,
+        self.capabilities = Capabilities(additive_attn_mask=False, grouped_query=False, attention_weights=True,
+                                         gradients=True,
                                          devices=(device,),
                                          dtypes=("float32", "float64", "bfloat16") if device == "cpu" else GPU_DTYPES)
 

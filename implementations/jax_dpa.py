@@ -103,6 +103,32 @@ class JaxDpa(JaxBackend):
     def load_native(self, params: AttentionParams, dtype: str) -> JaxDpaLoaded:
         return JaxDpaLoaded(self, params, dtype)
 
+    def direct_callable(self, inputs: AttentionInputs, params: AttentionParams, *, dtype: str = "float32"):
+        """A directly jitted layer: ``x @ W`` projections, ``jax.nn.dot_product_attention`` with this backend's
+        implementation, ``@ W_o`` (no masks but top-left causal, no biases, no grouped-query heads)."""
+        c = params.config
+        if inputs.key_padding_mask is not None or inputs.attn_mask is not None or inputs.causal == "bottom-right":
+            raise Unsupported(f"{self.name}: the direct call takes no masks other than top-left causal")
+        if c.bias or c.kv_heads != c.num_heads:
+            raise Unsupported(f"{self.name}: the direct call takes no biases and no grouped-query heads")
+        import jax
+        loaded = self.load(params, dtype=dtype)
+        w = {name: loaded.params[name] for name in ("W_q", "W_k", "W_v", "W_o")}
+        xq, xk, xv = (loaded.array(getattr(inputs, n)) for n in ("query", "key", "value"))
+        h, is_causal, implementation = c.num_heads, inputs.causal == "top-left", self.implementation
+
+        @jax.jit
+        def layer(w, xq, xk, xv):
+            q, k, v = ((x @ w[n]).reshape(x.shape[0], x.shape[1], h, -1)
+                       for x, n in ((xq, "W_q"), (xk, "W_k"), (xv, "W_v")))
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=implementation)
+            return out.reshape(xq.shape[0], xq.shape[1], -1) @ w["W_o"]
+
+        def direct():
+            return jax.block_until_ready(layer(w, xq, xk, xv))
+        direct()  # compile here, outside any timing
+        return direct
+
 
 def backends():
     return [JaxDpa("xla", "cpu"), JaxDpa("xla", "gpu"), JaxDpa("cudnn", "gpu")]

@@ -81,7 +81,7 @@ class JaxExplicit(JaxBackend):
     def __init__(self, device: str = "cpu"):
         self.device = device
         self.name = "jax-explicit" if device == "cpu" else f"jax-explicit-{device}"
-        self.capabilities = Capabilities(gradients=True, devices=(device,),
+        self.capabilities = Capabilities(attention_weights=True, gradients=True, devices=(device,),
                                          dtypes=JAX_DTYPES if device == "cpu" else GPU_DTYPES)
 
     def native_parameter_shapes(self, config: AttentionConfig):

@@ -110,7 +110,7 @@ class NumpyNaiveLoaded(LoadedAttention):
 class NumpyNaive(AttentionBackend):
     name = "numpy-naive"
     memory_method = "tracemalloc"
-    capabilities = Capabilities(dtypes=("float32", "float64"))
+    capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=True)
     loaded_class = NumpyNaiveLoaded
 
     def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:

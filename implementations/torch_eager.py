@@ -74,13 +74,14 @@ class TorchEagerLoaded(LinearTorchLoaded):
 
 class TorchEager(TorchBackend):
     name = "torch-eager"
-    capabilities = Capabilities(gradients=True, dtypes=TORCH_DTYPES)
+    capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=TORCH_DTYPES)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
         self.name = "torch-eager" if device == "cpu" else f"torch-eager-{device}"
         if device != "cpu":
-            self.capabilities = Capabilities(gradients=True, dtypes=GPU_DTYPES, devices=(device,))
+            self.capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=GPU_DTYPES,
+                                             devices=(device,))
 
     def native_parameter_shapes(self, config: AttentionConfig):
         from mha_harness.contract.params import make_params

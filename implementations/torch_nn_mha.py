@@ -76,7 +76,7 @@ class TorchNnMha(TorchBackend):
     def __init__(self, device: str = "cpu"):
         self.device = device
         self.name = "torch-nn-mha" if device == "cpu" else f"torch-nn-mha-{device}"
-        self.capabilities = Capabilities(gradients=True, grouped_query=False, devices=(device,),
+        self.capabilities = Capabilities(attention_weights=True, gradients=True, grouped_query=False, devices=(device,),
                                          dtypes=TORCH_DTYPES if device == "cpu" else GPU_DTYPES)
 
     def native_parameter_shapes(self, config: AttentionConfig):

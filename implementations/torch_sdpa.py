@@ -172,6 +172,35 @@ class TorchSdpa(TorchBackend):
     def load_native(self, params: AttentionParams, dtype: str) -> TorchSdpaLoaded:
         return TorchSdpaLoaded(self, params, dtype)
 
+    def direct_callable(self, inputs: AttentionInputs, params: AttentionParams, *, dtype: str = "float32"):
+        """``x @ W`` projections, ``F.scaled_dot_product_attention`` under this backend's pinned kernel, ``@ W_o``:
+        the layer as a user writes it in torch (no masks but top-left causal, no biases, no grouped-query heads)."""
+        c = params.config
+        if inputs.key_padding_mask is not None or inputs.attn_mask is not None or inputs.causal == "bottom-right":
+            raise Unsupported(f"{self.name}: the direct call takes no masks other than top-left causal")
+        if c.bias or c.kv_heads != c.num_heads:
+            raise Unsupported(f"{self.name}: the direct call takes no biases and no grouped-query heads")
+        import torch
+        from torch.nn.attention import sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        from mha_harness.implementations._torch_common import synchronize
+        loaded = self.load(params, dtype=dtype)
+        w = {name: loaded.w[name] for name in ("W_q", "W_k", "W_v", "W_o")}
+        xq, xk, xv = (loaded.tensor(getattr(inputs, n)) for n in ("query", "key", "value"))
+        b, tq, tk, h, dh = inputs.batch, inputs.tq, inputs.tk, c.num_heads, c.d_head
+        is_causal, kernel, device = inputs.causal == "top-left", _sdp_backend(self.kernel), self.device
+
+        def direct():
+            with torch.no_grad(), sdpa_kernel([kernel]):
+                q = (xq @ w["W_q"]).reshape(b, tq, h, dh).transpose(1, 2)
+                k = (xk @ w["W_k"]).reshape(b, tk, h, dh).transpose(1, 2)
+                v = (xv @ w["W_v"]).reshape(b, tk, h, dh).transpose(1, 2)
+                out = sdpa(q, k, v, is_causal=is_causal).transpose(1, 2).reshape(b, tq, h * dh) @ w["W_o"]
+            synchronize(device)
+            return out
+        return direct
+
 
 def backends():
     return [TorchSdpa(kernel, device) for device in ("cpu", "cuda") for kernel in KERNELS]

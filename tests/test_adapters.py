@@ -123,3 +123,36 @@ def test_declared_divergences_are_observed_not_assumed(backend):
     statuses = {r.status for r in report.results}
     assert "unexpected-pass" not in statuses and "failed" not in statuses
     assert "expected-divergence" in statuses
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch-sdpa-math-cpu", marks=torch_only),
+                                     pytest.param("torch-sdpa-flash-cpu", marks=torch_only),
+                                     pytest.param("jax-dpa", marks=jax_only)])
+@pytest.mark.parametrize("causal", [None, "top-left"])
+def test_direct_library_call_computes_the_same_layer_as_the_backend(backend, causal):
+    """The public hook fidelity times against the harness: the library called directly, same layer, same result."""
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.contract.params import make_inputs, make_params
+    config = AttentionConfig(32, 4)
+    params, inputs = make_params(config), make_inputs(config, 2, 9, causal=causal)
+    impl = mha_harness.load_registry().get(backend).backend
+    direct = impl.direct_callable(inputs, params, dtype="float32")
+    got = np.asarray(direct(), dtype=np.float64)
+    expected = impl.load(params, dtype="float32").forward(inputs).output
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_direct_library_call_is_optional_and_refusals_are_unsupported():
+    from mha_harness import Unsupported
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.contract.params import make_inputs, make_params
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    config = AttentionConfig(8, 2)
+    params, inputs = make_params(config), make_inputs(config, 1, 4)
+    with pytest.raises(Unsupported, match="numpy-naive offers no direct library call"):
+        NumpyNaive().direct_callable(inputs, params)
+    if importlib.util.find_spec("torch"):
+        from mha_harness.implementations.torch_sdpa import TorchSdpa
+        with pytest.raises(Unsupported, match="no masks other than top-left causal"):
+            TorchSdpa("math").direct_callable(inputs.replace(causal="bottom-right"), params)

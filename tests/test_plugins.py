@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,8 +18,11 @@ pytest_plugins = ["pytester"]
 def installed_example(tmp_path_factory):
     """examples/lesson_plugin pip-installed into a private target directory (the test environment is untouched)."""
     target = tmp_path_factory.mktemp("site")
+    # a private copy: pip builds in the source tree, and xdist workers may build at the same time
+    source = shutil.copytree(ROOT / "examples" / "lesson_plugin", tmp_path_factory.mktemp("src") / "lesson_plugin",
+                             ignore=shutil.ignore_patterns("build", "*.egg-info"))
     out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                          "--target", str(target), str(ROOT / "examples" / "lesson_plugin")],
+                          "--target", str(target), str(source)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return {"PYTHONPATH": os.pathsep.join([str(target), str(ROOT)])}

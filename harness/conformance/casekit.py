@@ -390,3 +390,16 @@ def assert_gradients_close(got: Mapping[str, np.ndarray], exact: Mapping[str, np
         worst = max(worst, assert_close(actual, expected, tolerance_from(expected, naive[name], dtype, length=length),
                                         f"gradient of {name}", labels=labels))
     return worst
+
+
+def input_gradients(grads: dict, form: str) -> dict:
+    """The reference's per-array gradients (query, key, value) summed per distinct input of ``form``:
+    ``self`` -> ``query`` = d/dx; ``shared_kv`` -> ``query`` and ``key`` = d/dx_kv; parameters unchanged."""
+    out = dict(grads)
+    if form == "self":
+        out["query"] = grads["query"] + grads["key"] + grads["value"]
+        del out["key"], out["value"]
+    elif form == "shared_kv":
+        out["key"] = grads["key"] + grads["value"]
+        del out["value"]
+    return out

@@ -26,6 +26,7 @@ import pickle
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,9 @@ class Target:
     backend: AttentionBackend
     spec: str | None = None  # ``module:object`` that produces it, when known
     source: str = "python object"  # where it came from, for the report
+    #: turns ``spec`` into backends in the worker (a module-level function, e.g. mha_harness.registry's
+    #: backends_from_spec, given by the front end: the engine does not import the registry above it)
+    load_spec: Callable[[str], list[AttentionBackend]] | None = None
 
     @property
     def name(self) -> str:
@@ -66,8 +70,8 @@ class Target:
         return self.spec if self.source.startswith(("--backend-spec", "spec ")) else None
 
     def payload(self):
-        if self.spec:
-            return ("spec", self.spec, self.name)
+        if self.spec and self.load_spec is not None:
+            return ("spec", (self.spec, self.load_spec), self.name)
         return ("pickle", pickle.dumps(self.backend), self.name)
 
 
@@ -76,10 +80,10 @@ class Target:
 def _build_backend(payload) -> AttentionBackend:
     kind, data, name = payload
     if kind == "spec":
-        from mha_harness.registry import backends_from_spec
-        matches = [b for b in backends_from_spec(data) if b.name == name]
+        spec, load_spec = data
+        matches = [b for b in load_spec(spec) if b.name == name]
         if not matches:
-            raise LookupError(f"{data} no longer produces a backend named {name!r}")
+            raise LookupError(f"{spec} no longer produces a backend named {name!r}")
         return matches[0]
     return pickle.loads(data)
 

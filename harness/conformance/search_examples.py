@@ -206,7 +206,7 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
     _check_leakage(backend, params, inputs, example, loaded, allowed, empty, got, tol)
     if example.get("gradients") and backend.capabilities.gradients and dtype in coverage.gradient_dtypes \
             and (empty is None or not empty.any()):
-        from mha_harness.cases._fixtures import input_gradients  # per distinct input array of the form
+        from mha_harness.conformance.casekit import input_gradients  # per distinct input array of the form
         cotangent = np.random.default_rng(int(example["seed"]) + 3).standard_normal(got.shape)
         exact = input_gradients(reference_vjp(params, inputs, cotangent), inputs.form)
         naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), inputs.form)

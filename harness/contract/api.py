@@ -70,6 +70,14 @@ class Capabilities:
 
     A call in a form the backend does not accept is refused by validation (ValueError naming ``inputs``);
     cases build their inputs in the backend's form, and a case defined only for another form skips naming it.
+
+    Defaults (the table in README "Adding an implementation" says why): ON for what the harness's convention says
+    every MHA layer takes -- both causal alignments, key padding, boolean and additive masks, Tq != Tk, biases and
+    grouped-query heads -- so a backend that ignores one is caught, and leaving one out is a visible declaration;
+    OFF for what needs code beyond ``compute``: ``attention_weights`` (returning per-head weights), ``gradients``
+    (``compute_vjp``); ``native_parameters`` is ON because the base class answers Unsupported (a skip) until the
+    backend implements ``native_parameter_shapes``. Malformed values (a string where a tuple belongs, an unknown
+    dtype or alignment, a truthy non-bool) are refused here, so nothing is declared by accident.
     """
 
     causal_alignments: tuple[str, ...] = CAUSAL_ALIGNMENTS
@@ -77,7 +85,7 @@ class Capabilities:
     bool_attn_mask: bool = True
     additive_attn_mask: bool = True
     cross_attention: bool = True
-    attention_weights: bool = True
+    attention_weights: bool = False
     gradients: bool = False
     grouped_query: bool = True
     bias: bool = True
@@ -87,16 +95,42 @@ class Capabilities:
     max_seq_len: int | None = None
     inputs: str = "separate"
 
+    def accepts_form(self, form: str) -> bool:
+        """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
+        return form in ACCEPTED_FORMS[self.inputs]
+
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise TypeError(f"Capabilities.{f.name}: got {value!r} of type {type(value).__name__}; "
+                                "accepted: True or False")
+        self._names("causal_alignments", CAUSAL_ALIGNMENTS, allow_empty=True)
+        self._names("dtypes", DTYPES, allow_empty=False)
+        self._names("devices", None, allow_empty=False)
+        if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool)
+                                             or not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
+            raise ValueError(f"Capabilities.max_seq_len: got {self.max_seq_len!r}; accepted: None or an integer >= 1")
         if not isinstance(self.inputs, str) or self.inputs not in INPUT_FORMS:
             raise ValueError(f"inputs: got {self.inputs!r}; accepted: {', '.join(map(repr, INPUT_FORMS))} "
                              "(separate query/key/value, one x_q plus one x_kv, or one x)")
         if self.inputs == "self" and self.cross_attention:
             object.__setattr__(self, "cross_attention", False)  # one x cannot have Tq != Tk
 
-    def accepts_form(self, form: str) -> bool:
-        """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
-        return form in ACCEPTED_FORMS[self.inputs]
+    def _names(self, field_name: str, accepted: tuple[str, ...] | None, *, allow_empty: bool) -> None:
+        """A tuple (a list is converted) of distinct strings from ``accepted``; never a bare string."""
+        value = getattr(self, field_name)
+        shown = f"a tuple of {', '.join(map(repr, accepted))}" if accepted else "a tuple of names such as ('cpu',)"
+        if isinstance(value, str) or not isinstance(value, (tuple, list)):
+            raise TypeError(f"Capabilities.{field_name}: got {value!r}; accepted: {shown}")
+        bad = [v for v in value if not isinstance(v, str) or (accepted is not None and v not in accepted)]
+        if bad:
+            raise ValueError(f"Capabilities.{field_name}: got unknown {', '.join(map(repr, bad))}; accepted: {shown}")
+        if not value and not allow_empty:
+            raise ValueError(f"Capabilities.{field_name}: got an empty tuple; accepted: {shown} (at least one)")
+        if len(set(value)) != len(value):
+            raise ValueError(f"Capabilities.{field_name}: got duplicates in {value!r}; accepted: {shown}")
+        object.__setattr__(self, field_name, tuple(value))
 
     def has(self, capability: str) -> bool:
         """True when the named boolean capability, or ``causal:<alignment>``, ``dtype:<name>``, is declared."""
@@ -381,9 +415,22 @@ class AttentionBackend:
         """Allocate the backend's own parameters for ``config`` and report their shapes.
 
         Measured from what the backend really allocates (module.parameters(), a param tree),
-        never from a formula.
+        never from a formula. Optional: the default raises :class:`Unsupported`, so the parameter-count
+        case is skipped with that reason, never an error.
         """
-        raise NotImplementedError(f"{self.name} does not allocate native parameters")
+        raise Unsupported(f"{self.name} does not report its native parameters "
+                          "(implement native_parameter_shapes(config) to run the parameter-count case)")
+
+    def direct_callable(self, inputs: AttentionInputs, params: AttentionParams, *,
+                        dtype: str = "float32") -> Callable[[], Any]:
+        """The backend's direct library call: optional, for ``mha-harness fidelity``'s harness-overhead figure.
+
+        Returns a zero-argument callable that runs the same layer as :meth:`LoadedAttention.prepare` would, written
+        the way a user calls the library without the harness (the projections and the library's attention op on
+        tensors converted once, synchronised before returning). Raises :class:`Unsupported` (the default) when the
+        backend offers none, or not for these inputs.
+        """
+        raise Unsupported(f"{self.name} offers no direct library call")
 
     def load(self, params: AttentionParams, *, dtype: str = "float32") -> LoadedAttention:
         """Validate, then load canonical ``params`` into the backend's native form in ``dtype``."""
@@ -396,6 +443,9 @@ class AttentionBackend:
             raise ValueError(f"num_kv_heads: got {params.config.kv_heads} but {self.name} does not support "
                              f"grouped-query heads; accepted: num_kv_heads == num_heads ({params.config.num_heads})")
         loaded = self.load_native(params, dtype)
+        if self.capabilities.gradients and type(loaded).compute_vjp is LoadedAttention.compute_vjp:
+            raise TypeError(f"{self.name} declares gradients=True but its {type(loaded).__name__} does not implement "
+                            "compute_vjp(inputs, cotangent); accepted: implement it, or declare gradients=False")
         loaded.config = params.config
         loaded.input_form = self.capabilities.inputs
         return loaded

@@ -65,10 +65,10 @@ ACCEPTED_FORMS = {"separate": INPUT_FORMS, "shared_kv": ("shared_kv", "self"), "
 
 # --- mask polarities -------------------------------------------------------------------------------------------
 
-#: a boolean attn_mask: True = the query may attend to the key; a float attn_mask is added to the scaled scores
-ATTN_MASK_POLARITY = "attn_mask True = may attend (a float attn_mask is added to the scores)"
+#: a boolean attn_mask: True = the query may attend to the key (a float attn_mask is added to the scaled scores)
+ATTN_MASK_POLARITY = "True = may attend"
 #: key_padding_mask (batch, Tk): True marks a padding key that no query may attend to
-KEY_PADDING_POLARITY = "key_padding_mask True = padding key to ignore"
+KEY_PADDING_POLARITY = "True = padding key to ignore"
 #: the short form shown in the policy table for a backend whose own API uses the harness's polarities
 MASK_POLARITY = "harness convention (attn_mask True = attend; key_padding_mask True = ignore)"
 

@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mha_harness.contract.conventions import ACCEPTED_FORMS, CAUSAL_ALIGNMENTS, DTYPES, causal_offset
+from mha_harness.contract.conventions import (
+    ACCEPTED_FORMS,
+    ATTN_MASK_POLARITY,
+    CAUSAL_ALIGNMENTS,
+    DTYPES,
+    KEY_PADDING_POLARITY,
+    causal_offset,
+)
 
 if TYPE_CHECKING:  # annotations only: api imports this module, never the other way round at run time
     from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
@@ -169,7 +176,7 @@ def validate_inputs(inputs: AttentionInputs, config: AttentionConfig) -> None:
     if inputs.key_padding_mask is not None:
         m = _array("key_padding_mask", inputs.key_padding_mask)
         if m.dtype != np.bool_:
-            raise TypeError(f"key_padding_mask: got dtype {m.dtype}; accepted: bool (True = padding key to ignore)")
+            raise TypeError(f"key_padding_mask: got dtype {m.dtype}; accepted: bool ({KEY_PADDING_POLARITY})")
         if m.shape != (b, tk):
             raise ValueError(f"key_padding_mask: got shape {m.shape}; accepted: (batch, Tk) = {(b, tk)}")
     if inputs.attn_mask is not None:
@@ -178,7 +185,8 @@ def validate_inputs(inputs: AttentionInputs, config: AttentionConfig) -> None:
         if m.shape not in allowed:
             raise ValueError(f"attn_mask: got shape {m.shape}; accepted: one of {allowed}")
         if m.dtype != np.bool_ and not np.issubdtype(m.dtype, np.floating):
-            raise TypeError(f"attn_mask: got dtype {m.dtype}; accepted: bool (True = may attend) or float (additive)")
+            raise TypeError(f"attn_mask: got dtype {m.dtype}; "
+                            f"accepted: bool ({ATTN_MASK_POLARITY}) or float (additive)")
         if m.dtype != np.bool_ and np.any(np.isnan(m)):
             raise ValueError("attn_mask: got NaN in an additive mask; accepted: finite values or -inf")
     _finite("query", q)

@@ -47,7 +47,7 @@ class _Loaded(LoadedAttention):
 class LessonAttention(AttentionBackend):
     name = "lesson-mha"
     capabilities = Capabilities(bool_attn_mask=False, additive_attn_mask=False, grouped_query=False, bias=False,
-                                dtypes=("float32", "float64"))
+                                attention_weights=True, dtypes=("float32", "float64"))
 
     def native_parameter_shapes(self, config):
         d = config.d_model

@@ -1,0 +1,114 @@
+"""The pytest plugin acts only when asked: other projects' runs are untouched, and the scikit-learn style decorator
+runs the cases from a user's own test file."""
+from __future__ import annotations
+
+import numpy  # noqa: F401 - imported before pytester's in-process runs, which cannot load numpy twice
+import pytest
+
+pytest_plugins = ["pytester"]
+
+UNRELATED = '''
+from unittest.mock import Mock
+
+
+class LazyProxy:
+    """Like lazy_object_proxy / django's SimpleLazyObject: forwards every attribute, even __class__, to a target
+    built on first use -- here a function that even carries the mark mha-harness gives its own case tests."""
+
+    def __init__(self, factory):
+        object.__setattr__(self, "_factory", factory)
+
+    @property
+    def __class__(self):
+        return type(self._factory())
+
+    def __getattr__(self, name):
+        return getattr(self._factory(), name)
+
+
+def _target():
+    def check_scores_scaled_by_sqrt_d_head(mha_backend, mha_params):
+        raise AssertionError("a proxy was collected as an mha-harness case")
+    check_scores_scaled_by_sqrt_d_head._mha_case = "check_scores_scaled_by_sqrt_d_head"
+    return check_scores_scaled_by_sqrt_d_head
+
+
+check_x = Mock()
+check_lazy = LazyProxy(_target)
+
+
+def test_the_project_s_own_test():
+    assert check_x.anything is not None
+'''
+
+
+@pytest.mark.parametrize("extra", [[], ["--mha-backend", "numpy-naive"]], ids=["plain", "with-mha-backend"])
+def test_an_unrelated_project_with_check_mocks_and_proxies_collects_and_passes(pytester, extra):
+    pytester.makepyfile(test_unrelated=UNRELATED)
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider", *extra)
+    result.assert_outcomes(passed=1)
+    assert "error" not in result.stdout.str().lower()
+
+
+def test_the_same_project_passes_alike_with_the_plugin_disabled(pytester):
+    pytester.makepyfile(test_unrelated=UNRELATED)
+    pytester.runpytest("-q", "-p", "no:mha_harness").assert_outcomes(passed=1)
+
+
+def test_importing_the_plugin_imports_no_case_backend_or_framework():
+    import subprocess
+    import sys
+    code = ("import sys, mha_harness.pytest_plugin; "
+            "print(sorted(m for m in sys.modules if m.startswith(('mha_harness.cases', 'mha_harness.implementations', "
+            "'torch', 'jax'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_parametrize_with_cases_runs_the_cases_in_a_user_s_test_file(pytester):
+    pytester.makepyfile(test_mine='''
+        from mha_harness import parametrize_with_cases
+        from mha_harness.implementations.numpy_tiled import NumpyTiled
+
+
+        class MyAttention(NumpyTiled):
+            name = "my-attention"
+
+
+        @parametrize_with_cases(MyAttention(), cases=["check_scores_scaled_by_sqrt_d_head",
+                                                      "check_attention_weights_match_reference"])
+        def test_my_attention(backend, case):
+            case(backend)
+    ''')
+    result = pytester.runpytest("-q", "-rs", "--collect-only")
+    result.stdout.fnmatch_lines(["*test_my_attention[[]check_scores_scaled_by_sqrt_d_head[[]my-attention-float32[]][]]*"])
+    result = pytester.runpytest("-q", "-rs")
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(["*does not declare capability 'attention_weights'*"])
+
+
+def test_parametrize_with_cases_fails_a_broken_backend_with_the_case_message(pytester):
+    pytester.makepyfile(test_broken='''
+        import numpy as np
+        from mha_harness import AttentionOutput, parametrize_with_cases
+        from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+
+        class _Doubled(NumpyNaiveLoaded):
+            def compute(self, inputs, *, need_weights=False):
+                out = super().compute(inputs, need_weights=need_weights)
+                return AttentionOutput(2 * out.output, out.weights)
+
+
+        class Doubled(NumpyNaive):
+            name = "doubled"
+            loaded_class = _Doubled
+
+
+        @parametrize_with_cases(Doubled(), cases=["check_output_projection_mixes_heads"])
+        def test_doubled(backend, case):
+            case(backend)
+    ''')
+    result = pytester.runpytest("-q")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*failed: output vs concat(heads) @ W_o*", "*repro: python -c*"])
