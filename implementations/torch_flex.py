@@ -27,6 +27,7 @@ import os
 import shutil
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Unsupported
+from mha_harness.contract.conventions import causal_offset
 from mha_harness.implementations._torch_common import (
     GPU_DTYPES,
     LinearTorchLoaded,
@@ -104,7 +105,7 @@ def mask_mod_for(torch, inputs: AttentionInputs, allowed, padding):
         return lambda b, h, q_idx, kv_idx: allowed[b, h, q_idx, kv_idx]
     mods = []
     if inputs.causal:
-        offset = 0 if inputs.causal == "top-left" else inputs.tk - inputs.tq
+        offset = causal_offset(inputs.causal, inputs.tq, inputs.tk)
         mods.append(lambda b, h, q_idx, kv_idx: q_idx + offset >= kv_idx)
     if padding is not None:
         mods.append(lambda b, h, q_idx, kv_idx: ~padding[b, kv_idx])
