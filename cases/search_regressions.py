@@ -1,7 +1,7 @@
 """Replaying what ``mha-harness search`` found: every saved minimal failing example must pass from then on."""
 from __future__ import annotations
 
-from mha_harness.conformance.casekit import CaseSkipped, Measurement, case
+from mha_harness.conformance.casekit import CaseSkipped, FormSkipped, Measurement, case
 from mha_harness.conformance.search_examples import check_example, load_regression, saved_regressions, search_dir
 
 NONE_SAVED = "none"
@@ -26,7 +26,7 @@ def check_search_regressions_still_pass(backend, *, regression):
     data = load_regression(folder / f"{regression}.json")
     form = data["example"].get("form", "separate")
     if not backend.capabilities.accepts_form(form):
-        raise CaseSkipped(f"the saved example {regression} is in the {form!r} input form, which "
+        raise FormSkipped(f"the saved example {regression} is in the {form!r} input form, which "
                           f"Capabilities.inputs={backend.capabilities.inputs!r} does not accept")
     return Measurement(max_error=check_example(backend, data["example"]),
                        observed=f"found {data.get('message', '')[:80]!r} before; passes now")

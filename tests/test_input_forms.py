@@ -119,3 +119,13 @@ def test_cross_attention_only_case_skips_naming_the_form():
     report = mha_harness.check(LessonSelf, cases=["check_cross_attention_is_invariant_to_key_order"])
     (result,) = report.results
     assert result.status == "skipped" and "inputs='self'" in result.message and "one x" in result.message
+
+
+def test_report_counts_skips_due_to_the_input_form_per_backend():
+    report = mha_harness.check(LessonSelf, cases=["check_cross_attention_is_invariant_to_key_order",
+                                                  "check_heads_are_separated"])
+    assert report.form_of("lesson-self") == "self" and report.form_skips("lesson-self") == 1
+    assert report.to_json()["input_forms"]["lesson-self"] == {"form": "self", "skipped_for_form": 1}
+    row = next(line for line in report.to_markdown().splitlines() if line.startswith("| lesson-self | self |"))
+    assert row.rstrip(" |").endswith("1")
+    assert "1 skipped: not defined for inputs='self'" in "\n".join(report.summary_lines())

@@ -44,6 +44,14 @@ class CaseSkipped(Exception):
     """The case does not apply to this backend; the message is the reason."""
 
 
+class FormSkipped(CaseSkipped):
+    """The case's property is not defined for the input form the backend takes (``Capabilities.inputs``)."""
+
+
+#: the ``observed`` of a result skipped for its input form: the report counts these per backend
+FORM_SKIP = "skipped for its input form"
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -91,10 +99,10 @@ def _in_form(func: Callable[..., Any], forms: tuple[str, ...]) -> Callable[..., 
     def run_in_form(backend, *, form: str | None = None, **params):
         form = form or backend.capabilities.inputs
         if form not in forms:
-            raise CaseSkipped(f"{func.__name__} is defined only for {' or '.join(FORM_WORDS[f] for f in forms)}; "
+            raise FormSkipped(f"{func.__name__} is defined only for {' or '.join(FORM_WORDS[f] for f in forms)}; "
                               f"{backend.name} declares inputs={form!r} ({FORM_WORDS.get(form, form)})")
         if not backend.capabilities.accepts_form(form):
-            raise CaseSkipped(f"{backend.name} declares inputs={backend.capabilities.inputs!r}, which does not "
+            raise FormSkipped(f"{backend.name} declares inputs={backend.capabilities.inputs!r}, which does not "
                               f"accept {FORM_WORDS.get(form, form)} (form={form!r})")
         return func(backend, form=form, **params) if takes_form else func(backend, **params)
     return run_in_form

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from mha_harness.conformance.casekit import FORM_SKIP
 from mha_harness.conformance.results import BAD, SEVERITY, STATUSES, CaseResult, Status
 from mha_harness.util.atomic import results_lock, write_json_atomic, write_text_atomic
 from mha_harness.util.markdown import md_code, md_text
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 _SYMBOL = {Status.PASSED: "pass", Status.FAILED: "FAIL", Status.SKIPPED: "skip", Status.EXPECTED_DIVERGENCE: "diverges",
            Status.UNEXPECTED_PASS: "UNEXPECTED PASS", Status.ERROR: "ERROR", Status.TIMEOUT: "TIMEOUT",
            Status.CRASHED: "CRASHED"}
@@ -79,6 +80,15 @@ class Report:
 
     def counts(self, backend: str | None = None) -> Counter:
         return Counter(r.status for r in self.results if backend is None or r.backend == backend)
+
+    def form_skips(self, backend: str) -> int:
+        """How many of the backend's results were skipped because the case is not defined for its input form."""
+        return sum(1 for r in self.for_backend(backend) if r.status == Status.SKIPPED and r.observed == FORM_SKIP)
+
+    def form_of(self, backend: str) -> str:
+        """The input form the backend's cases ran in (``Capabilities.inputs``)."""
+        forms = {r.params.get("form") for r in self.for_backend(backend)} - {None}
+        return ", ".join(sorted(forms)) or self.backends[backend].capabilities.get("inputs", "")
 
     def failures(self) -> list[CaseResult]:
         return [r for r in self.results if r.status in BAD]
@@ -145,6 +155,8 @@ class Report:
                         "processor": platform.processor() or platform.machine()},
             "seconds": round(self.seconds, 2), "ok": self.ok, "complete": self.complete,
             "summary": {name: {s.value: n for s, n in self.counts(name).items()} for name in self.backends},
+            "input_forms": {name: {"form": self.form_of(name), "skipped_for_form": self.form_skips(name)}
+                            for name in self.backends},
             "backends": {name: vars(info) for name, info in self.backends.items()},
             "missing_results": self.missing_results(), "nothing_ran": self.nothing_ran(), "tampered": self.tampered,
             "earlier_runs": list(self.earlier),
@@ -168,10 +180,15 @@ class Report:
         lines += ["| case | " + " | ".join(e(n) for n in names) + " |", "|---|" + "---|" * len(names)]
         for case in cases:
             lines.append(f"| {e(case)} | " + " | ".join(_SYMBOL.get(self.cell(n, case), "") for n in names) + " |")
-        lines += ["", "## Totals", "", "| backend | " + " | ".join(STATUSES) + " |", "|---|" + "---|" * len(STATUSES)]
+        lines += ["", "## Totals", "",
+                  "Each backend runs every case in the input form it takes (`Capabilities.inputs`); "
+                  "*of which for the form* counts the skips whose case is not defined for that form.", "",
+                  "| backend | input form | " + " | ".join(STATUSES) + " | of which for the form |",
+                  "|---|---|" + "---|" * (len(STATUSES) + 1)]
         for n in names:
             c = self.counts(n)
-            lines.append(f"| {e(n)} | " + " | ".join(str(c.get(s, 0)) for s in STATUSES) + " |")
+            lines.append(f"| {e(n)} | {e(self.form_of(n))} | " + " | ".join(str(c.get(s, 0)) for s in STATUSES)
+                         + f" | {self.form_skips(n)} |")
         lines += ["", "## Policies that backends legitimately differ on", "",
                   "The harness pins: fully masked rows output zeros; both causal alignments; "
                   "attn_mask True = may attend, key_padding_mask True = ignore.", "",
@@ -272,6 +289,8 @@ class Report:
             c = self.counts(name)
             bad = sum(c.get(s, 0) for s in BAD)
             text = ", ".join(f"{c[s]} {s}" for s in STATUSES if c.get(s)) or "no results came back"
+            if self.form_skips(name):
+                text += f" ({self.form_skips(name)} skipped: not defined for inputs={self.form_of(name)!r})"
             if c and name in self.nothing_ran():
                 bad, text = 1, text + "; no case ran"
             out.append(f"  {name:<28} {'OK  ' if c and not bad else 'FAIL'} {text}")

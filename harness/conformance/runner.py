@@ -11,9 +11,11 @@ import time
 from collections.abc import Iterable
 
 from mha_harness.conformance.casekit import (
+    FORM_SKIP,
     Case,
     CaseFailure,
     CaseSkipped,
+    FormSkipped,
     Measurement,
     all_cases,
     variant_id,
@@ -93,6 +95,8 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
         if isinstance(measurement, Measurement):
             return Status.PASSED, "", measurement.max_error, measurement.observed
         return Status.PASSED, "", None, None
+    except FormSkipped as skip:
+        return Status.SKIPPED, str(skip), None, FORM_SKIP
     except (CaseSkipped, Unsupported) as skip:
         return Status.SKIPPED, str(skip), None, None
     except CaseFailure as failure:
