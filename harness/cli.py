@@ -350,8 +350,43 @@ def cmd_bench(args) -> int:
                     d_model=args.d_model, num_heads=args.heads)
     if args.d_model % args.heads:
         raise UsageError(f"--d-model: got {args.d_model}, not divisible by --heads {args.heads}; accepted: a multiple")
-    run_bench(_available_backends(registry, names), Path(args.results), seq_lens=args.seq_lens, causal=args.causal,
-              backward=args.backward, config=config, query_lens=args.query_lens or DECODE_QUERY_LENS)
+    backends = _available_backends(registry, names)
+    doc = run_bench(backends, Path(args.results), seq_lens=args.seq_lens, causal=args.causal, backward=args.backward,
+                    config=config, query_lens=args.query_lens or DECODE_QUERY_LENS) if backends else {}
+    return _bench_verdict(_not_loaded(registry, names), doc)
+
+
+def _not_loaded(registry, names) -> list[str]:
+    """Requested sources whose plugin code failed to load (they are not benchmarked): one line each."""
+    return [f"{name}: {registry.get(name).error}" for name in names if registry.get(name).error]
+
+
+def _bench_problems(doc: dict) -> list[str]:
+    """One line per backend with points that were neither measured nor skipped as unsupported (timeout, crash,
+    out of memory, error, not run after losses), or whose memory measurement failed."""
+    lost: dict[str, list[dict]] = {}
+    for point in doc.get("points", []):
+        if point.get("status") not in ("measured", "skipped") or point.get("memory_error"):
+            lost.setdefault(point["backend"], []).append(point)
+    lines = []
+    for name, points in lost.items():
+        first = points[0]
+        why = first.get("memory_error") or f"{first.get('status')}: {first.get('skipped') or ''}"
+        lines.append(f"{name}: {len(points)} point(s) not measured (first: Tq={first.get('tq')} Tk={first.get('tk')}"
+                     f" {first.get('mode')}: {why[:200]})")
+    return lines
+
+
+def _bench_verdict(not_loaded: list[str], doc: dict) -> int:
+    """Exit 0 only when every requested backend loaded and every point was measured (or is unsupported)."""
+    problems = not_loaded + _bench_problems(doc)
+    if not doc:
+        problems.append("nothing was benchmarked: no requested backend is available")
+    if problems:
+        print("\nmha-harness bench: not every requested backend was measured:", file=sys.stderr)
+        for line in problems:
+            print(f"  {line}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -373,6 +408,7 @@ def cmd_run(args) -> int:
     registry = _registry(args.backend_spec)
     results = Path(args.results)
     report = _check(args, registry, results, include_slow=True, mutants=True)
+    bench_ok = True
     if not args.skip_bench:
         from mha_harness.bench.sweep import run_bench
         _require("scipy", "bench")
@@ -380,10 +416,16 @@ def cmd_run(args) -> int:
         names = [n for n, info in report.backends.items() if info.available and n not in lost]
         for name in sorted(lost):  # a backend that failed this way in conformance is not worth a benchmark
             print(f"  not benchmarked: {name} (errors, crashes or timeouts in conformance)")
-        run_bench(_available_backends(registry, names), results, seq_lens=args.seq_lens,
-                  causal="off", backward=False, quick=True, config=_bench_config(args))
-    print(f"\nmha-harness run: conformance {'OK' if report.ok else 'FAILED'}; results under {results}/")
-    return EXIT_OK if report.ok else EXIT_FAILED
+        backends = _available_backends(registry, names)
+        if backends:
+            doc = run_bench(backends, results, seq_lens=args.seq_lens, causal="off", backward=False, quick=True,
+                            config=_bench_config(args))
+            bench_ok = _bench_verdict([], doc) == EXIT_OK
+        else:
+            print("  benchmark skipped: no backend left to benchmark")
+    print(f"\nmha-harness run: conformance {'OK' if report.ok else 'FAILED'}"
+          f"{'' if bench_ok else '; benchmark incomplete'}; results under {results}/")
+    return EXIT_OK if report.ok and bench_ok else EXIT_FAILED
 
 
 def _require(module: str, extra: str) -> None:
@@ -397,6 +439,23 @@ def _sigterm(signum, frame):
 
 
 def main(argv=None) -> int:
+    """The command. Called without ``argv`` it is the whole program (``mha-harness``, ``python -m mha_harness``):
+    then processes that plugin code started and left running are killed when it ends
+    (:mod:`mha_harness.util.reaper`); called with ``argv`` (tests, embedding) the caller's children are left alone."""
+    if argv is not None:
+        return _main(argv)
+    from mha_harness.util import reaper
+    reaper.become_subreaper()
+    try:
+        return _main(argv)
+    finally:
+        left = reaper.kill_leftovers()
+        if left:
+            print(f"mha-harness: killed {len(left)} process(es) that plugin code started and left running "
+                  f"(pid {', '.join(map(str, left))})", file=sys.stderr)
+
+
+def _main(argv) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -226,3 +226,20 @@ def test_fidelity_compares_the_sweep_with_torch_utils_benchmark_and_alone():
     for row in rows:
         assert row["sweep_median_s"] > 0 and row["alone_median_s"] > 0 and row["autorange_median_s"] > 0
         assert {"sweep_over_autorange", "within_10pct", "sweep_over_alone", "within_5pct"} <= set(row)
+
+
+def test_a_bench_worker_reports_systemexit_and_keyboardinterrupt_from_plugin_code_as_errors():
+    """The worker answers, instead of exiting 0 ("crashed, exit code 0") or dying on a plugin's KeyboardInterrupt."""
+    from mha_harness.bench.worker import _Server
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+
+    class Exits(NumpyNaive):
+        def versions(self):
+            raise SystemExit(0)
+
+    class Interrupts(NumpyNaive):
+        def versions(self):
+            raise KeyboardInterrupt
+
+    assert _Server(Exits(), 1).handle(("info",)) == ("error", "SystemExit: 0")
+    assert _Server(Interrupts(), 1).handle(("info",))[0] == "error"

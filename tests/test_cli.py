@@ -107,3 +107,27 @@ def test_requesting_a_backend_whose_framework_is_missing_is_one_line_and_exit_2(
     assert cli.main(["check", "--backend", "torch-eager"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "torch-eager" in err[0] and "torch is not installed" in err[0]
+
+
+def test_bench_exits_1_when_a_requested_backend_failed_to_load_or_a_point_was_lost(capsys):
+    from mha_harness import cli
+    measured = {"backend": "a", "status": "measured", "tq": 64, "tk": 64, "mode": "forward"}
+    unsupported = {**measured, "status": "skipped", "skipped": "no causal"}
+    assert cli._bench_verdict([], {"points": [measured, unsupported]}) == 0
+    crashed = {**measured, "backend": "b", "status": "crashed", "skipped": "worker process exited with exit code 3"}
+    memory = {**measured, "backend": "c", "memory_error": "timeout: no answer within 8 s"}
+    assert cli._bench_verdict(["x: failed to load: SystemExit"], {"points": [measured, crashed, memory]}) == 1
+    err = capsys.readouterr().err
+    assert "x: failed to load: SystemExit" in err and "b: 1 point(s) not measured" in err and "exit code 3" in err
+    assert "c: 1 point(s) not measured" in err and "no answer within 8 s" in err
+    assert cli._bench_verdict([], {}) == 1  # nothing benchmarked
+    assert "nothing was benchmarked" in capsys.readouterr().err
+
+
+def test_bench_with_a_plugin_that_exits_at_load_is_exit_1_and_still_measures_the_others(tmp_path):
+    out = run_cli("bench", "--backend-spec", "sys:exit", "--backend", "numpy-naive", "--seq-lens", "16",
+                  "--budget", "0.2", "--results", tmp_path, env={"MHA_HARNESS_PLUGIN_TIMEOUT": "5"})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and "sys:exit: failed to load" in out.stderr
+    doc = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert [p["status"] for p in doc["points"]] == ["measured"]

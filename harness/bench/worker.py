@@ -69,8 +69,8 @@ class _Server:
             return ("skip", str(exc) or type(exc).__name__)
         except MemoryError as exc:
             return (OUT_OF_MEMORY, f"MemoryError: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a plugin's failure is reported, the sweep goes on
-            return (ERROR, f"{type(exc).__name__}: {exc}")
+        except BaseException as exc:  # noqa: BLE001 - a plugin's failure (SystemExit, KeyboardInterrupt too: SIGINT
+            return (ERROR, f"{type(exc).__name__}: {exc}")  # is ignored here) is reported, the sweep goes on
 
     def do_info(self):
         from mha_harness.bench.threads import thread_report
