@@ -9,13 +9,18 @@
 # copied into results/asv/<their machine>/ are merged by the same `asv publish` into one dashboard with a
 # machine selector. Preview on this machine only (asv preview listens on every interface):
 #   python -m http.server --bind 127.0.0.1 --directory results/html 8080   # http://127.0.0.1:8080
+# ASV_CONFIG=PATH uses another asv config (one whose results_dir/html_dir point elsewhere: what
+# benchmarks/regenerate_results.sh does for a --results folder other than results/), with ASV_HTML_DIR its html_dir.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 machine="${1:-$(hostname)}"
-python -m asv machine --yes --machine "$machine" --os "$(uname -sr)" --arch "$(uname -m)" \
+config=()
+if [ -n "${ASV_CONFIG:-}" ]; then config=(--config "$ASV_CONFIG"); fi
+html="${ASV_HTML_DIR:-results/html}"
+python -m asv machine "${config[@]}" --yes --machine "$machine" --os "$(uname -sr)" --arch "$(uname -m)" \
     --cpu "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs || uname -p)" --num_cpu "$(nproc)" \
     --ram "$(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo)"
-python -m asv run --python=same --set-commit-hash "$(git rev-parse HEAD)" --machine "$machine" ${ASV_ARGS:-}
-python -m asv publish
-python benchmarks/asv_offline.py results/html
-echo "dashboard: results/html/index.html (machine $machine)"
+python -m asv run "${config[@]}" --python=same --set-commit-hash "$(git rev-parse HEAD)" --machine "$machine" ${ASV_ARGS:-}
+python -m asv publish "${config[@]}"
+python benchmarks/asv_offline.py "$html"
+echo "dashboard: $html/index.html (machine $machine)"

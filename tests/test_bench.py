@@ -17,7 +17,6 @@ from mha_harness.bench.metrics import Shape, compulsory_bytes, core_flops, metri
 from mha_harness.bench.sweep import BenchConfig, run_bench
 from mha_harness.implementations.numpy_naive import NumpyNaive
 from mha_harness.implementations.numpy_tiled import NumpyTiled
-from tests.bench_plugins import HangsInPrepare, HogsMemory, SegfaultsInCall
 from tests.conftest import ROOT
 
 SMALL = dict(d_model=64, num_heads=4, budget_s=0.2, warm_up_s=0.05, min_sample_s=0.005, turn_s=0.02)
@@ -124,11 +123,25 @@ def test_unsupported_points_are_skipped_with_a_reason(tmp_path):
 
 
 def test_hanging_crashing_and_memory_hogging_plugins_are_reported_and_the_sweep_goes_on(tmp_path):
-    config = BenchConfig(timeout_s=4, max_memory_bytes=400 * 2 ** 20, **SMALL)
+    """Through the command line, as a user meets them: each hostile plugin is reported for its points, the sweep
+    goes on, every numpy-tiled point is measured, bench.json is complete, and the command exits 1 naming the
+    backends whose points were lost."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    specs = [a for name in ("HangsInPrepare", "SegfaultsInCall", "HogsMemory")
+             for a in ("--backend-spec", f"tests.bench_plugins:{name}")]
     start = time.monotonic()
-    doc = run_bench([HangsInPrepare(), SegfaultsInCall(), HogsMemory(), NumpyTiled()], tmp_path,
-                    seq_lens=[32, 64, 128], config=config)
-    assert time.monotonic() - start < 90
+    out = subprocess.run([sys.executable, "-m", "mha_harness", "bench", "--backend", "numpy-tiled", *specs,
+                          "--seq-lens", "32,64,128", "--d-model", "64", "--heads", "4", "--budget", "0.2",
+                          "--bench-timeout", "4", "--max-memory", "400", "--results", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "not every requested backend was measured" in out.stderr
+    for name in ("bench-hangs-in-prepare", "bench-segfaults", "bench-hogs-memory"):
+        assert name in out.stderr
+    assert "numpy-tiled" not in out.stderr
+    assert time.monotonic() - start < 300
+    doc = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert doc["complete"] is True
     by = {}
     for p in doc["points"]:
         by.setdefault(p["backend"], []).append(p)
@@ -141,6 +154,12 @@ def test_hanging_crashing_and_memory_hogging_plugins_are_reported_and_the_sweep_
     tiled = by["numpy-tiled"]
     assert [p["status"] for p in tiled] == ["measured"] * 3
     assert all(p["median_s"] and p["ci95_s"] and p["peak_extra_bytes"] for p in tiled)
+    for text in ("bench-hangs-in-prepare", "timeout", "crashed: worker process killed by signal SIGSEGV",
+                 "out-of-memory: worker passed the memory limit of 400 MiB"):
+        assert text in out.stdout, (text, out.stdout)
+    for info in doc["backends"].values():  # no worker is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(info["pid"], 0)
 
 
 def _bench_command(results, extra=()):
@@ -198,8 +217,9 @@ def test_run_survives_a_backend_that_passes_check_but_hangs_in_prepare(tmp_path)
     out = subprocess.run([sys.executable, "-m", "mha_harness", "run", "--backend", "numpy-tiled", "--backend-spec",
                           "tests.bench_plugins:HangsInPrepare", "--seq-lens", "32,64", "--bench-timeout", "4",
                           "--budget", "0.2", "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
+                         env=env, timeout=1200)  # run includes check --mutants: minutes on a loaded box
+    assert out.returncode == 1, out.stdout + out.stderr  # it finishes; the lost points make the benchmark incomplete
+    assert "benchmark incomplete" in out.stdout and "bench-hangs-in-prepare" in out.stderr
     bench = json.loads((tmp_path / "bench" / "bench.json").read_text())
     status = {(p["backend"], p["seq_len"]): p["status"] for p in bench["points"]}
     assert status == {("numpy-tiled", 32): "measured", ("numpy-tiled", 64): "measured",
@@ -215,6 +235,11 @@ def test_fidelity_validates_tracemalloc_and_rss_against_the_dense_formula_in_own
                                       ("numpy-naive", "rss", 1, 0)), log=lambda *a, **k: None)
     assert [r["within_10pct"] for r in rows] == [True, True, False]  # a wrong formula is caught
     assert rows[0]["predicted_bytes"] == 3 * 4 * 768 ** 2 * 4 + 3 * 768 * 64 * 4
+    lines = []
+    small = memory_validation(load_registry(), BenchConfig(d_model=64, num_heads=4), seq_lens=(64,),
+                              kernels=(("numpy-naive", "rss", 3, 3),), log=lambda *a, **k: lines.append(a[0]))
+    assert small[0]["below_resolution"] and small[0]["within_10pct"] is None  # shown as such, not compared
+    assert "below resolution" in lines[0] and "not compared" in lines[0]
 
 
 def test_fidelity_compares_the_sweep_with_torch_utils_benchmark_and_alone():
@@ -243,3 +268,80 @@ def test_a_bench_worker_reports_systemexit_and_keyboardinterrupt_from_plugin_cod
 
     assert _Server(Exits(), 1).handle(("info",)) == ("error", "SystemExit: 0")
     assert _Server(Interrupts(), 1).handle(("info",))[0] == "error"
+
+
+def _point(backend, t, peak, below, *, status="measured", median=1e-3):
+    from mha_harness.bench.sweep import BenchPoint
+    return BenchPoint(backend, "prefill", t, t, t, False, "forward", status=status, median_s=median * t,
+                      ci95_s=[0.9 * median * t, 1.1 * median * t], peak_extra_bytes=peak, memory_method="rss",
+                      memory_resolution_bytes=2 ** 21, memory_below_resolution=below)
+
+
+def test_plots_never_fail_on_readings_below_resolution_or_missing(tmp_path):
+    from mha_harness.bench.sweep import plot
+    cases = {"all-below-resolution": [_point("a", t, 0, True) for t in (128, 256, 512)],
+             "all-missing": [_point("a", t, None, None) for t in (128, 256, 512)],
+             "mixed": [_point("a", 128, 10, True), _point("a", 256, 3 * 2 ** 20, False),
+                       _point("a", 512, 12 * 2 ** 20, False), _point("b", 128, None, None),
+                       _point("c", 128, 0, True), _point("c", 256, 0, True)]}
+    for case, points in cases.items():
+        paths = plot(points, tmp_path / case, {})
+        assert [p.name for p in paths] == ["time_vs_seq_len.png", "memory_vs_seq_len.png"]
+        assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    decode = [_point("a", t, 0, True) for t in (64, 128)]
+    for p in decode:
+        p.workload, p.tq, p.gbytes_per_s = "decode", 1, None  # nothing drawable on the bandwidth plot
+    assert len(plot(decode, tmp_path / "decode", {"memory_bandwidth_gbs": 0.0})) == 2
+
+
+def test_tiled_vs_naive_shows_missing_and_below_resolution_readings_instead_of_crashing(monkeypatch):
+    from dataclasses import asdict
+
+    from mha_harness.bench import fidelity
+    from mha_harness.registry import load_registry
+    cases = {"missing": (_point("numpy-tiled", 4096, None, None), "no reading"),
+             "below": (_point("numpy-tiled", 4096, 5, True), "below resolution"),
+             "not measured": (_point("numpy-tiled", 4096, None, None, status="timeout", median=0), "timeout")}
+    for name, (tiled, shown) in cases.items():
+        naive = _point("numpy-naive", 4096, 1560 * 2 ** 20, False)
+        monkeypatch.setattr(fidelity, "run_bench", lambda *a, _p=(naive, tiled), **k: {"points": [asdict(p) for p
+                                                                                                   in _p]})
+        lines = []
+        row = fidelity.tiled_vs_naive(load_registry(), BenchConfig(), log=lambda *a, _l=lines, **k: _l.append(a[0]))
+        assert row["memory_ratio_tiled_over_naive"] is None, name
+        assert shown in lines[0], (name, lines)
+    assert row["throughput_ratio_tiled_over_naive"] is None  # the timed-out point has no median either
+
+
+def test_fidelity_summary_counts_only_what_was_compared():
+    from mha_harness.bench.fidelity import summary
+    doc = {"timing": [{"backend": "a", "seq_len": 512, "sweep_over_autorange": 1.04, "within_10pct": True,
+                       "sweep_over_alone": 1.08, "within_5pct": False},
+                      {"backend": "b", "seq_len": 512, "sweep_over_autorange": None, "within_10pct": None,
+                       "sweep_over_alone": None, "within_5pct": None}],
+           "memory": [{"backend": "n", "method": "rss", "seq_len": 2048, "within_10pct": True,
+                       "xla_temp_plus_output_bytes": 1, "within_10pct_of_xla": False},
+                      {"backend": "n", "method": "rss", "seq_len": 64, "within_10pct": None, "below_resolution": True},
+                      {"backend": "g", "method": "cuda", "not_runnable": "no CUDA device"}]}
+    s = summary(doc)
+    assert s["sweep_over_autorange"]["within"] == 1 and s["sweep_over_autorange"]["compared"] == 1
+    assert s["sweep_over_autorange"]["not_compared"] == ["b T=512"]
+    assert s["sweep_over_alone"]["within"] == 0 and s["sweep_over_alone"]["worst"]["ratio"] == 1.08
+    rss = s["memory_vs_formula"]["methods"]["rss"]
+    assert (rss["within"], rss["compared"]) == (1, 1) and "below resolution" in rss["not_compared"][0]
+    assert s["memory_vs_formula"]["methods"]["cuda"]["not_compared"] == ["g: no CUDA device"]
+    assert s["memory_vs_xla"] == {"target": "+-10%", "within": 0, "compared": 1}
+
+
+def test_fits_report_an_impossible_memory_exponent_as_a_measurement_error_in_the_json():
+    from mha_harness.bench.sweep import _fmt_fit, fits
+    good = [_point("ok", t, t * t * 100, False) for t in (256, 512, 1024)]  # exponent 2
+    bad = [_point("bad", t, 2 ** 21 * (t // 128) ** 4, False) for t in (256, 512, 1024)]  # exponent 4
+    low = [_point("low", 256, 0, True), _point("low", 512, 3 * 2 ** 20, False), _point("low", 1024, 5 * 2 ** 20, False)]
+    out = fits(good + bad + low)
+    ok, bad_fit = out["ok|full|forward"]["memory"], out["bad|full|forward"]["memory"]
+    assert ok["exponent"] == pytest.approx(2.0) and "stderr" in ok
+    assert "measurement_error" in bad_fit and "exponent" not in bad_fit
+    assert "MEASUREMENT ERROR" in _fmt_fit(bad_fit)
+    assert out["low|full|forward"]["memory"] is None  # only 2 points above resolution: no fit
+    assert out["ok|full|forward"]["time"]["exponent"] == pytest.approx(1.0)

@@ -49,6 +49,26 @@ def _quiet(*args, **kwargs):
     pass
 
 
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 and x == x and x != float("inf")
+
+
+def ratio(numerator, denominator, digits: int = 4) -> float | None:
+    """numerator / denominator, or None when either is missing, zero or not finite (no comparison possible)."""
+    if not (_positive(numerator) and _positive(denominator)):
+        return None
+    return round(numerator / denominator, digits)
+
+
+def within(value: float | None, tolerance: float, centre: float = 1.0) -> bool | None:
+    """True/False when ``value`` is known, None when it is not (a missing reading is neither ok nor outside)."""
+    return None if value is None else abs(value - centre) <= tolerance
+
+
+def _verdict(ok: bool | None, target: str) -> str:
+    return "n/a" if ok is None else ("ok" if ok else f"OUTSIDE {target}")
+
+
 def _medians(doc) -> dict:
     return {(p["backend"], p["seq_len"]): p["median_s"] for p in doc["points"] if p["status"] == MEASURED}
 
@@ -80,12 +100,11 @@ def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LE
                     row["autorange_median_s"] = row["autorange"]["median_s"]
                 except (RuntimeError, WorkerLost) as exc:
                     row["autorange_error"] = str(exc)
-                if row["sweep_median_s"] and row.get("autorange_median_s"):
-                    row["sweep_over_autorange"] = round(row["sweep_median_s"] / row["autorange_median_s"], 4)
-                    row["within_10pct"] = abs(row["sweep_over_autorange"] - 1) <= 0.10
-                if row["sweep_median_s"] and row["alone_median_s"]:
-                    row["sweep_over_alone"] = round(row["sweep_median_s"] / row["alone_median_s"], 4)
-                    row["within_5pct"] = abs(row["sweep_over_alone"] - 1) <= 0.05
+                row["sweep_over_autorange"] = ratio(row["sweep_median_s"], row.get("autorange_median_s"))
+                row["within_10pct"] = within(row["sweep_over_autorange"], 0.10)
+                row["sweep_over_alone"] = ratio(row["sweep_median_s"], row["alone_median_s"])
+                row["within_5pct"] = within(row["sweep_over_alone"], 0.05)
+                row["alone_over_autorange"] = ratio(row["alone_median_s"], row.get("autorange_median_s"))
                 rows.append(row)
                 log(_timing_line(row), flush=True)
         finally:
@@ -94,16 +113,18 @@ def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LE
 
 
 def _ms(x):
-    return f"{x * 1e3:8.2f}" if x else "     n/a"
+    return f"{x * 1e3:8.2f}" if _positive(x) else "     n/a"
 
 
 def _timing_line(row: dict) -> str:
-    a = row.get("sweep_over_autorange")
-    b = row.get("sweep_over_alone")
-    return (f"  {row['backend']:<24} T={row['seq_len']:<5} sweep {_ms(row['sweep_median_s'])} ms  alone "
-            f"{_ms(row['alone_median_s'])} ms  adaptive_autorange {_ms(row.get('autorange_median_s'))} ms  "
-            f"sweep/autorange {a if a else 'n/a'} {'ok' if row.get('within_10pct') else 'OUTSIDE +-10%'}  "
-            f"sweep/alone {b if b else 'n/a'} {'ok' if row.get('within_5pct') else 'OUTSIDE +-5%'}")
+    a, b = row.get("sweep_over_autorange"), row.get("sweep_over_alone")
+    line = (f"  {row['backend']:<24} T={row['seq_len']:<5} sweep {_ms(row.get('sweep_median_s'))} ms  alone "
+            f"{_ms(row.get('alone_median_s'))} ms  adaptive_autorange {_ms(row.get('autorange_median_s'))} ms  "
+            f"sweep/autorange {a if a is not None else 'n/a'} {_verdict(row.get('within_10pct'), '+-10%')}  "
+            f"sweep/alone {b if b is not None else 'n/a'} {_verdict(row.get('within_5pct'), '+-5%')}")
+    if row.get("autorange_error"):
+        line += f"  (adaptive_autorange: {row['autorange_error']})"
+    return line
 
 
 def predicted_bytes(a: int, b: int, shape: Shape) -> int:
@@ -126,7 +147,10 @@ def memory_validation(registry, config: BenchConfig, seq_lens=MEMORY_SEQ_LENS, k
             continue
         worker = BackendWorker(entry.backend, config.threads, max_bytes=config.max_memory_bytes)
         try:
-            floor = _ask(worker, ("memory_floor",)) if method == entry.backend.memory_method else None
+            try:
+                floor = _ask(worker, ("memory_floor",)) if method == entry.backend.memory_method else None
+            except (RuntimeError, WorkerLost):  # no noise floor is no reason to skip the readings
+                floor = None
             for t in seq_lens:
                 shape = Shape(config.batch, t, t, config.d_model, config.num_heads, config.dtype)
                 row = {**base, "seq_len": t, "noise_floor_bytes": floor, "resolution_bytes": resolution_bytes(method)}
@@ -136,16 +160,19 @@ def memory_validation(registry, config: BenchConfig, seq_lens=MEMORY_SEQ_LENS, k
                     row["measured_bytes"] = int(statistics.median(readings))
                     row["readings_bytes"] = readings
                     row["predicted_bytes"] = predicted_bytes(a, b, shape)
-                    row["relative_error"] = round(row["measured_bytes"] / row["predicted_bytes"] - 1, 4)
-                    row["within_10pct"] = abs(row["relative_error"]) <= 0.10
                     row["below_resolution"] = row["measured_bytes"] < row["resolution_bytes"]
+                    # a reading below the method's resolution is no figure: it is shown as such, never compared
+                    measured = None if row["below_resolution"] else row["measured_bytes"]
+                    error = ratio(measured, row["predicted_bytes"])
+                    row["relative_error"] = None if error is None else round(error - 1, 4)
+                    row["within_10pct"] = within(error, 0.10)
                     xla = _ask(worker, ("memory_analysis", f"m{t}"))
                     if xla:
                         row["xla_memory_analysis"] = xla
-                        row["xla_temp_plus_output_bytes"] = xla["temp"] + xla["output"]
-                        row["relative_error_vs_xla"] = round(row["measured_bytes"] / row["xla_temp_plus_output_bytes"]
-                                                             - 1, 4)
-                        row["within_10pct_of_xla"] = abs(row["relative_error_vs_xla"]) <= 0.10
+                        row["xla_temp_plus_output_bytes"] = xla.get("temp", 0) + xla.get("output", 0)
+                        vs_xla = ratio(measured, row["xla_temp_plus_output_bytes"])
+                        row["relative_error_vs_xla"] = None if vs_xla is None else round(vs_xla - 1, 4)
+                        row["within_10pct_of_xla"] = within(vs_xla, 0.10)
                 except (RuntimeError, WorkerLost) as exc:
                     row["error"] = str(exc)
                 rows.append(row)
@@ -159,16 +186,24 @@ def _mib(x):
     return f"{x / 2 ** 20:8.1f}"
 
 
+def _pct(x) -> str:
+    return "  n/a" if x is None else f"{100 * x:+5.1f}%"
+
+
 def _memory_line(row: dict) -> str:
+    head = f"  memory {row['method']:<11} {row['backend']:<18} T={row.get('seq_len', '?')}"
     if "error" in row:
-        return f"  memory {row['method']:<11} {row['backend']:<18} T={row['seq_len']}: error: {row['error']}"
-    line = (f"  memory {row['method']:<11} {row['backend']:<18} T={row['seq_len']:<5} measured "
-            f"{_mib(row['measured_bytes'])} MiB  {row['formula']} = {_mib(row['predicted_bytes'])} MiB  "
-            f"error {100 * row['relative_error']:+5.1f}% {'ok' if row['within_10pct'] else 'OUTSIDE +-10%'}")
+        return f"{head}: error: {row['error']}"
+    if row.get("below_resolution"):
+        measured = (f"below resolution ({row['measured_bytes'] / 1024:.0f} KiB < "
+                    f"{row['resolution_bytes'] / 1024:.0f} KiB), not compared")
+    else:
+        measured = (f"measured {_mib(row['measured_bytes'])} MiB  {row['formula']} = {_mib(row['predicted_bytes'])} "
+                    f"MiB  error {_pct(row.get('relative_error'))} {_verdict(row.get('within_10pct'), '+-10%')}")
+    line = f"{head:<48} {measured}"
     if "xla_temp_plus_output_bytes" in row:
         line += (f"  XLA memory_analysis temp+output {_mib(row['xla_temp_plus_output_bytes'])} MiB "
-                 f"({100 * row['relative_error_vs_xla']:+.1f}% "
-                 f"{'ok' if row['within_10pct_of_xla'] else 'OUTSIDE +-10%'})")
+                 f"({_pct(row.get('relative_error_vs_xla'))} {_verdict(row.get('within_10pct_of_xla'), '+-10%')})")
     if row.get("noise_floor_bytes") is not None:
         line += f"  noise floor {row['noise_floor_bytes'] / 1024:.0f} KiB"
     return line
@@ -191,14 +226,14 @@ def harness_overhead(registry, config: BenchConfig, seq_len: int = 1024, rounds:
             _ask(worker, ("prepare", "o", shape, config.warm_up_s, config.min_sample_s))
             medians = _ask(worker, ("overhead", "o", shape, rounds))
             row = {"backend": name, "seq_len": seq_len, "rounds": rounds, "harness_median_s": medians["harness"],
-                   "direct_median_s": medians["direct"], "ratio": round(medians["harness"] / medians["direct"], 4),
+                   "direct_median_s": medians["direct"], "ratio": ratio(medians["harness"], medians["direct"]),
                    "target": "<= 1.03"}
         except (RuntimeError, WorkerLost) as exc:
             row = {"backend": name, "error": str(exc)}
         finally:
             worker.close()
         rows.append(row)
-        if "ratio" in row:
+        if row.get("ratio") is not None:
             log(f"  overhead {name} at T={seq_len}: prepared {row['harness_median_s'] * 1e3:.2f} ms vs direct "
                 f"{row['direct_median_s'] * 1e3:.2f} ms, ratio {row['ratio']:.3f} (target <= 1.03)")
         else:
@@ -206,52 +241,153 @@ def harness_overhead(registry, config: BenchConfig, seq_len: int = 1024, rounds:
     return rows
 
 
+def _memory_figure(point: dict | None) -> tuple[int | None, str]:
+    """(bytes, how to show them): None with the reason when the point has no usable memory reading."""
+    if point is None:
+        return None, "no point"
+    if point.get("status") != MEASURED:
+        return None, f"{point.get('status')}: {point.get('skipped')}"
+    if point.get("peak_extra_bytes") is None:
+        return None, f"no reading ({point.get('memory_error') or 'not measured'})"
+    if point.get("memory_below_resolution"):
+        return None, f"below resolution (< {point['memory_resolution_bytes'] / 2 ** 20:g} MiB)"
+    return point["peak_extra_bytes"], f"{point['peak_extra_bytes'] / 2 ** 20:.1f} MiB"
+
+
 def tiled_vs_naive(registry, config: BenchConfig, seq_len: int = 4096, log=print) -> dict:
-    """numpy-tiled against numpy-naive through the bench engine: peak memory ratio and throughput ratio."""
-    backends = [registry.get(n).backend for n in ("numpy-naive", "numpy-tiled")]
+    """numpy-tiled against numpy-naive through the bench engine: peak memory ratio and throughput ratio. A missing
+    or below-resolution reading, or a point that was not measured, is shown as such (ratio None)."""
+    names = ("numpy-naive", "numpy-tiled")
+    missing = {n: (registry.entries[n].reason_unavailable if n in registry.entries else "not registered")
+               for n in names}
+    missing = {n: why for n, why in missing.items() if why}
+    row = {"seq_len": seq_len, "targets": {"memory_ratio": "<= 0.1", "throughput_ratio": ">= 1"}}
+    if missing:
+        row["not_runnable"] = "; ".join(f"{n}: {why}" for n, why in missing.items())
+        log(f"  numpy-tiled vs numpy-naive: not runnable here: {row['not_runnable']}")
+        return row
+    backends = [registry.get(n).backend for n in names]
     doc = run_bench(backends, None, seq_lens=[seq_len], config=replace(config, budget_s=4.0), log=_quiet)
     points = {p["backend"]: p for p in doc["points"]}
-    naive, tiled = points["numpy-naive"], points["numpy-tiled"]
-    row = {"seq_len": seq_len, "peak_extra_bytes": {n: p["peak_extra_bytes"] for n, p in points.items()},
-           "median_s": {n: p["median_s"] for n, p in points.items()},
-           "memory_ratio_tiled_over_naive": round(tiled["peak_extra_bytes"] / naive["peak_extra_bytes"], 4),
-           "throughput_ratio_tiled_over_naive": round(naive["median_s"] / tiled["median_s"], 3),
-           "targets": {"memory_ratio": "<= 0.1", "throughput_ratio": ">= 1"}}
-    log(f"  numpy-tiled vs numpy-naive at T={seq_len}: memory {_mib(tiled['peak_extra_bytes'])} vs "
-        f"{_mib(naive['peak_extra_bytes'])} MiB (ratio {row['memory_ratio_tiled_over_naive']:.3f}, target <= 0.1); "
-        f"time {tiled['median_s'] * 1e3:.0f} vs {naive['median_s'] * 1e3:.0f} ms (throughput ratio "
-        f"{row['throughput_ratio_tiled_over_naive']:.2f}, target >= 1)")
+    naive, tiled = points.get("numpy-naive"), points.get("numpy-tiled")
+    (naive_bytes, naive_text), (tiled_bytes, tiled_text) = _memory_figure(naive), _memory_figure(tiled)
+    row["peak_extra_bytes"] = {n: p.get("peak_extra_bytes") for n, p in points.items()}
+    row["memory_readings"] = {"numpy-naive": naive_text, "numpy-tiled": tiled_text}
+    row["median_s"] = {n: p.get("median_s") for n, p in points.items()}
+    row["memory_ratio_tiled_over_naive"] = ratio(tiled_bytes, naive_bytes)
+    if tiled_bytes is None and naive_bytes and tiled and tiled.get("memory_below_resolution"):
+        # below resolution: the ratio is at most resolution / naive, still a figure against the target
+        row["memory_ratio_tiled_over_naive_at_most"] = ratio(tiled["memory_resolution_bytes"], naive_bytes)
+    row["throughput_ratio_tiled_over_naive"] = ratio((naive or {}).get("median_s"), (tiled or {}).get("median_s"), 3)
+    memory = row["memory_ratio_tiled_over_naive"]
+    memory_text = (f"{memory:.3f}" if memory is not None else
+                   f"<= {row['memory_ratio_tiled_over_naive_at_most']:.3f}"
+                   if "memory_ratio_tiled_over_naive_at_most" in row else "n/a")
+    throughput = row["throughput_ratio_tiled_over_naive"]
+    log(f"  numpy-tiled vs numpy-naive at T={seq_len}: memory {tiled_text} vs {naive_text} (ratio {memory_text}, "
+        f"target <= 0.1); time {_ms((tiled or {}).get('median_s')).strip()} vs "
+        f"{_ms((naive or {}).get('median_s')).strip()} ms (throughput ratio "
+        f"{'n/a' if throughput is None else f'{throughput:.2f}'}, target >= 1)")
     return row
+
+
+def _section(doc: dict, key: str, path: Path, log, fn):
+    """Run one section; an unexpected failure is recorded and printed as that section's error, and the others
+    still run (the command completes). Ctrl-C still stops it. The JSON is written after every section."""
+    try:
+        doc[key] = fn()
+    except Exception as exc:  # noqa: BLE001 - one broken comparison must not hide the others' figures
+        doc[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"  {key}: error: {type(exc).__name__}: {exc}")
+    write_json_atomic(path, doc)
+
+
+def _count(rows, flag: str) -> tuple[int, int, list]:
+    """(within, compared, rows without a figure) over ``rows`` for a True/False/None ``flag``."""
+    compared = [r for r in rows if r.get(flag) is not None]
+    return sum(bool(r[flag]) for r in compared), len(compared), [r for r in rows if r.get(flag) is None]
+
+
+def summary(doc: dict) -> dict:
+    """The issue's done-when figures in one place: how many comparisons are within their targets, the worst ratio,
+    and what could not be compared (with the reason)."""
+    out: dict = {}
+    timing = doc.get("timing")
+    if isinstance(timing, list):
+        for flag, key, target in (("within_10pct", "sweep_over_autorange", "+-10%"),
+                                  ("within_5pct", "sweep_over_alone", "+-5%")):
+            ok, n, missing = _count(timing, flag)
+            worst = max((r for r in timing if r.get(key) is not None), key=lambda r: abs(r[key] - 1), default=None)
+            out[key] = {"target": target, "within": ok, "compared": n,
+                        "worst": None if worst is None else {"backend": worst["backend"], "seq_len": worst["seq_len"],
+                                                             "ratio": worst[key]},
+                        "not_compared": [f"{r['backend']} T={r['seq_len']}" for r in missing]}
+    else:
+        out["timing"] = timing
+    memory = doc.get("memory")
+    if isinstance(memory, list):
+        methods: dict = {}
+        for r in memory:
+            m = methods.setdefault(r["method"], {"within": 0, "compared": 0, "not_compared": []})
+            if r.get("within_10pct") is None:
+                why = r.get("not_runnable") or r.get("error") or ("below resolution" if r.get("below_resolution")
+                                                                   else "no figure")
+                m["not_compared"].append(f"{r['backend']}{' T=' + str(r['seq_len']) if 'seq_len' in r else ''}: {why}")
+            else:
+                m["compared"] += 1
+                m["within"] += bool(r["within_10pct"])
+        out["memory_vs_formula"] = {"target": "+-10%", "methods": methods}
+        ok, n, _ = _count([r for r in memory if "xla_temp_plus_output_bytes" in r], "within_10pct_of_xla")
+        out["memory_vs_xla"] = {"target": "+-10%", "within": ok, "compared": n}
+    return out
+
+
+def _log_summary(s: dict, log) -> None:
+    log("summary (targets: sweep within +-10% of adaptive_autorange, sweep within +-5% of alone, memory within "
+        "+-10% of the formula and of XLA's memory_analysis):")
+    for key, label in (("sweep_over_autorange", "sweep median / adaptive_autorange alone"),
+                       ("sweep_over_alone", "sweep median / same engine alone")):
+        if key not in s:
+            continue
+        v = s[key]
+        worst = v["worst"]
+        worst_text = f"; worst {worst['backend']} T={worst['seq_len']}: {worst['ratio']}" if worst else ""
+        missing = f"; not compared: {', '.join(v['not_compared'])}" if v["not_compared"] else ""
+        log(f"  {label}: {v['within']}/{v['compared']} within {v['target']}{worst_text}{missing}")
+    if "timing" in s:
+        log(f"  timing: {s['timing']}")
+    for method, v in s.get("memory_vs_formula", {}).get("methods", {}).items():
+        missing = f"; not compared: {'; '.join(v['not_compared'])}" if v["not_compared"] else ""
+        log(f"  memory {method}: {v['within']}/{v['compared']} within +-10% of the formula{missing}")
+    if "memory_vs_xla" in s:
+        v = s["memory_vs_xla"]
+        log(f"  memory vs XLA memory_analysis: {v['within']}/{v['compared']} within +-10%")
 
 
 def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, timing_budget_s: float = 3.0,
                  log=print) -> dict:
-    """All four figures; written to ``<results>/bench/fidelity.json``."""
+    """All four figures and their summary; written to ``<results>/bench/fidelity.json`` after every section."""
     import importlib.util
     config = BenchConfig(threads=threads, budget_s=timing_budget_s)
-    doc = {"schema": "mha-harness/fidelity", "schema_version": "2.0", "threads": threads,
+    doc = {"schema": "mha-harness/fidelity", "schema_version": "2.1", "complete": False, "threads": threads,
            "config": {"batch": config.batch, "d_model": config.d_model, "num_heads": config.num_heads,
-                      "dtype": config.dtype}}
+                      "dtype": config.dtype, "timing_budget_s": timing_budget_s}}
     path = Path(results_dir) / "bench" / "fidelity.json"
     log("memory methods against analytical figures (each kernel in its own worker):", flush=True)
-    doc["memory"] = memory_validation(registry, config, log=log)
-    write_json_atomic(path, doc)
+    _section(doc, "memory", path, log, lambda: memory_validation(registry, config, log=log))
     log("harness overhead (prepared callable vs the backend's direct library call):", flush=True)
-    doc["overhead"] = harness_overhead(registry, config, log=log)
-    write_json_atomic(path, doc)
+    _section(doc, "overhead", path, log, lambda: harness_overhead(registry, config, log=log))
     log("numpy-tiled vs numpy-naive:", flush=True)
-    doc["tiled_vs_naive"] = tiled_vs_naive(registry, config, log=log)
-    write_json_atomic(path, doc)
+    _section(doc, "tiled_vs_naive", path, log, lambda: tiled_vs_naive(registry, config, log=log))
     if importlib.util.find_spec("torch") is None:
         doc["timing"] = "not runnable: torch (torch.utils.benchmark) is not installed"
         log(f"timing: {doc['timing']}")
     else:
-        backends = [registry.get(n).backend for n in names]
-        doc["timing"] = timing_agreement(backends, config, log=log)
-        ok = [r for r in doc["timing"] if r.get("within_10pct")]
-        alone_ok = [r for r in doc["timing"] if r.get("within_5pct")]
-        log(f"timing: {len(ok)}/{len(doc['timing'])} sweep medians within +-10% of adaptive_autorange; "
-            f"{len(alone_ok)}/{len(doc['timing'])} within +-5% of the backend alone")
+        _section(doc, "timing", path, log,
+                 lambda: timing_agreement([registry.get(n).backend for n in names], config, log=log))
+    doc["summary"] = summary(doc)
+    doc["complete"] = True
     write_json_atomic(path, doc)
+    _log_summary(doc["summary"], log)
     log(f"  json: {path}")
     return doc

@@ -18,6 +18,7 @@ reported for that point and restarted for the next; after two losses in a row it
 """
 from __future__ import annotations
 
+import math
 import platform
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -362,15 +363,24 @@ def table(points: list[BenchPoint]) -> str:
             ci = f"{100 * p.ci95_rel_halfwidth:.1f}%" if p.ci95_rel_halfwidth is not None else "n/a"
             flag = "*" if p.budget_exhausted else " "
             lines.append(f"  {p.backend:<24}{mode:<9}{str(p.causal):<7}{p.median_s * 1e3:>10.3f}{ci:>9}{flag}"
-                         f"{p.n_samples:>4}{p.calls_per_sample:>6}{_fmt_memory(p):>9}{p.gflops:>9.1f}"
-                         f"{100 * (p.fraction_of_gemm_peak or 0):>6.1f}%{p.gbytes_per_s:>7.2f}"
+                         f"{p.n_samples:>4}{p.calls_per_sample or 0:>6}{_fmt_memory(p):>9}{p.gflops or 0:>9.1f}"
+                         f"{100 * (p.fraction_of_gemm_peak or 0):>6.1f}%{p.gbytes_per_s or 0:>7.2f}"
                          f"{100 * (p.fraction_of_memory_bandwidth or 0):>5.1f}%")
     lines.append("\n  * the time budget ran out before the 95% CI reached the target; '<N' = below the memory "
                  "method's resolution of N MiB")
     return "\n".join(lines)
 
 
+def _positive(y) -> bool:
+    """A value a log axis can show: a finite number above zero (None, NaN and 0 cannot be log-scaled)."""
+    return isinstance(y, (int, float)) and math.isfinite(y) and y > 0
+
+
 def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roof=None):
+    """One log-log figure. Only positive, finite values are drawn on the log axis; a memory reading below the
+    method's resolution is drawn as an open triangle at that resolution (an upper bound) and named in a note;
+    a series with no value at all is listed in the note. Never fails on data: with nothing drawable the axis
+    stays linear and the figure says so."""
     import io
 
     import matplotlib
@@ -378,44 +388,78 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8.5, 5.8))
     exps = fits(points)
+    memory = metric == "peak_extra_bytes"
+    drawn, below_notes, empty_notes, all_xs = False, [], [], []
     for key, line in series(points).items():
         backend, workload, tq, causal, mode = key
-        xs = [p.seq_len for p in line]
-        ys = [getattr(p, metric) for p in line]
-        if metric == "peak_extra_bytes":
-            ys = [None if p.memory_below_resolution else y for p, y in zip(line, ys)]
-        ys = [float("nan") if y is None else y for y in ys]
         name = backend + (f" Tq={tq}" if workload == "decode" else "") + (" causal" if causal and workload ==
                                                                            "prefill" else "") \
             + (" fwd+bwd" if mode != "forward" else "")
-        fit = exps.get(series_key(*key), {}).get("memory" if metric == "peak_extra_bytes" else "time")
+        all_xs += [p.seq_len for p in line]
+        below = [p for p in line if memory and p.memory_below_resolution and _positive(p.memory_resolution_bytes)]
+        shown = [(p, getattr(p, metric)) for p in line if p not in below and _positive(getattr(p, metric))]
+        if not shown and not below:
+            empty_notes.append(name)
+            continue
+        fit = exps.get(series_key(*key), {}).get("memory" if memory else "time")
         if fit and "exponent" in fit and metric in ("median_s", "peak_extra_bytes"):
             name += f" (exp {fit['exponent']:.2f}±{fit['stderr']:.2f})"
         style = "--" if (causal and workload == "prefill") or mode != "forward" or tq == 16 else "-"
-        if ci:
-            low = [y - p.ci95_s[0] if p.ci95_s else 0 for p, y in zip(line, ys)]
-            high = [p.ci95_s[1] - y if p.ci95_s else 0 for p, y in zip(line, ys)]
-            ax.errorbar(xs, ys, yerr=[low, high], marker="o", markersize=3, capsize=3, linestyle=style, label=name)
-        else:
-            ax.plot(xs, ys, marker="o", markersize=3, linestyle=style, label=name)
-    if roof:
+        color = None
+        if shown:
+            xs, ys = [p.seq_len for p, _ in shown], [y for _, y in shown]
+            if ci:
+                low = [max(0.0, y - p.ci95_s[0]) if p.ci95_s else 0 for p, y in shown]
+                high = [max(0.0, p.ci95_s[1] - y) if p.ci95_s else 0 for p, y in shown]
+                artist = ax.errorbar(xs, ys, yerr=[low, high], marker="o", markersize=3, capsize=3,
+                                     linestyle=style, label=name)
+                color = artist.lines[0].get_color()
+            else:
+                color = ax.plot(xs, ys, marker="o", markersize=3, linestyle=style, label=name)[0].get_color()
+            drawn = True
+        if below:
+            ax.plot([p.seq_len for p in below], [p.memory_resolution_bytes for p in below], marker="v",
+                    markersize=6, linestyle="none", markerfacecolor="none", color=color,
+                    label=None if shown else f"{name} (below resolution)")
+            below_notes.append(f"{backend}: T={','.join(str(p.seq_len) for p in below)}")
+            drawn = True
+    if roof and _positive(roof[0]):
         ax.axhline(roof[0], color="black", linewidth=1, linestyle=":", label=roof[1])
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+        drawn = True
+    notes = []
+    if below_notes:
+        notes.append("below resolution (open triangle drawn at the method's resolution, an upper bound): "
+                     + "; ".join(below_notes))
+    if empty_notes:
+        notes.append("no reading: " + ", ".join(empty_notes))
+    if all_xs:
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(min(all_xs) / 1.3, max(all_xs) * 1.3)
+    if drawn:
+        ax.set_yscale("log")
+        ax.legend(fontsize=6)
+    else:
+        ax.text(0.5, 0.5, "nothing to plot: no reading (see the note below)", ha="center", va="center",
+                transform=ax.transAxes)
+    note_lines = []
+    if notes:
+        import textwrap
+        note_lines = [w for n in notes for w in textwrap.wrap(n, 150)][:8]
+        fig.text(0.01, 0.005, "\n".join(note_lines), fontsize=6, va="bottom")
     ax.set_xlabel("KV length Tk" if points and points[0].workload == "decode" else "sequence length T")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
     buffer = io.BytesIO()
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.016 * len(note_lines) + (0.01 if note_lines else 0), 1, 1))
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
     return write_bytes_atomic(Path(directory) / filename, buffer.getvalue())
 
 
 def plot(points: list[BenchPoint], directory: Path, machine: dict) -> list[Path]:
-    """Log-log plots; times carry their 95% CI as error bars; memory below resolution is left out."""
+    """Log-log plots; times carry their 95% CI as error bars; memory below resolution is drawn as an open triangle at
+    the resolution (left out of the fit); a figure with nothing drawable is still written, saying so."""
     if points and points[0].workload == "decode":
         bw = machine.get("memory_bandwidth_gbs")
         return [_figure(points, "median_s", "time per call (s), 95% CI", "decode: time vs KV length "
@@ -428,7 +472,8 @@ def plot(points: list[BenchPoint], directory: Path, machine: dict) -> list[Path]
                     "time vs sequence length (log-log; fitted exponent ± stderr)", directory, "time_vs_seq_len.png",
                     ci=True),
             _figure(points, "peak_extra_bytes", "peak extra memory (bytes)",
-                    "peak extra memory vs T (points below the method's resolution left out)", directory,
+                    "peak extra memory vs T (below the method's resolution: open triangle at the resolution)",
+                    directory,
                     "memory_vs_seq_len.png")]
 
 
@@ -473,7 +518,13 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
                                     "value = sample time / calls",
                           "ci": "95% CI of the median, binomial order statistics (scipy.stats.quantile_test)",
                           "stop": f"CI within +-{config.ci_rel:.0%} of the median, or {config.budget_s} s spent "
-                                  f"(at least {stats.MIN_SAMPLES} samples)"}}
+                                  f"(at least {stats.MIN_SAMPLES} samples)",
+                          "fits": "scipy.stats.linregress of log(y) on log(length) over the 3 largest points (memory: "
+                                  "above the method's resolution), exponent with its stderr",
+                          "memory_exponent_range": list(stats.MEMORY_EXPONENT_RANGE),
+                          "memory_exponent_guard": "a memory exponent outside this range is impossible for attention: "
+                                                   "fits[...]['memory'] is then {'measurement_error': ...}, never an "
+                                                   "exponent"}}
     groups = plan_points(names, config, seq_lens, causal_modes=(True,) if decode else causal_modes,
                          backward=backward, query_lens=query_lens)
     sweep = Sweep(backends, config, directory / "bench.json" if directory else None, doc, log=log)

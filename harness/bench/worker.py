@@ -21,6 +21,9 @@ import time
 from contextlib import contextmanager
 
 POLL_S = 0.05
+#: seconds a new worker may take to start (spawn, import the harness, NumPy and the plugin, unpickle the backend):
+#: like ``check``'s workers, the start is not charged to the first request's ``--bench-timeout``
+STARTUP_TIMEOUT_S = 300.0
 TIMEOUT, CRASHED, OUT_OF_MEMORY, ERROR = "timeout", "crashed", "out-of-memory", "error"
 
 
@@ -44,6 +47,7 @@ def _worker_main(conn, payload: bytes, threads: int) -> None:
     from mha_harness.bench.threads import apply_threads
     server = _Server(pickle.loads(payload), threads)
     apply_threads(threads)
+    conn.send(("ready", os.getpid()))  # the start (spawn, imports, the plugin's unpickling) is not charged to a request
     while True:
         try:
             request = conn.recv()
@@ -107,13 +111,22 @@ class _Server:
 
     def do_memory(self, key, shape, warm_up_s: float, min_sample_s: float, method: str | None = None):
         """Peak extra memory of one call (prepared again if this worker is a restarted one); ``method`` overrides
-        the backend's own (mha-harness fidelity measures one kernel with two methods)."""
+        the backend's own (mha-harness fidelity measures one kernel with two methods).
+
+        A restarted worker prepares the call and makes one untimed call (compilation, first-touch allocation,
+        thread-pool start stay outside the reading), with no warm-up loop or calibration: they only cost time,
+        and a slow call (decode at long KV lengths, a loaded machine) must not run past the request's timeout."""
+        from mha_harness.bench.calls import prepared_call
         from mha_harness.bench.memory import peak_extra_bytes, pin_mmap_threshold
+        from mha_harness.bench.threads import apply_threads
         method = method or self.backend.memory_method
         if method == "rss" and not self.pinned:
             self.pinned = pin_mmap_threshold()
         if key not in self.prepared:
-            self.do_prepare(key, shape, warm_up_s, min_sample_s)
+            fn = prepared_call(self.backend, shape)
+            apply_threads(self.threads)
+            fn()
+            self.prepared[key] = (fn, 1)
         fn, _ = self.prepared[key]
         return {"peak_extra_bytes": peak_extra_bytes(fn, method), "memory_method": method}
 
@@ -214,10 +227,12 @@ def _describe_exit(code: int | None) -> str:
 class BackendWorker:
     """The parent's side of one backend's worker process; restarted on demand after a loss."""
 
-    def __init__(self, backend, threads: int, *, max_bytes: int | None = None):
+    def __init__(self, backend, threads: int, *, max_bytes: int | None = None,
+                 startup_timeout: float = STARTUP_TIMEOUT_S):
         self.name = backend.name
         self.threads, self.max_bytes = threads, max_bytes
         self.payload = pickle.dumps(backend)  # raises for an unpicklable plugin: the caller reports it
+        self.startup_timeout = startup_timeout
         self.process = None
         self.conn = None
 
@@ -231,6 +246,10 @@ class BackendWorker:
             process.start()
         child.close()
         self.process, self.conn = process, parent
+        try:
+            self._wait(max(self.startup_timeout, 1.0), "to start")
+        except WorkerLost as exc:
+            raise WorkerLost(exc.status, f"worker did not start: {exc}") from None
 
     @property
     def alive(self) -> bool:
@@ -245,6 +264,10 @@ class BackendWorker:
             self.conn.send(message)
         except (BrokenPipeError, OSError):
             raise self._lost(CRASHED, _describe_exit(self.process.exitcode)) from None
+        return self._wait(timeout, "")
+
+    def _wait(self, timeout: float, what: str):
+        """The worker's next answer within ``timeout`` seconds, or WorkerLost (the worker is then killed)."""
         deadline = time.monotonic() + timeout
         while True:
             if self.conn.poll(POLL_S):
@@ -259,7 +282,8 @@ class BackendWorker:
                 raise self._lost(OUT_OF_MEMORY, f"worker passed the memory limit of {self.max_bytes / 2 ** 20:.0f} MiB "
                                                "(--max-memory); killed")
             if time.monotonic() > deadline:
-                raise self._lost(TIMEOUT, f"no answer within {timeout:g} s (--timeout); worker killed")
+                raise self._lost(TIMEOUT, f"no answer {what + ' ' if what else ''}within {timeout:g} s "
+                                          f"({'startup' if what else '--bench-timeout'}); worker killed")
 
     def _lost(self, status: str, message: str) -> WorkerLost:
         self.kill()

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Regenerate every committed CPU result under results/, in order, with the commands the README documents.
+#
+#   benchmarks/regenerate_results.sh [--results DIR] [--steps a,b,...] [--machine NAME] [--dry-run]
+#
+#   --results DIR   where to write (default: a new temporary folder, printed at the start). Only
+#                   `--results results` writes into the repository's results/: a normal run never touches it.
+#   --steps LIST    a subset, in the order below (default: all)
+#   --machine NAME  the asv machine name (default cpu-2core-box, as in the README)
+#   --dry-run       print the commands, run nothing
+#
+# Steps (the README's "What you get" table; minutes are estimates for a quiet 2-core box, each step's real
+# wall time is printed and logged to DIR/regenerate.log; total about 40 minutes):
+#   conformance  mha-harness check --mutants                                          ~2 min  DIR/conformance/
+#   bench        mha-harness bench --budget 1                                         ~4 min  DIR/bench/
+#   decode       mha-harness bench --workload decode --budget 1                       ~5 min  DIR/bench-decode/
+#   long         mha-harness bench --backend (5 CPU kernels) --seq-lens 1024..8192    ~8 min  DIR/long/bench/
+#   fidelity     mha-harness fidelity                                                 ~9 min  DIR/bench/fidelity.json
+#   asv          asv run --quick (T 256,1024; decode KV 1024,16384) + publish         ~6 min  DIR/asv/, DIR/html/
+#   search       mha-harness search --mutants --seed 0 --time-budget 60               ~5 min  DIR/search/
+# Run it on a quiet machine: the timings describe the load they ran under (bench.json records the roofs).
+# A failed step is reported and the next one runs; the exit code is 1 when any step failed.
+# Not covered: results/asv_dashboard_time_forward.png (a headless-Chromium screenshot of the served dashboard)
+# and the GPU results (benchmarks/gpu_session.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+results=""
+steps="conformance,bench,decode,long,fidelity,asv,search"
+machine="cpu-2core-box"
+dry=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --results) results="${2:?--results needs a folder}"; shift 2 ;;
+        --steps) steps="${2:?--steps needs a list}"; shift 2 ;;
+        --machine) machine="${2:?--machine needs a name}"; shift 2 ;;
+        --dry-run) dry=1; shift ;;
+        -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "regenerate_results.sh: unknown argument '$1'; accepted: --results DIR, --steps LIST, --machine NAME, --dry-run" >&2; exit 2 ;;
+    esac
+done
+all="conformance bench decode long fidelity asv search"
+for s in ${steps//,/ }; do
+    case " $all " in *" $s "*) ;; *) echo "regenerate_results.sh: --steps: got '$s'; accepted: ${all// /, }" >&2; exit 2 ;; esac
+done
+if [ -z "$results" ]; then
+    results=$(mktemp -d "${TMPDIR:-/tmp}/mha-results.XXXXXX")
+fi
+mkdir -p "$results" || exit 2
+results=$(cd "$results" && pwd)
+log="$results/regenerate.log"
+[ "$dry" = 1 ] && log=/dev/null
+echo "regenerate_results.sh: writing under $results (steps: $steps)" | tee -a "$log"
+if [ "$results" = "$root/results" ]; then
+    echo "  into the repository's results/: review with git diff before committing" | tee -a "$log"
+fi
+
+# asv writes where its config says: the project's asv.conf.json for results/, a copy pointing into DIR otherwise
+asv_config="$root/asv.conf.json"
+if [ "$results" != "$root/results" ]; then
+    asv_config="$results/asv.conf.json"
+    [ "$dry" = 1 ] || python - "$root" "$results" "$asv_config" <<'EOF'
+import json, pathlib, sys
+root, results, out = sys.argv[1:]
+text = (pathlib.Path(root) / "asv.conf.json").read_text()
+text = text.replace('"results/asv"', json.dumps(f"{results}/asv")).replace('"results/html"', json.dumps(f"{results}/html"))
+text = text.replace('"benchmark_dir": "benchmarks"', f'"benchmark_dir": {json.dumps(f"{root}/benchmarks")}')
+text = text.replace('"repo": "."', f'"repo": {json.dumps(root)}')
+pathlib.Path(out).write_text(text)
+EOF
+fi
+
+command_of() {
+    case "$1" in
+        conformance) echo "mha-harness check --mutants --results '$results'" ;;
+        bench) echo "mha-harness bench --budget 1 --results '$results'" ;;
+        decode) echo "mha-harness bench --workload decode --budget 1 --results '$results'" ;;
+        long) echo "mha-harness bench --backend numpy-naive --backend numpy-tiled --backend torch-sdpa-flash-cpu" \
+                   "--backend torch-sdpa-math-cpu --backend jax-dpa --seq-lens 1024,2048,4096,8192" \
+                   "--results '$results/long'" ;;
+        fidelity) echo "mha-harness fidelity --results '$results'" ;;
+        asv) echo "MHA_ASV_SEQ_LENS=256,1024 MHA_ASV_DECODE_KV_LENS=1024,16384 ASV_ARGS=--quick" \
+                  "ASV_CONFIG='$asv_config' ASV_HTML_DIR='$results/html' benchmarks/asv_record.sh '$machine'" ;;
+        search) echo "mha-harness search --mutants --seed 0 --time-budget 60 --results '$results'" ;;
+    esac
+}
+
+failed=()
+start_all=$SECONDS
+for step in $all; do
+    case ",$steps," in *",$step,"*) ;; *) continue ;; esac
+    cmd=$(command_of "$step")
+    echo "== $step: $cmd" | tee -a "$log"
+    [ "$dry" = 1 ] && continue
+    start=$SECONDS
+    bash -c "$cmd" 2>&1 | tee -a "$log"
+    rc=${PIPESTATUS[0]}
+    echo "== $step: exit $rc after $((SECONDS - start)) s" | tee -a "$log"
+    # check/search exit 1 for findings (a failing backend, a mutant not found): reported, not a failed step
+    if [ "$rc" != 0 ] && ! { [ "$rc" = 1 ] && { [ "$step" = conformance ] || [ "$step" = search ]; }; }; then
+        failed+=("$step (exit $rc)")
+    fi
+done
+[ "$dry" = 1 ] && exit 0
+echo "regenerate_results.sh: done in $((SECONDS - start_all)) s; results under $results; log $log" | tee -a "$log"
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "failed steps: ${failed[*]}" | tee -a "$log"
+    exit 1
+fi
