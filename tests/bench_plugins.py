@@ -45,3 +45,14 @@ class SegfaultsInCall(NumpyNaive):
 
 class HogsMemory(NumpyNaive):
     name, loaded_class = "bench-hogs-memory", _HogsMemory
+
+
+class _HangsAboveT32(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):
+        if inputs.key.shape[1] > 32:
+            return _HangsInPrepare.prepare(self, inputs, backward=backward)
+        return super().prepare(inputs, backward=backward)
+
+
+class HangsAboveT32(NumpyNaive):
+    name, loaded_class = "bench-hangs-above-t32", _HangsAboveT32

@@ -345,3 +345,12 @@ def test_fits_report_an_impossible_memory_exponent_as_a_measurement_error_in_the
     assert "MEASUREMENT ERROR" in _fmt_fit(bad_fit)
     assert out["low|full|forward"]["memory"] is None  # only 2 points above resolution: no fit
     assert out["ok|full|forward"]["time"]["exponent"] == pytest.approx(1.0)
+
+
+def test_a_backend_lost_at_a_long_length_keeps_the_memory_of_the_points_it_measured():
+    from tests.bench_plugins import HangsAboveT32
+    doc = run_bench([HangsAboveT32()], None, seq_lens=[32, 64, 128], config=BenchConfig(timeout_s=10, **SMALL),
+                    log=lambda *a, **k: None)
+    points = {p["seq_len"]: p for p in doc["points"]}
+    assert [points[t]["status"] for t in (32, 64, 128)] == ["measured", "timeout", "not-run"]
+    assert points[32]["peak_extra_bytes"] > 0 and points[32]["memory_error"] is None

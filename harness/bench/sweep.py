@@ -37,7 +37,7 @@ from mha_harness.bench.metrics import (
     metrics,
 )
 from mha_harness.bench.threads import DEFAULT_THREADS, apply_threads, thread_report
-from mha_harness.bench.worker import BackendWorker, WorkerLost
+from mha_harness.bench.worker import CRASHED, OUT_OF_MEMORY, TIMEOUT, BackendWorker, WorkerLost
 from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
 
 DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
@@ -247,18 +247,21 @@ class Sweep:
                 point.update({"n_samples": len(point.samples_s)})
 
     # -- memory
-    def measure_memory(self, point: BenchPoint) -> None:
-        """Peak extra memory of one call, in the backend's worker; a failure leaves the timing and says why."""
+    def measure_memory(self, point: BenchPoint) -> bool:
+        """Peak extra memory of one call, in the backend's worker; a failure leaves the timing and says why.
+        False when the worker was lost (timeout, crash, out of memory)."""
         status, reason = point.status, point.skipped
         answer = self.ask(point, ("memory", point.key, shape_of(point, self.config), self.config.warm_up_s,
                                   self.config.min_sample_s))
         if answer is None:
+            lost = point.status in (TIMEOUT, CRASHED, OUT_OF_MEMORY)
             point.memory_error = f"{point.status}: {point.skipped}"
             point.status, point.skipped = status, reason
-            return
+            return not lost
         point.update(answer)
         point.memory_resolution_bytes = resolution_bytes(point.memory_method)
         point.memory_below_resolution = point.peak_extra_bytes < point.memory_resolution_bytes
+        return True
 
     # -- the whole sweep
     def run(self, groups: list[list[BenchPoint]], progress=None) -> list[BenchPoint]:
@@ -271,9 +274,16 @@ class Sweep:
         for name in self.backends:  # memory after every timing: the RSS method pins glibc's mmap threshold
             if name in self.workers:  # a fresh worker: no heap or allocator cache left by the timing runs
                 self.workers[name].kill()
+            # a backend lost later in the sweep (e.g. a timeout at the longest length) still gets the memory of the
+            # points it did measure; its memory pass stops at the first worker lost there
+            memory_lost = None
             for point in self.points:
-                if point.backend == name and point.status == MEASURED and name not in self.lost_reason:
-                    self.measure_memory(point)
+                if point.backend != name or point.status != MEASURED:
+                    continue
+                if memory_lost:
+                    point.memory_error = f"not measured: the memory pass lost {name}'s worker ({memory_lost})"
+                elif not self.measure_memory(point):
+                    memory_lost = point.memory_error
             self.save()
         return self.points
 
