@@ -60,7 +60,14 @@ def _resolve_targets(specs) -> list:
     from mha_harness.registry import load_registry
     if not specs:
         specs = [e.name for e in load_registry().available()]
-    targets, _ = resolve_targets(specs)
+    targets, unavailable = resolve_targets(specs)
+    failed = [info for info in unavailable if info.load_error]
+    if failed:  # a collection error naming the option, the spec and the error; never an empty parameter set
+        raise pytest.Collector.CollectError(
+            "\n".join(f"--mha-backend {info.name}: {info.reason}" for info in failed)
+            + "\nthe module of a 'module:object' spec must be importable from this pytest process: run pytest from "
+              "the folder that holds it as 'python -m pytest ...' (which puts that folder on sys.path), set "
+              "PYTHONPATH, or install it")
     return targets
 
 

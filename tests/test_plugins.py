@@ -77,6 +77,24 @@ def test_pytest_plugin_runs_the_conformance_suite_on_a_third_party_backend(pytes
     result.stdout.no_fnmatch_line("*error*")
 
 
+@pytest.mark.parametrize("where", ["nonexistent", "not-on-sys-path"])
+def test_pytest_plugin_refuses_an_unimportable_backend_spec_as_a_collection_error(pytester, where):
+    """Never "26 skipped ... got empty parameter set" and exit 0: the option, the spec, the import error and what
+    to do about it, as a collection error."""
+    spec = "nosuchmod_h9a:X"
+    if where == "not-on-sys-path":  # the plugin's folder exists but is not where pytest imports from
+        pytester.mkpydir("elsewhere").joinpath("unlisted_attention_h9a.py").write_text(
+            "from mha_harness.implementations.numpy_naive import NumpyNaive as X\n")
+        spec = "unlisted_attention_h9a:X"
+    result = pytester.runpytest("--pyargs", "mha_harness.cases", "--mha-backend", spec, "-q", "-p", "no:cacheprovider")
+    assert result.ret != 0
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    assert f"--mha-backend {spec}" in out and "ModuleNotFoundError" in out, out
+    assert "must be importable" in out and "python -m pytest" in out and "PYTHONPATH" in out, out
+    assert "skipped" not in out
+
+
 def test_pytest_plugin_reports_a_broken_backend_as_failures_with_readable_ids(pytester):
     pytester.makepyfile(broken="""
         from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend
