@@ -234,6 +234,7 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
 
     from mha_harness.checking import check
     from mha_harness.conformance.mutation import mutation_score
+    from mha_harness.conformance.results import ABANDONED
     from mha_harness.conformance.search_examples import SEARCH_DIR_ENV, search_dir
     _usage(check_writable, results_dir / "conformance", "--results")
     os.environ[SEARCH_DIR_ENV] = str(search_dir(results_dir))  # the search regressions check replays (workers inherit)
@@ -247,9 +248,18 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
         report.complete = False
         report.write(results_dir / "conformance")
 
+    abandoned = set()
+
     def progress(result):
-        if result.status not in ("passed", "skipped", "expected-divergence"):
-            print(f"  {result.status.upper():<8} {result.case}[{result.variant}]: {result.message[:160]}", flush=True)
+        if result.status in ("passed", "skipped", "expected-divergence"):
+            return
+        if result.observed == ABANDONED:  # one line for a backend's abandoned remainder; each is in the JSON
+            if result.backend not in abandoned:
+                abandoned.add(result.backend)
+                print(f"  {result.status.upper():<8} {result.backend}: {result.message}", flush=True)
+            return
+        print(console_message(f"  {result.status.upper():<8} {result.case}[{result.variant}]: ", result.message),
+              flush=True)
 
     isolate = not getattr(args, "no_isolate", False)
     runnable = [n for n in names if registry.get(n).backend is not None]
@@ -271,7 +281,25 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
         m = report.mutation
         print(f"  mutation score: {m['caught']}/{m['total']} mutants caught")
     print(f"  report: {paths['markdown']}  json: {paths['json']}")
+    if any(r.status == "skipped" for r in report.results):
+        print(f"  skip reasons: the 'Skipped' section of {paths['markdown']} (grouped, with counts); each "
+              "variant's in the JSON's results[].message")
     return report
+
+
+#: the most of one failure message the console shows (wrapped); the full text is in conformance.json/.md
+CONSOLE_MESSAGE_CHARS = 1200
+
+
+def console_message(head: str, message: str, width: int = 110) -> str:
+    """``head`` + ``message`` wrapped into indented lines, whole up to CONSOLE_MESSAGE_CHARS: the diagnosis at the
+    end of a long failure message ("the output matches scores scaled by 1/d_head ...") is never cut off."""
+    import textwrap
+    text = " ".join(message.split())
+    if len(text) > CONSOLE_MESSAGE_CHARS:
+        text = text[:CONSOLE_MESSAGE_CHARS] + " ... (cut; the whole message is in conformance.md)"
+    return textwrap.fill(text, width=width, initial_indent=head, subsequent_indent=" " * 11,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def _assemble(registry, names, partial, start):

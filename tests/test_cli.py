@@ -131,3 +131,27 @@ def test_bench_with_a_plugin_that_exits_at_load_is_exit_1_and_still_measures_the
     assert "Traceback" not in out.stderr and "sys:exit: failed to load" in out.stderr
     doc = json.loads((tmp_path / "bench" / "bench.json").read_text())
     assert [p["status"] for p in doc["points"]] == ["measured"]
+
+
+def test_check_console_shows_the_whole_failure_message_with_its_diagnosis(tmp_path):
+    """The diagnosis at the end of a long failure message ("the output matches scores scaled by ...") is printed,
+    wrapped, not cut off after the tolerance."""
+    (tmp_path / "wrong_scale.py").write_text(
+        "from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend\n"
+        "Broken = MutantBackend(next(m for m in MUTANTS if m.name == 'mutant-scale-sqrt-d-model'))\n")
+    out = run_cli("check", "--backend-spec", "wrong_scale:Broken", "--case", "check_scores_scaled_by_sqrt_d_head",
+                  "--results", tmp_path / "results", cwd=tmp_path, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = " ".join(out.stdout.split())
+    assert "the output matches scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)" in text, out.stdout
+    assert max(len(line) for line in out.stdout.splitlines() if "FAILED" in line) <= 120
+
+
+def test_console_message_wraps_and_caps_a_long_message():
+    from mha_harness.cli import CONSOLE_MESSAGE_CHARS, console_message
+    text = console_message("  FAILED   check_x[b]: ", "word " * 400)
+    lines = text.splitlines()
+    assert len(lines) > 5 and all(len(line) <= 110 for line in lines)
+    assert all(line.startswith(" " * 11) for line in lines[1:])
+    assert text.endswith("(cut; the whole message is in conformance.md)")
+    assert len(" ".join(text.split())) < CONSOLE_MESSAGE_CHARS + 120

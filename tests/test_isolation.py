@@ -260,3 +260,26 @@ def test_worker_answers_cross_as_data_never_as_pickles():
     import struct
     with pytest.raises((ValueError, UnicodeDecodeError, struct.error)):
         decode(pickle.dumps(message))
+
+
+def test_a_lost_worker_abandons_the_rest_in_one_line_but_declared_skips_stay_skips(tmp_path):
+    """After two crashes in a row the remaining variants are errors marked ABANDONED (one console line for them
+    all, each in the JSON), while cases the backend never declared capabilities for are skipped with their reason:
+    that decision needs no worker (hostile-exits is numpy-naive, which declares no gradients)."""
+    cases = ["check_output_projection_mixes_heads", "check_scores_scaled_by_sqrt_d_head",
+             "check_gradients_match_reference", "check_causal_jacobian_zero_for_future_inputs",
+             "check_batch_items_are_independent", "check_repeated_calls_are_bitwise_identical"]
+    out = run_cli("check", "--backend-spec", "tests.hostile_plugins:KillsProcess", "--results", tmp_path,
+                  *[arg for case in cases for arg in ("--case", case)], timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    doc = json.loads((tmp_path / "conformance" / "conformance.json").read_text())
+    mine = {r["case"]: r for r in doc["results"] if r["backend"] == "hostile-exits"}
+    assert [mine[c]["status"] for c in cases] == ["crashed", "crashed", "skipped", "skipped", "error", "error"]
+    assert all("does not declare capability 'gradients'" in mine[c]["message"] for c in cases[2:4])
+    abandoned = [mine[c] for c in cases[4:]]
+    assert all(r["observed"] == "not run: worker lost" and "case variant(s) were abandoned" in r["message"]
+               for r in abandoned)
+    lines = [line for line in out.stdout.splitlines() if "abandoned" in line]
+    assert len(lines) == 1 and "hostile-exits" in lines[0], out.stdout
+    assert "check_batch_items_are_independent" not in out.stdout
+    assert "skip reasons: the 'Skipped' section of" in out.stdout  # the summary says where the skips are explained

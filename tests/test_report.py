@@ -282,3 +282,30 @@ def test_the_repro_line_of_a_failing_spec_backend_fails_the_same_way_in_bash():
                          env=_env())
     assert out.returncode != 0
     assert f"failed: {result.message}" in out.stdout
+
+
+def test_markdown_groups_skip_reasons_per_backend_with_counts_escaped():
+    from mha_harness.conformance.report import BackendInfo, Report
+    from mha_harness.conformance.results import CaseResult
+    forged = "evil|name\n## Mutation score"
+    rows = [CaseResult(forged, "check_a", f"v{i}", {}, Status.SKIPPED, "does not declare capability 'gradients'")
+            for i in range(3)]
+    rows += [CaseResult(forged, "check_b", "v", {}, Status.SKIPPED, "does not declare capability 'gradients'"),
+             CaseResult(forged, "check_c", "v", {}, Status.SKIPPED, "<b>only</b> for one x | forged"),
+             CaseResult(forged, "check_d", "v", {}, Status.PASSED)]
+    md = Report(results=rows, backends={forged: BackendInfo(forged)}).to_markdown()
+    section = md.split("## Skipped", 1)[1]
+    lines = [line for line in section.splitlines() if line.startswith("| evil")]
+    assert lines[0] == ("| evil\\|name ## Mutation score | 4 | does not declare capability 'gradients' "
+                        "| `check_a`, `check_b` |")
+    assert lines[1].startswith("| evil\\|name ## Mutation score | 1 | &lt;b&gt;only&lt;/b&gt; for one x \\| forged |")
+    assert md.count("## Mutation score") == 0 or "\n## Mutation score" not in md
+
+
+def test_a_load_error_says_failed_to_load_once_in_the_markdown():
+    from mha_harness.conformance.report import BackendInfo, Report
+    info = BackendInfo("my:Spec", available=False, load_error=True,
+                       reason="failed to load: import raised RuntimeError: boom (at /x/plugin.py:3)")
+    md = Report(backends={"my:Spec": info}).to_markdown()
+    assert "- **my:Spec**: **failed to load**: import raised RuntimeError: boom (at /x/plugin.py:3)" in md
+    assert md.count("failed to load") == 1

@@ -98,14 +98,22 @@ def _in_form(func: Callable[..., Any], forms: tuple[str, ...]) -> Callable[..., 
     @functools.wraps(func)
     def run_in_form(backend, *, form: str | None = None, **params):
         form = form or backend.capabilities.inputs
-        if form not in forms:
-            raise FormSkipped(f"{func.__name__} is defined only for {' or '.join(FORM_WORDS[f] for f in forms)}; "
-                              f"{backend.name} declares inputs={form!r} ({FORM_WORDS.get(form, form)})")
-        if not backend.capabilities.accepts_form(form):
-            raise FormSkipped(f"{backend.name} declares inputs={backend.capabilities.inputs!r}, which does not "
-                              f"accept {FORM_WORDS.get(form, form)} (form={form!r})")
+        reason = form_skip_reason(func.__name__, forms, backend, form)
+        if reason:
+            raise FormSkipped(reason)
         return func(backend, form=form, **params) if takes_form else func(backend, **params)
     return run_in_form
+
+
+def form_skip_reason(name: str, forms: tuple[str, ...], backend: AttentionBackend, form: str) -> str | None:
+    """Why case ``name`` (defined for ``forms``) skips in ``form`` for this backend, from its declarations alone."""
+    if form not in forms:
+        return (f"{name} is defined only for {' or '.join(FORM_WORDS[f] for f in forms)}; "
+                f"{backend.name} declares inputs={form!r} ({FORM_WORDS.get(form, form)})")
+    if not backend.capabilities.accepts_form(form):
+        return (f"{backend.name} declares inputs={backend.capabilities.inputs!r}, which does not "
+                f"accept {FORM_WORDS.get(form, form)} (form={form!r})")
+    return None
 
 
 def case(*, requires: Iterable[str] = (), variants: Callable[[AttentionBackend], list[dict]] = on_primary_dtype,

@@ -16,7 +16,9 @@ Guarantees:
 * every worker starts its own session (process group); the whole group is killed when the worker ends, so a
   process the plugin started cannot outlive the run or hold its stdout open (one that calls ``setsid`` itself
   leaves the group: not covered);
-* after ``MAX_CONSECUTIVE_LOSSES`` timeouts or crashes in a row the backend's remaining cases are errors, not run.
+* after ``MAX_CONSECUTIVE_LOSSES`` timeouts or crashes in a row the backend's remaining cases are errors, not run
+  (``observed`` ABANDONED; the command line prints one line for them all), except those its declarations skip,
+  which are skipped with their reason as always (that decision needs no worker).
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ from pathlib import Path
 
 from mha_harness.conformance.casekit import Case
 from mha_harness.conformance.proxy import BackendProxy, WorkerLost, describe_exception, raise_described
-from mha_harness.conformance.results import CaseResult, Status
-from mha_harness.conformance.runner import lost_result, plan, run_case
+from mha_harness.conformance.results import ABANDONED, CaseResult, Status
+from mha_harness.conformance.runner import declared_skip, lost_result, plan, run_case
 from mha_harness.conformance.wire import decode
 from mha_harness.contract.api import AttentionBackend
 
@@ -326,22 +328,45 @@ def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, th
     transport = WorkerTransport(payload, threads)
     proxy = BackendProxy(target.backend, transport)
     losses = 0
+    planned = plan(target.backend, cases)
     try:
-        for case, params in plan(target.backend, cases):
+        for i, (case, params) in enumerate(planned):
             if _STOPPING.is_set():
                 break
             if losses >= MAX_CONSECUTIVE_LOSSES:
-                result = lost_result(target.name, case, params, Status.ERROR, f"not run: {target.name}'s worker was "
-                                     f"lost {MAX_CONSECUTIVE_LOSSES} times in a row (timeouts or crashes)", spec)
-            else:
-                result = run_case(proxy, case, params, spec=spec, timeout=timeout)
-                losses = losses + 1 if result.status in (Status.TIMEOUT, Status.CRASHED) else 0
+                results += _abandoned(target, planned[i:], spec, progress)
+                break
+            result = run_case(proxy, case, params, spec=spec, timeout=timeout)
+            losses = losses + 1 if result.status in (Status.TIMEOUT, Status.CRASHED) else 0
             results.append(result)
             if progress:
                 progress(result)
     finally:
         transport.stop()
     return results
+
+
+def _abandoned(target: Target, remainder: list, spec: str | None, progress) -> list[CaseResult]:
+    """The variants left when the worker was lost too often: those the backend's declarations skip are skipped
+    with their reason (deciding that needs no worker); every other one is an error, not run, marked ABANDONED."""
+    skips = [declared_skip(target.backend, case, params) for case, params in remainder]
+    not_run = sum(skip is None for skip in skips)
+    message = (f"not run: {target.name}'s worker was lost {MAX_CONSECUTIVE_LOSSES} times in a row (timeouts or "
+               f"crashes); its remaining {not_run} case variant(s) were abandoned"
+               + (f" ({len(skips) - not_run} more skip on its declarations)" if not_run < len(skips) else "")
+               + "; each is listed in conformance.json")
+    out = []
+    for (case, params), skip in zip(remainder, skips):
+        if skip is None:
+            result = lost_result(target.name, case, params, Status.ERROR, message, spec)
+            result.observed = ABANDONED
+        else:
+            result = lost_result(target.name, case, params, Status.SKIPPED, skip[0], spec)
+            result.observed = skip[1]
+        out.append(result)
+        if progress:
+            progress(result)
+    return out
 
 
 def run_isolated(targets: list[Target], cases: list[Case], *, timeout: float = 120.0, jobs: int | None = None,

@@ -211,8 +211,7 @@ class Report:
                              f"| {e(d['reason'])} |")
         unavailable = [(n, i) for n, i in self.backends.items() if not i.available]
         if unavailable:
-            lines += ["", "## Not run here", ""] + [
-                f"- **{e(n)}**: {'**failed to load** ' if i.load_error else ''}{e(i.reason)}" for n, i in unavailable]
+            lines += ["", "## Not run here", ""] + [f"- **{e(n)}**: {_not_run_reason(i)}" for n, i in unavailable]
         missing = self.missing_results()
         if missing:
             lines += ["", "## No results", ""] + [
@@ -236,7 +235,32 @@ class Report:
             for r in bad:
                 lines.append(f"- {md_code(f'{r.case}[{r.variant}]')} **{e(r.status.value)}**: {e(r.message)}  \n"
                              f"  repro: {md_code(r.repro)}")
+        skipped = self.skip_reasons()
+        if skipped:
+            lines += ["", "## Skipped", "",
+                      "Each backend's skipped case variants, identical reasons grouped (every variant is in "
+                      "conformance.json with its reason).", "",
+                      "| backend | variants | reason | cases |", "|---|---|---|---|"]
+            for n, groups in skipped.items():
+                for reason, (count, in_cases) in groups.items():
+                    lines.append(f"| {e(n)} | {count} | {e(reason)} | "
+                                 f"{', '.join(md_code(c, in_table=True) for c in in_cases)} |")
         return "\n".join(lines) + "\n"
+
+    def skip_reasons(self) -> dict[str, dict[str, tuple[int, list[str]]]]:
+        """backend -> skip reason -> (how many variants skipped with it, the cases they belong to), most first."""
+        out: dict[str, dict[str, tuple[int, list[str]]]] = {}
+        for name, info in self.backends.items():
+            if not info.available:
+                continue
+            groups: dict[str, list[str]] = {}
+            for r in self.for_backend(name):
+                if r.status == Status.SKIPPED:
+                    groups.setdefault(r.message or "(no reason given)", []).append(r.case)
+            if groups:
+                out[name] = {reason: (len(found), list(dict.fromkeys(found)))
+                             for reason, found in sorted(groups.items(), key=lambda kv: -len(kv[1]))}
+        return out
 
     def write(self, directory: str | Path) -> dict[str, Path]:
         """Write conformance.json and conformance.md into ``directory``, merged by backend with what is there.
@@ -295,6 +319,15 @@ class Report:
                 bad, text = 1, text + "; no case ran"
             out.append(f"  {name:<28} {'OK  ' if c and not bad else 'FAIL'} {text}")
         return out
+
+
+def _not_run_reason(info: BackendInfo) -> str:
+    """Why a backend did not run, for the markdown: a load error says "failed to load" once, in bold."""
+    if not info.load_error:
+        return md_text(info.reason)
+    reason = str(info.reason or "")
+    reason = reason[len("failed to load:"):].strip() if reason.startswith("failed to load:") else reason
+    return f"**failed to load**: {md_text(reason)}"
 
 
 def _read_report(path: Path) -> dict | None:

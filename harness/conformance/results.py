@@ -44,6 +44,9 @@ STATUSES = tuple(Status)
 BAD = (FAILED, UNEXPECTED_PASS, ERROR, TIMEOUT, CRASHED)
 #: statuses a repro accepts as "this variant holds"
 HOLDS = (PASSED, SKIPPED, EXPECTED_DIVERGENCE)
+#: the ``observed`` of a variant not run because its backend's worker was lost too often (the console prints one
+#: line for a backend's whole abandoned remainder; each variant keeps its own result)
+ABANDONED = "not run: worker lost"
 #: worst first: the status a (backend, case) cell shows
 SEVERITY = (CRASHED, TIMEOUT, ERROR, UNEXPECTED_PASS, FAILED, EXPECTED_DIVERGENCE, PASSED, SKIPPED)
 

@@ -18,6 +18,7 @@ from mha_harness.conformance.casekit import (
     FormSkipped,
     Measurement,
     all_cases,
+    form_skip_reason,
     variant_id,
     verifying,
 )
@@ -80,6 +81,18 @@ def divergence_problems(backend: AttentionBackend) -> list[str]:
         if d.behaviour == "masked_poison" and "poison" not in accepted:
             problems.append(f"divergence for {d.case}: masked_poison needs a case with a 'poison' parameter")
     return problems
+
+
+def declared_skip(backend, case: Case, params: dict) -> tuple[str, str | None] | None:
+    """(reason, observed) when the variant skips on the backend's declarations alone (no plugin call is needed:
+    a capability not declared, no runnable parameters, a case not defined for its input form); else None."""
+    if params.get("unsupported"):
+        return f"{backend.name} declares no parameters this case can run with", None
+    reason = supported(backend, case.requires)
+    if reason:
+        return reason, None
+    reason = form_skip_reason(case.name, case.forms, backend, params.get("form") or backend.capabilities.inputs)
+    return (reason, FORM_SKIP) if reason else None
 
 
 def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | None, str | None]:
