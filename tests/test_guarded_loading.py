@@ -123,3 +123,16 @@ def test_repro_with_a_misspelt_case_names_the_closest_cases():
     with pytest.raises(ValueError, match=r"case: got 'check_scores_scaled_by_sqrt_dhead'; did you mean "
                                          r"'check_scores_scaled_by_sqrt_d_head'"):
         mha_harness.repro("numpy-naive", "check_scores_scaled_by_sqrt_dhead")
+
+
+def test_an_import_error_names_the_plugin_line_that_raised():
+    """The load error carries the last frame outside the harness and importlib: the plugin's file and line."""
+    import os
+    entry = load_registry(["tests.hostile_import:Backend", "nosuchmod_h9a:X"], entry_points=False,
+                          builtins=False).entries
+    raised = entry["tests.hostile_import:Backend"].error
+    assert "import raised ImportError: hostile plugin" in raised
+    assert raised.endswith(f"(at {os.path.join('tests', 'hostile_import.py')}:2)") or \
+        f"{os.sep}tests{os.sep}hostile_import.py:2)" in raised, raised
+    missing = entry["nosuchmod_h9a:X"].error
+    assert missing.endswith("No module named 'nosuchmod_h9a'"), missing  # no harness or importlib frame shown

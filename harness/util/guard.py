@@ -52,6 +52,19 @@ def describe(exc: BaseException) -> str:
     return " ".join(text.split("\n"))
 
 
+_HARNESS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def where(exc: BaseException) -> str:
+    """`` (at FILE:LINE)``: the last frame of ``exc``'s traceback outside the harness and importlib's bootstrap,
+    i.e. the line of plugin (or library) code that raised; empty when there is none (``No module named ...``)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(_HARNESS_DIR + os.sep)
+              and not os.path.abspath(f.filename).startswith(os.path.dirname(os.path.abspath(traceback.__file__))
+                                                               + os.sep + "importlib" + os.sep)]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
 def call_guarded(fn: Callable[[], Any], what: str, timeout: float | None) -> Any:
     """``fn()``'s value; any exception it raises, or a run past ``timeout`` seconds, is a PluginFault.
 
@@ -62,7 +75,7 @@ def call_guarded(fn: Callable[[], Any], what: str, timeout: float | None) -> Any
         try:
             return fn()
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - becomes the plugin's recorded error
-            raise PluginFault(f"{what} raised {describe(exc)}") from None
+            raise PluginFault(f"{what} raised {describe(exc)}{where(exc)}") from None
     outcome: dict[str, Any] = {}
 
     def target():
@@ -77,7 +90,7 @@ def call_guarded(fn: Callable[[], Any], what: str, timeout: float | None) -> Any
     if thread.is_alive():
         raise PluginFault(f"{what} timed out after {timeout:g} s")
     if "error" in outcome:
-        raise PluginFault(f"{what} raised {describe(outcome['error'])}")
+        raise PluginFault(f"{what} raised {describe(outcome['error'])}{where(outcome['error'])}")
     return outcome.get("value")
 
 
