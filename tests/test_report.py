@@ -309,3 +309,33 @@ def test_a_load_error_says_failed_to_load_once_in_the_markdown():
     md = Report(backends={"my:Spec": info}).to_markdown()
     assert "- **my:Spec**: **failed to load**: import raised RuntimeError: boom (at /x/plugin.py:3)" in md
     assert md.count("failed to load") == 1
+
+
+class PoisonUndeclared(NumpyNaive):
+    """A dense P @ V (0 * NaN = NaN from masked keys), nothing declared: as nn.MultiheadAttention wrapped as is."""
+    name = "poison-undeclared"
+
+    def load_native(self, params, dtype):
+        from mha_harness.implementations.mutants.zoo import NaNPoisonLeaks
+        return NaNPoisonLeaks(params, dtype)
+
+
+class LeaksUndeclared(NumpyNaive):
+    name = "leaks-undeclared"
+    loaded_class = _PoisonEverywhere
+
+
+@pytest.mark.parametrize("case", ["check_padding_mask_blocks_padded_keys", "check_causal_mask_blocks_future_keys"])
+def test_nan_poison_that_only_propagates_is_called_so_and_points_to_the_declaration(case):
+    report = mha_harness.check(PoisonUndeclared(), cases=[case])
+    failed = [r for r in report.results if r.status == Status.FAILED]
+    assert failed and {r.params["poison"] for r in failed} <= {"nan", "inf"}
+    for r in failed:
+        assert r.message.startswith("not a leak: NaN" if r.params["poison"] == "nan" else "not a leak: inf"), r.message
+        assert "random finite values leave the output unchanged" in r.message
+        assert "masked_poison_divergences" in r.message and "mha_harness.toolkit.divergences" in r.message
+    real = mha_harness.check(LeaksUndeclared(), cases=[case])
+    for r in real.failures():
+        assert "not a leak" not in r.message
+        if r.params["poison"] != "random":
+            assert "random finite values change the output too: a real leak" in r.message, r.message
