@@ -10,6 +10,7 @@ import functools
 import math
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
+from mha_harness.contract.conventions import MASK_POLARITY
 from mha_harness.implementations._jax_common import GPU_DTYPES, JAX_DTYPES, JaxBackend, JaxLoaded, linear_tree
 from mha_harness.toolkit.masks import full_mask
 
@@ -78,6 +79,8 @@ class JaxExplicitLoaded(JaxLoaded):
 
 
 class JaxExplicit(JaxBackend):
+    native_causal = "explicit masks in both alignments"
+    native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     def __init__(self, device: str = "cpu"):
         self.device = device
         self.name = "jax-explicit" if device == "cpu" else f"jax-explicit-{device}"

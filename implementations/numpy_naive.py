@@ -17,6 +17,7 @@ from mha_harness.contract.api import (
     Capabilities,
     LoadedAttention,
 )
+from mha_harness.contract.conventions import MASK_POLARITY
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.toolkit.masks import full_mask
 
@@ -109,6 +110,8 @@ class NumpyNaiveLoaded(LoadedAttention):
 
 class NumpyNaive(AttentionBackend):
     name = "numpy-naive"
+    native_causal = "explicit masks in both alignments"
+    native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     memory_method = "tracemalloc"
     capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=True)
     loaded_class = NumpyNaiveLoaded

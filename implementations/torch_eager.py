@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
+from mha_harness.contract.conventions import MASK_POLARITY
 from mha_harness.implementations._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend
 from mha_harness.toolkit.masks import full_mask
 
@@ -74,6 +75,8 @@ class TorchEagerLoaded(LinearTorchLoaded):
 
 class TorchEager(TorchBackend):
     name = "torch-eager"
+    native_causal = "explicit masks in both alignments"
+    native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=TORCH_DTYPES)
 
     def __init__(self, device: str = "cpu"):

@@ -339,3 +339,45 @@ def test_nan_poison_that_only_propagates_is_called_so_and_points_to_the_declarat
         assert "not a leak" not in r.message
         if r.params["poison"] != "random":
             assert "random finite values change the output too: a real leak" in r.message, r.message
+
+
+def test_policy_columns_say_not_declared_instead_of_guessing():
+    """A plugin that does not describe its own causal flag or mask polarity is shown as "not declared" (or "no ...
+    declared" when its capabilities rule them out), never the harness's convention by default."""
+    from mha_harness.contract.api import Capabilities
+    from mha_harness.contract.conventions import MASK_POLARITY
+    top_left = type("TopLeftOnly", (NumpyNaive,), {
+        "name": "top-left-only", "native_causal": None, "native_mask_polarity": None,
+        "capabilities": Capabilities(causal_alignments=("top-left",))})()
+    bare = type("Bare", (NumpyNaive,), {
+        "name": "bare", "native_causal": None, "native_mask_polarity": None, "capabilities": Capabilities(
+            causal_alignments=(), key_padding_mask=False, bool_attn_mask=False, additive_attn_mask=False)})()
+    inverted = type("Inverted", (NumpyNaive,), {"name": "inverted", "native_mask_polarity": "attn_mask True = NOT "
+                                                "allowed"})()
+    table = mha_harness.check([top_left, bare, inverted, NumpyNaive()],
+                              cases=["check_output_projection_mixes_heads"]).policies()
+    assert (table["top-left-only"]["native_causal"], table["top-left-only"]["mask_polarity"]) == (
+        "not declared", "not declared")
+    assert (table["bare"]["native_causal"], table["bare"]["mask_polarity"]) == (
+        "no causal mask declared", "no masks declared")
+    assert table["inverted"]["mask_polarity"] == "attn_mask True = NOT allowed"
+    assert table["numpy-naive"]["mask_polarity"] == MASK_POLARITY  # the built-ins that take harness masks say so
+
+
+def test_a_loaded_attention_made_without_load_says_how_to_make_one():
+    from mha_harness.contract.params import make_inputs, make_params
+
+    class Mine(mha_harness.LoadedAttention):  # no __init__ needed, no config set: load() sets it
+        def compute(self, inputs, *, need_weights=False):
+            return mha_harness.AttentionOutput(inputs.query)
+
+    params = make_params(mha_harness.AttentionConfig(16, 2))
+    with pytest.raises(TypeError, match=r"not made by AttentionBackend.load\(\).*backend.load\(params, dtype=...\)"):
+        Mine().forward(make_inputs(params.config, 1, 4))
+    backend = type("MineBackend", (mha_harness.AttentionBackend,), {"name": "mine",
+                                                                     "load_native": lambda self, p, d: Mine()})()
+    loaded = backend.load(params)
+    assert loaded.config == params.config and loaded.input_form == "separate"
+    assert loaded.forward(make_inputs(params.config, 1, 4)).output.shape == (1, 4, 16)
+    assert NumpyNaive().load(params).forward(make_inputs(params.config, 1, 4)).output.shape == (1, 4, 16)
+    assert "implement ``load_native``" in mha_harness.AttentionBackend.__doc__

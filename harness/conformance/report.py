@@ -359,9 +359,11 @@ def _describe(backend, source: str, reason: str | None) -> BackendInfo:
         versions = dict(backend.versions()) if reason is None else {}
     except Exception:  # noqa: BLE001 - a plugin's versions() must not lose the report
         versions = {}
+    from mha_harness.contract.api import policy_texts
+    native_causal, mask_polarity = policy_texts(backend)
     return BackendInfo(backend.name, source=source, available=reason is None, reason=reason,
                        capabilities=backend.capabilities.to_dict(), versions=versions,
-                       mask_polarity=backend.native_mask_polarity, native_causal=backend.native_causal,
+                       mask_polarity=mask_polarity, native_causal=native_causal,
                        divergences=[{"case": d.case, "behaviour": d.behaviour,
                                      "when": {k: list(v) if isinstance(v, tuple) else v
                                                               for k, v in d.when.items()},

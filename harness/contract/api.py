@@ -32,7 +32,6 @@ from mha_harness.contract.conventions import (
     CAUSAL_ALIGNMENTS,
     DTYPES,
     INPUT_FORMS,
-    MASK_POLARITY,
     PARAM_NAMES,
 )
 from mha_harness.contract.validation import (
@@ -348,15 +347,27 @@ class AttentionOutput:
 
 
 class LoadedAttention:
-    """A backend holding one set of parameters in its native form, on its device, in its dtype."""
+    """A backend holding one set of parameters in its native form, on its device, in its dtype.
 
-    #: set by the backend's ``load``: the layer's shape
+    How a plugin makes one: subclass it, give the subclass any ``__init__`` you like (the base class has none and
+    needs no ``super().__init__()``), build it in your :meth:`AttentionBackend.load_native` from the canonical
+    ``params`` and ``dtype`` (convert the weights once, there), and implement :meth:`compute`. Set nothing else:
+    :meth:`AttentionBackend.load`, which the harness calls, validates, calls ``load_native`` and then sets
+    :attr:`config` (``params.config``) and :attr:`input_form` (``capabilities.inputs``) on the returned object,
+    which :meth:`forward` and :meth:`vjp` use to validate every call before your code sees it. (An instance made
+    without ``load`` has no ``config``: call ``backend.load(params, dtype=...)``, not your class directly.)
+
+    Optional: :meth:`compute_vjp` (with ``gradients=True``), :meth:`prepare` (for ``mha-harness bench``).
+    """
+
+    #: set by :meth:`AttentionBackend.load` after ``load_native`` returns: the layer's shape (``params.config``)
     config: AttentionConfig
-    #: set by the backend's ``load``: the backend's declared ``Capabilities.inputs``
+    #: set by :meth:`AttentionBackend.load` after ``load_native`` returns: the backend's ``Capabilities.inputs``
     input_form: str = "separate"
 
     def forward(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
         """Validate, then run the layer on NumPy inputs and return NumPy outputs."""
+        self._require_loaded()
         validate_form(inputs, self.input_form)
         validate_inputs(inputs, self.config)
         return self.compute(inputs, need_weights=need_weights)
@@ -375,36 +386,65 @@ class LoadedAttention:
         Validates like :meth:`forward`, and ``cotangent`` like an output (shape, dtype, finite), then calls
         :meth:`compute_vjp`.
         """
+        self._require_loaded()
         validate_form(inputs, self.input_form)
         validate_inputs(inputs, self.config)
         validate_cotangent(cotangent, inputs, self.config)
         return self.compute_vjp(inputs, cotangent)
+
+    def _require_loaded(self) -> None:
+        if not isinstance(getattr(self, "config", None), AttentionConfig):
+            raise TypeError(f"{type(self).__name__} has no config: it was not made by AttentionBackend.load(); "
+                            "accepted: backend.load(params, dtype=...), which calls load_native and sets config "
+                            "and input_form")
 
     def compute_vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
         """The backend's gradients on already-validated inputs. Backends with gradients implement this."""
         raise NotImplementedError(f"{type(self).__name__} does not compute gradients")
 
     def prepare(self, inputs: AttentionInputs, *, backward: bool = False) -> Callable[[], Any]:
-        """A zero-argument callable that runs the native op on already-converted inputs.
+        """What ``mha-harness bench`` times: a zero-argument callable that runs the native op once.
 
-        It excludes conversion to and from NumPy and returns only after the device finished
-        (synchronises). With ``backward=True`` it runs forward plus backward.
+        Convert ``inputs`` to your framework's tensors here, before returning (conversion is not timed); each call
+        of the returned function runs one forward (``backward=True``: forward plus backward to every input and
+        parameter) on those tensors and returns only after the device finished (synchronise on a GPU). Its return
+        value is ignored; it is called many times, so it must not change its inputs. Without it (the default raises
+        NotImplementedError) the backend is not benchmarked; conformance never calls it.
         """
         raise NotImplementedError(f"{type(self).__name__} has no prepared callable")
 
 
 class AttentionBackend:
-    """Base class of every backend. Subclasses set ``name`` and ``capabilities`` and implement ``load``."""
+    """Base class of every backend. Subclasses set ``name`` and ``capabilities`` and implement ``load_native``.
+
+    ``load_native(params, dtype)`` returns your :class:`LoadedAttention` subclass; the harness calls :meth:`load`,
+    which validates ``params`` and ``dtype`` against the declared capabilities, calls ``load_native`` and sets
+    ``config`` and ``input_form`` on the result (do not override ``load``).
+
+    Descriptive class attributes (text for the report; none changes what is tested):
+
+    * ``native_causal``: what the wrapped library's own causal flag does, e.g. "is_causal=True is top-left;
+      bottom-right through the mask" (column "its own causal flag" of the policy table). Unset, the table says
+      "not declared" (or "no causal mask declared" when ``causal_alignments`` is empty), never a guess;
+    * ``native_mask_polarity``: what masks mean at the library's own API, e.g. nn.MultiheadAttention's "attn_mask
+      True = NOT allowed" (column "mask polarity at its own API"). Unset: "not declared" (or "no masks declared");
+      the masks your ``compute`` receives are always in the harness's convention (attn_mask True = may attend,
+      key_padding_mask True = ignore) whatever you write here;
+    * ``memory_method``: how ``mha-harness bench`` measures peak extra memory: ``"rss"`` (default; any CPU code,
+      page-granular), ``"tracemalloc"`` (pure NumPy: exact), ``"cuda"`` (torch on a CUDA device),
+      ``"jax-device"`` (JAX on a GPU). A GPU backend must set it: RSS does not see device memory.
+    """
 
     name: str = ""
     capabilities: Capabilities = Capabilities()
     divergences: tuple[Divergence, ...] = ()
-    #: what the backend's own API takes as masks, shown in the policy table
-    native_mask_polarity: str = MASK_POLARITY
+    #: what the backend's own API takes as masks, shown in the policy table (None: "not declared")
+    native_mask_polarity: str | None = None
     #: what the backend's own causal flag does, shown in the policy table next to the verified alignments
-    native_causal: str = "explicit masks in both alignments"
+    #: (None: "not declared")
+    native_causal: str | None = None
     device: str = "cpu"
-    #: how mha_harness.bench.memory measures this backend's peak extra memory: tracemalloc, rss, cuda, jax-device
+    #: how mha_harness.bench.memory measures this backend's peak extra memory: rss, tracemalloc, cuda, jax-device
     memory_method: str = "rss"
 
     def availability(self) -> str | None:
@@ -460,6 +500,20 @@ class AttentionBackend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def policy_texts(backend: AttentionBackend) -> tuple[str, str]:
+    """(its own causal flag, mask polarity at its own API) for the policy table: the backend's declared
+    ``native_causal`` / ``native_mask_polarity``, or, unset, what its capabilities allow saying without a guess."""
+    caps = backend.capabilities
+    causal = backend.native_causal
+    if not isinstance(causal, str) or not causal:
+        causal = "not declared" if caps.causal_alignments else "no causal mask declared"
+    polarity = backend.native_mask_polarity
+    if not isinstance(polarity, str) or not polarity:
+        masks = caps.key_padding_mask or caps.bool_attn_mask or caps.additive_attn_mask
+        polarity = "not declared" if masks else "no masks declared"
+    return causal, polarity
 
 
 def supported(backend: AttentionBackend, features: Sequence[str] | set[str]) -> str | None:

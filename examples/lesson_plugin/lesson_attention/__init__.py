@@ -48,6 +48,9 @@ class LessonAttention(AttentionBackend):
     name = "lesson-mha"
     capabilities = Capabilities(bool_attn_mask=False, additive_attn_mask=False, grouped_query=False, bias=False,
                                 attention_weights=True, dtypes=("float32", "float64"))
+    # text for the report's policy table: this layer takes the harness's masks as they are
+    native_causal = "explicit masks in both alignments"
+    native_mask_polarity = "harness convention (key_padding_mask True = ignore)"
 
     def native_parameter_shapes(self, config):
         d = config.d_model
