@@ -97,7 +97,9 @@ def _add_selection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="append", default=[], metavar="NAME",
                    help="a registered backend name (repeatable); default: every available backend")
     p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT",
-                   help="also load a backend from 'package.module:object' (an instance, class or factory)")
+                   help="load backends from 'package.module:object' (an instance, class or factory; repeatable; the "
+                        "module is imported from the current folder or sys.path). With --backend-spec or --backend, "
+                        "only those backends run: the spec's plus the --backend names, not the other registered ones")
     p.add_argument("--results", type=nonempty_path, default="results", metavar="DIR",
                    help="where results are written (default: results)")
 
@@ -107,13 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{list,check,search,bench,fidelity,run}", parser_class=_Parser)
 
     p = sub.add_parser("list", help="every backend: available or why not, and its capabilities")
-    p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT")
+    p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT",
+                   help="also list the backends of 'package.module:object' (an instance, class or factory; "
+                        "repeatable), with the reason when it fails to load")
     p.add_argument("--verbose", "-v", action="store_true", help="show every capability and the source")
 
     p = sub.add_parser("check", help="run the conformance cases (each backend in its own worker process)")
     _add_selection(p)
     p.add_argument("--case", action="append", default=[], metavar="CASE", help="run only this case (repeatable)")
-    p.add_argument("--timeout", type=TIMEOUT, default=120.0, help="seconds per case before the worker is killed")
+    p.add_argument("--timeout", type=TIMEOUT, default=120.0, metavar="S",
+                   help="seconds per case before the worker is killed (default 120)")
     p.add_argument("--jobs", type=JOBS, default=None, help="backends checked at once (default: CPU count)")
     p.add_argument("--no-isolate", action="store_true",
                    help="run plugin code in this process (faster start; no crash isolation, and a plugin "
@@ -130,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float_range(0.0, 7 * 24 * 3600.0), default=None, metavar="S",
                    help="seconds of generation per backend (shrinking a found failure is not cut short)")
     p.add_argument("--quick", action="store_true", help="a smaller space (T <= 129, batch <= 2) and fewer examples")
-    p.add_argument("--timeout", type=TIMEOUT, default=60.0,
-                   help="worker seconds per example before the worker is killed")
+    p.add_argument("--timeout", type=TIMEOUT, default=60.0, metavar="S",
+                   help="worker seconds per example before the worker is killed (default 60)")
     p.add_argument("--no-isolate", action="store_true", help="call the backend in this process")
     p.add_argument("--mutants", action="store_true",
                    help="search the mutant zoo (every mutant, or the --backend ones) and write the table of what "
@@ -167,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="the main job: conformance of every available backend, mutation score and a "
                                    "quick benchmark sweep, written under results/")
     _add_selection(p)
-    p.add_argument("--timeout", type=TIMEOUT, default=120.0)
-    p.add_argument("--jobs", type=JOBS, default=None)
+    p.add_argument("--timeout", type=TIMEOUT, default=120.0, metavar="S",
+                   help="seconds per conformance case before the worker is killed (default 120)")
+    p.add_argument("--jobs", type=JOBS, default=None, help="backends checked at once (default: CPU count)")
     p.add_argument("--seq-lens", type=_seq_lens, default=None, metavar="N,N,...")
     p.add_argument("--skip-bench", action="store_true", help="conformance and mutation score only")
     _add_bench_options(p, budget=QUICK_BUDGET_S)

@@ -155,3 +155,14 @@ def test_console_message_wraps_and_caps_a_long_message():
     assert all(line.startswith(" " * 11) for line in lines[1:])
     assert text.endswith("(cut; the whole message is in conformance.md)")
     assert len(" ".join(text.split())) < CONSOLE_MESSAGE_CHARS + 120
+
+
+def test_help_documents_backend_spec_and_the_timeout_default(capsys):
+    from mha_harness.cli import main
+    check_words = ["(default 120)", "only those backends run", "not the other registered ones"]
+    for argv, words in ((["check", "--help"], check_words),
+                        (["list", "--help"], ["also list the backends of 'package.module:object'"])):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(" ".join(w.split()) in text for w in words), text
