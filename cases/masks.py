@@ -39,6 +39,10 @@ def _unchanged(before, after, rows, tol, what):
     assert_close(after[:, rows], before[:, rows], tol, what, row_ids=rows)
 
 
+#: how each gradient entry's input is called in each form (a self-form ``query`` entry is d/dx)
+INPUT_NAMES = {"separate": {"key": "key", "value": "value"}, "shared_kv": {"key": "x_kv"}, "self": {"query": "x"}}
+
+
 def _what_changed(form: str) -> str:
     """What a leakage case perturbs in each input form."""
     return {"separate": "keys/values", "shared_kv": "x_kv rows (keys and values)",
@@ -144,7 +148,8 @@ def check_causal_jacobian_zero_for_future_inputs(backend, *, form, dtype, alignm
             future = np.asarray(grads[name], np.float64)[:, cut + 1:]
             if np.any(future != 0):
                 b, t, f = np.argwhere(future != 0)[0]
-                raise CaseFailure(f"{alignment} causal leak in gradients: d(output rows <= {cut})/d{name} at position "
+                shown = INPUT_NAMES[form][name]
+                raise CaseFailure(f"{alignment} causal leak in gradients: d(output rows <= {cut})/d{shown} at position "
                                   f"{cut + 1 + t} is {future[b, t, f]:.3g} (batch {b}, feature {f}); "
                                   "expected exactly 0")
     return Measurement(max_error=0.0)

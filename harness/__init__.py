@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
            "Capabilities", "Divergence", "LoadedAttention", "Report", "Unsupported", "causal_offset", "check",
            "configure_jax", "function_backend", "load_registry", "make_inputs", "make_params", "masks",
-           "reference_attention", "reference_vjp", "repro"]
+           "parametrize_with_cases", "reference_attention", "reference_vjp", "repro"]
 
 
 def __getattr__(name: str):
@@ -47,3 +47,8 @@ def __getattr__(name: str):
         from mha_harness.pytest_plugin import parametrize_with_cases
         return parametrize_with_cases
     raise AttributeError(f"module 'mha_harness' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names, with the lazily loaded ``parametrize_with_cases``."""
+    return sorted(set(globals()) | {"parametrize_with_cases"})

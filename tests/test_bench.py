@@ -354,3 +354,9 @@ def test_a_backend_lost_at_a_long_length_keeps_the_memory_of_the_points_it_measu
     points = {p["seq_len"]: p for p in doc["points"]}
     assert [points[t]["status"] for t in (32, 64, 128)] == ["measured", "timeout", "not-run"]
     assert points[32]["peak_extra_bytes"] > 0 and points[32]["memory_error"] is None
+
+
+def test_a_missing_growth_exponent_says_why():
+    from mha_harness.bench.sweep import _fmt_fit
+    assert _fmt_fit(None, 2) == "n/a (fewer than 3 lengths: 2 measured)"
+    assert _fmt_fit(None, 5) == "n/a (fewer than 3 points above resolution)"

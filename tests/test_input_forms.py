@@ -129,3 +129,38 @@ def test_report_counts_skips_due_to_the_input_form_per_backend():
     row = next(line for line in report.to_markdown().splitlines() if line.startswith("| lesson-self | self |"))
     assert row.rstrip(" |").endswith("1")
     assert "1 skipped: not defined for inputs='self'" in "\n".join(report.summary_lines())
+
+
+class _LeakyGradientLoaded(mha_harness.LoadedAttention):
+    """The reference layer whose input gradients reach every position (the backward ignores the causal mask)."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def compute(self, inputs, *, need_weights=False):
+        return mha_harness.AttentionOutput(mha_harness.reference_attention(self.params, inputs).output)
+
+    def compute_vjp(self, inputs, cotangent):
+        grads = mha_harness.reference_vjp(self.params, inputs, cotangent)
+        return {k: (v + 1.0 if k in ("query", "key", "value") else v) for k, v in grads.items()}
+
+
+@pytest.mark.parametrize("form, shown", [("self", "/dx at position"), ("shared_kv", "/dx_kv at position"),
+                                         ("separate", "/dkey at position")])
+def test_a_gradient_leak_names_the_input_by_its_form(form, shown):
+    """d(...)/dx for one x, d(...)/dx_kv for shared K/V: never /dquery for an input the module has not got."""
+    backend = type("LeakyGradient", (mha_harness.AttentionBackend,), {
+        "name": f"leaky-gradient-{form}",
+        "capabilities": mha_harness.Capabilities(inputs=form, gradients=True, causal_alignments=("top-left",)),
+        "load_native": lambda self, params, dtype: _LeakyGradientLoaded(params)})()
+    report = mha_harness.check(backend, cases=["check_causal_jacobian_zero_for_future_inputs"])
+    failed = report.failures()
+    assert failed and all("causal leak in gradients" in r.message and shown in r.message for r in failed), \
+        [r.message for r in report.results]
+    if form != "separate":
+        assert not any("/dquery" in r.message or "/dkey" in r.message for r in failed)
+
+
+def test_parametrize_with_cases_is_in_the_namespace():
+    assert "parametrize_with_cases" in dir(mha_harness) and "parametrize_with_cases" in mha_harness.__all__
+    assert callable(mha_harness.parametrize_with_cases)

@@ -341,8 +341,11 @@ def fits(points: list[BenchPoint]) -> dict:
     return out
 
 
-def _fmt_fit(fit: dict | None) -> str:
+def _fmt_fit(fit: dict | None, lengths: int | None = None) -> str:
+    """A fit for the console; ``lengths``: how many distinct lengths the series has (names the reason for n/a)."""
     if fit is None:
+        if lengths is not None and lengths < 3:
+            return f"n/a (fewer than 3 lengths: {lengths} measured)"
         return "n/a (fewer than 3 points above resolution)"
     if "measurement_error" in fit:
         return f"MEASUREMENT ERROR: {fit['measurement_error']}"
@@ -556,8 +559,10 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     log(table(points))
     log(f"\nroofs of this machine ({config.threads} threads): float32 GEMM {machine['gemm_peak_gflops_float32']:.1f} "
         f"GFLOP/s, memory bandwidth {machine['memory_bandwidth_gbs']:.1f} GB/s")
+    lengths = {series_key(*key): len({p.seq_len for p in line}) for key, line in series(points).items()}
     for key, value in doc["fits"].items():
-        log(f"  growth exponent {key}: time {_fmt_fit(value['time'])}; memory {_fmt_fit(value['memory'])}")
+        log(f"  growth exponent {key}: time {_fmt_fit(value['time'], lengths.get(key))}; "
+            f"memory {_fmt_fit(value['memory'], lengths.get(key))}")
     if directory is not None:
         try:
             paths = plot(points, directory, machine)
