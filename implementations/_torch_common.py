@@ -5,6 +5,9 @@ torch is imported lazily, so listing backends never fails where torch is missing
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
+import warnings
 
 import numpy as np
 
@@ -17,6 +20,9 @@ from mha_harness.contract.api import (
 )
 
 TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
+#: where the compiled torch backends keep inductor's on-disk cache (empty: leave inductor's own default)
+CACHE_ENV = "MHA_HARNESS_TORCH_CACHE"
+_INDUCTOR_CACHE: list[str] = []
 GPU_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -29,6 +35,41 @@ def torch_reason(device: str = "cpu") -> str | None:
         if not torch.cuda.is_available():
             return f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)"
     return None
+
+
+def inductor_cache_dir() -> str | None:
+    """``$MHA_HARNESS_TORCH_CACHE``, default ``~/.cache/mha-harness/torchinductor``; None when set empty."""
+    cache = os.environ.get(CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "mha-harness", "torchinductor"))
+    return cache or None
+
+
+def use_private_inductor_cache() -> str | None:
+    """Once per process, before the first torch.compile: point inductor's on-disk cache (compiled C++/Triton
+    kernels and FX graphs that later runs load and execute) at a folder only this user can write.
+
+    Inductor's default, ``/tmp/torchinductor_$USER``, sits in a shared folder another user could create
+    first. An explicit ``$TORCHINDUCTOR_CACHE_DIR`` other than that default is the user's choice and is kept;
+    otherwise
+    :func:`inductor_cache_dir` made private by :func:`mha_harness.util.private_dir.private_dir` (mode 0700),
+    and when that folder is refused (a warning says why) a fresh private temporary folder. Returns the folder."""
+    if _INDUCTOR_CACHE:
+        return _INDUCTOR_CACHE[0]
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from mha_harness.util.private_dir import private_dir
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if folder == os.path.abspath(default_cache_dir()):
+        folder = None  # importing torch._dynamo writes inductor's default there: not the user's choice
+    wanted = inductor_cache_dir()
+    if folder is None and wanted:
+        folder, refused = private_dir(wanted)
+        if refused:
+            warnings.warn(f"mha-harness: inductor cache not used: {refused}; compiling into a private temporary "
+                          "folder", RuntimeWarning, stacklevel=2)
+            folder = tempfile.mkdtemp(prefix="mha-harness-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    _INDUCTOR_CACHE.append(folder)
+    return folder
 
 
 def torch_dtype(name: str):

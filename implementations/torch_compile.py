@@ -2,8 +2,9 @@
 
 The layer is torch-eager's pure function (mha_harness.implementations.torch_eager.eager_layer) compiled once
 per process; weights, inputs and masks are its arguments, so a new set of parameters reuses the compiled
-graph. ``dynamic=None``: the first shape compiles static, a second shape recompiles with dynamic sizes, and
-dynamo's recompile limit is raised so the conformance grid never falls back to eager. The check that lets a
+graph. ``dynamic=True``: sizes are symbolic from the first call, so every length, batch and width shares one
+graph per dtype and mask kind (sizes 0 and 1 are still specialised by dynamo), and dynamo's recompile limit is
+raised so the conformance grid never falls back to eager. The check that lets a
 masked NaN/inf value contribute nothing (``bool(values.isfinite().all())``) is data-dependent: dynamo splits
 the graph there, as it would in a user's model. Compilation happens on the first call of a shape, outside
 the prepared callable's timings; inductor's on-disk cache serves later processes. On CPU inductor writes
@@ -14,7 +15,8 @@ from __future__ import annotations
 import functools
 
 from mha_harness.contract.api import AttentionConfig, AttentionParams, Capabilities
-from mha_harness.implementations._torch_common import TorchBackend
+from mha_harness.contract.conventions import MASK_POLARITY
+from mha_harness.implementations._torch_common import TorchBackend, use_private_inductor_cache
 from mha_harness.implementations.torch_eager import TorchEagerLoaded, eager_layer
 from mha_harness.implementations.torch_flex import cxx_compiler, raise_recompile_limit
 
@@ -27,6 +29,9 @@ def compile_reason(device: str) -> str | None:
     reason = torch_reason(device)
     if reason:
         return reason
+    import torch
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile (torch >= 2.0 has it)"
     if device == "cpu" and cxx_compiler() is None:
         return "no C++ compiler for torch.compile's CPU code (set CXX, or install g++ / clang++)"
     return None
@@ -37,10 +42,13 @@ def compiled_layer():
     import logging
 
     import torch
+    use_private_inductor_cache()
     raise_recompile_limit(torch)
     # the data-dependent graph break in weighted_values is expected (module docstring): no warning per shape
     logging.getLogger("torch._dynamo.variables.tensor").setLevel(logging.ERROR)
-    return torch.compile(eager_layer)
+    # dynamic=True: one graph per (dtype, mask kinds, GQA) instead of a static graph for the first shape and a
+    # dynamic one from the second on (what automatic dynamic shapes would do anyway in a sweep over lengths)
+    return torch.compile(eager_layer, dynamic=True)
 
 
 class TorchCompileLoaded(TorchEagerLoaded):
@@ -51,6 +59,7 @@ class TorchCompileLoaded(TorchEagerLoaded):
 
 class TorchCompile(TorchBackend):
     native_causal = "explicit masks in both alignments (the eager layer's)"
+    native_mask_polarity = MASK_POLARITY  # the eager layer takes the harness's masks as they are
 
     def __init__(self, device: str = "cpu"):
         self.device = device

@@ -11,7 +11,8 @@ def test_builtins_include_every_backend_the_product_promises():
     names = load_registry(entry_points=False).names()
     for name in ("numpy-naive", "numpy-tiled", "torch-eager", "torch-sdpa-math-cpu", "torch-sdpa-flash-cpu",
                  "torch-sdpa-efficient-cuda", "torch-sdpa-cudnn-cuda", "torch-nn-mha", "jax-explicit", "jax-dpa",
-                 "jax-dpa-cudnn-gpu", "flax-mha", "onnxruntime-cpu"):
+                 "jax-dpa-cudnn-gpu", "flax-mha", "onnxruntime-cpu", "torch-flex-cpu", "torch-flex-cuda",
+                 "torch-compile-cpu"):
         assert name in names
 
 
