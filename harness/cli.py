@@ -95,7 +95,11 @@ def _bench_config(args, **overrides):
 
 def _add_selection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="append", default=[], metavar="NAME",
-                   help="a registered backend name (repeatable); default: every available backend")
+                   help="a registered backend name (repeatable); default: every available backend except "
+                        "those that run only when named (see list), unless --opt-in")
+    p.add_argument("--opt-in", action="store_true",
+                   help="with no --backend: also run the backends that run only when named (the compiled ones: "
+                        "minutes of compilation on a small machine)")
     p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT",
                    help="load backends from 'package.module:object' (an instance, class or factory; repeatable; the "
                         "module is imported from the current folder or sys.path). With --backend-spec or --backend, "
@@ -165,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "alone vs in the sweep, memory methods against formulas, harness overhead")
     p.add_argument("--results", type=nonempty_path, default="results", metavar="DIR")
     p.add_argument("--backend", action="append", default=[], metavar="NAME",
-                   help="CPU backends to check (default: every available CPU backend)")
+                   help="CPU backends to check (default: every available CPU backend except the opt-in ones)")
+    p.add_argument("--opt-in", action="store_true", help="with no --backend: also the backends that run only when "
+                                                          "named")
     p.add_argument("--threads", type=_positive_int, default=None, help="threads for every backend (default: "
                                                                      "the bench default)")
 
@@ -205,8 +211,11 @@ def _targets(args, registry):
     if args.backend or args.backend_spec:
         names = list(args.backend) + [e.name for e in registry.entries.values()
                                       if e.spec in args.backend_spec and e.name not in args.backend]
-    else:
+    elif getattr(args, "opt_in", False):
         names = list(registry.entries)
+    else:
+        names = [e.name for e in registry.by_default()]
+        _say_opted_out(registry)
     if args.backend:
         for name in names:
             entry = _usage(registry.get, name)  # unknown names are usage errors
@@ -216,12 +225,25 @@ def _targets(args, registry):
     return names
 
 
+def opt_in_reason(entry) -> str | None:
+    from mha_harness.registry import opt_in_reason as reason
+    return reason(entry)
+
+
+def _say_opted_out(registry) -> None:
+    """One line per available backend that a run naming no backend leaves out (``opt_in``), with its reason."""
+    for entry in registry.opted_out():
+        print(f"  not run unless named: {entry.name} ({opt_in_reason(entry)}; --backend {entry.name})")
+
+
 def cmd_list(args) -> int:
     registry = _registry(args.backend_spec)
     width = max(len(n) for n in registry.names())
     for entry in registry.entries.values():
         reason = entry.reason_unavailable
         status = "available" if reason is None else f"unavailable: {reason}"
+        if reason is None and opt_in_reason(entry):
+            status += f"; runs only when named (--backend {entry.name}): {opt_in_reason(entry)}"
         print(f"{entry.name:<{width}}  {status}")
         if entry.backend is not None:
             caps = entry.backend.capabilities
@@ -347,7 +369,10 @@ def cmd_search(args) -> int:
     elif args.backend or args.backend_spec:
         names = _targets(args, registry)
     else:
-        names = [e.name for e in registry.available() if e.spec != MUTANT_SPEC]
+        names = [e.name for e in registry.available()
+                 if e.spec != MUTANT_SPEC and (args.opt_in or opt_in_reason(e) is None)]
+        if not args.opt_in:
+            _say_opted_out(registry)
     results = Path(args.results)
     _usage(check_writable, results / "search", "--results")
     targets = []
@@ -430,7 +455,8 @@ def cmd_fidelity(args) -> int:
     registry = _registry([])
     _usage(check_writable, Path(args.results) / "bench", "--results")
     _require("scipy", "bench")
-    names = args.backend or [e.name for e in registry.available() if e.backend.device == "cpu"]
+    names = args.backend or [e.name for e in registry.available()
+                             if e.backend.device == "cpu" and (args.opt_in or opt_in_reason(e) is None)]
     for name in names:
         _usage(registry.get, name)
     run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS)

@@ -59,7 +59,8 @@ def _resolve_targets(specs) -> list:
     from mha_harness.checking import resolve_targets
     from mha_harness.registry import load_registry
     if not specs:
-        specs = [e.name for e in load_registry().available()]
+        registry = load_registry()
+        specs = [e.name for e in registry.available() if e in registry.by_default()]  # opt-in ones only when named
     targets, unavailable = resolve_targets(specs)
     failed = [info for info in unavailable if info.load_error]
     if failed:  # a collection error naming the option, the spec and the error; never an empty parameter set

@@ -273,6 +273,20 @@ class Registry:
     def available(self) -> list[BackendEntry]:
         return [e for e in self.entries.values() if e.backend is not None and e.available]
 
+    def by_default(self) -> list[BackendEntry]:
+        """The entries that run when no backend is named: all but those whose backend declares ``opt_in``."""
+        return [e for e in self.entries.values() if opt_in_reason(e) is None]
+
+    def opted_out(self) -> list[BackendEntry]:
+        """Available entries left out of a run that names no backend (``opt_in``), each runs when named."""
+        return [e for e in self.available() if opt_in_reason(e) is not None]
+
+
+def opt_in_reason(entry: BackendEntry) -> str | None:
+    """Why the entry's backend runs only when named, or None (a plugin's attribute: only a non-empty str counts)."""
+    reason = getattr(entry.backend, "opt_in", None) if entry.backend is not None else None
+    return reason if isinstance(reason, str) and reason else None
+
 
 def load_registry(extra_specs=(), *, entry_points: bool = True, builtins: bool = True) -> Registry:
     """Build the registry; malformed ``extra_specs`` raise ValueError (they are the caller's input)."""

@@ -75,3 +75,24 @@ def test_check_accepts_an_object_defined_in_a_test_file():
     skipped = {r.case: r.message for r in report.results if r.status == "skipped"}
     assert "key_padding_mask" in skipped["check_padding_mask_blocks_padded_keys"]
     assert report.counts()["passed"] >= 25
+
+
+def test_opt_in_backends_run_only_when_named_or_with_opt_in(capsys):
+    """The compiled backends (minutes of compilation) are left out of a run that names no backend, said so with
+    the reason; --opt-in or --backend NAME runs them."""
+    import argparse
+
+    from mha_harness.cli import _targets
+    from mha_harness.registry import load_registry, opt_in_reason
+    registry = load_registry()
+    opted = {e.name for e in registry.opted_out()}
+    compiled = {n for n in ("torch-flex-cpu", "torch-compile-cpu")
+                if n in registry.entries and registry.get(n).available}
+    assert opted == compiled and all(opt_in_reason(registry.get(n)) for n in opted)
+    default = _targets(argparse.Namespace(backend=[], backend_spec=[], opt_in=False), registry)
+    assert not opted & set(default) and "numpy-naive" in default
+    printed = capsys.readouterr().out
+    assert all(f"not run unless named: {n}" in printed for n in opted)
+    assert opted <= set(_targets(argparse.Namespace(backend=[], backend_spec=[], opt_in=True), registry))
+    for name in opted:
+        assert _targets(argparse.Namespace(backend=[name], backend_spec=[], opt_in=False), registry) == [name]

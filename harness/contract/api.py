@@ -446,6 +446,9 @@ class AttentionBackend:
     device: str = "cpu"
     #: how mha_harness.bench.memory measures this backend's peak extra memory: rss, tracemalloc, cuda, jax-device
     memory_method: str = "rss"
+    #: why the backend runs only when named (``--backend NAME``), e.g. minutes of compilation per shape; None
+    #: (default): it runs whenever no backend is named. ``list`` shows the reason.
+    opt_in: str | None = None
 
     def availability(self) -> str | None:
         """None when usable here, else a human reason ("jax is not installed", "no CUDA device")."""
