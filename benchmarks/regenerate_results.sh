@@ -73,8 +73,10 @@ fi
 
 command_of() {
     case "$1" in
-        conformance) echo "mha-harness check --mutants --results '$results'" ;;
-        bench) echo "mha-harness bench --budget 1 --results '$results'" ;;
+        conformance) echo "mha-harness check --mutants --results '$results' &&" \
+                          "mha-harness check --backend torch-flex-cpu --backend torch-compile-cpu --timeout 600" \
+                          "--results '$results'" ;;
+        bench) echo "mha-harness bench --opt-in --budget 1 --results '$results'" ;;
         decode) echo "mha-harness bench --workload decode --budget 1 --results '$results'" ;;
         long) echo "mha-harness bench --backend numpy-naive --backend numpy-tiled --backend torch-sdpa-flash-cpu" \
                    "--backend torch-sdpa-math-cpu --backend jax-dpa --seq-lens 1024,2048,4096,8192" \
