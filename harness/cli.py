@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -270,11 +271,16 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
     start = time.perf_counter()
     partial = {}
 
+    writing, interrupted = threading.Lock(), threading.Event()
+
     def write_partial(backend_name, results):  # every finished backend is on disk, complete or not
-        partial[backend_name] = results
-        report = _assemble(registry, names, partial, start)
-        report.complete = False
-        report.write(results_dir / "conformance")
+        with writing:  # never two at once, and none after an interruption (the process may exit mid-write)
+            if interrupted.is_set():
+                return
+            partial[backend_name] = results
+            report = _assemble(registry, names, partial, start)
+            report.complete = False
+            report.write(results_dir / "conformance")
 
     abandoned = set()
 
@@ -291,9 +297,14 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
 
     isolate = not getattr(args, "no_isolate", False)
     runnable = [n for n in names if registry.get(n).backend is not None]
-    report = check(runnable, cases=cases or None, isolate=isolate,
-                   timeout=args.timeout, jobs=args.jobs, include_slow=include_slow, registry=registry,
-                   progress=progress, on_backend_done=write_partial)
+    try:
+        report = check(runnable, cases=cases or None, isolate=isolate,
+                       timeout=args.timeout, jobs=args.jobs, include_slow=include_slow, registry=registry,
+                       progress=progress, on_backend_done=write_partial)
+    except KeyboardInterrupt:
+        with writing:  # a write in progress in a backend's thread finishes first; later ones are skipped
+            interrupted.set()
+        raise
     from mha_harness.conformance.report import entry_info
     for name in names:  # sources that failed to load were not run; they are reported as load errors
         report.backends.setdefault(name, entry_info(registry.get(name)))

@@ -44,6 +44,8 @@ MAX_CONSECUTIVE_LOSSES = 2
 START_TIMEOUT = 300.0
 #: seconds a worker may take to drop a case's loaded layers
 RELEASE_TIMEOUT = 30.0
+#: seconds the backends' threads get, after Ctrl-C or SIGTERM, to finish what they were writing
+INTERRUPT_GRACE = 10.0
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
@@ -407,6 +409,11 @@ def run_isolated(targets: list[Target], cases: list[Case], *, timeout: float = 1
         _STOPPING.set()
         for transport in list(_ACTIVE):
             transport.stop()
+        # their calls now fail at once: give the threads a moment to hand over (and write) what they finished, so
+        # the process does not exit in the middle of a report write (a half-written temporary file left behind)
+        deadline = time.monotonic() + INTERRUPT_GRACE
+        for thread in threads_:
+            thread.join(max(0.0, deadline - time.monotonic()))
         raise
     if errors:
         raise errors[0]
