@@ -136,3 +136,30 @@ def test_bfloat16_rounding_keeps_8_significant_bits():
     r = round_to(x, "bfloat16")
     assert r[0] == 1.0 and r[1] == 1.0 and r[2] == 1.0078125  # ties to even, then the next representable
     assert abs(r[3] - 3.140625) < 1e-9 and np.isinf(r[5])
+
+
+def test_the_reference_is_computed_once_per_content_and_every_caller_gets_its_own_copy():
+    """Backends checked in one process share each variant's reference (keyed by the inputs' content, not identity);
+    what a caller gets is a fresh writable copy, and anything that changes the result changes the key."""
+    from mha_harness.contract.reference import clear_reference_cache, empty_rows_as, reference_cache_info
+    config = AttentionConfig(16, 2)
+    params = make_params(config, seed=3)
+    inputs = make_inputs(config, 2, 5, seed=4, key_padding_mask=np.array([[False] * 5, [True] * 5]))
+    clear_reference_cache()
+    first = reference_attention(params, inputs, need_weights=True)
+    again = reference_attention(make_params(config, seed=3), make_inputs(
+        config, 2, 5, seed=4, key_padding_mask=np.array([[False] * 5, [True] * 5])), need_weights=True)
+    assert reference_cache_info()["misses"] == 1 and reference_cache_info()["hits"] == 1
+    np.testing.assert_array_equal(first.output, again.output)
+    first.output[:] = 7.0  # a caller's copy: the memo is untouched
+    assert not np.array_equal(reference_attention(params, inputs).output, first.output)
+    with empty_rows_as("uniform_average"):  # fully padded item 1: another convention, another result
+        uniform = reference_attention(params, inputs).output
+    assert not np.allclose(uniform[1], again.output[1])
+    assert not np.array_equal(reference_attention(params, inputs, dtype="bfloat16").output, again.output)
+    changed = inputs.replace(query=inputs.query + 1e-12)
+    assert reference_attention(params, changed).output is not None
+    assert reference_cache_info()["misses"] == 5
+    cot = np.ones((2, 5, 16))
+    g1, g2 = reference_vjp(params, inputs, cot), reference_vjp(params, inputs, cot)
+    assert g1.keys() == g2.keys() and all(np.array_equal(g1[k], g2[k]) and g1[k] is not g2[k] for k in g1)

@@ -11,6 +11,10 @@ Backends that give NaN or a uniform average declare a divergence.
 ``rows`` restricts the computation to a subset of query rows, so a check at T = 8192
 costs O(len(rows) * T) rather than O(T^2).
 
+Results are memoised by the *content* of their inputs (:class:`_ContentCache`): every backend checked in one
+process gets the same case inputs, so each variant's reference (and its naive run in each dtype) is computed
+once per run, not once per backend. Validation still runs on every call, and every call gets its own copy.
+
 The same code, run with ``dtype`` other than float64, is "the naive algorithm in that
 dtype" (rounding after every stage), whose error against float64 sets the tolerance.
 """
@@ -18,6 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
+import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -115,6 +122,95 @@ def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype
     return q, k, v, weights, concat, scale, allowed
 
 
+# --- memoisation by content -----------------------------------------------------------------------------------
+
+def _digest(*parts) -> bytes:
+    """A digest of arrays (shape, dtype and bytes), None and plain values, in order."""
+    h = hashlib.blake2b(digest_size=20)
+    for part in parts:
+        if part is None:
+            h.update(b"\x00none")
+        elif isinstance(part, np.ndarray):
+            h.update(f"\x01{part.dtype.str}{part.shape}".encode())
+            h.update(np.ascontiguousarray(part).view(np.uint8).reshape(-1).data if part.size else b"")
+        else:
+            h.update(f"\x02{part!r}".encode())
+    return h.digest()
+
+
+def _content_key(kind: str, params: AttentionParams, inputs: AttentionInputs, *extra) -> bytes:
+    c = params.config
+    return _digest(kind, c.d_model, c.num_heads, c.kv_heads, c.bias, *(getattr(params, n) for n in
+                   ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")),
+                   np.asarray(inputs.query), np.asarray(inputs.key), np.asarray(inputs.value), inputs.causal,
+                   inputs.key_padding_mask, inputs.attn_mask, *extra)
+
+
+class _ContentCache:
+    """Thread-safe LRU of computed results keyed by a content digest, bounded in bytes. A key being computed
+    by one thread is waited for by the others (backends checked side by side ask for the same references)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.entries: OrderedDict[bytes, tuple[object, int]] = OrderedDict()
+        self.pending: dict[bytes, threading.Event] = {}
+        self.lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: bytes, compute, size):
+        while True:
+            with self.lock:
+                if key in self.entries:
+                    self.entries.move_to_end(key)
+                    self.hits += 1
+                    return self.entries[key][0]
+                waiting = self.pending.get(key)
+                if waiting is None:
+                    self.pending[key] = threading.Event()
+                    self.misses += 1
+                    break
+            waiting.wait()  # computed by another thread (or failed there: then computed here)
+        try:
+            value = compute()
+            n = size(value)
+            with self.lock:
+                if n <= self.max_bytes:
+                    self.entries[key] = (value, n)
+                    self.bytes += n
+                    while self.bytes > self.max_bytes:
+                        _, (_, dropped) = self.entries.popitem(last=False)
+                        self.bytes -= dropped
+            return value
+        finally:
+            with self.lock:
+                self.pending.pop(key).set()
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+            self.bytes = self.hits = self.misses = 0
+
+
+#: references computed in this process (256 MiB at most; the whole conformance suite needs about 30)
+_CACHE = _ContentCache(256 * 2**20)
+
+
+def reference_cache_info() -> dict:
+    """Hits, misses and bytes held by the reference's memo (for tests and profiling)."""
+    with _CACHE.lock:
+        return {"hits": _CACHE.hits, "misses": _CACHE.misses, "entries": len(_CACHE.entries), "bytes": _CACHE.bytes}
+
+
+def clear_reference_cache() -> None:
+    _CACHE.clear()
+
+
+def _read_only(*arrays):
+    for a in arrays:
+        if a is not None:
+            a.flags.writeable = False
+
+
 def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, rows=None,
                         need_weights: bool = False, dtype: str = "float64",
                         empty_rows: str | None = None) -> AttentionOutput:
@@ -125,9 +221,19 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
     """
     require_params(params)
     require_inputs(inputs)
-    *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype, empty_rows)
-    out = _project(concat, params.W_o, params.b_o, dtype)
-    return AttentionOutput(out.astype(np.float64), weights.astype(np.float64) if need_weights else None)
+    empty_rows = empty_rows or empty_rows_convention()
+    rows_key = None if rows is None else np.asarray(rows)
+
+    def compute():
+        *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype, empty_rows)
+        out = _project(concat, params.W_o, params.b_o, dtype).astype(np.float64)
+        weights = weights.astype(np.float64) if need_weights else None
+        _read_only(out, weights)
+        return out, weights
+
+    key = _content_key("forward", params, inputs, rows_key, need_weights, dtype, empty_rows)
+    out, weights = _CACHE.get(key, compute, lambda v: v[0].nbytes + (0 if v[1] is None else v[1].nbytes))
+    return AttentionOutput(out.copy(), None if weights is None else weights.copy())
 
 
 def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray,
@@ -137,6 +243,19 @@ def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
     Exact in float64; with another ``dtype`` it is the naive backward in that format
     (rounding after every stage), whose error sets the gradient tolerance.
     """
+    cotangent = np.asarray(cotangent)
+
+    def compute():
+        grads = _vjp(params, inputs, cotangent, dtype)
+        _read_only(*grads.values())
+        return grads
+
+    key = _content_key("vjp", params, inputs, cotangent, dtype, empty_rows_convention())
+    grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
+    return {name: grad.copy() for name, grad in grads.items()}
+
+
+def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str) -> dict:
     c = params.config
     r = lambda x: round_to(x, dtype)  # noqa: E731
     q, k, v, p, concat, scale, _ = _forward_parts(params, inputs, None, dtype)
