@@ -9,29 +9,27 @@ Public API::
     mha_harness.configure_jax()                         # the built-in JAX backends' compile cache + float64
     mha_harness.load_registry()                         # every built-in and plugin backend
 """
-from mha_harness.checking import check, repro
-from mha_harness.conformance.report import Report
-from mha_harness.contract.api import (
-    AttentionBackend,
-    AttentionConfig,
-    AttentionInputs,
-    AttentionOutput,
-    AttentionParams,
-    Capabilities,
-    Divergence,
-    LoadedAttention,
-    Unsupported,
-)
-from mha_harness.contract.conventions import causal_offset
-from mha_harness.contract.params import make_inputs, make_params
-from mha_harness.contract.reference import reference_attention, reference_vjp
-from mha_harness.registry import load_registry
-from mha_harness.toolkit import masks
-from mha_harness.toolkit.function_backend import function_backend
-from mha_harness.toolkit.jax_setup import configure_jax
-from mha_harness.util import integrity
+from __future__ import annotations
 
-integrity.take_snapshot()  # before any plugin is imported: see mha_harness.util.integrity
+import importlib
+
+#: public name -> the module that defines it. Loaded on first use (PEP 562), so that importing a submodule
+#: that needs none of them -- the pytest plugin, which pytest loads in every run of the environment -- pays
+#: nothing for the core, NumPy included.
+_PUBLIC = {
+    "check": "mha_harness.checking", "repro": "mha_harness.checking",
+    "Report": "mha_harness.conformance.report",
+    **{name: "mha_harness.contract.api" for name in (
+        "AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
+        "Capabilities", "Divergence", "LoadedAttention", "Unsupported")},
+    "causal_offset": "mha_harness.contract.conventions",
+    "make_inputs": "mha_harness.contract.params", "make_params": "mha_harness.contract.params",
+    "reference_attention": "mha_harness.contract.reference", "reference_vjp": "mha_harness.contract.reference",
+    "load_registry": "mha_harness.registry",
+    "function_backend": "mha_harness.toolkit.function_backend",
+    "configure_jax": "mha_harness.toolkit.jax_setup",
+    "parametrize_with_cases": "mha_harness.pytest_plugin",
+}
 
 __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
@@ -40,15 +38,27 @@ __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionO
            "parametrize_with_cases", "reference_attention", "reference_vjp", "repro"]
 
 
+def load_core() -> None:
+    """Import the core (the modules the public API comes from) and take the integrity snapshot
+    (:mod:`mha_harness.util.integrity`) before any plugin is imported: the registry calls this before it imports
+    a plugin, and so does the first use of a public name."""
+    importlib.import_module("mha_harness.checking")  # its import loads the engine and takes the snapshot
+
+
 def __getattr__(name: str):
-    """``parametrize_with_cases`` lives in the pytest plugin; loaded on first use so importing mha_harness does not
-    import pytest."""
-    if name == "parametrize_with_cases":
-        from mha_harness.pytest_plugin import parametrize_with_cases
-        return parametrize_with_cases
+    """The public API, imported on first use (the core's import also takes the integrity snapshot)."""
+    if name == "masks":
+        load_core()
+        return importlib.import_module("mha_harness.toolkit.masks")
+    if name in _PUBLIC:
+        if name != "parametrize_with_cases":  # the pytest decorator needs no snapshot before it
+            load_core()
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'mha_harness' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    """The module's names, with the lazily loaded ``parametrize_with_cases``."""
-    return sorted(set(globals()) | {"parametrize_with_cases"})
+    """The module's names, with those loaded on first use."""
+    return sorted(set(globals()) | set(__all__))

@@ -1,10 +1,11 @@
 """``check()``: the Python front end over the one case generator."""
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Iterable
 
-from mha_harness.conformance.casekit import Case, all_cases
+from mha_harness.conformance.casekit import Case, all_cases, case_plugin_errors
 from mha_harness.conformance.isolation import Target, run_isolated
 from mha_harness.conformance.report import BackendInfo, Report, backend_info, entry_info
 from mha_harness.conformance.runner import run_backend, run_case, select_cases
@@ -19,6 +20,7 @@ from mha_harness.registry import (
     load_registry,
     parse_spec,
 )
+from mha_harness.util import integrity
 from mha_harness.util.guard import PluginFault, call_guarded, plugin_timeout
 
 _ACCEPTED_BACKENDS = ("a registered backend name, a 'module:object' spec, an AttentionBackend instance or "
@@ -138,8 +140,8 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
             report.results += results
             if on_backend_done:
                 on_backend_done(t.name, results)
-    from mha_harness.util import integrity
     report.tampered = integrity.changes()
+    report.case_plugin_errors = case_plugin_errors()
     report.seconds = time.perf_counter() - start
     return report
 
@@ -180,3 +182,12 @@ def repro(backend, case: str, *, backend_name: str | None = None, **params) -> N
     print(f"{result.status}: {result.message}")
     if result.status not in HOLDS:
         raise CaseFailure(result.message)
+
+
+# The tripwire's snapshot (mha_harness.util.integrity): the core is loaded now and no plugin has been imported yet
+# (the registry imports this module before it imports any plugin; so does the first use of mha_harness.check...).
+# The rest of the public API is loaded first, so that the snapshot covers it.
+for _module in ("contract.conventions", "contract.params", "contract.reference", "toolkit.function_backend",
+                "toolkit.jax_setup", "toolkit.masks"):
+    importlib.import_module(f"mha_harness.{_module}")
+integrity.take_snapshot()

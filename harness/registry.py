@@ -115,6 +115,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 def _resolve(spec: str):
     module_name, attr = parse_spec(spec)
+    importlib.import_module("mha_harness").load_core()  # the integrity snapshot, before any plugin is imported
     obj = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
