@@ -72,3 +72,25 @@ def test_the_plugin_case_fails_on_a_backend_that_breaks_its_property(with_case_p
 def test_without_the_plugin_the_case_is_unknown(tmp_path):
     out = run_cli("check", "--backend", "numpy-naive", "--case", CASE, "--results", tmp_path)
     assert out.returncode == 2 and f"case: got '{CASE}'" in out.stderr
+
+
+@pytest.mark.parametrize("body", ["raise RuntimeError('cases broke')", "import sys; sys.exit(3)"],
+                         ids=["raises", "exits"])
+def test_a_broken_case_plugin_is_reported_and_the_run_goes_on(tmp_path, body):
+    """A case plugin whose import raises (or calls sys.exit) is named in the report with its error, the built-in
+    cases still run, and the run is not OK (exit 1) -- never a traceback that kills the run."""
+    site = tmp_path / "site"
+    dist = site / "broken_cases-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-cases\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[mha_harness.cases]\nbroken = broken_cases\n")
+    (site / "broken_cases.py").write_text(body + "\n")
+    out = run_cli("check", "--backend", "numpy-naive", "--case", "check_scores_scaled_by_sqrt_d_head", "--no-isolate",
+                  "--results", tmp_path / "res", env={"PYTHONPATH": str(site)})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "case plugin broken_cases" in out.stdout
+    doc = json.loads((tmp_path / "res" / "conformance" / "conformance.json").read_text())
+    assert "broken_cases" in doc["case_plugin_errors"] and not doc["ok"]
+    assert ("cases broke" if "raise" in body else "SystemExit") in doc["case_plugin_errors"]["broken_cases"]
+    assert [r["status"] for r in doc["results"]] == ["passed"]

@@ -144,20 +144,47 @@ def case(*, requires: Iterable[str] = (), variants: Callable[[AttentionBackend],
 CASE_ENTRY_POINT_GROUP = "mha_harness.cases"
 BUILTIN_CASES = "mha_harness.cases"
 _LOADED_CASE_MODULES: set[str] = set()
+#: case plugin module -> why it could not be imported (reported by check, never raised)
+_CASE_PLUGIN_ERRORS: dict[str, str] = {}
 
 
 def load_case_modules() -> None:
     """Import every module that registers cases: the built-in ``mha_harness.cases`` and each module named in the
     ``mha_harness.cases`` entry-point group (a third party's own cases). Importing a module registers its
-    ``@case`` functions. Done once per process."""
+    ``@case`` functions. Done once per process.
+
+    A third party's module is imported under the plugin guard (:func:`mha_harness.util.guard.call_guarded`):
+    anything it raises (``SystemExit`` included), a hang past the plugin timeout or a case name that is taken
+    is recorded in :func:`case_plugin_errors` -- the run goes on without its cases and is not OK."""
     import importlib
     from importlib import metadata
-    plugins = {ep.value.split(":")[0] for ep in metadata.entry_points(group=CASE_ENTRY_POINT_GROUP)}
-    names = [BUILTIN_CASES] + sorted(plugins)
-    for name in names:
-        if name not in _LOADED_CASE_MODULES:
-            importlib.import_module(name)
+
+    from mha_harness.util import integrity
+    from mha_harness.util.guard import PluginFault, call_guarded, plugin_timeout
+    if BUILTIN_CASES not in _LOADED_CASE_MODULES:
+        importlib.import_module(BUILTIN_CASES)
+        _LOADED_CASE_MODULES.add(BUILTIN_CASES)
+    try:
+        plugins = sorted({ep.value.split(":")[0] for ep in metadata.entry_points(group=CASE_ENTRY_POINT_GROUP)}
+                         - {BUILTIN_CASES})
+    except Exception as exc:  # noqa: BLE001 - broken distribution metadata: reported like a broken plugin
+        _CASE_PLUGIN_ERRORS.setdefault(f"entry points {CASE_ENTRY_POINT_GROUP!r}", f"{type(exc).__name__}: {exc}")
+        plugins = []
+    for name in plugins:
+        if name in _LOADED_CASE_MODULES or name in _CASE_PLUGIN_ERRORS:
+            continue
+        integrity.take_snapshot()  # before plugin code runs here (adds what was loaded since)
+        try:
+            call_guarded(lambda n=name: importlib.import_module(n), "import", plugin_timeout())
             _LOADED_CASE_MODULES.add(name)
+        except PluginFault as fault:
+            _CASE_PLUGIN_ERRORS[name] = f"failed to load: {fault}"
+
+
+def case_plugin_errors() -> dict[str, str]:
+    """Case plugin modules (entry-point group ``mha_harness.cases``) that could not be imported, with the reason."""
+    load_case_modules()
+    return dict(_CASE_PLUGIN_ERRORS)
 
 
 def all_cases() -> dict[str, Case]:

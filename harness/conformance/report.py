@@ -60,12 +60,14 @@ class Report:
     earlier: list = field(default_factory=list)
     #: NumPy or harness functions replaced in the harness's process during the run (mha_harness.util.integrity)
     tampered: list = field(default_factory=list)
+    #: case plugin module -> why it could not be imported (its cases did not run)
+    case_plugin_errors: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return (self.complete and not any(r.status in BAD for r in self.results)
                 and not any(info.load_error for info in self.backends.values()) and not self.missing_results()
-                and not self.nothing_ran() and not self.tampered)
+                and not self.nothing_ran() and not self.tampered and not self.case_plugin_errors)
 
     def missing_results(self) -> list[str]:
         """Available backends with no result at all (their worker vanished, or nothing was run)."""
@@ -159,7 +161,7 @@ class Report:
                             for name in self.backends},
             "backends": {name: vars(info) for name, info in self.backends.items()},
             "missing_results": self.missing_results(), "nothing_ran": self.nothing_ran(), "tampered": self.tampered,
-            "earlier_runs": list(self.earlier),
+            "case_plugin_errors": dict(self.case_plugin_errors), "earlier_runs": list(self.earlier),
             "policies": self.policies(), "mutation": self.mutation,
             "results": [r.to_dict() for r in self.results],
         }
@@ -175,6 +177,8 @@ class Report:
             lines += ["**The harness's process was tampered with**: plugin code replaced "
                       + ", ".join(md_code(t) for t in self.tampered)
                       + "; no verdict of this run can be trusted.", ""]
+        for module, reason in self.case_plugin_errors.items():
+            lines += [f"**Case plugin {md_code(module)} was not loaded** (its cases did not run): {e(reason)}", ""]
         if self.earlier:
             lines += [f"Kept from earlier runs into this folder: {', '.join(e(n) for n in self.earlier)}.", ""]
         lines += ["| case | " + " | ".join(e(n) for n in names) + " |", "|---|" + "---|" * len(names)]
@@ -283,7 +287,7 @@ class Report:
             return self
         merged = Report(results=list(self.results), backends=dict(self.backends), mutation=self.mutation,
                         seconds=self.seconds, complete=self.complete, earlier=list(self.earlier),
-                        tampered=list(self.tampered))
+                        tampered=list(self.tampered), case_plugin_errors=dict(self.case_plugin_errors))
         results_by = {}
         for row in earlier.get("results", []):
             results_by.setdefault(row.get("backend"), []).append(row)
@@ -305,6 +309,8 @@ class Report:
         if self.tampered:
             out.append(f"  TAMPERED: plugin code replaced {', '.join(self.tampered)} in the harness's process; "
                        "the run fails")
+        for module, reason in self.case_plugin_errors.items():
+            out.append(f"  ERROR case plugin {module}: {reason} (its cases did not run; the run fails)")
         for name, info in self.backends.items():
             if not info.available:
                 label = "ERROR" if info.load_error else "not run"
