@@ -5,7 +5,7 @@
 #
 # On a machine with one NVIDIA GPU, from the repository root (no network needed):
 #   1. env      record nvidia-smi, python, torch/jax/onnxruntime versions
-#   2. install  the wheels of .whl/ (benchmarks/gpu_wheels.sh fetched them: asv, pebble ...) into a --target
+#   2. install  the wheels of .whl/ (benchmarks/gpu_wheels.sh fetched them: asv and its needs) into a --target
 #               folder on PYTHONPATH, then mha-harness itself (editable; else a plain install into that folder)
 #   3. list     mha-harness list -v (why each backend is or is not available)
 #   4. check    mha-harness check on every available CUDA/GPU backend (isolated workers, per-case timeout)
@@ -139,7 +139,7 @@ env_report() {
     "$PY" - <<'PYEOF'
 import importlib, sys
 print("python", sys.version.split()[0], sys.executable)
-for name in ("numpy", "torch", "jax", "jaxlib", "flax", "onnxruntime", "onnx", "asv", "pebble", "tqdm", "matplotlib"):
+for name in ("numpy", "torch", "jax", "jaxlib", "flax", "onnxruntime", "onnx", "asv", "tqdm", "matplotlib"):
     try:
         module = importlib.import_module(name)
         print(f"{name} {getattr(module, '__version__', '?')}")

@@ -216,10 +216,6 @@ def harness_overhead(registry, config: BenchConfig, seq_len: int = 1024, rounds:
         entry = registry.entries.get(name)
         if entry is None or entry.reason_unavailable:
             continue
-        if not callable(getattr(entry.backend, "direct_callable", None)):
-            rows.append({"backend": name, "not_runnable": "the backend offers no direct_callable hook"})
-            log(f"  overhead {name}: the backend offers no direct_callable hook")
-            continue
         worker = BackendWorker(entry.backend, config.threads, max_bytes=config.max_memory_bytes)
         shape = Shape(config.batch, seq_len, seq_len, config.d_model, config.num_heads, config.dtype)
         try:

@@ -49,10 +49,6 @@ INTERRUPT_GRACE = 10.0
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
-def require_pebble() -> None:
-    """Kept for callers of the old API: isolation no longer needs pebble (it uses multiprocessing directly)."""
-
-
 @dataclass
 class Target:
     """A backend to check: the object, and how a worker process can rebuild it."""
