@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +48,25 @@ RELEASE_TIMEOUT = 30.0
 #: seconds the backends' threads get, after Ctrl-C or SIGTERM, to finish what they were writing
 INTERRUPT_GRACE = 10.0
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+#: ``spawn`` starts every worker as a fresh interpreter (each one imports NumPy, the harness and its framework:
+#: about 4 s of CPU for torch); anything else (the default, ``forkserver``) forks workers from one server process
+#: that imported those once
+WORKER_START_ENV = "MHA_HARNESS_WORKER_START"
+#: imported once into the fork server: the harness's worker side, and each framework the harness's process has
+#: already loaded (availability checks import it: a backend's worker will import it too). Never plugin code.
+_PRELOAD = ("mha_harness.conformance.proxy", "mha_harness.conformance.wire", "mha_harness.contract.api")
+_PRELOAD_FRAMEWORKS = ("torch", "jax", "flax.linen")
+
+
+def _worker_context():
+    """The multiprocessing context that starts workers: a fork server preloaded with what workers import, where
+    the platform has one; ``spawn`` otherwise or when ``$MHA_HARNESS_WORKER_START=spawn``."""
+    if os.environ.get(WORKER_START_ENV) == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    # read once, when the server starts (the first worker of this process)
+    context.set_forkserver_preload(list(_PRELOAD) + [m for m in _PRELOAD_FRAMEWORKS if m in sys.modules])
+    return context
 
 
 @dataclass
@@ -88,20 +108,34 @@ def _build_backend(payload) -> AttentionBackend:
     return pickle.loads(data)
 
 
-def worker_main(conn, payload, threads: int | None) -> None:
-    """The worker: its own process group; answers (op, args) requests with encoded {"ok": ...} or {"error": ...}."""
+def worker_main(conn, payload, threads: int | None, environ: dict | None = None,
+                path: list | None = None) -> None:
+    """The worker: its own process group; answers (op, args) requests with encoded {"ok": ...} or {"error": ...}.
+
+    ``environ`` and ``path``: the harness's environment and ``sys.path`` when the worker was started (a forked
+    worker would otherwise have the fork server's, frozen when it started)."""
     try:
         os.setsid()
     except OSError:
         pass
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    if path is not None:
+        sys.path[:] = path
     if threads:
         for var in _THREAD_VARS:
             os.environ[var] = str(threads)
         try:
             from threadpoolctl import threadpool_limits
-            threadpool_limits(threads)
+            threadpool_limits(threads)  # also the OpenMP and BLAS pools a preloaded framework already started
         except Exception:  # noqa: BLE001 - thread limits are an optimisation
             pass
+        if "torch" in sys.modules:  # preloaded by the fork server: OMP_NUM_THREADS was read before it was set
+            try:
+                sys.modules["torch"].set_num_threads(threads)
+            except Exception:  # noqa: BLE001
+                pass
     from mha_harness.conformance.proxy import Server
     from mha_harness.conformance.wire import encode
     server, startup_error = None, None
@@ -206,9 +240,10 @@ class WorkerTransport:
 
     # lifecycle
     def _start(self) -> None:
-        context = multiprocessing.get_context("spawn")
+        context = _worker_context()
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=worker_main, args=(child, self.payload, self.threads), daemon=True)
+        self.process = context.Process(target=worker_main, daemon=True,
+                                       args=(child, self.payload, self.threads, dict(os.environ), list(sys.path)))
         self.oom_before = oom_kills()
         self.process.start()
         child.close()
