@@ -31,6 +31,10 @@ def _forget_the_source_tree() -> None:
 
 _forget_the_source_tree()
 
+# The core, loaded once for the session (the pytest plugin no longer loads it): pytester's in-process runs drop the
+# modules first imported inside them, and a second copy of the harness would look like tampering to the tripwire.
+import mha_harness.checking  # noqa: E402, F401
+
 
 def pytest_runtest_setup(item):
     _forget_the_source_tree()  # pytest puts the root back while it imports test modules
