@@ -60,7 +60,8 @@ def _resolve_targets(specs) -> list:
     from mha_harness.registry import load_registry
     if not specs:
         registry = load_registry()
-        specs = [e.name for e in registry.available() if e in registry.by_default()]  # opt-in ones only when named
+        opted_out = {e.name for e in registry.opted_out()}  # opt-in backends run only when named
+        specs = [e.name for e in registry.available() if e.name not in opted_out]
     targets, unavailable = resolve_targets(specs)
     failed = [info for info in unavailable if info.load_error]
     if failed:  # a collection error naming the option, the spec and the error; never an empty parameter set
