@@ -184,6 +184,33 @@ def repro(backend, case: str, *, backend_name: str | None = None, **params) -> N
         raise CaseFailure(result.message)
 
 
+def replay(backend, example, *, name: str | None = None) -> float:
+    """Rebuild a search ``example`` (the dict a search saved), run ``backend`` on it in this process and raise its
+    failure; print what happened (the one-line repro that ``mha-harness search`` prints).
+
+    ``backend``: a registered name, a ``module:object`` spec or an :class:`AttentionBackend`; ``name`` picks one
+    backend when the spec yields several. Returns the output's error against the float64 reference."""
+    import json
+
+    from mha_harness.conformance.search_examples import check_example
+    targets, unavailable = resolve_targets(backend)
+    found = [t.name for t in targets]
+    if name is not None:
+        targets = [t for t in targets if t.name == name]
+    if not targets:
+        if name is not None and found:
+            raise ValueError(f"name: got {name!r}; accepted: {', '.join(found)}")
+        why = "; ".join(f"{i.name}: {i.reason}" for i in unavailable)
+        raise ValueError(f"backend: got {backend!r}{f' (name {name!r})' if name else ''}, "
+                         f"which is not available here ({why})")
+    chosen = targets[0].backend
+    shapes = {k: example[k] for k in ("batch", "tq", "tk", "heads", "kv_heads", "d_head")}
+    print(f"{chosen.name}: {json.dumps(shapes)} dtype {example['dtype']}")
+    err = check_example(chosen, example)
+    print(f"passed: max output error {err:.3g}")
+    return err
+
+
 # The tripwire's snapshot (mha_harness.util.integrity): the core is loaded now and no plugin has been imported yet
 # (the registry imports this module before it imports any plugin; so does the first use of mha_harness.check...).
 # The rest of the public API is loaded first, so that the snapshot covers it.

@@ -298,25 +298,8 @@ def repro_line(backend_name: str, spec: str | None, example: Mapping[str, Any]) 
     """A shell-safe one-liner that rebuilds the example from its parameters, calls the backend and raises."""
     target = _literal(spec or backend_name)
     name = f", name={_literal(backend_name)}" if spec else ""
-    code = (f"from mha_harness.conformance.search_examples import replay; "
+    code = (f"from mha_harness.checking import replay; "
             f"replay({target}, {_literal(dict(example))}{name})")
     if "'" in code:
         raise ValueError(f"example: {code!r} contains a single quote; it cannot be written shell-safe")
     return f"python -c '{code}'"
-
-
-def replay(backend: str | AttentionBackend, example: Mapping[str, Any], *, name: str | None = None) -> float:
-    """Rebuild ``example``, run ``backend`` (a registered name, a ``module:object`` spec, or an object; ``name``
-    picks one when the spec gives several) in this process and raise its failure; print what happened."""
-    if isinstance(backend, str):
-        from mha_harness.registry import backends_from_spec, load_registry
-        found = backends_from_spec(backend) if ":" in backend else [load_registry().get(backend).backend]
-        matches = [b for b in found if name is None or b.name == name]
-        if not matches:
-            raise ValueError(f"name: got {name!r}; accepted: {', '.join(b.name for b in found)}")
-        backend = matches[0]
-    shapes = {k: example[k] for k in ("batch", "tq", "tk", "heads", "kv_heads", "d_head")}
-    print(f"{backend.name}: {json.dumps(shapes)} dtype {example['dtype']}")
-    err = check_example(backend, example)
-    print(f"passed: max output error {err:.3g}")
-    return err
