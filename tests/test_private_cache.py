@@ -80,3 +80,30 @@ def test_configure_jax_refuses_a_world_writable_cache(tmp_path):
     cache.chmod(0o777)
     got = _configure({"MHA_HARNESS_JAX_CACHE": str(cache)})
     assert not got["dir"] and any("can be written by other users" in w for w in got["warnings"])
+
+
+_COMPILE_ONE = """
+import os, warnings
+warnings.simplefilter("error")   # JAX reports a failed cache write as a warning
+from mha_harness.toolkit.jax_setup import configure_jax
+configure_jax()
+import jax, jax.numpy as jnp
+jax.jit(lambda x: x * 3 + 1)(jnp.ones(5)).block_until_ready()
+print(sorted(os.listdir(os.environ["MHA_HARNESS_JAX_CACHE"])))
+"""
+
+
+def test_an_orphaned_cache_entry_is_removed_so_the_cache_keeps_growing(tmp_path):
+    """A program file without its -atime companion (a process killed between JAX's two writes) would make JAX's
+    eviction sweep fail every later write (jax-ml/jax#39880); configure_jax removes it first."""
+    pytest.importorskip("jax")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    (cache / "jit_orphan-0123-cache").write_bytes(b"truncated")
+    out = subprocess.run([sys.executable, "-c", _COMPILE_ONE], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MHA_HARNESS_JAX_CACHE": str(cache)})
+    assert out.returncode == 0, out.stderr
+    names = os.listdir(cache)
+    assert "jit_orphan-0123-cache" not in names
+    written = [n for n in names if n.endswith("-cache")]
+    assert written and all(f"{n[:-len('-cache')]}-atime" in names for n in written), names

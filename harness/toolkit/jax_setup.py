@@ -38,6 +38,29 @@ def jax_cache_dir() -> str | None:
     return cache or None
 
 
+def remove_orphaned_cache_entries(cache: str) -> list[str]:
+    """Delete every compiled program in ``cache`` that has no ``-atime`` companion; returns their file names.
+
+    JAX's bounded cache writes a program and then its access time as two files; a process killed in between
+    (a worker at its timeout) leaves the program without the companion, possibly truncated, and from then on
+    JAX's eviction sweep raises FileNotFoundError on every write, so the cache silently stops growing
+    (jax-ml/jax#39880, fixed after jax 0.10). Done under the lock JAX itself takes around a write
+    (``<cache>/.lockfile``); skipped when the lock cannot be had within 10 s."""
+    import filelock
+    try:
+        with filelock.FileLock(os.path.join(cache, ".lockfile"), timeout=10):
+            names = set(os.listdir(cache))
+            orphans = sorted(n for n in names if n.endswith("-cache") and f"{n[:-len('-cache')]}-atime" not in names)
+            for name in orphans:
+                try:
+                    os.unlink(os.path.join(cache, name))
+                except FileNotFoundError:
+                    pass
+            return orphans
+    except (filelock.Timeout, OSError):
+        return []
+
+
 def configure_jax() -> None:
     """Once per process: ``jax_enable_x64`` (float64 needs it; explicit dtypes keep float32 float32) and the
     persistent compilation cache with no minimum compile time or entry size, so every program is cached.
@@ -54,6 +77,7 @@ def configure_jax() -> None:
     if refused:
         warnings.warn(f"mha-harness: JAX compile cache not used: {refused}", RuntimeWarning, stacklevel=2)
     if cache:
+        remove_orphaned_cache_entries(cache)
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_compilation_cache_max_size", jax_cache_max_bytes())
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
