@@ -360,3 +360,15 @@ def test_a_missing_growth_exponent_says_why():
     from mha_harness.bench.sweep import _fmt_fit
     assert _fmt_fit(None, 2) == "n/a (fewer than 3 lengths: 2 measured)"
     assert _fmt_fit(None, 5) == "n/a (fewer than 3 points above resolution)"
+
+
+def test_every_backend_of_a_twelve_backend_sweep_gets_its_own_colour_and_marker():
+    """matplotlib's default cycle repeats after 10 colours: two backends of the 12-backend quick sweep looked
+    alike. Each backend has its own (colour, marker); its Tq = 1 and Tq = 16 series share them."""
+    pytest.importorskip("matplotlib")
+    from mha_harness.bench.sweep import BenchPoint, _backend_styles
+    points = [BenchPoint(f"backend-{i}", "decode", 1024, tq, 1024, True, "forward")
+              for i in range(12) for tq in (1, 16)]
+    styles = _backend_styles(points)
+    assert len(styles) == 12
+    assert len({c for c, _ in styles.values()}) == 12 and len({m for _, m in styles.values()}) == 10

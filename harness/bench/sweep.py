@@ -389,6 +389,19 @@ def _positive(y) -> bool:
     return isinstance(y, (int, float)) and math.isfinite(y) and y > 0
 
 
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+
+
+def _backend_styles(points) -> dict[str, tuple]:
+    """One colour and one marker per backend, distinct for up to 20 backends (matplotlib's default cycle repeats
+    after 10, which made two backends of a 12-backend sweep look alike); a backend's series (Tq = 1 and 16,
+    causal, backward) share its colour and differ by line style."""
+    import matplotlib
+    palette = matplotlib.colormaps["tab20"].colors
+    order = list(dict.fromkeys(p.backend for p in points))
+    return {b: (palette[(2 * i) % 20 + (2 * i) // 20 % 2], _MARKERS[i % len(_MARKERS)]) for i, b in enumerate(order)}
+
+
 def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roof=None):
     """One log-log figure. Only positive, finite values are drawn on the log axis; a memory reading below the
     method's resolution is drawn as an open triangle at that resolution (an upper bound) and named in a note;
@@ -403,6 +416,7 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     exps = fits(points)
     memory = metric == "peak_extra_bytes"
     drawn, below_notes, empty_notes, all_xs = False, [], [], []
+    styles = _backend_styles(points)
     for key, line in series(points).items():
         backend, workload, tq, causal, mode = key
         name = backend + (f" Tq={tq}" if workload == "decode" else "") + (" causal" if causal and workload ==
@@ -418,17 +432,16 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
         if fit and "exponent" in fit and metric in ("median_s", "peak_extra_bytes"):
             name += f" (exp {fit['exponent']:.2f}±{fit['stderr']:.2f})"
         style = "--" if (causal and workload == "prefill") or mode != "forward" or tq == 16 else "-"
-        color = None
+        color, marker = styles[backend]
         if shown:
             xs, ys = [p.seq_len for p, _ in shown], [y for _, y in shown]
             if ci:
                 low = [max(0.0, y - p.ci95_s[0]) if p.ci95_s else 0 for p, y in shown]
                 high = [max(0.0, p.ci95_s[1] - y) if p.ci95_s else 0 for p, y in shown]
-                artist = ax.errorbar(xs, ys, yerr=[low, high], marker="o", markersize=3, capsize=3,
-                                     linestyle=style, label=name)
-                color = artist.lines[0].get_color()
+                ax.errorbar(xs, ys, yerr=[low, high], marker=marker, markersize=3.5, capsize=3, linestyle=style,
+                            color=color, label=name)
             else:
-                color = ax.plot(xs, ys, marker="o", markersize=3, linestyle=style, label=name)[0].get_color()
+                ax.plot(xs, ys, marker=marker, markersize=3.5, linestyle=style, color=color, label=name)
             drawn = True
         if below:
             ax.plot([p.seq_len for p in below], [p.memory_resolution_bytes for p in below], marker="v",
