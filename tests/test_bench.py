@@ -172,8 +172,10 @@ def _bench_command(results, extra=()):
 def test_interrupted_sweep_keeps_every_finished_point_and_kills_its_workers(tmp_path, sig):
     path = tmp_path / "bench" / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    # SIGINT as a terminal's Ctrl-C delivers it: a background job of a non-interactive shell (nohup, CI runners)
+    # starts with SIGINT ignored, and Python then keeps ignoring it, rightly; restore the default for the child
     proc = subprocess.Popen(_bench_command(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = 0
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and seen < 4:
