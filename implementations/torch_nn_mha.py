@@ -51,8 +51,7 @@ class TorchNnMhaLoaded(TorchLoaded):
     def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
         c = self.config
         kwargs = {}
-        if inputs.key_padding_mask is not None:
-            kwargs["key_padding_mask"] = self.mask_tensor(inputs.key_padding_mask)  # True = ignore, as torch
+        padding = inputs.key_padding_mask  # True = ignore, as torch
         if inputs.causal is not None or inputs.attn_mask is not None:
             # key padding travels separately; causal and attn_mask become one (B*H, Tq, Tk) mask
             allowed, additive = full_mask(inputs.replace(key_padding_mask=None))
@@ -63,6 +62,12 @@ class TorchNnMhaLoaded(TorchLoaded):
             else:  # torch's bool attn_mask: True = NOT allowed
                 mask = ~np.broadcast_to(allowed, full)
             kwargs["attn_mask"] = self.mask_tensor(mask.reshape(b * c.num_heads, tq, tk))
+            if padding is not None and additive is not None:
+                # the same type for both masks (torch deprecates a bool key_padding_mask next to a float
+                # attn_mask, and converts the bool one to -inf where True itself)
+                padding = np.where(padding, -np.inf, 0.0)
+        if padding is not None:
+            kwargs["key_padding_mask"] = self.mask_tensor(padding)
         out, weights = self.module(q, k, v, need_weights=need_weights, average_attn_weights=False, **kwargs)
         return out, weights
 

@@ -62,3 +62,12 @@ def test_main_with_argv_leaves_the_callers_children_alone():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_clean_check_reports_no_leftover_the_harness_itself_started(tmp_path):
+    """The fork server the isolated workers start from (and multiprocessing's resource tracker) are the harness's
+    own: a check of a built-in backend must not blame plugin code for them, and they end with the command."""
+    out = run_cli("check", "--backend", "numpy-naive", "--case", "check_scores_scaled_by_sqrt_d_head", "--results",
+                  tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "process(es) that plugin code started" not in out.stderr, out.stderr

@@ -77,15 +77,17 @@ def descendants(pid: int, *, zombies: bool = False) -> list[int]:
 
 
 def _harness_helpers() -> set[int]:
-    """Processes the harness's own machinery keeps (multiprocessing's resource tracker)."""
+    """Processes the harness's own machinery keeps: multiprocessing's resource tracker and the fork server the
+    isolated workers start from (each exits by itself when this process ends and closes its pipe)."""
     keep = set()
     try:
-        from multiprocessing import resource_tracker
-        pid = getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
+        from multiprocessing import forkserver, resource_tracker
+    except ImportError:  # pragma: no cover
+        return keep
+    for pid in (getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None),
+                getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)):
         if pid:
             keep.add(pid)
-    except ImportError:  # pragma: no cover
-        pass
     return keep
 
 
