@@ -16,7 +16,7 @@
 #   decode       mha-harness bench --workload decode --budget 1                       7.6 min  DIR/bench-decode/
 #   long         mha-harness bench --backend (5 CPU kernels) --seq-lens 1024..8192    8.5 min  DIR/long/bench/
 #   fidelity     mha-harness fidelity                                                 7.5 min  DIR/bench/fidelity.json
-#   asv          asv run --quick -b time_forward,time_decode (T 256,1024; KV 1024,16384) ~35 min  DIR/asv/, DIR/html/
+#   asv          asv run --quick, time/decode/peak memory (T 256,1024; KV 1024,16384) 28 min  DIR/asv/, DIR/html/
 #   search       mha-harness search --mutants --seed 0 --time-budget 60               ~5 min  DIR/search/
 # Run it on a quiet machine: the timings describe the load they ran under (bench.json records the roofs).
 # A failed step is reported and the next one runs; the exit code is 1 when any step failed.
@@ -82,8 +82,8 @@ command_of() {
                    "--backend torch-sdpa-math-cpu --backend jax-dpa --seq-lens 1024,2048,4096,8192" \
                    "--results '$results/long'" ;;
         fidelity) echo "mha-harness fidelity --results '$results'" ;;
-        # the dashboard's headline benchmarks (time, decode time, peak memory): the whole set takes over 2 hours on 2 cores (each parameter of
-        # the two compiled backends compiles in asv's setup); ASV_BENCH=all records every benchmark
+        # the dashboard's headline benchmarks (time, decode time, peak memory): the whole set takes over 2 hours
+        # on 2 cores (each parameter of the two compiled backends compiles in asv's setup); ASV_BENCH=all: all
         asv) echo "MHA_ASV_SEQ_LENS=256,1024 MHA_ASV_DECODE_KV_LENS=1024,16384" \
                   "ASV_ARGS='--quick$( [ "${ASV_BENCH:-}" = all ] || echo " -b TimeForward.time_forward -b Decode.time_decode -b PeakMemory -b ThreadSettings")'" \
                   "ASV_CONFIG='$asv_config' ASV_HTML_DIR='$results/html' benchmarks/asv_record.sh '$machine'" ;;

@@ -397,9 +397,10 @@ def _backend_styles(points) -> dict[str, tuple]:
     after 10, which made two backends of a 12-backend sweep look alike); a backend's series (Tq = 1 and 16,
     causal, backward) share its colour and differ by line style."""
     import matplotlib
-    palette = matplotlib.colormaps["tab20"].colors
+    pairs = matplotlib.colormaps["tab20"].colors  # (dark, light) pairs: the ten dark shades first, then the light
+    palette = pairs[0::2] + pairs[1::2]
     order = list(dict.fromkeys(p.backend for p in points))
-    return {b: (palette[(2 * i) % 20 + (2 * i) // 20 % 2], _MARKERS[i % len(_MARKERS)]) for i, b in enumerate(order)}
+    return {b: (palette[i % 20], _MARKERS[i % len(_MARKERS)]) for i, b in enumerate(order)}
 
 
 def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roof=None):
