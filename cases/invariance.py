@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mha_harness.cases._diagnoses import wrong_scale
 from mha_harness.cases._fixtures import ALL_FORMS, CROSS_FORMS, form_inputs, small_layer
 from mha_harness.conformance.casekit import (
     CaseFailure,
@@ -107,6 +108,10 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
     try:
         return Measurement(max_error=assert_close(got, expected, tol, what))
     except CaseFailure as failure:
+        label = wrong_scale(got, params, inputs, tol.bound)
+        if label:  # finite and right for another scale: a scale bug (check_scores_scaled_by_sqrt_d_head), no overflow
+            raise CaseFailure(f"{failure}; the output matches scores scaled by {label} instead of 1/sqrt(d_head): "
+                              "a scale bug, not an overflow", failure.max_error) from None
         raise CaseFailure(f"numerical stability: {failure}; softmax must subtract the row maximum (an overflowing "
                           "normaliser gives wrong finite values)", failure.max_error) from None
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mha_harness.cases._diagnoses import wrong_scale
 from mha_harness.cases._fixtures import ALL_FORMS, form_inputs, small_layer
 from mha_harness.conformance.casekit import (
     CaseFailure,
@@ -16,20 +17,13 @@ from mha_harness.conformance.casekit import (
 )
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.params import make_params
-from mha_harness.contract.reference import reference_attention
-
-
-def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
-    """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
-    b_q = None if params.b_q is None else params.b_q * factor
-    return params.replace(W_q=params.W_q * factor, b_q=b_q)
 
 
 @case(forms=ALL_FORMS)
 def check_scores_scaled_by_sqrt_d_head(backend, *, form, dtype):
     """Scores are divided by sqrt(d_head), not by sqrt(d_model) and not left unscaled; on failure the
     message names the wrong scale the output matches."""
-    config = AttentionConfig(64, 4)  # d_head 8, d_model 64: the three candidate scales differ by 2.8x and 8x
+    config = AttentionConfig(64, 4)  # d_head 16: 1/sqrt(d_model), 1 and 1/d_head are 1/2x, 4x and 1/4x the scale
     params = make_params(config, seed=2, scale=0.6)  # large enough that softmax is far from uniform
     inputs = form_inputs(form, config, 2, 12)
     got = run(backend, params, inputs, dtype).output
@@ -37,13 +31,8 @@ def check_scores_scaled_by_sqrt_d_head(backend, *, form, dtype):
     try:
         return Measurement(max_error=assert_close(got, expected, tol, "scaled attention output"))
     except CaseFailure as failure:
-        d_head, d_model = config.d_head, config.d_model
-        candidates = {"1/sqrt(d_model)": np.sqrt(d_head / d_model), "no scaling (1)": np.sqrt(d_head),
-                      "1/d_head": 1 / np.sqrt(d_head)}
-        errors = {label: float(np.max(np.abs(got - reference_attention(_with_score_scale(params, f), inputs).output)))
-                  for label, f in candidates.items()}
-        label, err = min(errors.items(), key=lambda item: item[1])
-        if err <= max(tol.bound * 10, 1e-3):
+        label = wrong_scale(got, params, inputs, tol.bound)
+        if label:
             raise CaseFailure(f"{failure}; the output matches scores scaled by {label} instead of 1/sqrt(d_head)",
                               failure.max_error) from None
         raise

@@ -247,12 +247,56 @@ def test_fidelity_validates_tracemalloc_and_rss_against_the_dense_formula_in_own
 def test_fidelity_compares_the_sweep_with_torch_utils_benchmark_and_alone():
     pytest.importorskip("torch")
     from mha_harness.bench.fidelity import timing_agreement
-    rows = timing_agreement([NumpyTiled(), NumpyNaive()], BenchConfig(**SMALL), seq_lens=(64,),
-                            log=lambda *a, **k: None)
+    rows = timing_agreement([NumpyTiled(), NumpyNaive()], BenchConfig(**SMALL), seq_lens=(64,), rounds=2,
+                            autorange_s=0.2, log=lambda *a, **k: None)
     assert [r["backend"] for r in rows] == ["numpy-tiled", "numpy-naive"]
     for row in rows:
         assert row["sweep_median_s"] > 0 and row["alone_median_s"] > 0 and row["autorange_median_s"] > 0
         assert {"sweep_over_autorange", "within_10pct", "sweep_over_alone", "within_5pct"} <= set(row)
+        assert len(row["rounds"]) == 2
+        assert all(f["sweep_s"] and f["alone_s"] and f["autorange_s"] for f in row["rounds"])
+        assert [f["order"] for f in row["rounds"]] == ["sweep first", "alone first"]
+        # the figure is the median of ratios taken within a round, not a ratio of figures minutes apart
+        per_round = [f["sweep_s"] / f["autorange_s"] for f in row["rounds"]]
+        assert row["sweep_over_autorange"] == pytest.approx(sum(per_round) / 2, rel=1e-3)
+
+
+def _spin_then_sleep(busy_s: float, spinning=None):
+    if spinning is not None:
+        spinning.set()
+    end = time.perf_counter() + busy_s
+    while time.perf_counter() < end:
+        pass
+    time.sleep(60)
+
+
+def test_the_next_turn_waits_until_other_workers_stop_spinning():
+    """A process that keeps a core busy (a thread pool spin-waiting after its call) delays the next turn until it is
+    idle; one that never stops is waited for up to the limit and reported as not settled."""
+    import multiprocessing
+
+    from mha_harness.bench.worker import wait_until_idle
+    context = multiprocessing.get_context("spawn")
+    spinning = context.Event()
+    spinner = context.Process(target=_spin_then_sleep, args=(1.0, spinning), daemon=True)
+    spinner.start()
+    try:
+        assert spinning.wait(60)
+        waited, settled = wait_until_idle([spinner.pid], limit_s=10.0)
+        assert settled and 0.2 < waited < 5.0
+        waited, settled = wait_until_idle([spinner.pid], limit_s=10.0)
+        assert settled and waited < 0.2  # idle now: one window
+    finally:
+        spinner.kill()
+    spinning = context.Event()
+    forever = context.Process(target=_spin_then_sleep, args=(120.0, spinning), daemon=True)
+    forever.start()
+    try:
+        assert spinning.wait(60)
+        waited, settled = wait_until_idle([forever.pid], limit_s=0.3)
+        assert not settled and waited >= 0.3
+    finally:
+        forever.kill()
 
 
 def test_a_bench_worker_reports_systemexit_and_keyboardinterrupt_from_plugin_code_as_errors():

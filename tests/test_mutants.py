@@ -108,7 +108,15 @@ def test_mutation_score_counts_every_mutant():
     score = mutation_score(mutant_backends(), cases=["check_scores_scaled_by_sqrt_d_head"])
     assert score["total"] == len(MUTANTS)
     caught = {row["name"] for row in score["mutants"] if row["caught_by"]}
-    assert {"mutant-scale-sqrt-d-model", "mutant-no-scale"} <= caught
+    assert {"mutant-scale-sqrt-d-model", "mutant-no-scale", "mutant-scale-inverse-d-head"} <= caught
+
+
+def test_a_scale_bug_is_named_as_such_by_the_large_logits_case_not_as_a_missing_max_subtraction():
+    """Scores divided by d_head stay finite with large logits; the stability case names the scale it matches
+    instead of blaming the softmax (a stranger's 1/d_head plugin read "must subtract the row maximum" first)."""
+    report = quick_report("mutant-scale-inverse-d-head", cases=("check_large_logits_stay_finite_and_correct",))
+    failures = report.failures()
+    assert failures and all("1/d_head" in f.message and "row maximum" not in f.message for f in failures)
 
 
 def test_mutants_are_not_registered_by_default():

@@ -1,10 +1,11 @@
 """Figures that show the benchmarks measure what they claim (``mha-harness fidelity``).
 
 1. **Timing against torch.utils.benchmark.** For every CPU backend at T = 512 and 2048: the median of
-   ``mha-harness bench`` with all backends interleaved ("sweep"), the same engine with this backend alone
-   ("alone"), and torch.utils.benchmark's ``adaptive_autorange`` on the very same prepared callable, alone in
-   the backend's own worker. Targets: sweep within +-10% of adaptive_autorange; sweep within +-5% of alone
-   (the interleaving does not slow a backend down).
+   ``mha-harness bench``'s engine with all backends interleaved ("sweep"), the same engine with this backend
+   alone ("alone"), and torch.utils.benchmark's ``adaptive_autorange`` on the very same prepared callable in
+   the backend's own worker. The three alternate over several rounds and are compared within each round
+   (seconds apart, so the machine's drift over minutes does not enter a ratio). Targets: sweep within +-10% of
+   adaptive_autorange; sweep within +-5% of alone (the interleaving does not slow a backend down).
 2. **Memory methods against analytical figures.** Each method the benchmarks use measures a dense kernel whose
    allocations can be counted, at T = 1024 and 2048, in the backend's own worker; target within +-10% of
    a*B*H*T^2*s + b*B*T*d_model*s (score-sized and projection-sized buffers live at the peak, s the itemsize):
@@ -27,11 +28,13 @@ from pathlib import Path
 
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import ITEMSIZE, Shape
-from mha_harness.bench.sweep import MEASURED, BenchConfig, run_bench
+from mha_harness.bench.sweep import MEASURED, BenchConfig, BenchPoint, Sweep, rotated, run_bench
 from mha_harness.bench.worker import BackendWorker, WorkerLost
 from mha_harness.util.atomic import write_json_atomic
 
 TIMING_SEQ_LENS = (512, 2048)
+TIMING_ROUNDS = 4  # sweep, alone and adaptive_autorange alternate this many times per T (A B B A ...)
+AUTORANGE_MAX_RUN_S = 2.0  # adaptive_autorange's max_run_time in one round
 MEMORY_SEQ_LENS = (2048, 4096)
 #: (backend, method, a, b): peak = a*B*H*T^2*s + b*B*T*d_model*s, counted from each kernel's code
 MEMORY_KERNELS = (
@@ -80,36 +83,106 @@ def _ask(worker: BackendWorker, message: tuple, timeout: float = 600):
     return value
 
 
-def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LENS, log=print) -> list[dict]:
-    """Sweep median vs alone vs torch.utils.benchmark adaptive_autorange, per backend and T."""
-    log(f"timing: {len(backends)} backends interleaved at T = {list(seq_lens)} ...", flush=True)
-    sweep = _medians(run_bench(backends, None, seq_lens=seq_lens, config=config, log=_quiet))
+def _round_figures(group) -> dict:
+    return {p.backend: (p.median_s if p.status == MEASURED else None, p.skipped) for p in group}
+
+
+def _median_or_none(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _sweep_phase(sweep: Sweep, backends: list, t: int) -> dict:
+    """Every backend interleaved at T = t: {name: (median or None, reason)}."""
+    group = [BenchPoint(b.name, "prefill", t, t, t, False, "forward") for b in backends]
+    sweep.run_group(group)
+    return _round_figures(group)
+
+
+def _alone_phase(sweep: Sweep, name: str, t: int, autorange_s: float) -> dict:
+    """One backend with no other backend's turns in between: the engine, then adaptive_autorange on the same
+    prepared callable in the same worker."""
+    figure = {"alone_s": None, "autorange_s": None}
+    if name in sweep.lost_reason:
+        figure["error"] = sweep.lost_reason[name]
+        return figure
+    group = [BenchPoint(name, "prefill", t, t, t, False, "forward")]
+    sweep.run_group(group)
+    figure["alone_s"], why = _round_figures(group)[name]
+    if figure["alone_s"] is None:
+        figure["error"] = f"alone: {why}"
+        return figure
+    probe = group[0]
+    sweep.settle(probe)
+    answer = sweep.ask(probe, ("autorange", probe.key, autorange_s))
+    if answer is None:
+        figure["error"] = f"adaptive_autorange: {probe.skipped}"
+    else:
+        figure["autorange_s"], figure["autorange"] = answer["median_s"], answer
+    return figure
+
+
+def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LENS, *, rounds: int = TIMING_ROUNDS,
+                     autorange_s: float = AUTORANGE_MAX_RUN_S, log=print) -> list[dict]:
+    """Sweep median vs alone vs torch.utils.benchmark adaptive_autorange, per backend and T, measured in alternation.
+
+    One worker per backend holds its prepared callable. For each T, ``rounds`` rounds of: the sweep (every backend
+    interleaved, turn by turn, each with its budget), then, backend by backend in an order that rotates each round,
+    the same engine with that backend alone (no other backend's turns in between) and adaptive_autorange on the
+    same prepared callable in the same worker; odd rounds run the alone phase first (A B B A), so a drift within a
+    round cancels. The figures of a round are seconds apart, so a ratio taken within a round does not carry the
+    machine's drift over minutes (a shared box's speed wanders by 10-20%); the figure reported is the median over
+    rounds of the per-round ratios, and every round's medians are kept.
+    """
+    sweep = Sweep(backends, replace(config), None, {"machine": {"gemm_peak_gflops_float32": None,
+                                                                "memory_bandwidth_gbs": None}}, log=_quiet)
     rows = []
-    for backend in backends:
-        log(f"timing: {backend.name} alone, and torch.utils.benchmark adaptive_autorange ...", flush=True)
-        alone = _medians(run_bench([backend], None, seq_lens=seq_lens, config=config, log=_quiet))
-        worker = BackendWorker(backend, config.threads, max_bytes=config.max_memory_bytes)
-        try:
-            for t in seq_lens:
-                shape = Shape(config.batch, t, t, config.d_model, config.num_heads, config.dtype)
-                row = {"backend": backend.name, "seq_len": t, "sweep_median_s": sweep.get((backend.name, t)),
-                       "alone_median_s": alone.get((backend.name, t))}
-                try:
-                    _ask(worker, ("prepare", "fidelity", shape, config.warm_up_s, config.min_sample_s))
-                    row["autorange"] = _ask(worker, ("autorange", "fidelity", 10.0))
-                    row["autorange_median_s"] = row["autorange"]["median_s"]
-                except (RuntimeError, WorkerLost) as exc:
-                    row["autorange_error"] = str(exc)
-                row["sweep_over_autorange"] = ratio(row["sweep_median_s"], row.get("autorange_median_s"))
-                row["within_10pct"] = within(row["sweep_over_autorange"], 0.10)
-                row["sweep_over_alone"] = ratio(row["sweep_median_s"], row["alone_median_s"])
-                row["within_5pct"] = within(row["sweep_over_alone"], 0.05)
-                row["alone_over_autorange"] = ratio(row["alone_median_s"], row.get("autorange_median_s"))
-                rows.append(row)
-                log(_timing_line(row), flush=True)
-        finally:
-            worker.close()
+    try:
+        for t in seq_lens:
+            figures = {b.name: [] for b in backends}
+            for r in range(rounds):
+                first = "interleaved, then each alone" if r % 2 == 0 else "each alone, then interleaved"
+                log(f"timing: T = {t}, round {r + 1}/{rounds}: {len(backends)} backends {first} (alone: the engine "
+                    "and adaptive_autorange) ...", flush=True)
+                if r % 2 == 0:  # A B B A: the order alternates, so a drift within a round cancels over two rounds
+                    in_sweep = _sweep_phase(sweep, backends, t)
+                    alone = {b.name: _alone_phase(sweep, b.name, t, autorange_s) for b in rotated(list(backends), r)}
+                else:
+                    alone = {b.name: _alone_phase(sweep, b.name, t, autorange_s) for b in rotated(list(backends), r)}
+                    in_sweep = _sweep_phase(sweep, backends, t)
+                for backend in backends:
+                    name = backend.name
+                    figure = {"order": "sweep first" if r % 2 == 0 else "alone first", "sweep_s": in_sweep[name][0],
+                              **alone[name]}
+                    if in_sweep[name][0] is None:
+                        figure["error"] = f"sweep: {in_sweep[name][1]}"
+                    figures[name].append(figure)
+            for backend in backends:
+                rows.append(_timing_row(backend.name, t, figures[backend.name]))
+                log(_timing_line(rows[-1]), flush=True)
+    finally:
+        sweep.close()
     return rows
+
+
+def _timing_row(name: str, t: int, per_round: list[dict]) -> dict:
+    """One backend and T: the per-round figures, their medians, and the medians of the per-round ratios."""
+    row = {"backend": name, "seq_len": t, "rounds": per_round,
+           "sweep_median_s": _median_or_none(f["sweep_s"] for f in per_round),
+           "alone_median_s": _median_or_none(f["alone_s"] for f in per_round),
+           "autorange_median_s": _median_or_none(f["autorange_s"] for f in per_round)}
+    errors = [f["error"] for f in per_round if f.get("error")]
+    if errors:
+        row["errors"] = errors
+    for key, a, b in (("sweep_over_autorange", "sweep_s", "autorange_s"), ("sweep_over_alone", "sweep_s", "alone_s"),
+                      ("alone_over_autorange", "alone_s", "autorange_s")):
+        ratios = [ratio(f[a], f[b]) for f in per_round]
+        row[f"{key}_per_round"] = ratios
+        median = _median_or_none(ratios)
+        row[key] = None if median is None else round(median, 4)
+    row["within_10pct"] = within(row["sweep_over_autorange"], 0.10)
+    row["within_5pct"] = within(row["sweep_over_alone"], 0.05)
+    return row
 
 
 def _ms(x):
@@ -122,8 +195,8 @@ def _timing_line(row: dict) -> str:
             f"{_ms(row.get('alone_median_s'))} ms  adaptive_autorange {_ms(row.get('autorange_median_s'))} ms  "
             f"sweep/autorange {a if a is not None else 'n/a'} {_verdict(row.get('within_10pct'), '+-10%')}  "
             f"sweep/alone {b if b is not None else 'n/a'} {_verdict(row.get('within_5pct'), '+-5%')}")
-    if row.get("autorange_error"):
-        line += f"  (adaptive_autorange: {row['autorange_error']})"
+    if row.get("errors"):
+        line += f"  ({'; '.join(dict.fromkeys(row['errors']))})"
     return line
 
 
@@ -360,14 +433,15 @@ def _log_summary(s: dict, log) -> None:
         log(f"  memory vs XLA memory_analysis: {v['within']}/{v['compared']} within +-10%")
 
 
-def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, timing_budget_s: float = 3.0,
+def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, timing_budget_s: float = 1.0,
                  log=print) -> dict:
     """All four figures and their summary; written to ``<results>/bench/fidelity.json`` after every section."""
     import importlib.util
     config = BenchConfig(threads=threads, budget_s=timing_budget_s)
     doc = {"schema": "mha-harness/fidelity", "schema_version": "2.1", "complete": False, "threads": threads,
            "config": {"batch": config.batch, "d_model": config.d_model, "num_heads": config.num_heads,
-                      "dtype": config.dtype, "timing_budget_s": timing_budget_s}}
+                      "dtype": config.dtype, "timing_budget_s_per_round": timing_budget_s,
+                      "timing_rounds": TIMING_ROUNDS, "autorange_max_run_time_s": AUTORANGE_MAX_RUN_S}}
     path = Path(results_dir) / "bench" / "fidelity.json"
     log("memory methods against analytical figures (each kernel in its own worker):", flush=True)
     _section(doc, "memory", path, log, lambda: memory_validation(registry, config, log=log))

@@ -4,7 +4,8 @@ Every backend runs in its own worker process (mha_harness.bench.worker) holding 
 the same thread count (mha_harness.bench.threads). For each point (workload shape) the parent asks each worker
 to prepare, warm up and calibrate the call (calls per sample so that a sample lasts ``min_sample_s``), then
 interleaves them: round after round, in an order that rotates each round, each backend still open takes one
-turn of samples while the others wait idle on a pipe read, until its 95% confidence interval of the median is
+turn (one untimed call, then its samples) while the others wait idle on a pipe read (the parent first waits until
+their thread pools have stopped spin-waiting), until its 95% confidence interval of the median is
 within +-``ci_rel`` (mha_harness.bench.stats) or its time budget for the point is spent (``budget_exhausted``).
 After the timings, each worker measures the peak extra memory of one call of each of its points with the
 backend's own method, in its own process. Throughput comes from mha_harness.bench.metrics.
@@ -37,7 +38,7 @@ from mha_harness.bench.metrics import (
     metrics,
 )
 from mha_harness.bench.threads import DEFAULT_THREADS, apply_threads, thread_report
-from mha_harness.bench.worker import CRASHED, OUT_OF_MEMORY, TIMEOUT, BackendWorker, WorkerLost
+from mha_harness.bench.worker import CRASHED, OUT_OF_MEMORY, TIMEOUT, BackendWorker, WorkerLost, wait_until_idle
 from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
 
 DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
@@ -94,6 +95,8 @@ class BenchPoint:
     min_s: float | None = None
     max_s: float | None = None
     first_call_s: float | None = None
+    settle_s: float = 0.0  # waited before this point's turns for the other workers' threads to stop spinning
+    unsettled_turns: int = 0  # turns that began with another worker still busy after SETTLE_LIMIT_S
     peak_extra_bytes: int | None = None
     memory_method: str | None = None
     memory_resolution_bytes: int | None = None
@@ -224,7 +227,11 @@ class Sweep:
             for point in rotated(open_, r):
                 sample_s = call_s[point.backend] * point.calls_per_sample
                 count = max(1, min(stats.MIN_SAMPLES, round(config.turn_s / max(sample_s, 1e-9))))
-                answer = self.ask(point, ("sample", point.key, count, call_s[point.backend] < 0.05))
+                self.settle(point)
+                # every turn starts with one untimed call (rewarm): after another backend's turn the caches, the thread
+                # pools and the kernel's recycled pages are cold; numpy-naive's first call at T = 2048 paid 1.3-2.5x
+                # for fresh transparent huge pages (measured by mha-harness fidelity), slower than alone
+                answer = self.ask(point, ("sample", point.key, count, True))
                 if answer is None:
                     open_.remove(point)
                     continue
@@ -245,6 +252,15 @@ class Sweep:
                                      memory_bandwidth_gbs=self.doc["machine"]["memory_bandwidth_gbs"]))
             elif point.samples_s:  # lost mid-point: keep what was measured, but it is not a result
                 point.update({"n_samples": len(point.samples_s)})
+
+    def settle(self, point: BenchPoint) -> None:
+        """Before ``point``'s turn, wait until every other backend's worker is idle: thread pools that spin-wait
+        after a call (OpenBLAS ~0.1 s, ONNX Runtime ~0.05 s) would otherwise run next to the one being timed."""
+        others = [w.pid for name, w in self.workers.items() if name != point.backend and w.pid is not None]
+        waited, settled = wait_until_idle(others)
+        point.settle_s = round(point.settle_s + waited, 4)
+        if not settled:
+            point.unsettled_turns += 1
 
     # -- memory
     def measure_memory(self, point: BenchPoint) -> bool:
@@ -543,6 +559,9 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
            "flops_formula": FLOPS_FORMULA, "bytes_formula": BYTES_FORMULA,
            "statistics": {"sample": f"the call repeated until a sample lasts >= {config.min_sample_s} s; "
                                     "value = sample time / calls",
+                          "settle": "before each turn the parent waits until the other backends' workers use under "
+                                    "10% of a core over 20 ms (thread pools that spin-wait after a call have "
+                                    "stopped; at most 2 s): settle_s per point, unsettled_turns when the limit hit",
                           "ci": "95% CI of the median, binomial order statistics (scipy.stats.quantile_test)",
                           "stop": f"CI within +-{config.ci_rel:.0%} of the median, or {config.budget_s} s spent "
                                   f"(at least {stats.MIN_SAMPLES} samples)",

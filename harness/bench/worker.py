@@ -21,6 +21,12 @@ import time
 from contextlib import contextmanager
 
 POLL_S = 0.05
+#: before a backend's turn the other workers must have used less than this fraction of a core over one window of
+#: SETTLE_WINDOW_S: OpenBLAS's threads spin ~0.1 s after each call, ONNX Runtime's ~0.05 s (measured), and a
+#: spinning thread on one of 2 cores would slow whoever is timed next
+SETTLE_WINDOW_S = 0.02
+SETTLE_IDLE_FRACTION = 0.1
+SETTLE_LIMIT_S = 2.0
 #: seconds a new worker may take to start (spawn, import the harness, NumPy and the plugin, unpickle the backend):
 #: like ``check``'s workers, the start is not charged to the first request's ``--bench-timeout``
 STARTUP_TIMEOUT_S = 300.0
@@ -104,7 +110,7 @@ class _Server:
         """``count`` samples of the calibrated size; a sample's value is its time per call."""
         fn, calls = self.prepared[key]
         start = time.perf_counter()
-        if rewarm:  # one untimed call: caches and thread pools wake after another backend's turn
+        if rewarm:  # one untimed call: caches, thread pools and recycled pages wake after another backend's turn
             fn()
         samples = [_time_calls(fn, calls) / calls for _ in range(count)]
         return {"samples_s": samples, "spent_s": time.perf_counter() - start}
@@ -188,6 +194,45 @@ def _time_calls(fn, calls: int) -> float:
 
 # ---------------------------------------------------------------- the parent's handle
 
+def cpu_ns(pid: int) -> int | None:
+    """CPU time used so far by every thread of process ``pid``, in ns (Linux: /proc/<pid>/task/*/schedstat);
+    None where the figure cannot be read (another OS, a process gone)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as handle:
+                total += int(handle.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return total
+
+
+def wait_until_idle(pids: list[int], *, window_s: float = SETTLE_WINDOW_S, idle_fraction: float = SETTLE_IDLE_FRACTION,
+                    limit_s: float = SETTLE_LIMIT_S) -> tuple[float, bool]:
+    """Wait until the processes ``pids`` together use under ``idle_fraction`` of a core over one ``window_s``
+    (their thread pools have stopped spin-waiting), for at most ``limit_s``. (seconds waited, settled)."""
+    start = time.perf_counter()
+    if not pids:
+        return 0.0, True
+    before = [cpu_ns(pid) for pid in pids]
+    if all(b is None for b in before):
+        return 0.0, True  # nothing to read here: cannot wait for it
+    while True:
+        time.sleep(window_s)
+        after = [cpu_ns(pid) for pid in pids]
+        used = sum(abs(a - b) for a, b in zip(after, before) if a is not None and b is not None)
+        waited = time.perf_counter() - start
+        if used < idle_fraction * window_s * 1e9:
+            return waited, True
+        if waited >= limit_s:
+            return waited, False
+        before = after
+
+
 @contextmanager
 def _environment(overrides: dict):
     """The spawned worker copies the parent's environment at start: set it for that moment only."""
@@ -254,6 +299,10 @@ class BackendWorker:
     @property
     def alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.alive else None
 
     def request(self, message: tuple, timeout: float):
         """Send one request and wait for its answer; (status, value) or WorkerLost (the worker is then gone)."""

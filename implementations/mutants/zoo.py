@@ -76,6 +76,11 @@ class ScaleByDModel(NumpyNaiveLoaded):
         return 1.0 / np.sqrt(self.config.d_model)
 
 
+class ScaleByDHead(NumpyNaiveLoaded):
+    def scale(self):
+        return 1.0 / self.config.d_head
+
+
 class NoScale(NumpyNaiveLoaded):
     def scale(self):
         return 1.0
@@ -287,6 +292,8 @@ def _full_width_kv(config: AttentionConfig):
 MUTANTS = (
     Mutant("mutant-split-tokens", "splits tokens instead of features (reshape(h, T, d_head))", SplitTokens, "head"),
     Mutant("mutant-scale-sqrt-d-model", "divides scores by sqrt(d_model)", ScaleByDModel, "sqrt(d_model)"),
+    Mutant("mutant-scale-inverse-d-head", "divides scores by d_head instead of sqrt(d_head)", ScaleByDHead,
+           "1/d_head"),
     Mutant("mutant-no-scale", "leaves scores unscaled", NoScale, "no scaling"),
     Mutant("mutant-no-output-projection", "forgets W_o", NoOutputProjection, "W_o"),
     Mutant("mutant-causal-one-future-token", "causal mask lets one future token through", CausalOneFutureToken,
