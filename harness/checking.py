@@ -164,7 +164,8 @@ def repro(backend, case: str, *, backend_name: str | None = None, **params) -> N
     """Rerun one case variant in this process and raise its failure (the one-line repro in reports).
 
     ``backend``: a registered name or a ``module:object`` spec; ``backend_name`` picks one backend when the spec
-    yields several. Prints ``status: message``; raises :class:`CaseFailure` unless the variant holds."""
+    yields several. Prints ``status: message``; raises :class:`CaseFailure` unless the variant holds. Run as the
+    one-line command (``python -c '...'``), a failure exits with status 1 after that line, without a traceback."""
     from mha_harness.conformance.casekit import CaseFailure
     from mha_harness.conformance.results import HOLDS
     chosen = _case_named(case)
@@ -181,6 +182,10 @@ def repro(backend, case: str, *, backend_name: str | None = None, **params) -> N
     result = run_case(targets[0].backend, chosen, params, spec=targets[0].repro_spec)
     print(f"{result.status}: {result.message}")
     if result.status not in HOLDS:
+        import sys
+        if sys.argv[:1] == ["-c"] and sys.flags.interactive == 0:  # the repro line: its message is the whole story
+            sys.stdout.flush()
+            raise SystemExit(1)
         raise CaseFailure(result.message)
 
 

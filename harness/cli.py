@@ -282,7 +282,7 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
             report.complete = False
             report.write(results_dir / "conformance")
 
-    abandoned = set()
+    abandoned, shown_repro = set(), set()
 
     def progress(result):
         if result.status in ("passed", "skipped", "expected-divergence"):
@@ -294,6 +294,9 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
             return
         print(console_message(f"  {result.status.upper():<8} {result.case}[{result.variant}]: ", result.message),
               flush=True)
+        if result.repro and (result.backend, result.case) not in shown_repro:  # one per case and backend; every
+            shown_repro.add((result.backend, result.case))  # variant's is in conformance.md and .json
+            print(f"           repro: {result.repro}", flush=True)
 
     isolate = not getattr(args, "no_isolate", False)
     runnable = [n for n in names if registry.get(n).backend is not None]

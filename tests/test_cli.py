@@ -145,6 +145,20 @@ def test_check_console_shows_the_whole_failure_message_with_its_diagnosis(tmp_pa
     text = " ".join(out.stdout.split())
     assert "the output matches scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)" in text, out.stdout
     assert max(len(line) for line in out.stdout.splitlines() if "FAILED" in line) <= 120
+    assert out.stdout.count("repro: python -c 'import mha_harness;") == 1
+
+
+def test_check_console_gives_each_failing_case_one_repro_line(tmp_path):
+    """The first failing variant of each case and backend gets its one-line repro on the console (every variant's
+    is in conformance.md and the JSON), not one per variant."""
+    (tmp_path / "leaky.py").write_text(
+        "from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend\n"
+        "Broken = MutantBackend(next(m for m in MUTANTS if m.name == 'mutant-causal-one-future-token'))\n")
+    out = run_cli("check", "--backend-spec", "leaky:Broken", "--case", "check_causal_mask_blocks_future_keys",
+                  "--results", tmp_path / "results", cwd=tmp_path, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.count("FAILED") > 1, out.stdout
+    assert out.stdout.count("repro: python -c 'import mha_harness; mha_harness.repro(") == 1, out.stdout
 
 
 def test_console_message_wraps_and_caps_a_long_message():

@@ -22,14 +22,16 @@
 """
 from __future__ import annotations
 
+import os
 import statistics
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import ITEMSIZE, Shape
 from mha_harness.bench.sweep import MEASURED, BenchConfig, BenchPoint, Sweep, rotated, run_bench
-from mha_harness.bench.worker import BackendWorker, WorkerLost
+from mha_harness.bench.worker import BackendWorker, WorkerLost, cpu_ns
 from mha_harness.util.atomic import write_json_atomic
 
 TIMING_SEQ_LENS = (512, 2048)
@@ -92,6 +94,36 @@ def _median_or_none(values):
     return statistics.median(values) if values else None
 
 
+def _box_cpu_s() -> tuple[float, float] | None:
+    """(busy, steal) CPU seconds of the whole machine so far (Linux /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat") as handle:
+            values = [int(v) for v in handle.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+def _own_cpu_s(sweep: Sweep) -> float:
+    """CPU seconds used so far by this process, its finished children and the live benchmark workers."""
+    t = os.times()
+    workers = sum((cpu_ns(w.pid) or 0) for w in sweep.workers.values() if w.pid is not None) / 1e9
+    return t.user + t.system + t.children_user + t.children_system + workers
+
+
+def _conditions(box_before, own_before: float, sweep: Sweep, seconds: float) -> dict:
+    """How busy the rest of the machine was during a round: a ratio measured next to other work says so."""
+    box_after, own_after = _box_cpu_s(), _own_cpu_s(sweep)
+    out = {"seconds": round(seconds, 1), "other_cpu_s": None, "steal_s": None}
+    if box_before and box_after:
+        # workers restarted in the round lose their earlier CPU time: the figure can only err towards "busier"
+        out["other_cpu_s"] = round(max(0.0, (box_after[0] - box_before[0]) - (own_after - own_before)), 1)
+        out["steal_s"] = round(box_after[1] - box_before[1], 2)
+    return out
+
+
 def _sweep_phase(sweep: Sweep, backends: list, t: int) -> dict:
     """Every backend interleaved at T = t: {name: (median or None, reason)}."""
     group = [BenchPoint(b.name, "prefill", t, t, t, False, "forward") for b in backends]
@@ -144,16 +176,21 @@ def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LE
                 first = "interleaved, then each alone" if r % 2 == 0 else "each alone, then interleaved"
                 log(f"timing: T = {t}, round {r + 1}/{rounds}: {len(backends)} backends {first} (alone: the engine "
                     "and adaptive_autorange) ...", flush=True)
+                box, own = _box_cpu_s(), _own_cpu_s(sweep)
+                started = time.perf_counter()
                 if r % 2 == 0:  # A B B A: the order alternates, so a drift within a round cancels over two rounds
                     in_sweep = _sweep_phase(sweep, backends, t)
                     alone = {b.name: _alone_phase(sweep, b.name, t, autorange_s) for b in rotated(list(backends), r)}
                 else:
                     alone = {b.name: _alone_phase(sweep, b.name, t, autorange_s) for b in rotated(list(backends), r)}
                     in_sweep = _sweep_phase(sweep, backends, t)
+                conditions = _conditions(box, own, sweep, time.perf_counter() - started)
+                log(f"  round {r + 1}: {conditions['seconds']} s; other processes used {conditions['other_cpu_s']} "
+                    f"CPU-s, steal {conditions['steal_s']} s", flush=True)
                 for backend in backends:
                     name = backend.name
                     figure = {"order": "sweep first" if r % 2 == 0 else "alone first", "sweep_s": in_sweep[name][0],
-                              **alone[name]}
+                              **alone[name], "round_conditions": conditions}
                     if in_sweep[name][0] is None:
                         figure["error"] = f"sweep: {in_sweep[name][1]}"
                     figures[name].append(figure)
