@@ -382,3 +382,21 @@ def test_a_loaded_attention_made_without_load_says_how_to_make_one():
     assert loaded.forward(make_inputs(params.config, 1, 4)).output.shape == (1, 4, 16)
     assert NumpyNaive().load(params).forward(make_inputs(params.config, 1, 4)).output.shape == (1, 4, 16)
     assert "implement ``load_native``" in mha_harness.AttentionBackend.__doc__
+
+
+def test_a_causal_case_on_a_backend_without_causal_names_the_missing_capability():
+    """The skip reason names what the backend did not declare, not "no parameters this case can run with"."""
+    import dataclasses
+
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+
+    class NoCausal(NumpyNaive):
+        name = "numpy-no-causal"
+
+        @property
+        def capabilities(self):
+            return dataclasses.replace(super().capabilities, causal_alignments=())
+
+    report = mha_harness.check(NoCausal(), cases=["check_causal_mask_blocks_future_keys"])
+    assert report.results and all(r.status == "skipped" for r in report.results)
+    assert all("does not declare capability 'causal'" in r.message for r in report.results), report.results[0].message

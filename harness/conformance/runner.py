@@ -86,11 +86,11 @@ def divergence_problems(backend: AttentionBackend) -> list[str]:
 def declared_skip(backend, case: Case, params: dict) -> tuple[str, str | None] | None:
     """(reason, observed) when the variant skips on the backend's declarations alone (no plugin call is needed:
     a capability not declared, no runnable parameters, a case not defined for its input form); else None."""
-    if params.get("unsupported"):
-        return f"{backend.name} declares no parameters this case can run with", None
-    reason = supported(backend, case.requires)
+    reason = supported(backend, case.requires)  # a missing capability is named before "no parameters"
     if reason:
         return reason, None
+    if params.get("unsupported"):
+        return f"{backend.name} declares no parameters this case can run with", None
     reason = form_skip_reason(case.name, case.forms, backend, params.get("form") or backend.capabilities.inputs)
     return (reason, FORM_SKIP) if reason else None
 
@@ -99,11 +99,11 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
     """Run the case once: (status, message, max_error, observed). Plugin faults become errors, never raise;
     :class:`~mha_harness.conformance.isolation.WorkerLost` (a lost worker) propagates."""
     try:
-        if params.get("unsupported"):
-            raise CaseSkipped(f"{backend.name} declares no parameters this case can run with")
         reason = supported(backend, case.requires)
         if reason:
             raise CaseSkipped(reason)
+        if params.get("unsupported"):
+            raise CaseSkipped(f"{backend.name} declares no parameters this case can run with")
         measurement = case.func(backend, **{k: v for k, v in params.items() if k != "unsupported"})
         if isinstance(measurement, Measurement):
             return Status.PASSED, "", measurement.max_error, measurement.observed
