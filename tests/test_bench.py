@@ -361,8 +361,10 @@ def test_tiled_vs_naive_shows_missing_and_below_resolution_readings_instead_of_c
 
 def test_fidelity_summary_counts_only_what_was_compared():
     from mha_harness.bench.fidelity import summary
+    busy = [{"round_conditions": {"seconds": 10.0, "other_cpu_s": 2.5, "steal_s": 0.1}},
+            {"round_conditions": {"seconds": 20.0, "other_cpu_s": 1.0, "steal_s": 0.2}}]
     doc = {"timing": [{"backend": "a", "seq_len": 512, "sweep_over_autorange": 1.04, "within_10pct": True,
-                       "sweep_over_alone": 1.08, "within_5pct": False},
+                       "sweep_over_alone": 1.08, "within_5pct": False, "rounds": busy},
                       {"backend": "b", "seq_len": 512, "sweep_over_autorange": None, "within_10pct": None,
                        "sweep_over_alone": None, "within_5pct": None}],
            "memory": [{"backend": "n", "method": "rss", "seq_len": 2048, "within_10pct": True,
@@ -373,6 +375,8 @@ def test_fidelity_summary_counts_only_what_was_compared():
     assert s["sweep_over_autorange"]["within"] == 1 and s["sweep_over_autorange"]["compared"] == 1
     assert s["sweep_over_autorange"]["not_compared"] == ["b T=512"]
     assert s["sweep_over_alone"]["within"] == 0 and s["sweep_over_alone"]["worst"]["ratio"] == 1.08
+    # how busy the rest of the box was: the busiest round's other-process CPU per second, and the steal
+    assert s["timing_conditions"] == {"rounds": 2, "max_other_cores": 0.25, "steal_s": 0.3}
     rss = s["memory_vs_formula"]["methods"]["rss"]
     assert (rss["within"], rss["compared"]) == (1, 1) and "below resolution" in rss["not_compared"][0]
     assert s["memory_vs_formula"]["methods"]["cuda"]["not_compared"] == ["g: no CUDA device"]

@@ -428,6 +428,12 @@ def summary(doc: dict) -> dict:
                         "worst": None if worst is None else {"backend": worst["backend"], "seq_len": worst["seq_len"],
                                                              "ratio": worst[key]},
                         "not_compared": [f"{r['backend']} T={r['seq_len']}" for r in missing]}
+        rounds = {(r["seq_len"], i): f["round_conditions"] for r in timing for i, f in enumerate(r.get("rounds", []))
+                  if f.get("round_conditions", {}).get("other_cpu_s") is not None}
+        if rounds:  # CPU seconds of other processes per second of measurement: 1.0 is one core kept busy
+            load = max(c["other_cpu_s"] / c["seconds"] for c in rounds.values() if c["seconds"])
+            out["timing_conditions"] = {"rounds": len(rounds), "max_other_cores": round(load, 2),
+                                        "steal_s": round(sum(c["steal_s"] for c in rounds.values()), 2)}
     else:
         out["timing"] = timing
     memory = doc.get("memory")
@@ -460,6 +466,10 @@ def _log_summary(s: dict, log) -> None:
         worst_text = f"; worst {worst['backend']} T={worst['seq_len']}: {worst['ratio']}" if worst else ""
         missing = f"; not compared: {', '.join(v['not_compared'])}" if v["not_compared"] else ""
         log(f"  {label}: {v['within']}/{v['compared']} within {v['target']}{worst_text}{missing}")
+    if "timing_conditions" in s:
+        c = s["timing_conditions"]
+        log(f"  while timing: other processes kept up to {c['max_other_cores']} cores busy in a round "
+            f"({c['rounds']} rounds), steal {c['steal_s']} s in all")
     if "timing" in s:
         log(f"  timing: {s['timing']}")
     for method, v in s.get("memory_vs_formula", {}).get("methods", {}).items():
