@@ -122,3 +122,11 @@ def test_a_scale_bug_is_named_as_such_by_the_large_logits_case_not_as_a_missing_
 def test_mutants_are_not_registered_by_default():
     names = mha_harness.load_registry().names()
     assert not [n for n in names if n.startswith("mutant-")]
+
+
+def test_every_mutant_backend_pickles_for_the_isolated_workers():
+    """`mha-harness search --mutants` sends each backend to a worker pickled: the per-form classes made at import
+    must be found by name (one was not, and the search stopped with a PicklingError)."""
+    import pickle
+    for backend in mutant_backends():
+        assert type(pickle.loads(pickle.dumps(backend))) is type(backend)

@@ -341,6 +341,7 @@ def in_every_form(mutant: Mutant, forms=INPUT_FORMS) -> tuple[Mutant, ...]:
             continue
         module = MODULES[form]
         loaded = type(f"{mutant.loaded.__name__}{module.__name__}", (mutant.loaded, module), {})
+        globals()[loaded.__name__] = loaded  # picklable by name: the isolated workers receive the backend pickled
         out.append(Mutant(f"{mutant.name}-{form.replace('_', '-')}", f"{mutant.bug}, in a {FORM_WORDS[form]}", loaded,
                           mutant.message_mentions, mutant.gradients, mutant.parameter_shapes, inputs=form))
     return tuple(out)
