@@ -156,3 +156,36 @@ def test_direct_library_call_is_optional_and_refusals_are_unsupported():
         from mha_harness.implementations.torch_sdpa import TorchSdpa
         with pytest.raises(Unsupported, match="no masks other than top-left causal"):
             TorchSdpa("math").direct_callable(inputs.replace(causal="bottom-right"), params)
+
+
+@jax_only
+@pytest.mark.parametrize("name", ["jax-explicit", "jax-dpa", "flax-mha"])
+def test_jax_vjp_is_one_program_per_configuration_and_shape(name):
+    """Gradients come from one jitted program (forward and backward together) per layer configuration and input
+    shape, shared by every layer loaded with that configuration; it keeps no layer's parameters alive."""
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.contract.params import make_inputs, make_params
+    from mha_harness.contract.reference import reference_vjp
+    from mha_harness.implementations import _jax_common
+    backend = mha_harness.load_registry().get(name).backend
+    config = AttentionConfig(16, 2)
+    inputs = make_inputs(config, 2, 5, 7, seed=3)
+    cotangent = np.random.default_rng(4).standard_normal((2, 5, 16))
+    for seed in (1, 2):  # a second layer, other parameters, same configuration
+        params = make_params(config, seed=seed)
+        got = backend.load(params, dtype="float64").vjp(inputs, cotangent)
+        exact = reference_vjp(params, inputs, cotangent)
+        for grad_name, expected in exact.items():
+            np.testing.assert_allclose(got[grad_name], expected, rtol=1e-6, atol=1e-6, err_msg=grad_name)
+    programs = [(key, p) for key, p in _jax_common._VJP_PROGRAMS.items() if key[1] is backend]
+    assert len(programs) == 1
+    assert programs[0][1]._cache_size() == 1  # one compiled program for both layers
+    layers = _closure_layers(programs[0][1])
+    assert layers and all(layer.params is None for layer in layers)
+
+
+def _closure_layers(program):
+    """The loaded layers a jitted vjp's traced function closes over."""
+    from mha_harness.implementations._jax_common import JaxLoaded
+    fn = getattr(program, "__wrapped__", program)
+    return [c.cell_contents for c in (fn.__closure__ or ()) if isinstance(c.cell_contents, JaxLoaded)]
