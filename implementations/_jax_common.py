@@ -180,6 +180,7 @@ def _jitted_vjp(jax, proto: JaxLoaded, static: dict):
 class JaxBackend(AttentionBackend):
     device = "cpu"
     needs_flax = False
+    compiles_per_shape = True  # XLA compiles one program per shape and dtype
 
     @property
     def memory_method(self) -> str:
