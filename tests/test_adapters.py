@@ -189,3 +189,37 @@ def _closure_layers(program):
     from mha_harness.implementations._jax_common import JaxLoaded
     fn = getattr(program, "__wrapped__", program)
     return [c.cell_contents for c in (fn.__closure__ or ()) if isinstance(c.cell_contents, JaxLoaded)]
+
+
+@jax_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_explicit_nan_safe_values_product_equals_three_products(dtype):
+    """jax-explicit's NaN/inf-safe P @ V finds the NaN, +inf and -inf hits with one product over the three
+    indicator matrices side by side: bitwise what three separate products give, outputs and gradients."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from mha_harness.implementations.jax_explicit import _weighted_values
+
+    def three_products(p, v):  # the earlier formulation, under the same lax.cond
+        def safe(p, v):
+            out = p @ jnp.where(jnp.isfinite(v), v, 0)
+            touched = (p != 0).astype(v.dtype)
+            out = jnp.where(touched @ (v == jnp.inf).astype(v.dtype) > 0, out + jnp.inf, out)
+            out = jnp.where(touched @ (v == -jnp.inf).astype(v.dtype) > 0, out - jnp.inf, out)
+            return jnp.where(touched @ jnp.isnan(v).astype(v.dtype) > 0, jnp.nan, out)
+        return lax.cond(jnp.all(jnp.isfinite(v)), lambda p, v: p @ v, safe, p, v)
+
+    rng = np.random.default_rng(0)
+    p = rng.random((2, 3, 7, 9))
+    p[rng.random(p.shape) < 0.4] = 0
+    v = rng.standard_normal((2, 3, 9, 5))
+    v[rng.random(v.shape) < 0.2] = np.nan
+    v[0, 0, 2], v[1, 2, 5, 1] = np.inf, -np.inf
+    p, v = jnp.asarray(p, dtype), jnp.asarray(v, dtype)
+    cotangent = jnp.asarray(rng.standard_normal((2, 3, 7, 5)), dtype)
+    got, pull_got = jax.vjp(lambda p, v: _weighted_values(jnp, lax, p, v), p, v)
+    want, pull_want = jax.vjp(three_products, p, v)
+    for a, b in zip((got, *pull_got(cotangent)), (want, *pull_want(cotangent))):
+        np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
