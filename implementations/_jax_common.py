@@ -2,12 +2,15 @@
 
 jax is imported lazily. Compiled functions are module-level ``jax.jit`` objects, so XLA's
 cache is keyed by shape and shared by every loaded layer: the suite compiles each shape once.
+The vjp is one jitted program per layer configuration too (forward and backward together), cached the same way.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import os
+import threading
 
 import numpy as np
 
@@ -104,15 +107,30 @@ class JaxLoaded(LoadedAttention):
             return self._vjp(inputs, cotangent)
 
     def _vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
-        arrays = self.native_inputs(inputs)
-
-        def f(params, q, k, v):
-            return self.call(params, {**arrays, "query": q, "key": k, "value": v}, False)[0]
-        _, pullback = self.jax.vjp(f, self.params, arrays["query"], arrays["key"], arrays["value"])
-        g_params, gq, gk, gv = pullback(self.array(cotangent))
+        native = self.native_inputs(inputs)
+        static = {k: v for k, v in native.items() if isinstance(v, (bool, int, str))}
+        arrays = {k: v for k, v in native.items() if k not in static}
+        g_params, gq, gk, gv = self.vjp_program(static)(self.params, arrays, self.array(cotangent))
         out = {"query": self.to_numpy(gq), "key": self.to_numpy(gk), "value": self.to_numpy(gv)}
+        # to NumPy before the layout change: reshaping device arrays would run (and compile) one op at a time
+        g_params = self.jax.tree_util.tree_map(np.asarray, g_params)
         out.update({n: self.to_numpy(g) for n, g in self.canonical_gradients(g_params).items()})
         return out
+
+    def vjp_program(self, static: dict):
+        """The jitted ``(params, arrays, cotangent) -> (d params, d query, d key, d value)`` of this layer's ``call``
+        with the ``static`` options: forward and backward in ONE compiled program per input shape (eager
+        ``jax.vjp`` of the jitted forward compiles two: the forward with its residuals, then the transpose).
+
+        Cached per (layer type, backend, config, dtype, static options), everything ``call`` may depend on besides
+        its arguments, so every layer with that configuration shares it; the traced ``call`` belongs to a copy of
+        this layer without its parameters (the cache must not keep them alive)."""
+        key = (type(self), self.backend, self.config, self.dtype_name, tuple(sorted(static.items())))
+        with _VJP_LOCK:
+            program = _VJP_PROGRAMS.get(key)
+            if program is None:
+                program = _VJP_PROGRAMS[key] = _jitted_vjp(self.jax, _without_params(self), static)
+        return program
 
     def prepare(self, inputs: AttentionInputs, *, backward: bool = False):
         jax = self.jax
@@ -139,9 +157,30 @@ class JaxLoaded(LoadedAttention):
         return run
 
 
+#: jitted vjp programs by layer configuration (:meth:`JaxLoaded.vjp_program`)
+_VJP_PROGRAMS: dict = {}
+_VJP_LOCK = threading.Lock()
+
+
+def _without_params(loaded: JaxLoaded) -> JaxLoaded:
+    proto = copy.copy(loaded)
+    proto.params = None
+    return proto
+
+
+def _jitted_vjp(jax, proto: JaxLoaded, static: dict):
+    def vjp(params, arrays, cotangent):
+        def forward(params, q, k, v):
+            return proto.call(params, {**arrays, **static, "query": q, "key": k, "value": v}, False)[0]
+        _, pullback = jax.vjp(forward, params, arrays["query"], arrays["key"], arrays["value"])
+        return pullback(cotangent)
+    return jax.jit(vjp)
+
+
 class JaxBackend(AttentionBackend):
     device = "cpu"
     needs_flax = False
+    compiles_per_shape = True  # XLA compiles one program per shape and dtype
 
     @property
     def memory_method(self) -> str:

@@ -109,8 +109,10 @@ class FlaxMha(JaxBackend):
         import jax
         import jax.numpy as jnp
         module = _module(config.num_heads, config.d_model, config.bias, "float32")
-        x = jnp.zeros((1, 2, config.d_model), jnp.float32)
-        tree = module.init(jax.random.key(0), x, x, x)["params"]
+        x = jax.ShapeDtypeStruct((1, 2, config.d_model), jnp.float32)
+        # the module's own init, evaluated abstractly: the same param tree's shapes without running (and compiling,
+        # op by op) the initialisers
+        tree = jax.eval_shape(module.init, jax.random.key(0), x, x, x)["params"]
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         return {jax.tree_util.keystr(path): tuple(np.shape(leaf)) for path, leaf in leaves}
 

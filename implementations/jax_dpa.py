@@ -73,12 +73,25 @@ class JaxDpaLoaded(JaxLoaded):
         try:
             return fn(params, a["query"], a["key"], a["value"], a["mask"], a["bias"])
         except Exception as exc:  # noqa: BLE001 - only jax's own refusals are turned into skips
-            text = str(exc)
-            if "not supported" in text.lower() or self.backend.implementation == "cudnn":
-                raise Unsupported(f"jax refuses dot_product_attention(implementation={self.backend.implementation!r}) "
-                                  f"in {self.dtype_name} on {self.backend.device} for this input: "
-                                  f"{text.splitlines()[0][:200]}") from None
+            self._refused(exc)
             raise
+
+    def _vjp(self, inputs: AttentionInputs, cotangent):
+        try:  # the jitted vjp compiles after tracing ``call``: a refusal at compile time is a skip too
+            return super()._vjp(inputs, cotangent)
+        except Unsupported:
+            raise
+        except Exception as exc:  # noqa: BLE001 - only jax's own refusals are turned into skips
+            self._refused(exc)
+            raise
+
+    def _refused(self, exc: Exception) -> None:
+        """Raise Unsupported when ``exc`` is jax refusing this implementation for the input."""
+        text = str(exc)
+        if "not supported" in text.lower() or self.backend.implementation == "cudnn":
+            raise Unsupported(f"jax refuses dot_product_attention(implementation={self.backend.implementation!r}) "
+                              f"in {self.dtype_name} on {self.backend.device} for this input: "
+                              f"{(text.splitlines() or [''])[0][:200]}") from None
 
     def canonical_gradients(self, grads) -> dict:
         return dict(grads)

@@ -20,9 +20,15 @@ def _weighted_values(jnp, lax, p, v):
         finite = jnp.isfinite(v)
         out = p @ jnp.where(finite, v, 0)
         touched = (p != 0).astype(v.dtype)
-        nan_hit = touched @ jnp.isnan(v).astype(v.dtype) > 0
-        out = jnp.where(touched @ (v == jnp.inf).astype(v.dtype) > 0, out + jnp.inf, out)
-        out = jnp.where(touched @ (v == -jnp.inf).astype(v.dtype) > 0, out - jnp.inf, out)
+        # which outputs a NaN, +inf or -inf value reaches with nonzero weight: one product with the three indicator
+        # matrices side by side (each column is its own sum, so this equals three separate products; one dot
+        # instead of three roughly halves the branch's XLA compile time)
+        kinds = jnp.concatenate([jnp.isnan(v), v == jnp.inf, v == -jnp.inf], axis=-1).astype(v.dtype)
+        hit = touched @ kinds > 0
+        width = v.shape[-1]
+        nan_hit, pos_hit, neg_hit = hit[..., :width], hit[..., width:2 * width], hit[..., 2 * width:]
+        out = jnp.where(pos_hit, out + jnp.inf, out)
+        out = jnp.where(neg_hit, out - jnp.inf, out)
         return jnp.where(nan_hit, jnp.nan, out)
     return lax.cond(jnp.all(jnp.isfinite(v)), lambda p, v: p @ v, safe, p, v)
 

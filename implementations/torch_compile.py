@@ -60,6 +60,7 @@ class TorchCompileLoaded(TorchEagerLoaded):
 class TorchCompile(TorchBackend):
     opt_in = ("torch.compile (inductor) compiles the layer per dtype and mask kind: minutes on 2 cores, "
               "even from its cache")
+    compiles_per_shape = True  # inductor compiles per dtype and mask kind
     native_causal = "explicit masks in both alignments (the eager layer's)"
     native_mask_polarity = MASK_POLARITY  # the eager layer takes the harness's masks as they are
 

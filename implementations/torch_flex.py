@@ -225,6 +225,7 @@ class TorchFlexLoaded(LinearTorchLoaded):
 
 class TorchFlex(TorchBackend):
     opt_in = "compiles one FlexAttention graph per shape bucket and mask kind: minutes on 2 cores the first time"
+    compiles_per_shape = True  # one FlexAttention graph per shape bucket and mask kind
     divergences = POISON_DIVERGENCES
     native_mask_polarity = "mask_mod returns True = take part in attention; additive masks through score_mod"
     native_causal = "no flag: causal is a mask_mod (q_idx + offset >= kv_idx) in a BlockMask, both alignments"

@@ -156,3 +156,70 @@ def test_direct_library_call_is_optional_and_refusals_are_unsupported():
         from mha_harness.implementations.torch_sdpa import TorchSdpa
         with pytest.raises(Unsupported, match="no masks other than top-left causal"):
             TorchSdpa("math").direct_callable(inputs.replace(causal="bottom-right"), params)
+
+
+@jax_only
+@pytest.mark.parametrize("name", ["jax-explicit", "jax-dpa", "flax-mha"])
+def test_jax_vjp_is_one_program_per_configuration_and_shape(name):
+    """Gradients come from one jitted program (forward and backward together) per layer configuration and input
+    shape, shared by every layer loaded with that configuration; it keeps no layer's parameters alive."""
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.contract.params import make_inputs, make_params
+    from mha_harness.contract.reference import reference_vjp
+    from mha_harness.implementations import _jax_common
+    backend = mha_harness.load_registry().get(name).backend
+    config = AttentionConfig(16, 2)
+    inputs = make_inputs(config, 2, 5, 7, seed=3)
+    cotangent = np.random.default_rng(4).standard_normal((2, 5, 16))
+    for seed in (1, 2):  # a second layer, other parameters, same configuration
+        params = make_params(config, seed=seed)
+        got = backend.load(params, dtype="float64").vjp(inputs, cotangent)
+        exact = reference_vjp(params, inputs, cotangent)
+        for grad_name, expected in exact.items():
+            np.testing.assert_allclose(got[grad_name], expected, rtol=1e-6, atol=1e-6, err_msg=grad_name)
+    programs = [(key, p) for key, p in _jax_common._VJP_PROGRAMS.items() if key[1] is backend]
+    assert len(programs) == 1
+    assert programs[0][1]._cache_size() == 1  # one compiled program for both layers
+    layers = _closure_layers(programs[0][1])
+    assert layers and all(layer.params is None for layer in layers)
+
+
+def _closure_layers(program):
+    """The loaded layers a jitted vjp's traced function closes over."""
+    from mha_harness.implementations._jax_common import JaxLoaded
+    fn = getattr(program, "__wrapped__", program)
+    return [c.cell_contents for c in (fn.__closure__ or ()) if isinstance(c.cell_contents, JaxLoaded)]
+
+
+@jax_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_explicit_nan_safe_values_product_equals_three_products(dtype):
+    """jax-explicit's NaN/inf-safe P @ V finds the NaN, +inf and -inf hits with one product over the three
+    indicator matrices side by side: bitwise what three separate products give, outputs and gradients."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from mha_harness.implementations.jax_explicit import _weighted_values
+
+    def three_products(p, v):  # the earlier formulation, under the same lax.cond
+        def safe(p, v):
+            out = p @ jnp.where(jnp.isfinite(v), v, 0)
+            touched = (p != 0).astype(v.dtype)
+            out = jnp.where(touched @ (v == jnp.inf).astype(v.dtype) > 0, out + jnp.inf, out)
+            out = jnp.where(touched @ (v == -jnp.inf).astype(v.dtype) > 0, out - jnp.inf, out)
+            return jnp.where(touched @ jnp.isnan(v).astype(v.dtype) > 0, jnp.nan, out)
+        return lax.cond(jnp.all(jnp.isfinite(v)), lambda p, v: p @ v, safe, p, v)
+
+    rng = np.random.default_rng(0)
+    p = rng.random((2, 3, 7, 9))
+    p[rng.random(p.shape) < 0.4] = 0
+    v = rng.standard_normal((2, 3, 9, 5))
+    v[rng.random(v.shape) < 0.2] = np.nan
+    v[0, 0, 2], v[1, 2, 5, 1] = np.inf, -np.inf
+    p, v = jnp.asarray(p, dtype), jnp.asarray(v, dtype)
+    cotangent = jnp.asarray(rng.standard_normal((2, 3, 7, 5)), dtype)
+    got, pull_got = jax.vjp(lambda p, v: _weighted_values(jnp, lax, p, v), p, v)
+    want, pull_want = jax.vjp(three_products, p, v)
+    for a, b in zip((got, *pull_got(cotangent)), (want, *pull_want(cotangent))):
+        np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))

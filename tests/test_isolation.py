@@ -283,3 +283,37 @@ def test_a_lost_worker_abandons_the_rest_in_one_line_but_declared_skips_stay_ski
     assert len(lines) == 1 and "hostile-exits" in lines[0], out.stdout
     assert "check_batch_items_are_independent" not in out.stdout
     assert "skip reasons: the 'Skipped' section of" in out.stdout  # the summary says where the skips are explained
+
+
+def test_backends_start_longest_first_and_every_one_runs_once(monkeypatch):
+    """run_isolated hands the backends to its ``jobs`` threads in schedule order: those that compile per shape
+    first, then more planned variants first (ties keep the given order); every backend runs exactly once."""
+    from mha_harness.conformance import isolation
+    from mha_harness.conformance.isolation import Target, run_isolated, schedule
+    from mha_harness.conformance.runner import select_cases
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    from mha_harness.implementations.numpy_tiled import NumpyTiled
+
+    class Compiled(NumpyTiled):
+        compiles_per_shape = True
+
+    class FewCases(NumpyNaive):
+        def __init__(self, name):
+            self.name = name
+    small, big, compiled, other_small = FewCases("few-1"), NumpyNaive(), Compiled(), FewCases("few-2")
+    big.name, compiled.name = "many", "compiled"
+    cases = select_cases(["check_output_matches_reference", "check_batch_items_are_independent"])
+    cases_small = select_cases(["check_batch_items_are_independent"])
+    monkeypatch.setattr(FewCases, "capabilities", NumpyNaive.capabilities.__class__(dtypes=("float32",)))
+    targets = [Target(t) for t in (small, big, compiled, other_small)]
+    assert [t.name for t in schedule(targets, cases)] == ["compiled", "many", "few-1", "few-2"]
+    assert [t.name for t in schedule(targets, cases_small)] == ["compiled", "few-1", "many", "few-2"]
+
+    started = []
+    monkeypatch.setattr(isolation, "run_target_isolated",
+                        lambda target, cases, **kw: started.append(target.name) or [])
+    out = run_isolated(targets, cases, jobs=1)
+    assert started == ["compiled", "many", "few-1", "few-2"] and sorted(out) == sorted(started)
+    started.clear()
+    out = run_isolated(targets, cases, jobs=3)
+    assert sorted(started) == sorted(out) == ["compiled", "few-1", "few-2", "many"]

@@ -402,6 +402,25 @@ def _abandoned(target: Target, remainder: list, spec: str | None, progress) -> l
     return out
 
 
+def schedule(targets: list[Target], cases: list[Case]) -> list[Target]:
+    """The order in which backends start: the longest expected first (longest-processing-time-first scheduling),
+    so that on a machine with few cores the slowest backend is not the last to start while the others idle.
+
+    Expected length: backends that compile per shape (``compiles_per_shape``: compilation dominates) before the
+    rest, then more planned variants first; ties keep the given order. Only the order changes, never what runs."""
+    def planned(target: Target) -> int:
+        try:
+            return len(plan(target.backend, cases))
+        except Exception:  # noqa: BLE001 - a plugin's variants: its worker reports the fault; order only here
+            return 0
+
+    def compiles(target: Target) -> bool:
+        return getattr(target.backend, "compiles_per_shape", False) is True
+
+    sizes = {id(t): planned(t) for t in targets}
+    return sorted(targets, key=lambda t: (not compiles(t), -sizes[id(t)]))
+
+
 def run_isolated(targets: list[Target], cases: list[Case], *, timeout: float = 120.0, jobs: int | None = None,
                  progress=None, on_backend_done=None) -> dict[str, list[CaseResult]]:
     """Run several backends, ``jobs`` at a time, each with its own worker; results keyed by backend name."""
@@ -416,20 +435,25 @@ def run_isolated(targets: list[Target], cases: list[Case], *, timeout: float = 1
 
     _STOPPING.clear()
     # daemon threads (not a ThreadPoolExecutor, whose threads the interpreter joins at exit): after Ctrl-C or
-    # SIGTERM the process must exit at once even while a worker is stuck in a hanging plugin
-    slots = threading.Semaphore(jobs)
+    # SIGTERM the process must exit at once even while a worker is stuck in a hanging plugin. ``jobs`` threads take
+    # the backends in schedule order (the longest first), each the next one when it finishes the last
+    queue = schedule(targets, cases)
+    taking = threading.Lock()
     errors: list[BaseException] = []
 
-    def guarded(target: Target):
-        with slots:
-            if _STOPPING.is_set():
-                return
+    def guarded():
+        while not _STOPPING.is_set():
+            with taking:
+                if not queue:
+                    return
+                target = queue.pop(0)
             try:
                 one(target)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
                 errors.append(exc)
 
-    threads_ = [threading.Thread(target=guarded, args=(t,), daemon=True, name=f"check-{t.name}") for t in targets]
+    threads_ = [threading.Thread(target=guarded, daemon=True, name=f"check-{i}")
+                for i in range(min(jobs, len(targets)))]
     try:
         for thread in threads_:
             thread.start()

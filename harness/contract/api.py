@@ -432,7 +432,10 @@ class AttentionBackend:
       key_padding_mask True = ignore) whatever you write here;
     * ``memory_method``: how ``mha-harness bench`` measures peak extra memory: ``"rss"`` (default; any CPU code,
       page-granular), ``"tracemalloc"`` (pure NumPy: exact), ``"cuda"`` (torch on a CUDA device),
-      ``"jax-device"`` (JAX on a GPU). A GPU backend must set it: RSS does not see device memory.
+      ``"jax-device"`` (JAX on a GPU). A GPU backend must set it: RSS does not see device memory;
+    * ``compiles_per_shape``: True when the backend compiles a program per input shape and dtype (XLA, inductor),
+      so that compilation dominates its conformance run: ``check`` starts such backends first, so that the slowest
+      are not the last to start on a machine with few cores (scheduling only).
     """
 
     name: str = ""
@@ -446,6 +449,8 @@ class AttentionBackend:
     device: str = "cpu"
     #: how mha_harness.bench.memory measures this backend's peak extra memory: rss, tracemalloc, cuda, jax-device
     memory_method: str = "rss"
+    #: compiles per input shape and dtype (conformance starts it before the backends that do not)
+    compiles_per_shape: bool = False
     #: why the backend runs only when named (``--backend NAME``), e.g. minutes of compilation per shape; None
     #: (default): it runs whenever no backend is named. ``list`` shows the reason.
     opt_in: str | None = None
