@@ -228,10 +228,10 @@ class Sweep:
                 sample_s = call_s[point.backend] * point.calls_per_sample
                 count = max(1, min(stats.MIN_SAMPLES, round(config.turn_s / max(sample_s, 1e-9))))
                 self.settle(point)
-                # every turn starts with one untimed call (rewarm): after another backend's turn the caches, the thread
-                # pools and the kernel's recycled pages are cold; numpy-naive's first call at T = 2048 paid 1.3-2.5x
-                # for fresh transparent huge pages (measured by mha-harness fidelity), slower than alone
-                answer = self.ask(point, ("sample", point.key, count, True))
+                # the worker starts each turn with one untimed call: after another backend's turn the caches, the
+                # thread pools and the kernel's recycled pages are cold; numpy-naive's first call at T = 2048 paid
+                # 1.3-2.5x for fresh transparent huge pages (measured by mha-harness fidelity), slower than alone
+                answer = self.ask(point, ("sample", point.key, count))
                 if answer is None:
                     open_.remove(point)
                     continue

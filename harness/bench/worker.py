@@ -106,12 +106,12 @@ class _Server:
         self.prepared[key] = (fn, calls)
         return {"first_call_s": first_s, "call_s": call_s, "calls_per_sample": calls}
 
-    def do_sample(self, key, count: int, rewarm: bool):
-        """``count`` samples of the calibrated size; a sample's value is its time per call."""
+    def do_sample(self, key, count: int):
+        """One untimed call, then ``count`` samples of the calibrated size; a sample's value is its time per call.
+        The untimed call wakes what another backend's turn left cold: caches, thread pools, recycled pages."""
         fn, calls = self.prepared[key]
         start = time.perf_counter()
-        if rewarm:  # one untimed call: caches, thread pools and recycled pages wake after another backend's turn
-            fn()
+        fn()
         samples = [_time_calls(fn, calls) / calls for _ in range(count)]
         return {"samples_s": samples, "spent_s": time.perf_counter() - start}
 
