@@ -133,6 +133,23 @@ def test_bench_with_a_plugin_that_exits_at_load_is_exit_1_and_still_measures_the
     assert [p["status"] for p in doc["points"]] == ["measured"]
 
 
+def test_bench_lets_a_plugins_own_pools_exit_cleanly_before_the_memory_pass(tmp_path):
+    """A backend whose worker holds a multiprocessing semaphore (torch.compile's compile workers do) must not make
+    the sweep end with "resource_tracker: ... leaked semaphore objects": its worker is told to quit, not killed."""
+    (tmp_path / "pooled.py").write_text(
+        "import multiprocessing\n"
+        "from mha_harness.implementations.numpy_naive import NumpyNaive\n"
+        "class Pooled(NumpyNaive):\n"
+        "    name = 'numpy-pooled'\n"
+        "    def load(self, *args, **kwargs):\n"
+        "        type(self).lock = multiprocessing.get_context('spawn').Lock()\n"
+        "        return super().load(*args, **kwargs)\n")
+    out = run_cli("bench", "--backend-spec", "pooled:Pooled", "--seq-lens", "16", "--budget", "0.2",
+                  "--results", tmp_path / "results", cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "leaked semaphore" not in out.stderr, out.stderr
+
+
 def test_check_console_shows_the_whole_failure_message_with_its_diagnosis(tmp_path):
     """The diagnosis at the end of a long failure message ("the output matches scores scaled by ...") is printed,
     wrapped, not cut off after the tolerance."""

@@ -289,7 +289,7 @@ class Sweep:
                 progress(i, group)
         for name in self.backends:  # memory after every timing: the RSS method pins glibc's mmap threshold
             if name in self.workers:  # a fresh worker: no heap or allocator cache left by the timing runs
-                self.workers[name].kill()
+                self.workers[name].close()  # quit, so a plugin's own pools (inductor's compile workers) exit cleanly
             # a backend lost later in the sweep (e.g. a timeout at the longest length) still gets the memory of the
             # points it did measure; its memory pass stops at the first worker lost there
             memory_lost = None
