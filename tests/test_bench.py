@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -270,33 +271,33 @@ def _spin_then_sleep(busy_s: float, spinning=None):
     time.sleep(60)
 
 
+@contextmanager
+def _spinning_process(busy_s: float):
+    """A spawned process that keeps one core busy for ``busy_s`` (yielded once it spins), killed at the end."""
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    spinning = context.Event()
+    process = context.Process(target=_spin_then_sleep, args=(busy_s, spinning), daemon=True)
+    process.start()
+    try:
+        assert spinning.wait(60)
+        yield process
+    finally:
+        process.kill()
+
+
 def test_the_next_turn_waits_until_other_workers_stop_spinning():
     """A process that keeps a core busy (a thread pool spin-waiting after its call) delays the next turn until it is
     idle; one that never stops is waited for up to the limit and reported as not settled."""
-    import multiprocessing
-
     from mha_harness.bench.worker import wait_until_idle
-    context = multiprocessing.get_context("spawn")
-    spinning = context.Event()
-    spinner = context.Process(target=_spin_then_sleep, args=(1.0, spinning), daemon=True)
-    spinner.start()
-    try:
-        assert spinning.wait(60)
+    with _spinning_process(1.0) as spinner:
         waited, settled = wait_until_idle([spinner.pid], limit_s=10.0)
         assert settled and 0.2 < waited < 5.0
         waited, settled = wait_until_idle([spinner.pid], limit_s=10.0)
         assert settled and waited < 0.2  # idle now: one window
-    finally:
-        spinner.kill()
-    spinning = context.Event()
-    forever = context.Process(target=_spin_then_sleep, args=(120.0, spinning), daemon=True)
-    forever.start()
-    try:
-        assert spinning.wait(60)
+    with _spinning_process(120.0) as forever:
         waited, settled = wait_until_idle([forever.pid], limit_s=0.3)
         assert not settled and waited >= 0.3
-    finally:
-        forever.kill()
 
 
 def test_a_bench_worker_reports_systemexit_and_keyboardinterrupt_from_plugin_code_as_errors():

@@ -150,14 +150,19 @@ def test_bench_lets_a_plugins_own_pools_exit_cleanly_before_the_memory_pass(tmp_
     assert "leaked semaphore" not in out.stderr, out.stderr
 
 
+def _check_mutant_as_a_plugin(tmp_path, mutant: str, case: str):
+    """``mha-harness check`` of one case on a mutant loaded as a plugin spec from a module in ``tmp_path``."""
+    (tmp_path / "broken_plugin.py").write_text(
+        "from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend\n"
+        f"Broken = MutantBackend(next(m for m in MUTANTS if m.name == {mutant!r}))\n")
+    return run_cli("check", "--backend-spec", "broken_plugin:Broken", "--case", case,
+                   "--results", tmp_path / "results", cwd=tmp_path, timeout=300)
+
+
 def test_check_console_shows_the_whole_failure_message_with_its_diagnosis(tmp_path):
     """The diagnosis at the end of a long failure message ("the output matches scores scaled by ...") is printed,
     wrapped, not cut off after the tolerance."""
-    (tmp_path / "wrong_scale.py").write_text(
-        "from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend\n"
-        "Broken = MutantBackend(next(m for m in MUTANTS if m.name == 'mutant-scale-sqrt-d-model'))\n")
-    out = run_cli("check", "--backend-spec", "wrong_scale:Broken", "--case", "check_scores_scaled_by_sqrt_d_head",
-                  "--results", tmp_path / "results", cwd=tmp_path, timeout=300)
+    out = _check_mutant_as_a_plugin(tmp_path, "mutant-scale-sqrt-d-model", "check_scores_scaled_by_sqrt_d_head")
     assert out.returncode == 1, out.stdout + out.stderr
     text = " ".join(out.stdout.split())
     assert "the output matches scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)" in text, out.stdout
@@ -168,11 +173,7 @@ def test_check_console_shows_the_whole_failure_message_with_its_diagnosis(tmp_pa
 def test_check_console_gives_each_failing_case_one_repro_line(tmp_path):
     """The first failing variant of each case and backend gets its one-line repro on the console (every variant's
     is in conformance.md and the JSON), not one per variant."""
-    (tmp_path / "leaky.py").write_text(
-        "from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend\n"
-        "Broken = MutantBackend(next(m for m in MUTANTS if m.name == 'mutant-causal-one-future-token'))\n")
-    out = run_cli("check", "--backend-spec", "leaky:Broken", "--case", "check_causal_mask_blocks_future_keys",
-                  "--results", tmp_path / "results", cwd=tmp_path, timeout=300)
+    out = _check_mutant_as_a_plugin(tmp_path, "mutant-causal-one-future-token", "check_causal_mask_blocks_future_keys")
     assert out.returncode == 1, out.stdout + out.stderr
     assert out.stdout.count("FAILED") > 1, out.stdout
     assert out.stdout.count("repro: python -c 'import mha_harness; mha_harness.repro(") == 1, out.stdout
