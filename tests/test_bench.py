@@ -256,7 +256,10 @@ def test_fidelity_compares_the_sweep_with_torch_utils_benchmark_and_alone():
         assert {"sweep_over_autorange", "within_10pct", "sweep_over_alone", "within_5pct"} <= set(row)
         assert len(row["rounds"]) == 2
         assert all(f["sweep_s"] and f["alone_s"] and f["autorange_s"] for f in row["rounds"])
-        assert [f["order"] for f in row["rounds"]] == ["sweep first", "alone first"]
+        assert [f["order"] for f in row["rounds"]] == ["alone, then autorange", "autorange, then alone"]
+        # every sweep turn follows another backend's turn (with two backends too: the order is not rotated into
+        # a backend following itself)
+        assert all(f["after"] not in (None, row["backend"]) for f in row["rounds"])
         # the figure is the median of ratios taken within a round, not a ratio of figures minutes apart
         per_round = [f["sweep_s"] / f["autorange_s"] for f in row["rounds"]]
         assert row["sweep_over_autorange"] == pytest.approx(sum(per_round) / 2, rel=1e-3)
@@ -360,12 +363,22 @@ def test_tiled_vs_naive_shows_missing_and_below_resolution_readings_instead_of_c
     assert row["throughput_ratio_tiled_over_naive"] is None  # the timed-out point has no median either
 
 
+def test_speed_stability_reports_each_window_against_the_median():
+    from mha_harness.bench.fidelity import speed_stability
+    s = speed_stability(seconds=1.0, window_s=0.25)
+    assert s["windows"] >= 3 and len(s["window_over_median"]) == s["windows"]
+    assert s["max_over_min"] >= 1.0 and min(s["window_over_median"]) <= 1.0 <= max(s["window_over_median"])
+
+
 def test_fidelity_summary_counts_only_what_was_compared():
     from mha_harness.bench.fidelity import summary
     busy = [{"round_conditions": {"seconds": 10.0, "other_cpu_s": 2.5, "steal_s": 0.1}},
             {"round_conditions": {"seconds": 20.0, "other_cpu_s": 1.0, "steal_s": 0.2}}]
     doc = {"timing": [{"backend": "a", "seq_len": 512, "sweep_over_autorange": 1.04, "within_10pct": True,
-                       "sweep_over_alone": 1.08, "within_5pct": False, "rounds": busy},
+                       "sweep_over_alone": 1.08, "within_5pct": False, "sweep_over_alone_ci95": [0.98, 1.2],
+                       "rounds": busy},
+                      {"backend": "c", "seq_len": 512, "sweep_over_autorange": 1.0, "within_10pct": True,
+                       "sweep_over_alone": 1.07, "within_5pct": False, "sweep_over_alone_ci95": [1.02, 1.1]},
                       {"backend": "b", "seq_len": 512, "sweep_over_autorange": None, "within_10pct": None,
                        "sweep_over_alone": None, "within_5pct": None}],
            "memory": [{"backend": "n", "method": "rss", "seq_len": 2048, "within_10pct": True,
@@ -373,9 +386,11 @@ def test_fidelity_summary_counts_only_what_was_compared():
                       {"backend": "n", "method": "rss", "seq_len": 64, "within_10pct": None, "below_resolution": True},
                       {"backend": "g", "method": "cuda", "not_runnable": "no CUDA device"}]}
     s = summary(doc)
-    assert s["sweep_over_autorange"]["within"] == 1 and s["sweep_over_autorange"]["compared"] == 1
+    assert s["sweep_over_autorange"]["within"] == 2 and s["sweep_over_autorange"]["compared"] == 2
     assert s["sweep_over_autorange"]["not_compared"] == ["b T=512"]
     assert s["sweep_over_alone"]["within"] == 0 and s["sweep_over_alone"]["worst"]["ratio"] == 1.08
+    # a: outside +-5% but the rounds cannot tell it from 1.0; c: a difference its CI establishes
+    assert s["sweep_over_alone"]["outside_with_ci_including_1"] == 1
     # how busy the rest of the box was: the busiest round's other-process CPU per second, and the steal
     assert s["timing_conditions"] == {"rounds": 2, "max_other_cores": 0.25, "steal_s": 0.3}
     rss = s["memory_vs_formula"]["methods"]["rss"]

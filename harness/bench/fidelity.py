@@ -1,11 +1,13 @@
 """Figures that show the benchmarks measure what they claim (``mha-harness fidelity``).
 
-1. **Timing against torch.utils.benchmark.** For every CPU backend at T = 512 and 2048: the median of
-   ``mha-harness bench``'s engine with all backends interleaved ("sweep"), the same engine with this backend
-   alone ("alone"), and torch.utils.benchmark's ``adaptive_autorange`` on the very same prepared callable in
-   the backend's own worker. The three alternate over several rounds and are compared within each round
-   (seconds apart, so the machine's drift over minutes does not enter a ratio). Targets: sweep within +-10% of
-   adaptive_autorange; sweep within +-5% of alone (the interleaving does not slow a backend down).
+1. **Timing against torch.utils.benchmark.** For every CPU backend at T = 512 and 2048: ``mha-harness bench``'s
+   engine in a sweep (a turn right after another backend's turn, as every turn of a sweep is), the same engine
+   alone (a turn right after its own), and torch.utils.benchmark's ``adaptive_autorange`` on the very same
+   prepared callable in the backend's own worker. The three are taken within about a second, backend by backend,
+   over several rounds; each ratio is the median of the per-round ratios. First, a fixed CPU loop timed in
+   1-s windows shows how much this machine's speed changes between seconds (a shared host switches between
+   regimes: up to 2x here), which is why no ratio is taken between figures seconds apart. Targets: sweep within
+   +-10% of adaptive_autorange; sweep within +-5% of alone (the interleaving does not slow a backend down).
 2. **Memory methods against analytical figures.** Each method the benchmarks use measures a dense kernel whose
    allocations can be counted, at T = 1024 and 2048, in the backend's own worker; target within +-10% of
    a*B*H*T^2*s + b*B*T*d_model*s (score-sized and projection-sized buffers live at the peak, s the itemsize):
@@ -30,13 +32,14 @@ from pathlib import Path
 
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import ITEMSIZE, Shape
+from mha_harness.bench.stats import median_ci
 from mha_harness.bench.sweep import MEASURED, BenchConfig, BenchPoint, Sweep, rotated, run_bench
 from mha_harness.bench.worker import BackendWorker, WorkerLost, cpu_ns
 from mha_harness.util.atomic import write_json_atomic
 
 TIMING_SEQ_LENS = (512, 2048)
-TIMING_ROUNDS = 4  # sweep, alone and adaptive_autorange alternate this many times per T (A B B A ...)
-AUTORANGE_MAX_RUN_S = 2.0  # adaptive_autorange's max_run_time in one round
+TIMING_ROUNDS = 12  # rounds per T: in each, every backend's sweep turn, alone turn and adaptive_autorange
+AUTORANGE_MAX_RUN_S = 0.5  # adaptive_autorange's max_run_time in one round
 MEMORY_SEQ_LENS = (2048, 4096)
 #: (backend, method, a, b): peak = a*B*H*T^2*s + b*B*T*d_model*s, counted from each kernel's code
 MEMORY_KERNELS = (
@@ -85,10 +88,6 @@ def _ask(worker: BackendWorker, message: tuple, timeout: float = 600):
     return value
 
 
-def _round_figures(group) -> dict:
-    return {p.backend: (p.median_s if p.status == MEASURED else None, p.skipped) for p in group}
-
-
 def _median_or_none(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -124,79 +123,114 @@ def _conditions(box_before, own_before: float, sweep: Sweep, seconds: float) -> 
     return out
 
 
-def _sweep_phase(sweep: Sweep, backends: list, t: int) -> dict:
-    """Every backend interleaved at T = t: {name: (median or None, reason)}."""
-    group = [BenchPoint(b.name, "prefill", t, t, t, False, "forward") for b in backends]
-    sweep.run_group(group)
-    return _round_figures(group)
+def speed_stability(seconds: float = 10.0, window_s: float = 1.0) -> dict:
+    """How steady this machine's speed is: a fixed single-threaded CPU loop, timed back to back for ``seconds``;
+    the median of each ``window_s`` window relative to the median of all windows. A dedicated core gives ~1.0 for
+    every window; a shared host (an SMT sibling or an overcommitted core busy with another tenant, which the
+    guest's steal time does not show) switches between speed regimes lasting seconds."""
+    def probe():
+        total = 0
+        for i in range(20_000):
+            total += i * i
+        return total
+    windows: dict[int, list[float]] = {}
+    start = time.perf_counter()
+    while (now := time.perf_counter()) - start < seconds:
+        probe()
+        windows.setdefault(int((now - start) / window_s), []).append(time.perf_counter() - now)
+    medians = [statistics.median(v) for _, v in sorted(windows.items())]
+    centre = statistics.median(medians)
+    return {"probe": "pure-Python loop, one thread", "window_s": window_s, "windows": len(medians),
+            "probe_median_s": centre, "window_over_median": [round(m / centre, 3) for m in medians],
+            "max_over_min": round(max(medians) / min(medians), 3)}
 
 
-def _alone_phase(sweep: Sweep, name: str, t: int, autorange_s: float) -> dict:
-    """One backend with no other backend's turns in between: the engine, then adaptive_autorange on the same
-    prepared callable in the same worker."""
-    figure = {"alone_s": None, "autorange_s": None}
-    if name in sweep.lost_reason:
-        figure["error"] = sweep.lost_reason[name]
-        return figure
-    group = [BenchPoint(name, "prefill", t, t, t, False, "forward")]
-    sweep.run_group(group)
-    figure["alone_s"], why = _round_figures(group)[name]
-    if figure["alone_s"] is None:
-        figure["error"] = f"alone: {why}"
-        return figure
-    probe = group[0]
-    sweep.settle(probe)
-    answer = sweep.ask(probe, ("autorange", probe.key, autorange_s))
+def _cycle(sweep: Sweep, point: BenchPoint, call_s: float, autorange_s: float, autorange_first: bool) -> dict:
+    """One backend's figures of one round, taken within about a second: an engine turn right after another
+    backend's turn (as every turn of a sweep is), an engine turn right after its own ("alone"), and
+    adaptive_autorange on the same prepared callable in the same worker (the last two alternate their order)."""
+    figure = {"order": "autorange, then alone" if autorange_first else "alone, then autorange",
+              "sweep_s": None, "alone_s": None, "autorange_s": None}
+    answer = sweep.turn(point, call_s)
     if answer is None:
-        figure["error"] = f"adaptive_autorange: {probe.skipped}"
-    else:
-        figure["autorange_s"], figure["autorange"] = answer["median_s"], answer
+        figure["error"] = f"sweep: {point.skipped}"
+        return figure
+    figure["sweep_s"] = statistics.median(answer["samples_s"])
+    steps = ["autorange", "alone"] if autorange_first else ["alone", "autorange"]
+    for step in steps:
+        if step == "alone":
+            answer = sweep.turn(point, call_s)
+            if answer is None:
+                figure["error"] = f"alone: {point.skipped}"
+                return figure
+            figure["alone_s"] = statistics.median(answer["samples_s"])
+        else:
+            sweep.settle(point)
+            answer = sweep.ask(point, ("autorange", point.key, autorange_s))
+            if answer is None:
+                figure["error"] = f"adaptive_autorange: {point.skipped}"
+                return figure
+            figure["autorange_s"], figure["autorange"] = answer["median_s"], answer
     return figure
 
 
 def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LENS, *, rounds: int = TIMING_ROUNDS,
                      autorange_s: float = AUTORANGE_MAX_RUN_S, log=print) -> list[dict]:
-    """Sweep median vs alone vs torch.utils.benchmark adaptive_autorange, per backend and T, measured in alternation.
+    """The bench engine's turns in a sweep vs the same engine alone vs torch.utils.benchmark's adaptive_autorange,
+    per backend and T, each ratio taken within about a second.
 
-    One worker per backend holds its prepared callable. For each T, ``rounds`` rounds of: the sweep (every backend
-    interleaved, turn by turn, each with its budget), then, backend by backend in an order that rotates each round,
-    the same engine with that backend alone (no other backend's turns in between) and adaptive_autorange on the
-    same prepared callable in the same worker; odd rounds run the alone phase first (A B B A), so a drift within a
-    round cancels. The figures of a round are seconds apart, so a ratio taken within a round does not carry the
-    machine's drift over minutes (a shared box's speed wanders by 10-20%); the figure reported is the median over
-    rounds of the per-round ratios, and every round's medians are kept.
+    One worker per backend holds its prepared callable (prepared and calibrated as ``bench`` does). For each T,
+    ``rounds`` rounds; in each, backend by backend in an order that rotates every round: one engine turn right
+    after another backend's turn (every turn of a sweep follows another backend's: its caches, thread pools and
+    recycled pages are what the interleaving costs), one engine turn right after its own (alone: no other
+    backend in between), and adaptive_autorange on the same callable (these two alternate their order). This
+    machine's speed switches between regimes lasting seconds (``speed_stability``: up to 2x here), so figures
+    taken tens of seconds apart, like a whole sweep and a later run alone, differ by the regimes they met rather
+    than by the method; within one backend's round they meet the same one. Reported: the median over rounds of
+    the per-round ratios; the medians of all sweep turns, all alone turns and all autorange runs; every round.
     """
     sweep = Sweep(backends, replace(config), None, {"machine": {"gemm_peak_gflops_float32": None,
                                                                 "memory_bandwidth_gbs": None}}, log=_quiet)
     rows = []
     try:
         for t in seq_lens:
-            figures = {b.name: [] for b in backends}
+            group = [BenchPoint(b.name, "prefill", t, t, t, False, "forward") for b in backends]
+            log(f"timing: T = {t}: preparing {len(backends)} backends ...", flush=True)
+            ready = sweep.prepare_group(group)
+            call_s = {p.backend: c for p, c in ready}
+            figures: dict[str, list] = {b.name: [] for b in backends}
+            previous = ready[-1][0].backend if ready else None  # the last worker to run (its prepare)
             for r in range(rounds):
-                first = "interleaved, then each alone" if r % 2 == 0 else "each alone, then interleaved"
-                log(f"timing: T = {t}, round {r + 1}/{rounds}: {len(backends)} backends {first} (alone: the engine "
-                    "and adaptive_autorange) ...", flush=True)
+                order = rotated([p for p, _ in ready], r)
+                if len(order) > 1 and order[0].backend == previous:  # a sweep turn must follow another backend's
+                    order = order[1:] + order[:1]
+                log(f"timing: T = {t}, round {r + 1}/{rounds}: {len(order)} backends, each a turn after another "
+                    "backend's, a turn after its own and adaptive_autorange ...", flush=True)
                 box, own = _box_cpu_s(), _own_cpu_s(sweep)
                 started = time.perf_counter()
-                if r % 2 == 0:  # A B B A: the order alternates, so a drift within a round cancels over two rounds
-                    in_sweep = _sweep_phase(sweep, backends, t)
-                    alone = {b.name: _alone_phase(sweep, b.name, t, autorange_s) for b in rotated(list(backends), r)}
-                else:
-                    alone = {b.name: _alone_phase(sweep, b.name, t, autorange_s) for b in rotated(list(backends), r)}
-                    in_sweep = _sweep_phase(sweep, backends, t)
+                in_round = []
+                for point in order:
+                    if point.backend in sweep.lost_reason:
+                        figure = {"error": sweep.lost_reason[point.backend]}
+                    else:
+                        figure = {"after": previous, **_cycle(sweep, point, call_s[point.backend], autorange_s,
+                                                            autorange_first=r % 2 == 1)}
+                        previous = point.backend
+                    figures[point.backend].append(figure)
+                    in_round.append(figure)
                 conditions = _conditions(box, own, sweep, time.perf_counter() - started)
+                for figure in in_round:
+                    figure["round_conditions"] = conditions
                 log(f"  round {r + 1}: {conditions['seconds']} s; other processes used {conditions['other_cpu_s']} "
                     f"CPU-s, steal {conditions['steal_s']} s", flush=True)
-                for backend in backends:
-                    name = backend.name
-                    figure = {"order": "sweep first" if r % 2 == 0 else "alone first", "sweep_s": in_sweep[name][0],
-                              **alone[name], "round_conditions": conditions}
-                    if in_sweep[name][0] is None:
-                        figure["error"] = f"sweep: {in_sweep[name][1]}"
-                    figures[name].append(figure)
+            for point in group:
+                if point.backend not in call_s:
+                    figures[point.backend] = [{"error": f"prepare: {point.skipped}"}]
             for backend in backends:
                 rows.append(_timing_row(backend.name, t, figures[backend.name]))
                 log(_timing_line(rows[-1]), flush=True)
+            for point, _ in ready:
+                sweep.ask(point, ("drop", point.key))
     finally:
         sweep.close()
     return rows
@@ -205,33 +239,50 @@ def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LE
 def _timing_row(name: str, t: int, per_round: list[dict]) -> dict:
     """One backend and T: the per-round figures, their medians, and the medians of the per-round ratios."""
     row = {"backend": name, "seq_len": t, "rounds": per_round,
-           "sweep_median_s": _median_or_none(f["sweep_s"] for f in per_round),
-           "alone_median_s": _median_or_none(f["alone_s"] for f in per_round),
-           "autorange_median_s": _median_or_none(f["autorange_s"] for f in per_round)}
+           "sweep_median_s": _median_or_none(f.get("sweep_s") for f in per_round),
+           "alone_median_s": _median_or_none(f.get("alone_s") for f in per_round),
+           "autorange_median_s": _median_or_none(f.get("autorange_s") for f in per_round)}
     errors = [f["error"] for f in per_round if f.get("error")]
     if errors:
         row["errors"] = errors
     for key, a, b in (("sweep_over_autorange", "sweep_s", "autorange_s"), ("sweep_over_alone", "sweep_s", "alone_s"),
                       ("alone_over_autorange", "alone_s", "autorange_s")):
-        ratios = [ratio(f[a], f[b]) for f in per_round]
+        ratios = [ratio(f.get(a), f.get(b)) for f in per_round]
         row[f"{key}_per_round"] = ratios
         median = _median_or_none(ratios)
         row[key] = None if median is None else round(median, 4)
+        ci = median_ci([x for x in ratios if x is not None])  # 95%, distribution-free: None under 6 rounds
+        row[f"{key}_ci95"] = None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
     row["within_10pct"] = within(row["sweep_over_autorange"], 0.10)
     row["within_5pct"] = within(row["sweep_over_alone"], 0.05)
     return row
+
+
+def _stability_line(s: dict) -> str:
+    if "error" in s:
+        return f"  speed_stability: {s['error']}"
+    return (f"  {s['windows']} windows: slowest/fastest {s['max_over_min']} (1.0 on a dedicated core); figures "
+            "taken seconds apart can differ by that much, so each timing ratio below is taken within one "
+            "backend's round, about a second")
 
 
 def _ms(x):
     return f"{x * 1e3:8.2f}" if _positive(x) else "     n/a"
 
 
+def _ratio_text(row: dict, key: str) -> str:
+    value, ci = row.get(key), row.get(f"{key}_ci95")
+    if value is None:
+        return "n/a"
+    return f"{value:.3f}" + (f" [{ci[0]:.3f}-{ci[1]:.3f}]" if ci else "")
+
+
 def _timing_line(row: dict) -> str:
-    a, b = row.get("sweep_over_autorange"), row.get("sweep_over_alone")
     line = (f"  {row['backend']:<24} T={row['seq_len']:<5} sweep {_ms(row.get('sweep_median_s'))} ms  alone "
             f"{_ms(row.get('alone_median_s'))} ms  adaptive_autorange {_ms(row.get('autorange_median_s'))} ms  "
-            f"sweep/autorange {a if a is not None else 'n/a'} {_verdict(row.get('within_10pct'), '+-10%')}  "
-            f"sweep/alone {b if b is not None else 'n/a'} {_verdict(row.get('within_5pct'), '+-5%')}")
+            f"sweep/autorange {_ratio_text(row, 'sweep_over_autorange')} "
+            f"{_verdict(row.get('within_10pct'), '+-10%')}  "
+            f"sweep/alone {_ratio_text(row, 'sweep_over_alone')} {_verdict(row.get('within_5pct'), '+-5%')}")
     if row.get("errors"):
         line += f"  ({'; '.join(dict.fromkeys(row['errors']))})"
     return line
@@ -424,7 +475,11 @@ def summary(doc: dict) -> dict:
                                   ("within_5pct", "sweep_over_alone", "+-5%")):
             ok, n, missing = _count(timing, flag)
             worst = max((r for r in timing if r.get(key) is not None), key=lambda r: abs(r[key] - 1), default=None)
-            out[key] = {"target": target, "within": ok, "compared": n,
+            # outside the target, yet the 95% CI of the median ratio includes 1.0: the rounds cannot tell it apart
+            # from no difference (too few or too noisy), as opposed to a difference the rounds establish
+            unresolved = [r for r in timing if r.get(flag) is False and r.get(f"{key}_ci95")
+                          and r[f"{key}_ci95"][0] <= 1.0 <= r[f"{key}_ci95"][1]]
+            out[key] = {"target": target, "within": ok, "compared": n, "outside_with_ci_including_1": len(unresolved),
                         "worst": None if worst is None else {"backend": worst["backend"], "seq_len": worst["seq_len"],
                                                              "ratio": worst[key]},
                         "not_compared": [f"{r['backend']} T={r['seq_len']}" for r in missing]}
@@ -436,6 +491,9 @@ def summary(doc: dict) -> dict:
                                         "steal_s": round(sum(c["steal_s"] for c in rounds.values()), 2)}
     else:
         out["timing"] = timing
+    stability = doc.get("speed_stability")
+    if isinstance(stability, dict) and "max_over_min" in stability:
+        out["speed_stability_max_over_min"] = stability["max_over_min"]
     memory = doc.get("memory")
     if isinstance(memory, list):
         methods: dict = {}
@@ -465,11 +523,15 @@ def _log_summary(s: dict, log) -> None:
         worst = v["worst"]
         worst_text = f"; worst {worst['backend']} T={worst['seq_len']}: {worst['ratio']}" if worst else ""
         missing = f"; not compared: {', '.join(v['not_compared'])}" if v["not_compared"] else ""
-        log(f"  {label}: {v['within']}/{v['compared']} within {v['target']}{worst_text}{missing}")
+        unresolved = v.get("outside_with_ci_including_1")
+        unresolved = (f"; of those outside, {unresolved} have a 95% CI that includes 1.0" if unresolved else "")
+        log(f"  {label}: {v['within']}/{v['compared']} within {v['target']}{worst_text}{unresolved}{missing}")
     if "timing_conditions" in s:
         c = s["timing_conditions"]
         log(f"  while timing: other processes kept up to {c['max_other_cores']} cores busy in a round "
             f"({c['rounds']} rounds), steal {c['steal_s']} s in all")
+    if "speed_stability_max_over_min" in s:
+        log(f"  machine speed: 1-s windows of a fixed CPU loop differed by up to {s['speed_stability_max_over_min']}x")
     if "timing" in s:
         log(f"  timing: {s['timing']}")
     for method, v in s.get("memory_vs_formula", {}).get("methods", {}).items():
@@ -480,15 +542,14 @@ def _log_summary(s: dict, log) -> None:
         log(f"  memory vs XLA memory_analysis: {v['within']}/{v['compared']} within +-10%")
 
 
-def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, timing_budget_s: float = 1.0,
-                 log=print) -> dict:
+def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=print) -> dict:
     """All four figures and their summary; written to ``<results>/bench/fidelity.json`` after every section."""
     import importlib.util
-    config = BenchConfig(threads=threads, budget_s=timing_budget_s)
-    doc = {"schema": "mha-harness/fidelity", "schema_version": "2.1", "complete": False, "threads": threads,
+    config = BenchConfig(threads=threads)
+    doc = {"schema": "mha-harness/fidelity", "schema_version": "3.0", "complete": False, "threads": threads,
            "config": {"batch": config.batch, "d_model": config.d_model, "num_heads": config.num_heads,
-                      "dtype": config.dtype, "timing_budget_s_per_round": timing_budget_s,
-                      "timing_rounds": TIMING_ROUNDS, "autorange_max_run_time_s": AUTORANGE_MAX_RUN_S}}
+                      "dtype": config.dtype, "turn_s": config.turn_s, "timing_rounds": TIMING_ROUNDS,
+                      "autorange_max_run_time_s": AUTORANGE_MAX_RUN_S}}
     path = Path(results_dir) / "bench" / "fidelity.json"
     log("memory methods against analytical figures (each kernel in its own worker):", flush=True)
     _section(doc, "memory", path, log, lambda: memory_validation(registry, config, log=log))
@@ -500,6 +561,9 @@ def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, timing
         doc["timing"] = "not runnable: torch (torch.utils.benchmark) is not installed"
         log(f"timing: {doc['timing']}")
     else:
+        log("machine speed (a fixed CPU loop in 1-s windows):", flush=True)
+        _section(doc, "speed_stability", path, log, speed_stability)
+        log(_stability_line(doc["speed_stability"]), flush=True)
         _section(doc, "timing", path, log,
                  lambda: timing_agreement([registry.get(n).backend for n in names], config, log=log))
     doc["summary"] = summary(doc)

@@ -202,7 +202,9 @@ class Sweep:
             worker.kill() if interrupted else worker.close()
 
     # -- timing
-    def run_group(self, group: list[BenchPoint]) -> None:
+    def prepare_group(self, group: list[BenchPoint]) -> list[tuple[BenchPoint, float]]:
+        """Prepare (load, warm up, calibrate) every point of ``group`` its backend can run, in its worker; the
+        others are marked skipped or not run. Returns (point, seconds per call) of the prepared ones."""
         config = self.config
         ready = []
         for point in group:
@@ -219,19 +221,31 @@ class Sweep:
                 point.first_call_s = answer["first_call_s"]
                 point.calls_per_sample = answer["calls_per_sample"]
                 ready.append((point, answer["call_s"]))
+        return ready
+
+    def turn(self, point: BenchPoint, call_s: float) -> dict | None:
+        """One turn of a prepared point: wait for the other workers to idle, then about ``turn_s`` of samples
+        (at least one) in its worker. The worker's answer ({samples_s, spent_s}), or None when the point is lost."""
+        sample_s = call_s * point.calls_per_sample
+        count = max(1, min(stats.MIN_SAMPLES, round(self.config.turn_s / max(sample_s, 1e-9))))
+        self.settle(point)
+        # the worker starts each turn with one untimed call: after another backend's turn the caches, the
+        # thread pools and the kernel's recycled pages are cold; numpy-naive's first call at T = 2048 paid
+        # 1.3-2.5x for fresh transparent huge pages (measured by mha-harness fidelity), slower than alone
+        return self.ask(point, ("sample", point.key, count))
+
+    def run_group(self, group: list[BenchPoint]) -> None:
+        """Interleave ``group``'s points turn by turn, in an order that rotates each round, until each point's CI
+        reaches the target or its budget is spent."""
+        config = self.config
+        ready = self.prepare_group(group)
         spent = {p.backend: 0.0 for p, _ in ready}
         open_ = [p for p, _ in ready]
         call_s = {p.backend: c for p, c in ready}
         r = 0
         while open_:
             for point in rotated(open_, r):
-                sample_s = call_s[point.backend] * point.calls_per_sample
-                count = max(1, min(stats.MIN_SAMPLES, round(config.turn_s / max(sample_s, 1e-9))))
-                self.settle(point)
-                # the worker starts each turn with one untimed call: after another backend's turn the caches, the
-                # thread pools and the kernel's recycled pages are cold; numpy-naive's first call at T = 2048 paid
-                # 1.3-2.5x for fresh transparent huge pages (measured by mha-harness fidelity), slower than alone
-                answer = self.ask(point, ("sample", point.key, count))
+                answer = self.turn(point, call_s[point.backend])
                 if answer is None:
                     open_.remove(point)
                     continue
