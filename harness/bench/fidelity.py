@@ -39,6 +39,8 @@ from mha_harness.util.atomic import write_json_atomic
 
 TIMING_SEQ_LENS = (512, 2048)
 TIMING_ROUNDS = 12  # rounds per T: in each, every backend's sweep turn, alone turn and adaptive_autorange
+TIMING_MAX_ROUNDS = 36  # more rounds, up to this many, for a backend while a ratio's 95% CI is wider than +-5%
+RATIO_CI_TARGET = 0.05
 AUTORANGE_MAX_RUN_S = 0.5  # adaptive_autorange's max_run_time in one round
 MEMORY_SEQ_LENS = (2048, 4096)
 #: (backend, method, a, b): peak = a*B*H*T^2*s + b*B*T*d_model*s, counted from each kernel's code
@@ -174,8 +176,60 @@ def _cycle(sweep: Sweep, point: BenchPoint, call_s: float, autorange_s: float, a
     return figure
 
 
+def _ratios_unsure(per_round: list[dict]) -> bool:
+    """True while the 95% CI of a median ratio (sweep/alone, sweep/autorange) is wider than +-RATIO_CI_TARGET."""
+    for a, b in (("sweep_s", "alone_s"), ("sweep_s", "autorange_s")):
+        ratios = [x for x in (ratio(f.get(a), f.get(b)) for f in per_round) if x is not None]
+        ci = median_ci(ratios)
+        if ci is None:
+            return True
+        centre = statistics.median(ratios)
+        if max(centre - ci[0], ci[1] - centre) > RATIO_CI_TARGET * centre:
+            return True
+    return False
+
+
+def _timing_rounds(sweep: Sweep, group: list[BenchPoint], call_s: dict, t: int, rounds: int, max_rounds: int,
+                   autorange_s: float, log) -> dict[str, list[dict]]:
+    """The rounds of :func:`timing_agreement` at one T: {backend: [figures of each of its rounds]}."""
+    ready = [p for p in group if p.backend in call_s]
+    figures: dict[str, list] = {p.backend: [] for p in group}
+    previous = ready[-1].backend if ready else None  # the last worker to run (its prepare)
+    for r in range(max_rounds):
+        active = [p for p in ready if p.backend not in sweep.lost_reason
+                  and (r < rounds or _ratios_unsure(figures[p.backend]))]
+        if not active:
+            break
+        log(f"timing: T = {t}, round {r + 1}: {len(active)} backends, each a turn after another backend's, a turn "
+            "after its own and adaptive_autorange ...", flush=True)
+        box, own = _box_cpu_s(), _own_cpu_s(sweep)
+        started = time.perf_counter()
+        in_round = []
+        for point in rotated(active, r):
+            if previous == point.backend:  # its sweep turn must follow another backend's: one unrecorded turn
+                other = next((p for p in rotated(ready, ready.index(point) + 1)
+                              if p.backend != point.backend and p.backend not in sweep.lost_reason), None)
+                if other is not None and sweep.turn(other, call_s[other.backend]) is not None:
+                    previous = other.backend
+            figure = {"after": previous, **_cycle(sweep, point, call_s[point.backend], autorange_s,
+                                                autorange_first=r % 2 == 1)}
+            previous = point.backend
+            figures[point.backend].append(figure)
+            in_round.append(figure)
+        conditions = _conditions(box, own, sweep, time.perf_counter() - started)
+        for figure in in_round:
+            figure["round_conditions"] = conditions
+        log(f"  round {r + 1}: {conditions['seconds']} s; other processes used {conditions['other_cpu_s']} "
+            f"CPU-s, steal {conditions['steal_s']} s", flush=True)
+    for point in ready:
+        if point.backend in sweep.lost_reason and not figures[point.backend]:
+            figures[point.backend].append({"error": sweep.lost_reason[point.backend]})
+    return figures
+
+
 def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LENS, *, rounds: int = TIMING_ROUNDS,
-                     autorange_s: float = AUTORANGE_MAX_RUN_S, log=print) -> list[dict]:
+                     max_rounds: int = TIMING_MAX_ROUNDS, autorange_s: float = AUTORANGE_MAX_RUN_S,
+                     log=print) -> list[dict]:
     """The bench engine's turns in a sweep vs the same engine alone vs torch.utils.benchmark's adaptive_autorange,
     per backend and T, each ratio taken within about a second.
 
@@ -183,11 +237,13 @@ def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LE
     ``rounds`` rounds; in each, backend by backend in an order that rotates every round: one engine turn right
     after another backend's turn (every turn of a sweep follows another backend's: its caches, thread pools and
     recycled pages are what the interleaving costs), one engine turn right after its own (alone: no other
-    backend in between), and adaptive_autorange on the same callable (these two alternate their order). This
-    machine's speed switches between regimes lasting seconds (``speed_stability``: up to 2x here), so figures
-    taken tens of seconds apart, like a whole sweep and a later run alone, differ by the regimes they met rather
-    than by the method; within one backend's round they meet the same one. Reported: the median over rounds of
-    the per-round ratios; the medians of all sweep turns, all alone turns and all autorange runs; every round.
+    backend in between), and adaptive_autorange on the same callable (these two alternate their order). A backend
+    whose ratios' 95% CIs are still wider than +-5% gets more rounds, up to ``max_rounds`` (another backend's
+    unrecorded turn precedes its sweep turn where needed). This machine's speed switches between regimes lasting
+    seconds (``speed_stability``: up to 2x here), so figures taken tens of seconds apart, like a whole sweep and a
+    later run alone, differ by the regimes they met rather than by the method; within one backend's round they
+    meet the same one. Reported: the median over rounds of the per-round ratios with its 95% CI; the medians of
+    the sweep turns, alone turns and autorange runs; every round.
     """
     sweep = Sweep(backends, replace(config), None, {"machine": {"gemm_peak_gflops_float32": None,
                                                                 "memory_bandwidth_gbs": None}}, log=_quiet)
@@ -196,41 +252,16 @@ def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LE
         for t in seq_lens:
             group = [BenchPoint(b.name, "prefill", t, t, t, False, "forward") for b in backends]
             log(f"timing: T = {t}: preparing {len(backends)} backends ...", flush=True)
-            ready = sweep.prepare_group(group)
-            call_s = {p.backend: c for p, c in ready}
-            figures: dict[str, list] = {b.name: [] for b in backends}
-            previous = ready[-1][0].backend if ready else None  # the last worker to run (its prepare)
-            for r in range(rounds):
-                order = rotated([p for p, _ in ready], r)
-                if len(order) > 1 and order[0].backend == previous:  # a sweep turn must follow another backend's
-                    order = order[1:] + order[:1]
-                log(f"timing: T = {t}, round {r + 1}/{rounds}: {len(order)} backends, each a turn after another "
-                    "backend's, a turn after its own and adaptive_autorange ...", flush=True)
-                box, own = _box_cpu_s(), _own_cpu_s(sweep)
-                started = time.perf_counter()
-                in_round = []
-                for point in order:
-                    if point.backend in sweep.lost_reason:
-                        figure = {"error": sweep.lost_reason[point.backend]}
-                    else:
-                        figure = {"after": previous, **_cycle(sweep, point, call_s[point.backend], autorange_s,
-                                                            autorange_first=r % 2 == 1)}
-                        previous = point.backend
-                    figures[point.backend].append(figure)
-                    in_round.append(figure)
-                conditions = _conditions(box, own, sweep, time.perf_counter() - started)
-                for figure in in_round:
-                    figure["round_conditions"] = conditions
-                log(f"  round {r + 1}: {conditions['seconds']} s; other processes used {conditions['other_cpu_s']} "
-                    f"CPU-s, steal {conditions['steal_s']} s", flush=True)
+            call_s = {p.backend: c for p, c in sweep.prepare_group(group)}
+            figures = _timing_rounds(sweep, group, call_s, t, rounds, max(rounds, max_rounds), autorange_s, log)
             for point in group:
                 if point.backend not in call_s:
                     figures[point.backend] = [{"error": f"prepare: {point.skipped}"}]
+                elif point.backend not in sweep.lost_reason:
+                    sweep.ask(point, ("drop", point.key))
             for backend in backends:
                 rows.append(_timing_row(backend.name, t, figures[backend.name]))
                 log(_timing_line(rows[-1]), flush=True)
-            for point, _ in ready:
-                sweep.ask(point, ("drop", point.key))
     finally:
         sweep.close()
     return rows
@@ -549,6 +580,7 @@ def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=pr
     doc = {"schema": "mha-harness/fidelity", "schema_version": "3.0", "complete": False, "threads": threads,
            "config": {"batch": config.batch, "d_model": config.d_model, "num_heads": config.num_heads,
                       "dtype": config.dtype, "turn_s": config.turn_s, "timing_rounds": TIMING_ROUNDS,
+                      "timing_max_rounds": TIMING_MAX_ROUNDS, "ratio_ci_target": RATIO_CI_TARGET,
                       "autorange_max_run_time_s": AUTORANGE_MAX_RUN_S}}
     path = Path(results_dir) / "bench" / "fidelity.json"
     log("memory methods against analytical figures (each kernel in its own worker):", flush=True)
