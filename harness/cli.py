@@ -353,7 +353,16 @@ def _assemble(registry, names, partial, start):
     return report
 
 
+def _start_workers_early(args) -> None:
+    """With isolated workers: start their fork server before the registry loads, so the frameworks it preloads
+    import beside the registry's availability checks (which import them too) rather than after them."""
+    if not getattr(args, "no_isolate", False):
+        from mha_harness.conformance.isolation import start_worker_server
+        start_worker_server()
+
+
 def cmd_check(args) -> int:
+    _start_workers_early(args)
     registry = _registry(args.backend_spec)
     from mha_harness.conformance.runner import select_cases
     _usage(select_cases, args.case or None)  # unknown case names are usage errors, before any work
@@ -377,6 +386,7 @@ def cmd_search(args) -> int:
     )
     _require("hypothesis", "search")
     mutants = args.mutants or any(n.startswith("mutant-") for n in args.backend)
+    _start_workers_early(args)
     registry = _registry(list(args.backend_spec) + ([MUTANT_SPEC] if mutants else []))
     if args.mutants and not args.backend:
         names = [e.name for e in registry.entries.values() if e.spec == MUTANT_SPEC]
@@ -479,6 +489,7 @@ def cmd_fidelity(args) -> int:
 
 def cmd_run(args) -> int:
     _check_inputs_fit(args.seq_lens)
+    _start_workers_early(args)
     registry = _registry(args.backend_spec)
     results = Path(args.results)
     report = _check(args, registry, results, include_slow=True, mutants=True)

@@ -317,3 +317,38 @@ def test_backends_start_longest_first_and_every_one_runs_once(monkeypatch):
     started.clear()
     out = run_isolated(targets, cases, jobs=3)
     assert sorted(started) == sorted(out) == ["compiled", "few-1", "few-2", "many"]
+
+
+_EARLY_SERVER_PROBE = '''
+import multiprocessing
+import sys
+
+
+def report(conn):
+    conn.send(sorted(m for m in ("torch", "jax", "flax.linen") if m in sys.modules))
+
+
+if __name__ == "__main__":
+    from mha_harness.conformance.isolation import start_worker_server
+    start_worker_server()
+    assert not {"torch", "jax", "flax"} & set(sys.modules), "the probe's own process imported a framework"
+    context = multiprocessing.get_context("forkserver")
+    mine, theirs = context.Pipe()
+    worker = context.Process(target=report, args=(theirs,))
+    worker.start()
+    print(mine.recv())
+    worker.join()
+'''
+
+
+def test_the_worker_server_starts_before_any_framework_is_imported_and_preloads_the_installed_ones(tmp_path):
+    """check, run and search start the fork server before loading the registry: it must preload every installed
+    framework by itself (not only those this process had imported by then), so a worker finds them imported."""
+    import importlib.util
+    probe = tmp_path / "probe.py"
+    probe.write_text(_EARLY_SERVER_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "MHA_HARNESS_WORKER_START"}
+    out = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    installed = sorted(m for m in ("torch", "jax", "flax.linen") if importlib.util.find_spec(m.split(".")[0]))
+    assert out.stdout.strip() == str(installed)

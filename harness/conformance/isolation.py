@@ -69,6 +69,21 @@ def _worker_context():
     return context
 
 
+def start_worker_server() -> None:
+    """Start the fork server now, preloaded with every installed framework of ``_PRELOAD_FRAMEWORKS``, so its
+    imports (seconds for torch and jax) run beside this process's own start (loading the registry imports the
+    same frameworks to check availability) instead of after it, when the first worker is wanted. Nothing happens
+    where workers are spawned (``$MHA_HARNESS_WORKER_START=spawn``, or no fork server on this platform); a
+    framework that fails to import in the server is skipped there (multiprocessing ignores the ImportError)."""
+    if os.environ.get(WORKER_START_ENV) == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    import importlib.util
+    from multiprocessing import forkserver
+    installed = [m for m in _PRELOAD_FRAMEWORKS if importlib.util.find_spec(m.split(".")[0]) is not None]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_PRELOAD) + installed)
+    forkserver.ensure_running()
+
+
 @dataclass
 class Target:
     """A backend to check: the object, and how a worker process can rebuild it."""
