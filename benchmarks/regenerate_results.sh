@@ -13,8 +13,8 @@
 # wall time is printed and logged to DIR/regenerate.log; measured 2026-12-01 where a figure is given):
 #   conformance  mha-harness check --mutants                                          ~2 min  DIR/conformance/
 #   bench        mha-harness bench --opt-in --budget 1                                3.8 min  DIR/bench/
-#   decode       mha-harness bench --workload decode --budget 1                       7.6 min  DIR/bench-decode/
-#   long         mha-harness bench --backend (5 CPU kernels) --seq-lens 1024..8192    8.5 min  DIR/long/bench/
+#   decode       mha-harness bench --workload decode --budget 1                        11 min  DIR/bench-decode/
+#   long         mha-harness bench --backend (5 CPU kernels) --seq-lens 1024..8192     12 min  DIR/long/bench/
 #   fidelity     mha-harness fidelity                                                  17 min  DIR/bench/fidelity.json
 #   asv          asv run --quick, time/decode/peak memory (T 256,1024; KV 1024,16384) 28 min  DIR/asv/, DIR/html/
 #   search       mha-harness search --mutants --seed 0 --time-budget 60               ~5 min  DIR/search/
