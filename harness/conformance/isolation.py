@@ -58,10 +58,15 @@ _PRELOAD = ("mha_harness.conformance.proxy", "mha_harness.conformance.wire", "mh
 _PRELOAD_FRAMEWORKS = ("torch", "jax", "flax.linen")
 
 
+def _forks_from_server() -> bool:
+    """Workers fork from the server unless ``$MHA_HARNESS_WORKER_START=spawn`` or the platform has no fork server."""
+    return os.environ.get(WORKER_START_ENV) != "spawn" and "forkserver" in multiprocessing.get_all_start_methods()
+
+
 def _worker_context():
     """The multiprocessing context that starts workers: a fork server preloaded with what workers import, where
     the platform has one; ``spawn`` otherwise or when ``$MHA_HARNESS_WORKER_START=spawn``."""
-    if os.environ.get(WORKER_START_ENV) == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+    if not _forks_from_server():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     # read once, when the server starts (the first worker of this process)
@@ -75,7 +80,7 @@ def start_worker_server() -> None:
     same frameworks to check availability) instead of after it, when the first worker is wanted. Nothing happens
     where workers are spawned (``$MHA_HARNESS_WORKER_START=spawn``, or no fork server on this platform); a
     framework that fails to import in the server is skipped there (multiprocessing ignores the ImportError)."""
-    if os.environ.get(WORKER_START_ENV) == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+    if not _forks_from_server():
         return
     import importlib.util
     from multiprocessing import forkserver
