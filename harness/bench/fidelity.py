@@ -176,15 +176,19 @@ def _cycle(sweep: Sweep, point: BenchPoint, call_s: float, autorange_s: float, a
     return figure
 
 
+def _per_round_ratio(per_round: list[dict], a: str, b: str) -> tuple[list, float | None, tuple | None]:
+    """The per-round ratios ``a``/``b`` (None where a figure is missing), their median and the median's 95% CI
+    (distribution-free: None under 6 rounds)."""
+    ratios = [ratio(f.get(a), f.get(b)) for f in per_round]
+    present = [x for x in ratios if x is not None]
+    return ratios, _median_or_none(present), median_ci(present)
+
+
 def _ratios_unsure(per_round: list[dict]) -> bool:
     """True while the 95% CI of a median ratio (sweep/alone, sweep/autorange) is wider than +-RATIO_CI_TARGET."""
     for a, b in (("sweep_s", "alone_s"), ("sweep_s", "autorange_s")):
-        ratios = [x for x in (ratio(f.get(a), f.get(b)) for f in per_round) if x is not None]
-        ci = median_ci(ratios)
-        if ci is None:
-            return True
-        centre = statistics.median(ratios)
-        if max(centre - ci[0], ci[1] - centre) > RATIO_CI_TARGET * centre:
+        _, centre, ci = _per_round_ratio(per_round, a, b)
+        if ci is None or max(centre - ci[0], ci[1] - centre) > RATIO_CI_TARGET * centre:
             return True
     return False
 
@@ -278,11 +282,9 @@ def _timing_row(name: str, t: int, per_round: list[dict]) -> dict:
         row["errors"] = errors
     for key, a, b in (("sweep_over_autorange", "sweep_s", "autorange_s"), ("sweep_over_alone", "sweep_s", "alone_s"),
                       ("alone_over_autorange", "alone_s", "autorange_s")):
-        ratios = [ratio(f.get(a), f.get(b)) for f in per_round]
+        ratios, median, ci = _per_round_ratio(per_round, a, b)
         row[f"{key}_per_round"] = ratios
-        median = _median_or_none(ratios)
         row[key] = None if median is None else round(median, 4)
-        ci = median_ci([x for x in ratios if x is not None])  # 95%, distribution-free: None under 6 rounds
         row[f"{key}_ci95"] = None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
     row["within_10pct"] = within(row["sweep_over_autorange"], 0.10)
     row["within_5pct"] = within(row["sweep_over_alone"], 0.05)
