@@ -183,10 +183,19 @@ def repro(backend, case: str, *, backend_name: str | None = None, **params) -> N
     print(f"{result.status}: {result.message}")
     if result.status not in HOLDS:
         import sys
-        if sys.argv[:1] == ["-c"] and sys.flags.interactive == 0:  # the repro line: its message is the whole story
+        if _called_from_the_repro_line():  # its message is the whole story
             sys.stdout.flush()
             raise SystemExit(1)
         raise CaseFailure(result.message)
+
+
+def _called_from_the_repro_line() -> bool:
+    """True when :func:`repro` was called by the top level of ``python -c '...'`` itself (the one-line repro), not
+    by other code running in a ``-c`` process (pytest-xdist's workers are ``python -c`` too)."""
+    import sys
+    caller = sys._getframe(2)  # repro's caller
+    return (sys.argv[:1] == ["-c"] and not sys.flags.interactive and caller.f_back is None
+            and caller.f_code.co_filename == "<string>")
 
 
 def replay(backend, example, *, name: str | None = None) -> float:
