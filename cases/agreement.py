@@ -35,22 +35,39 @@ GRID = {
 }
 
 
-def _grid_variants(backend):
-    """Every GRID row (named by ``variant``) the backend can run, in every declared dtype."""
+def _grid_row_refusal(backend, tq, tk, bias, kv) -> str | None:
+    """Why the backend cannot run a GRID row, from its declarations (the skip reason), or None."""
     caps = backend.capabilities
-    out = []
+    if tq != tk and not cross_ok(backend):
+        return (f"declares inputs='self' (one x): Tq = {tq} != Tk = {tk} is not defined for that form"
+                if caps.inputs == "self"
+                else f"does not declare capability 'cross_attention' (Tq = {tq} != Tk = {tk})")
+    if kv and not caps.grouped_query:
+        return f"does not declare capability 'grouped_query' ({kv} key/value head(s))"
+    if bias and not caps.bias:
+        return "does not declare capability 'bias'"
+    if caps.max_seq_len and max(tq, tk) > caps.max_seq_len:
+        return f"declares max_seq_len={caps.max_seq_len} (the row has T = {max(tq, tk)})"
+    return None
+
+
+def _grid_variants(backend):
+    """Every GRID row (named by ``variant``) the backend can run, in every declared dtype; each row it cannot run
+    once, in its primary dtype, as a variant that skips with the reason."""
+    caps = backend.capabilities
+    out, refused = [], []
     for dtype in caps.dtypes:
         for name, (batch, heads, d_head, tq, tk, bias, kv) in GRID.items():
-            if (tq != tk and not cross_ok(backend)) or (kv and not caps.grouped_query) or (bias and not caps.bias):
-                continue
-            if caps.max_seq_len and max(tq, tk) > caps.max_seq_len:
-                continue
             v = {"dtype": dtype, "variant": name, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq,
                  "tk": tk, "bias": bias}
             if kv:
                 v["kv_heads"] = kv
-            out.append(v)
-    return out
+            refusal = _grid_row_refusal(backend, tq, tk, bias, kv)
+            if refusal is None:
+                out.append(v)
+            elif dtype == primary_dtype(backend):
+                refused.append({**v, "unsupported": refusal})
+    return out + refused
 
 
 def _inputs(form, config, batch, tq, tk=None, seed=1, **masks):
@@ -133,7 +150,8 @@ def check_attention_weights_match_reference(backend, *, form, dtype, masked):
                                               labels=labels))
 
 
-@case(variants=lambda b: [{"dtype": d} for d in b.capabilities.dtypes], forms=ALL_FORMS)
+@case(requires=("non_causal",), variants=lambda b: [{"dtype": d} for d in b.capabilities.dtypes],
+      forms=ALL_FORMS)
 def check_lesson_worked_example_head_weights(backend, *, dtype):
     """The lesson's worked example (default_rng(7), T=4, d_model=8, h=2, weights * 0.5) gives the printed
     head weights to the printed two decimals, and the reference output."""

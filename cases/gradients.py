@@ -14,13 +14,13 @@ from mha_harness.contract.tolerance import naive_dtype
 def _gradient_variants(backend):
     caps = backend.capabilities
     out = []
-    for dtype in caps.dtypes:
-        out.append({"dtype": dtype, "causal": False, "bias": caps.bias, "kv_heads": 4})
-    if caps.causal_alignments:
+    for dtype in caps.dtypes:  # an always-causal layer runs every variant causal: its parameters say so
+        out.append({"dtype": dtype, "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4})
+    if caps.causal_alignments and not caps.always_causal:
         out.append({"dtype": out[0]["dtype"] if "float32" not in caps.dtypes else "float32", "causal": True,
                     "bias": False, "kv_heads": 4})
     if caps.grouped_query:
-        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0], "causal": False,
+        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0], "causal": caps.always_causal,
                     "bias": False, "kv_heads": 2})
     return out
 
@@ -32,7 +32,10 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     input gradient is d/dx (the sum over its three uses); with shared K/V, d/dx_kv sums the key and value parts."""
     config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias)
     params = make_params(config, seed=21)
-    inputs = form_inputs(form, config, 2, 7, 9 if cross_ok(backend) and not causal else 7, seed=21,
+    # Tq != Tk where declared; the causal variant of a layer whose mask is optional is square, while an
+    # always-causal layer, all of whose variants are causal, keeps Tq != Tk
+    cross = cross_ok(backend) and (not causal or backend.capabilities.always_causal)
+    inputs = form_inputs(form, config, 2, 7, 9 if cross else 7, seed=21,
                          causal=(backend.capabilities.causal_alignments[0] if causal else None))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     cotangent = np.random.default_rng(22).standard_normal((2, 7, 32))

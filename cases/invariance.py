@@ -21,7 +21,7 @@ from mha_harness.contract.params import make_inputs, make_params
 REPEATED_CALLS = 5
 
 
-@case(forms=ALL_FORMS)
+@case(requires=("non_causal",), forms=ALL_FORMS)
 def check_self_attention_is_permutation_equivariant(backend, *, dtype):
     """Without masks, permuting the tokens of a self-attention input permutes the output rows the same way."""
     params = small_layer(backend, bias=True)
@@ -34,7 +34,7 @@ def check_self_attention_is_permutation_equivariant(backend, *, dtype):
     return Measurement(max_error=assert_close(permuted, base[:, perm], tol, "permuted output"))
 
 
-@case(forms=CROSS_FORMS)  # needs cross_attention: run() requires it after the form check
+@case(requires=("non_causal",), forms=CROSS_FORMS)  # needs cross_attention: run() requires it after the form check
 def check_cross_attention_is_invariant_to_key_order(backend, *, form, dtype):
     """Without masks, permuting key/value positions together (with shared K/V: the rows of x_kv) leaves the
     cross-attention output unchanged. Not defined for one x, where keys cannot move without the queries."""
@@ -91,7 +91,7 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
     hundreds of them overflows float32 unless the row maximum is subtracted first."""
     batch, length, largest = LARGE_LOGITS[variant]
     config = AttentionConfig(16, 2)
-    params = make_params(config, seed=15, scale=1.0)
+    params = ordinary = make_params(config, seed=15, scale=1.0)
     inputs = form_inputs(form, config, batch, length)
     d = config.d_head
     q = (inputs.query @ params.W_q).reshape(batch, length, 2, d)
@@ -112,8 +112,22 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
         if label:  # finite and right for another scale: a scale bug (check_scores_scaled_by_sqrt_d_head), no overflow
             raise CaseFailure(f"{failure}; the output matches scores scaled by {label} instead of 1/sqrt(d_head): "
                               "a scale bug, not an overflow", failure.max_error) from None
+        ordinary_error = _error_beyond_tolerance(backend, ordinary, inputs, dtype)
+        if ordinary_error is not None:  # wrong without large logits too: another bug, which other cases name
+            raise CaseFailure(f"{failure}; the output is also wrong with ordinary logits (max error "
+                              f"{ordinary_error:.3g} beyond the tolerance with the unscaled weights): not a large-logit"
+                              " problem, see the other cases' failures", failure.max_error) from None
         raise CaseFailure(f"numerical stability: {failure}; softmax must subtract the row maximum (an overflowing "
-                          "normaliser gives wrong finite values)", failure.max_error) from None
+                          "normaliser gives wrong finite values; with ordinary logits the output is right)",
+                          failure.max_error) from None
+
+
+def _error_beyond_tolerance(backend, params, inputs, dtype) -> float | None:
+    """The backend's max error against the reference when it exceeds the tolerance, else None."""
+    got = run(backend, params, inputs, dtype).output
+    expected, tol = tolerance_for(params, inputs, dtype)
+    error = float(np.max(np.abs(got - expected)))
+    return error if not error <= tol.bound else None
 
 
 @case(variants=lambda b: [{"dtype": d} for d in b.capabilities.dtypes], forms=ALL_FORMS)

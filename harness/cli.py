@@ -250,7 +250,7 @@ def cmd_list(args) -> int:
             caps = entry.backend.capabilities
             flags = [f for f in ("key_padding_mask", "bool_attn_mask", "additive_attn_mask", "cross_attention",
                                  "attention_weights", "gradients", "grouped_query", "bias") if caps.has(f)]
-            causal = "/".join(caps.causal_alignments) or "none"
+            causal = ("always " if caps.always_causal else "") + ("/".join(caps.causal_alignments) or "none")
             print(f"{'':<{width}}  dtypes {','.join(caps.dtypes)}; devices {','.join(caps.devices)}; causal {causal}; "
                   f"{', '.join(flags)}")
             if args.verbose:

@@ -19,6 +19,8 @@ def unsupported(backend, shape: Shape) -> str | None:
         return f"dtype {shape.dtype} not declared"
     if alignment and alignment not in caps.causal_alignments:
         return f"no {alignment} causal mask"
+    if not alignment and caps.always_causal:
+        return "always causal (declares always_causal): no full-attention call"
     if shape.tq != shape.tk and not caps.cross_attention:
         return "no cross-attention (Tq != Tk)"
     if shape.backward and not caps.gradients:

@@ -25,9 +25,11 @@ from mha_harness.contract.api import (
     AttentionInputs,
     AttentionOutput,
     AttentionParams,
+    implicitly_causal,
     supported,
 )
 from mha_harness.contract.reference import reference_attention
+from mha_harness.contract.scoped import scoped
 from mha_harness.contract.tolerance import Tolerance, naive_dtype, tolerance_from
 
 
@@ -92,7 +94,8 @@ FORM_WORDS = {"separate": "separate query/key/value", "shared_kv": "one x_q and 
 
 
 def _in_form(func: Callable[..., Any], forms: tuple[str, ...]) -> Callable[..., Any]:
-    """``func`` called with the variant's ``form`` (when it takes one) after checking the case is defined for it."""
+    """``func`` called with the variant's ``form`` (when it takes one) after checking the case is defined for it;
+    for a backend declaring ``always_causal``, with every input it makes causal (:func:`always_causal_alignment`)."""
     takes_form = "form" in inspect.signature(func).parameters
 
     @functools.wraps(func)
@@ -101,8 +104,16 @@ def _in_form(func: Callable[..., Any], forms: tuple[str, ...]) -> Callable[..., 
         reason = form_skip_reason(func.__name__, forms, backend, form)
         if reason:
             raise FormSkipped(reason)
-        return func(backend, form=form, **params) if takes_form else func(backend, **params)
+        with implicitly_causal(always_causal_alignment(backend)):
+            return func(backend, form=form, **params) if takes_form else func(backend, **params)
     return run_in_form
+
+
+def always_causal_alignment(backend: AttentionBackend) -> str | None:
+    """The alignment every call of a case takes for a backend that declares ``always_causal`` (its first declared
+    alignment), else None: the case's inputs stay as the case makes them."""
+    caps = backend.capabilities
+    return caps.causal_alignments[0] if caps.always_causal else None
 
 
 def form_skip_reason(name: str, forms: tuple[str, ...], backend: AttentionBackend, form: str) -> str | None:
@@ -232,16 +243,12 @@ def verifying(behaviour: str):
     from mha_harness.contract.reference import empty_rows_as
     from mha_harness.contract.tolerance import bound_of
     kind, _, value = behaviour.partition(":")
-    token = _DECLARED.set(behaviour)
-    try:
-        with contextlib.ExitStack() as stack:
-            if kind == "precision":
-                stack.enter_context(bound_of(value))
-            elif kind == "fully_masked_rows":
-                stack.enter_context(empty_rows_as(value))
-            yield
-    finally:
-        _DECLARED.reset(token)
+    with scoped(_DECLARED, behaviour), contextlib.ExitStack() as stack:
+        if kind == "precision":
+            stack.enter_context(bound_of(value))
+        elif kind == "fully_masked_rows":
+            stack.enter_context(empty_rows_as(value))
+        yield
 
 
 def expected_fully_masked_rows() -> str:

@@ -143,9 +143,11 @@ class Report:
         table = {}
         for name, info in self.backends.items():
             rows = self.for_backend(name)
-            table[name] = {"fully_masked_rows": self._fully_masked(rows),
-                           "causal_alignment": self._alignments(rows, list(info.capabilities.get("causal_alignments",
-                                                                                                  []))),
+            alignments = list(info.capabilities.get("causal_alignments", []))
+            causal = self._alignments(rows, alignments)
+            if info.capabilities.get("always_causal"):
+                causal = f"always causal (every case ran {alignments[0]}); {causal}"
+            table[name] = {"fully_masked_rows": self._fully_masked(rows), "causal_alignment": causal,
                            "native_causal": info.native_causal, "mask_polarity": info.mask_polarity}
         return table
 

@@ -83,6 +83,14 @@ def divergence_problems(backend: AttentionBackend) -> list[str]:
     return problems
 
 
+def unsupported_reason(backend, params: dict) -> str:
+    """The skip reason of a variant marked ``unsupported``: the variant generator's reason (a string, said after
+    the backend's name), or, for ``True`` (a case with no variant the backend can run), that in general words."""
+    why = params["unsupported"]
+    return f"{backend.name} {why}" if isinstance(why, str) else \
+        f"{backend.name} declares no parameters this case can run with"
+
+
 def declared_skip(backend, case: Case, params: dict) -> tuple[str, str | None] | None:
     """(reason, observed) when the variant skips on the backend's declarations alone (no plugin call is needed:
     a capability not declared, no runnable parameters, a case not defined for its input form); else None."""
@@ -90,7 +98,7 @@ def declared_skip(backend, case: Case, params: dict) -> tuple[str, str | None] |
     if reason:
         return reason, None
     if params.get("unsupported"):
-        return f"{backend.name} declares no parameters this case can run with", None
+        return unsupported_reason(backend, params), None
     reason = form_skip_reason(case.name, case.forms, backend, params.get("form") or backend.capabilities.inputs)
     return (reason, FORM_SKIP) if reason else None
 
@@ -103,7 +111,7 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
         if reason:
             raise CaseSkipped(reason)
         if params.get("unsupported"):
-            raise CaseSkipped(f"{backend.name} declares no parameters this case can run with")
+            raise CaseSkipped(unsupported_reason(backend, params))
         measurement = case.func(backend, **{k: v for k, v in params.items() if k != "unsupported"})
         if isinstance(measurement, Measurement):
             return Status.PASSED, "", measurement.max_error, measurement.observed

@@ -52,7 +52,7 @@ class SearchSpace:
         return cls(
             dtypes=coverage.output_dtypes or caps.dtypes,
             forms=tuple(f for f in FORMS if caps.accepts_form(f)),  # every form Capabilities.inputs accepts
-            causal=(None,) + tuple(caps.causal_alignments),
+            causal=((None,) if caps.has("non_causal") else ()) + tuple(caps.causal_alignments),
             cross_attention=caps.cross_attention,
             grouped_query=caps.grouped_query,
             bias=caps.bias,

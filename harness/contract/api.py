@@ -20,8 +20,10 @@ Conventions (stated in :mod:`mha_harness.contract.conventions`, pinned by the fl
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,7 @@ from mha_harness.contract.conventions import (
     INPUT_FORMS,
     PARAM_NAMES,
 )
+from mha_harness.contract.scoped import scoped
 from mha_harness.contract.validation import (
     validate_config,
     validate_cotangent,
@@ -45,7 +48,7 @@ from mha_harness.contract.validation import (
 
 __all__ = ["ACCEPTED_FORMS", "CAUSAL_ALIGNMENTS", "DTYPES", "INPUT_FORMS", "PARAM_NAMES", "AttentionBackend",
            "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams", "Capabilities", "Divergence",
-           "LoadedAttention", "Unsupported", "supported"]
+           "LoadedAttention", "Unsupported", "implicitly_causal", "supported"]
 
 
 class Unsupported(Exception):
@@ -75,7 +78,10 @@ class Capabilities:
     grouped-query heads -- so a backend that ignores one is caught, and leaving one out is a visible declaration;
     OFF for what needs code beyond ``compute``: ``attention_weights`` (returning per-head weights), ``gradients``
     (``compute_vjp``); ``native_parameters`` is ON because the base class answers Unsupported (a skip) until the
-    backend implements ``native_parameter_shapes``. Malformed values (a string where a tuple belongs, an unknown
+    backend implements ``native_parameter_shapes``. ``always_causal`` (OFF) declares a layer that cannot attend
+    without its causal mask (nanoGPT's ``CausalSelfAttention``, GPT-2's attention): every case then runs causal in
+    the first declared alignment (see :func:`implicitly_causal`), and the cases whose property holds only
+    without a mask skip naming it. Malformed values (a string where a tuple belongs, an unknown
     dtype or alignment, a truthy non-bool) are refused here, so nothing is declared by accident.
     """
 
@@ -93,6 +99,7 @@ class Capabilities:
     devices: tuple[str, ...] = ("cpu",)
     max_seq_len: int | None = None
     inputs: str = "separate"
+    always_causal: bool = False
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -115,6 +122,10 @@ class Capabilities:
                              "(separate query/key/value, one x_q plus one x_kv, or one x)")
         if self.inputs == "self" and self.cross_attention:
             object.__setattr__(self, "cross_attention", False)  # one x cannot have Tq != Tk
+        if self.always_causal and not self.causal_alignments:
+            raise ValueError("Capabilities.always_causal: got True with causal_alignments=(); accepted: "
+                             "always_causal=True with the alignment the layer applies, e.g. "
+                             "causal_alignments=('top-left',), or always_causal=False")
 
     def _names(self, field_name: str, accepted: tuple[str, ...] | None, *, allow_empty: bool) -> None:
         """A tuple (a list is converted) of distinct strings from ``accepted``; never a bare string."""
@@ -141,11 +152,13 @@ class Capabilities:
             return self.accepts_form(capability.split(":", 1)[1])
         if capability == "causal":
             return bool(self.causal_alignments)
+        if capability == "non_causal":  # attention without a causal mask
+            return not self.always_causal
         value = getattr(self, capability, None)
         if not isinstance(value, bool):
             raise ValueError(f"capability: unknown capability {capability!r}; accepted: "
                              f"{sorted(f.name for f in dataclasses.fields(self) if f.type == 'bool')}"
-                             " or causal, causal:<alignment>, dtype:<name>, inputs:<form>")
+                             " or causal, non_causal, causal:<alignment>, dtype:<name>, inputs:<form>")
         return value
 
     def to_dict(self) -> dict[str, Any]:
@@ -321,6 +334,10 @@ class AttentionInputs:
             return "self" if self.query is self.key else "shared_kv"
         return "separate"
 
+    def __post_init__(self):
+        if self.causal is None:
+            self.causal = _IMPLICIT_CAUSAL.get()
+
     def replace(self, **fields) -> AttentionInputs:
         return dataclasses.replace(self, **fields)
 
@@ -336,6 +353,24 @@ class AttentionInputs:
         if self.tq != self.tk:
             needs.add("cross_attention")
         return needs
+
+
+#: the alignment AttentionInputs made without ``causal`` take (None: they stay non-causal); see implicitly_causal
+_IMPLICIT_CAUSAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("mha_harness_implicit_causal",
+                                                                              default=None)
+
+
+@contextlib.contextmanager
+def implicitly_causal(alignment: str | None) -> Iterator[None]:
+    """Inside this block every :class:`AttentionInputs` made with ``causal=None`` is causal in ``alignment``.
+
+    How the cases run for a backend that declares ``Capabilities(always_causal=True)``: the case's inputs, the
+    reference computed from them and the backend's call are one causal call, so every property the case
+    proves is proved for the causal layer the backend is. ``alignment=None`` changes nothing."""
+    if alignment is not None and alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"alignment: got {alignment!r}; accepted: None, {' or '.join(map(repr, CAUSAL_ALIGNMENTS))}")
+    with scoped(_IMPLICIT_CAUSAL, alignment):
+        yield
 
 
 @dataclass
@@ -364,12 +399,15 @@ class LoadedAttention:
     config: AttentionConfig
     #: set by :meth:`AttentionBackend.load` after ``load_native`` returns: the backend's ``Capabilities.inputs``
     input_form: str = "separate"
+    #: set by :meth:`AttentionBackend.load`: the backend's ``Capabilities.always_causal``
+    always_causal: bool = False
 
     def forward(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
         """Validate, then run the layer on NumPy inputs and return NumPy outputs."""
         self._require_loaded()
         validate_form(inputs, self.input_form)
         validate_inputs(inputs, self.config)
+        self._require_causal(inputs)
         return self.compute(inputs, need_weights=need_weights)
 
     def compute(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
@@ -389,8 +427,14 @@ class LoadedAttention:
         self._require_loaded()
         validate_form(inputs, self.input_form)
         validate_inputs(inputs, self.config)
+        self._require_causal(inputs)
         validate_cotangent(cotangent, inputs, self.config)
         return self.compute_vjp(inputs, cotangent)
+
+    def _require_causal(self, inputs: AttentionInputs) -> None:
+        if self.always_causal and inputs.causal is None:
+            raise Unsupported(f"causal: got None; accepted: {' or '.join(map(repr, CAUSAL_ALIGNMENTS))} "
+                              "(the backend declares always_causal=True: it cannot attend without a causal mask)")
 
     def _require_loaded(self) -> None:
         if not isinstance(getattr(self, "config", None), AttentionConfig):
@@ -496,6 +540,7 @@ class AttentionBackend:
                             "compute_vjp(inputs, cotangent); accepted: implement it, or declare gradients=False")
         loaded.config = params.config
         loaded.input_form = self.capabilities.inputs
+        loaded.always_causal = self.capabilities.always_causal
         return loaded
 
     def load_native(self, params: AttentionParams, dtype: str) -> LoadedAttention:
@@ -528,5 +573,8 @@ def supported(backend: AttentionBackend, features: Sequence[str] | set[str]) -> 
     """None if the backend declares every feature, else the reason naming the first missing one."""
     for feature in sorted(features):
         if not backend.capabilities.has(feature):
+            if feature == "non_causal":
+                return (f"{backend.name} declares always_causal=True; the property holds only without a causal mask "
+                        "(capability 'non_causal')")
             return f"{backend.name} does not declare capability {feature!r}"
     return None

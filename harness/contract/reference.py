@@ -31,6 +31,7 @@ import numpy as np
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams
 from mha_harness.contract.conventions import causal_offset, round_to
 from mha_harness.contract.numerics import weighted_values
+from mha_harness.contract.scoped import scoped
 from mha_harness.contract.validation import require_inputs, require_params
 
 #: what a row with no key to attend to outputs before W_o: "zeros" (the convention), "uniform_average" or "nan";
@@ -44,11 +45,8 @@ def empty_rows_as(convention: str):
     """Within this block the reference gives rows with no visible key the ``convention`` output."""
     if convention not in EMPTY_ROW_CONVENTIONS:
         raise ValueError(f"convention: got {convention!r}; accepted: {', '.join(EMPTY_ROW_CONVENTIONS)}")
-    token = _EMPTY_ROWS.set(convention)
-    try:
+    with scoped(_EMPTY_ROWS, convention):
         yield
-    finally:
-        _EMPTY_ROWS.reset(token)
 
 
 def empty_rows_convention() -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_harness.contract.conventions import EPS
+from mha_harness.contract.scoped import scoped
 
 FACTOR = 3.0
 FLOOR_ULPS = 1.0
@@ -32,11 +33,8 @@ _BOUND_DTYPE: contextvars.ContextVar[str | None] = contextvars.ContextVar("bound
 @contextlib.contextmanager
 def bound_of(dtype: str):
     """Within this block every tolerance is the bound of ``dtype``, whatever dtype the backend ran in."""
-    token = _BOUND_DTYPE.set(dtype)
-    try:
+    with scoped(_BOUND_DTYPE, dtype):
         yield
-    finally:
-        _BOUND_DTYPE.reset(token)
 
 
 def bound_dtype(dtype: str) -> str:

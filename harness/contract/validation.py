@@ -19,6 +19,7 @@ from mha_harness.contract.conventions import (
     KEY_PADDING_POLARITY,
     causal_offset,
 )
+from mha_harness.contract.scoped import scoped
 
 if TYPE_CHECKING:  # annotations only: api imports this module, never the other way round at run time
     from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
@@ -204,11 +205,8 @@ def causal_future_poison_allowed():
     from the *first* query (later queries then read poison, and their outputs are garbage by design). The
     case uses it to prove that queries which cannot see those keys stay unaffected; every other caller gets
     the strict rule of :func:`visible_keys`."""
-    token = _CAUSAL_FUTURE_POISON.set(True)
-    try:
+    with scoped(_CAUSAL_FUTURE_POISON, True):
         yield
-    finally:
-        _CAUSAL_FUTURE_POISON.reset(token)
 
 
 def visible_keys(inputs: AttentionInputs) -> np.ndarray | None:

@@ -40,7 +40,7 @@ class _FunctionLoaded(LoadedAttention):
         self.weights = [w.astype(self.dtype) for w in (params.W_q, params.W_k, params.W_v, params.W_o)]
 
     def compute(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
-        options = {"causal": True} if inputs.causal else {}
+        options = {"causal": True} if inputs.causal and not self.backend.capabilities.always_causal else {}
         names = FORM_ARRAYS[self.backend.capabilities.inputs]
         arrays = [np.asarray(getattr(inputs, n), self.dtype) for n in names]
         fn, heads = self.backend.fn, self.config.num_heads
@@ -74,14 +74,16 @@ def _form_from_signature(fn: Callable) -> str:
     return _FORM_BY_ARITY[len(required)]
 
 
-def function_backend(fn: Callable, *, name: str, inputs: str | None = None, causal: bool = False,
+def function_backend(fn: Callable, *, name: str, inputs: str | None = None, causal: bool | str = False,
                      cross_attention: bool = True, batched: bool = False,
                      dtypes=("float32", "float64")) -> FunctionBackend:
     """Wrap a NumPy attention function as a backend.
 
     ``fn(X, W_q, W_k, W_v, W_o, num_heads)`` (``inputs="self"``), ``fn(x_q, x_kv, W_q, ...)``
     (``"shared_kv"``) or ``fn(query, key, value, W_q, ...)`` (``"separate"``); ``inputs=None`` reads the form
-    from the signature. ``causal=True`` declares top-left causal masking, passed to ``fn`` as ``causal=True``.
+    from the signature. ``causal=True`` declares top-left causal masking, passed to ``fn`` as ``causal=True``;
+    ``causal="always"`` declares a function that always masks top-left and takes no ``causal`` parameter
+    (``Capabilities.always_causal``: every case runs causal, those that need attention without a mask skip).
     ``cross_attention=False`` declares that Tq must equal Tk (implied by ``"self"``).
     """
     if not callable(fn):
@@ -93,10 +95,15 @@ def function_backend(fn: Callable, *, name: str, inputs: str | None = None, caus
     elif inputs not in INPUT_FORMS:
         raise ValueError(f"inputs: got {inputs!r}; accepted: {', '.join(map(repr, INPUT_FORMS))} or None "
                          "(read from fn's signature)")
+    if causal not in (True, False, "always"):
+        raise ValueError(f"causal: got {causal!r}; accepted: False, True (fn takes causal=True) or 'always' "
+                         "(fn always masks top-left and takes no causal parameter)")
     caps = Capabilities(causal_alignments=("top-left",) if causal else (), key_padding_mask=False,
                         bool_attn_mask=False, additive_attn_mask=False, cross_attention=cross_attention,
                         attention_weights=False, gradients=False, grouped_query=False, bias=False,
-                        native_parameters=False, dtypes=tuple(dtypes), inputs=inputs)
+                        native_parameters=False, dtypes=tuple(dtypes), inputs=inputs,
+                        always_causal=causal == "always")
     backend = FunctionBackend(fn, name, caps, batched)
-    backend.native_causal = "causal=True passed to the function (top-left)" if causal else "none"
+    backend.native_causal = {True: "causal=True passed to the function (top-left)", False: "none",
+                             "always": "always top-left (no causal parameter)"}[causal]
     return backend
