@@ -332,6 +332,9 @@ def _composition_variants(backend):
         alignments = caps.causal_alignments if name.startswith("causal") else (None,)
         out += [{"dtype": dtype, "variant": name, **({"alignment": a} if a else {}), "shape": shape,
                  "seq": tq, "tk": tk} for a in alignments for shape, tq, tk in shapes]
+    if not out:  # one skip that says what would make a composition
+        return [{"dtype": dtype, "unsupported": "declares no two masks to combine (a composition needs two of: a "
+                 "causal alignment, key_padding_mask, bool_attn_mask, additive_attn_mask)"}]
     return out
 
 
