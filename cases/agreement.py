@@ -42,6 +42,8 @@ def _grid_row_refusal(backend, tq, tk, bias, kv) -> str | None:
         return (f"declares inputs='self' (one x): Tq = {tq} != Tk = {tk} is not defined for that form"
                 if caps.inputs == "self"
                 else f"does not declare capability 'cross_attention' (Tq = {tq} != Tk = {tk})")
+    if tq > tk and not caps.more_queries_than_keys:
+        return f"does not declare capability 'more_queries_than_keys' (Tq = {tq} > Tk = {tk})"
     if kv and not caps.grouped_query:
         return f"does not declare capability 'grouped_query' ({kv} key/value head(s))"
     if bias and not caps.bias:

@@ -250,6 +250,8 @@ def cmd_list(args) -> int:
             caps = entry.backend.capabilities
             flags = [f for f in ("key_padding_mask", "bool_attn_mask", "additive_attn_mask", "cross_attention",
                                  "attention_weights", "gradients", "grouped_query", "bias") if caps.has(f)]
+            if caps.cross_attention and not caps.more_queries_than_keys:
+                flags[flags.index("cross_attention")] = "cross_attention (Tq <= Tk only)"
             causal = ("always " if caps.always_causal else "") + ("/".join(caps.causal_alignments) or "none")
             print(f"{'':<{width}}  dtypes {','.join(caps.dtypes)}; devices {','.join(caps.devices)}; causal {causal}; "
                   f"{', '.join(flags)}")

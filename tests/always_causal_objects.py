@@ -109,3 +109,24 @@ def _one_alignment(alignment: str) -> type[NumpyNaive]:
 
 NaiveAlwaysTopLeft = _one_alignment("top-left")
 NaiveAlwaysBottomRight = _one_alignment("bottom-right")
+
+
+class _DecodeLoaded(_OneAlignmentLoaded):
+    def compute(self, inputs, *, need_weights=False):
+        if inputs.tq > inputs.tk:
+            raise AssertionError(f"a layer declaring more_queries_than_keys=False got Tq {inputs.tq} > Tk {inputs.tk}")
+        return super().compute(inputs, need_weights=need_weights)
+
+
+class NaiveDecodeKernel(NumpyNaive):
+    """A KV-cache decode kernel: always bottom-right causal and Tq <= Tk only (the queries are the last Tq keys);
+    it raises on any call that is not causal bottom-right or has more queries than keys."""
+
+    name = "numpy-naive-decode-kernel"
+    capabilities = dataclasses.replace(NumpyNaive.capabilities, always_causal=True, causal_alignments=("bottom-right",),
+                                       more_queries_than_keys=False)
+
+    def load_native(self, params, dtype):
+        loaded = _DecodeLoaded(params, dtype)
+        loaded.alignment = "bottom-right"
+        return loaded

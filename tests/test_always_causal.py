@@ -21,6 +21,7 @@ from tests.always_causal_objects import (
     GPTFunction,
     NaiveAlwaysBottomRight,
     NaiveAlwaysTopLeft,
+    NaiveDecodeKernel,
 )
 
 #: the cases whose property holds only without a causal mask
@@ -137,3 +138,30 @@ def test_search_and_bench_never_ask_an_always_causal_backend_for_full_attention(
     assert "always_causal" in unsupported(backend, full)
     assert unsupported(backend, decode) is None
     assert backend.capabilities.has("causal:bottom-right") and not backend.capabilities.has("non_causal")
+
+
+def test_a_decode_kernel_declaring_tq_at_most_tk_gets_no_call_with_more_queries_than_keys():
+    """``more_queries_than_keys=False`` (a KV-cache decode kernel): every variant with Tq > Tk skips naming it, from
+    the declaration (the backend raises on such a call, and nothing errors), and search never draws one."""
+    backend = NaiveDecodeKernel()
+    report = _check(backend)
+    assert report.ok, "\n".join(report.summary_lines())
+    assert not _statuses(report)["error"] and _statuses(report)["passed"] >= 60
+    skipped = [r for r in report.results if "more_queries_than_keys" in r.message]
+    assert {r.case for r in skipped} >= {"check_output_matches_reference", "check_causal_output_matches_reference",
+                                         "check_causal_mask_blocks_future_keys"}
+    assert all(r.status.value == "skipped" for r in skipped)
+    config = mha_harness.AttentionConfig(8, 2)
+    assert {"cross_attention", "more_queries_than_keys"} <= make_inputs(config, 1, 3, 2).features()
+    assert "more_queries_than_keys" not in make_inputs(config, 1, 2, 3).features()
+    space = SearchSpace.for_backend(backend)
+    assert not space.more_queries_than_keys
+    from hypothesis import given, settings
+
+    from mha_harness.conformance.strategies import examples
+
+    @settings(max_examples=60, database=None, deadline=None)
+    @given(examples(space))
+    def never_more_queries(example):
+        assert example["tq"] <= example["tk"]
+    never_more_queries()

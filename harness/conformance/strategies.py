@@ -35,6 +35,7 @@ class SearchSpace:
     forms: tuple[str, ...]
     causal: tuple[str | None, ...]
     cross_attention: bool
+    more_queries_than_keys: bool
     grouped_query: bool
     bias: bool
     padding: bool
@@ -54,6 +55,7 @@ class SearchSpace:
             forms=tuple(f for f in FORMS if caps.accepts_form(f)),  # every form Capabilities.inputs accepts
             causal=((None,) if caps.has("non_causal") else ()) + tuple(caps.causal_alignments),
             cross_attention=caps.cross_attention,
+            more_queries_than_keys=caps.more_queries_than_keys,
             grouped_query=caps.grouped_query,
             bias=caps.bias,
             padding=caps.key_padding_mask,
@@ -112,6 +114,8 @@ def examples(draw, space: SearchSpace):
     batch = draw(st.integers(1, space.max_batch))
     tq = draw(_length(space))
     tk = draw(_length(space)) if space.cross_attention and form != "self" else tq
+    if tq > tk and not space.more_queries_than_keys:  # a layer that needs Tq <= Tk: the longer one is the keys
+        tq, tk = tk, tq
     heads = draw(st.sampled_from(HEADS))
     kv_heads = draw(st.sampled_from([heads] + [k for k in range(heads - 1, 0, -1) if heads % k == 0])) \
         if space.grouped_query else heads

@@ -81,8 +81,10 @@ class Capabilities:
     backend implements ``native_parameter_shapes``. ``always_causal`` (OFF) declares a layer that cannot attend
     without its causal mask (nanoGPT's ``CausalSelfAttention``, GPT-2's attention): every case then runs causal in
     the first declared alignment (see :func:`implicitly_causal`), and the cases whose property holds only
-    without a mask skip naming it. Malformed values (a string where a tuple belongs, an unknown
-    dtype or alignment, a truthy non-bool) are refused here, so nothing is declared by accident.
+    without a mask skip naming it. ``more_queries_than_keys`` (ON; meaningful with ``cross_attention``) off declares a
+    layer that needs Tq <= Tk, such as a KV-cache decode kernel whose queries are the last Tq keys. Malformed values
+    (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused here, so nothing
+    is declared by accident.
     """
 
     causal_alignments: tuple[str, ...] = CAUSAL_ALIGNMENTS
@@ -100,6 +102,7 @@ class Capabilities:
     max_seq_len: int | None = None
     inputs: str = "separate"
     always_causal: bool = False
+    more_queries_than_keys: bool = True
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -352,6 +355,8 @@ class AttentionInputs:
             needs.add("bool_attn_mask" if self.attn_mask.dtype == np.bool_ else "additive_attn_mask")
         if self.tq != self.tk:
             needs.add("cross_attention")
+        if self.tq > self.tk:
+            needs.add("more_queries_than_keys")
         return needs
 
 
