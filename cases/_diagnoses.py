@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionInputs, AttentionParams
+from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
+from mha_harness.contract.conventions import causal_offset, other_alignment
 from mha_harness.contract.reference import allowed_and_bias, reference_attention
 
 
@@ -42,6 +43,32 @@ def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionI
     if np.all(np.isfinite(got)) and np.allclose(got, wrong, atol=1e-4, rtol=1e-4):
         return ("; the output matches the mask applied after the softmax without renormalising (masked keys still "
                 "enter the softmax denominator)")
+    return ""
+
+
+def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs) -> str:
+    """A message suffix naming the causal-mask mistake a causal call's output ``got`` matches: the other alignment
+    (Tq != Tk), a mask without the diagonal, no mask at all, or a mask one key too wide; "" when none."""
+    alignment, tq, tk = inputs.causal, inputs.tq, inputs.tk
+    if alignment is None:
+        return ""
+
+    def matches(other: AttentionInputs) -> bool:
+        return bool(np.allclose(got, reference_attention(params, other).output, atol=1e-3, equal_nan=True))
+    offset = causal_offset(alignment, tq, tk)
+    with implicitly_causal(None):  # the unmasked call, also for a backend that declares always_causal
+        unmasked = inputs.replace(causal=None)
+        next_key = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool))
+    if unmasked.attn_mask is None and matches(unmasked):
+        return "; the output matches attention without a causal mask: the mask is not applied"
+    if unmasked.attn_mask is None and matches(next_key):
+        return "; the output matches a causal mask one key too wide (query i also sees key i + 1)"
+    no_diagonal = ~np.eye(tq, tk, k=offset, dtype=bool)
+    if tq == tk and inputs.attn_mask is None and matches(inputs.replace(attn_mask=no_diagonal)):
+        return "; the output matches a causal mask that excludes the diagonal (query i cannot see key i)"
+    other = other_alignment(alignment)
+    if tq != tk and matches(inputs.replace(causal=other)):
+        return f"; the output matches {other} alignment instead"
     return ""
 
 

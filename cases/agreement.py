@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mha_harness.cases._diagnoses import causal_hint
 from mha_harness.cases._fixtures import ALL_FORMS, cross_ok, form_inputs
 from mha_harness.conformance.casekit import (
     CaseFailure,
@@ -87,7 +88,11 @@ def check_output_matches_reference(backend, *, form, dtype, variant, batch, head
     config = AttentionConfig(heads * d_head, heads, kv_heads, bias=bias)
     params = make_params(config, seed=seq + tk)
     inputs = _inputs(form, config, batch, seq, tk, seed=batch + heads)
-    return Measurement(max_error=check_against_reference(backend, params, inputs, dtype))
+    try:
+        return Measurement(max_error=check_against_reference(backend, params, inputs, dtype))
+    except CaseFailure as failure:  # an always-causal backend's grid runs causal: name a causal-mask mistake
+        hint = causal_hint(run(backend, params, inputs, dtype).output, params, inputs) if inputs.causal else ""
+        raise CaseFailure(str(failure) + hint, failure.max_error) from None
 
 
 def _long_variants(backend):

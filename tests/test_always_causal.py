@@ -103,7 +103,8 @@ def test_an_always_causal_module_with_a_broken_mask_fails_with_the_diagnosis(bac
     failed = {r.case: r.message for r in report.results if r.status.value == "failed"}
     assert "top-left causal leak" in failed["check_causal_mask_blocks_future_keys"]
     assert diagnosis in failed["check_causal_output_matches_reference"]
-    assert "check_output_matches_reference" in failed  # the grid too: every case compares with the causal reference
+    # the grid too: every case compares with the causal reference, and the grid names the mask mistake as well
+    assert diagnosis in failed["check_output_matches_reference"]
     # the large-logit case does not blame the softmax for a bug that is there at ordinary logits too
     assert "also wrong with ordinary logits" in failed["check_large_logits_stay_finite_and_correct"]
     assert "softmax must subtract" not in failed["check_large_logits_stay_finite_and_correct"]
