@@ -349,13 +349,20 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
 
 
 def check_against_reference(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs,
-                            dtype: str, what: str = "output", rows=None) -> float:
-    """Run the backend and compare its output (or the sampled ``rows``) with the reference."""
+                            dtype: str, what: str = "output", rows=None,
+                            hint: Callable[[np.ndarray], str] | None = None) -> float:
+    """Run the backend and compare its output (or the sampled ``rows``) with the reference. On a failure,
+    ``hint(output)`` (the compared output, float64) is appended to the message: what known mistake it matches."""
     got = run(backend, params, inputs, dtype).output
     if rows is not None:
         got = got[:, rows]
     expected, tol = tolerance_for(params, inputs, dtype, rows=rows)
-    return assert_close(got, expected, tol, what, row_ids=rows)
+    try:
+        return assert_close(got, expected, tol, what, row_ids=rows)
+    except CaseFailure as failure:
+        if hint is None:
+            raise
+        raise CaseFailure(str(failure) + hint(got), failure.max_error, failure.observed) from None
 
 
 @dataclass
