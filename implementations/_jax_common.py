@@ -138,24 +138,32 @@ class JaxLoaded(LoadedAttention):
         static = {k: v for k, v in native.items() if isinstance(v, (bool, int, str))}
         arrays = {k: v for k, v in native.items() if k not in static}
         if not backward:
-            fn = jax.jit(lambda params, a: self.call(params, {**a, **static}, False)[0])
+            fn = jax.jit(lambda params, a, masks: self.call(params, {**a, **masks, **static}, False)[0])
         else:
-            def loss(params, a):
-                return self.call(params, {**a, **static}, False)[0].astype(jax.numpy.float32).sum()
+            def loss(params, a, masks):
+                return self.call(params, {**a, **masks, **static}, False)[0].astype(jax.numpy.float32).sum()
+            # gradients to the parameters and the query, key and value arrays; the masks (a bool mask has no
+            # gradient at all) are arguments that are not differentiated
             fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        masks = {k: v for k, v in arrays.items() if k not in _DIFFERENTIABLE_INPUTS}
+        arrays = {k: v for k, v in arrays.items() if k in _DIFFERENTIABLE_INPUTS}
         with self.precision():
-            jax.block_until_ready(fn(self.params, arrays))  # compile here, outside any timing
+            jax.block_until_ready(fn(self.params, arrays, masks))  # compile here, outside any timing
 
         def run():
             with self.precision():
-                return jax.block_until_ready(fn(self.params, arrays))
+                return jax.block_until_ready(fn(self.params, arrays, masks))
 
         def memory_analysis():  # XLA's own account of the compiled program's buffers, for mha-harness fidelity
             with self.precision():
-                return fn.lower(self.params, arrays).compile().memory_analysis()
+                return fn.lower(self.params, arrays, masks).compile().memory_analysis()
         run.memory_analysis = memory_analysis
         return run
 
+
+#: the native input arrays a forward + backward benchmark differentiates (besides the parameters); every other array
+#: of ``native_inputs`` (masks) is passed along undifferentiated
+_DIFFERENTIABLE_INPUTS = ("query", "key", "value")
 
 #: jitted vjp programs by layer configuration (:meth:`JaxLoaded.vjp_program`)
 _VJP_PROGRAMS: dict = {}
