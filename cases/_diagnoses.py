@@ -72,6 +72,26 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     return ""
 
 
+def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
+    """A message suffix naming the one mask that a call with several masks behaves as if it had dropped: ``got``
+    matches the reference of the same call without that mask (on ``rows`` of (batch, Tq) if given); "" when none."""
+    candidates = []
+    with implicitly_causal(None):  # the call without its causal mask, also for a backend that declares always_causal
+        if inputs.causal is not None:
+            candidates.append((f"the causal mask ({inputs.causal})", inputs.replace(causal=None)))
+        if inputs.key_padding_mask is not None:
+            candidates.append(("key_padding_mask", inputs.replace(key_padding_mask=None)))
+        if inputs.attn_mask is not None:
+            kind = "bool" if inputs.attn_mask.dtype == np.bool_ else "additive"
+            candidates.append((f"the {kind} attn_mask", inputs.replace(attn_mask=None)))
+    if len(candidates) < 2 or not np.all(np.isfinite(got if rows is None else got[rows])):
+        return ""
+    for label, other in candidates:
+        wrong = reference_attention(params, other).output
+        if np.allclose(got if rows is None else got[rows], wrong if rows is None else wrong[rows], atol=1e-3):
+            return f"; the output matches the same call without {label}: that mask is dropped when combined"
+    return ""
+
 def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
     """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
     b_q = None if params.b_q is None else params.b_q * factor

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.cases._diagnoses import causal_hint, normaliser_hint
+from mha_harness.cases._diagnoses import causal_hint, dropped_mask_hint, normaliser_hint
 from mha_harness.cases._fixtures import (
     ALL_FORMS,
     causal_variants,
@@ -351,5 +351,6 @@ def check_mask_compositions_match_reference(backend, *, form, dtype, variant, sh
         return Measurement(max_error=assert_close(np.where(real, got, 0), np.where(real, expected, 0), tol,
                                                   f"mask composition {label} output"))
     except CaseFailure as failure:
-        raise CaseFailure(str(failure) + normaliser_hint(got, params, inputs, rows=real[..., 0]),
-                          failure.max_error) from None
+        hint = (dropped_mask_hint(got, params, inputs, rows=real[..., 0])
+                or normaliser_hint(got, params, inputs, rows=real[..., 0]))
+        raise CaseFailure(str(failure) + hint, failure.max_error) from None

@@ -78,7 +78,8 @@ def test_long_rows_with_logits_of_order_100_catch_a_softmax_without_max_subtract
     ("mutant-future-key-in-denominator-self", "check_causal_mask_blocks_future_keys", "causal leak"),
     ("mutant-padded-keys-in-denominator-self", "check_padding_mask_blocks_padded_keys", "padding leak"),
     ("mutant-mask-after-softmax-shared-kv", "check_causal_output_matches_reference", "without renormalising"),
-    ("mutant-padding-dropped-when-causal", "check_mask_compositions_match_reference", "with key_padding_mask"),
+    ("mutant-padding-dropped-when-causal", "check_mask_compositions_match_reference",
+     "without key_padding_mask: that mask is dropped when combined"),
 ])
 def test_normaliser_and_composition_bugs_are_caught_fast_at_small_t(name, case_name, mentions):
     """Each such bug is caught by one small-T case in well under a second (no T = 8192 needed)."""

@@ -360,9 +360,9 @@ MUTANTS += (
     *in_every_form(Mutant("mutant-softmax-no-max-subtraction", "softmax without subtracting the row maximum",
                           SoftmaxWithoutMaxSubtraction, "row maximum"), forms=("self",)),
     Mutant("mutant-padding-dropped-when-causal", "forgets the key padding mask when causal masking is on",
-           PaddingDroppedWhenCausal, "with key_padding_mask"),
+           PaddingDroppedWhenCausal, "without key_padding_mask: that mask is dropped"),
     Mutant("mutant-attn-mask-replaces-causal", "an explicit attn_mask replaces the causal mask instead of joining it",
-           AttnMaskReplacesCausal, "causal top-left with"),
+           AttnMaskReplacesCausal, "without the causal mask (top-left): that mask is dropped"),
 )
 
 
