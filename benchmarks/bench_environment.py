@@ -17,9 +17,11 @@ def _description() -> str:
         pools = threadpool_info()
     except ImportError:
         return "threadpoolctl not installed"
-    return "; ".join(f"{p.get('internal_api')} {p.get('version') or ''} {p.get('architecture') or ''} "
-                     f"{p.get('threading_layer') or ''} x{p.get('num_threads')}".replace("  ", " ").strip()
-                     for p in pools)
+    # sorted: threadpoolctl lists the pools in the order their libraries were loaded, which varies between runs,
+    # and a different parameter string would start a new series in asv
+    return "; ".join(sorted(f"{p.get('internal_api')} {p.get('version') or ''} {p.get('architecture') or ''} "
+                            f"{p.get('threading_layer') or ''} x{p.get('num_threads')}".replace("  ", " ").strip()
+                            for p in pools))
 
 
 class ThreadSettings:
