@@ -82,8 +82,8 @@ command_of() {
                    "--backend torch-sdpa-math-cpu --backend jax-dpa --seq-lens 1024,2048,4096,8192" \
                    "--results '$results/long'" ;;
         fidelity) echo "mha-harness fidelity --results '$results'" ;;
-        # the dashboard's headline benchmarks (time, decode time, peak memory): the whole set takes over 2 hours
-        # on 2 cores (each parameter of the two compiled backends compiles in asv's setup); ASV_BENCH=all: all
+        # the dashboard's headline benchmarks (time, decode time, peak memory; 28 min on 2 cores): the others add
+        # 55 min (each parameter of the two compiled backends compiles in asv's setup); ASV_BENCH=all: all
         asv) echo "MHA_ASV_SEQ_LENS=256,1024 MHA_ASV_DECODE_KV_LENS=1024,16384" \
                   "ASV_ARGS='--quick$( [ "${ASV_BENCH:-}" = all ] || echo " -b TimeForward.time_forward -b Decode.time_decode -b PeakMemory -b ThreadSettings")'" \
                   "ASV_CONFIG='$asv_config' ASV_HTML_DIR='$results/html' benchmarks/asv_record.sh '$machine'" ;;
