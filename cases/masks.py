@@ -322,7 +322,13 @@ def _composed_inputs(form, config, name, alignment, seq, tk) -> tuple:
         masks["causal"] = alignment
         parts.append(f"causal {alignment}")
     if "padding" in name:
-        masks["key_padding_mask"] = np.arange(tk)[None, :] >= np.array([tk, tk // 2 + 1])[:, None]
+        # batch 0 ignores keys 1 and 2, batch 1 is right-padded. Under top-left causal, right padding is hidden
+        # from every real query by the causal mask already (query i sees keys <= i), so a kernel that drops the
+        # padding mask when causal is on would pass on right padding alone; keys 1 and 2 lie inside every causal
+        # window, and key 0 stays, so no row is fully masked.
+        ignored = np.arange(tk)[None, :] >= np.array([tk, tk // 2 + 1])[:, None]
+        ignored[0, 1:3] = True
+        masks["key_padding_mask"] = ignored
         parts.append("key_padding_mask")
     allowed = _bool_mask(seq, tk, seed=7)
     allowed[:, 0] = True

@@ -91,6 +91,18 @@ def test_normaliser_and_composition_bugs_are_caught_fast_at_small_t(name, case_n
     print(f"{name}: caught by {case_name} in {seconds:.2f} s")
 
 
+@pytest.mark.parametrize("alignment", ["top-left", "bottom-right"])
+def test_padding_dropped_under_causal_is_caught_for_a_backend_with_one_alignment(alignment):
+    """With only top-left declared (the most common decoder), the composition case must still see the dropped
+    padding mask: under top-left causal, right padding alone is hidden from every real query by the causal mask."""
+    backend = MutantBackend(BY_NAME["mutant-padding-dropped-when-causal"], weights=False)
+    backend.capabilities = dataclasses.replace(backend.capabilities, causal_alignments=(alignment,))
+    report = mha_harness.check(backend, cases=["check_mask_compositions_match_reference"])
+    failed = [f for f in report.failures() if f.params.get("variant") == "causal_with_padding"]
+    assert {f.params["shape"] for f in failed} == {"square", "more_keys"}, [f.message[:120] for f in failed]
+    assert all("without key_padding_mask: that mask is dropped" in f.message for f in failed)
+
+
 def test_mutants_come_in_every_input_form_and_read_only_their_form():
     forms = {m.inputs for m in MUTANTS}
     assert forms == {"separate", "shared_kv", "self"}
