@@ -281,8 +281,11 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype):
     observed = classify_fully_masked_rows(got[rows], expected[rows], uniform[rows])
     wanted = expected_fully_masked_rows()  # zeros, or the backend's declared alternative while it is verified
     if observed != wanted:
+        builder = {"NaN": "nan_fully_masked_divergences", "uniform average of V": "uniform_fully_masked_divergences"}
+        advice = (f"; if that is the kernel's convention, declare it: divergences = {builder[observed]}(\"why\") from "
+                  "mha_harness.toolkit.divergences" if wanted == "zeros" and observed in builder else "")
         raise CaseFailure(f"fully masked rows: expected {wanted}"
-                          f"{' before W_o (output = b_o)' if wanted == 'zeros' else ''}, observed {observed}",
+                          f"{' before W_o (output = b_o)' if wanted == 'zeros' else ''}, observed {observed}{advice}",
                           observed=observed)
     return Measurement(max_error=float(np.max(np.abs(got[rows] - expected[rows]))), observed=observed)
 

@@ -86,6 +86,16 @@ def test_uniform_average_declaration_is_verified_in_the_fully_masked_and_the_emp
     assert diverging == ["uniform-rows-float32-alignmentbottom-right-rows-without-visible-keys-t11-tk6"]
 
 
+def test_undeclared_nan_rows_fail_naming_the_declaration_that_would_record_them():
+    class UndeclaredNaN(NaNRows):
+        name = "undeclared-nan"
+        divergences = ()
+    report = mha_harness.check(UndeclaredNaN(), cases=[FULLY])
+    message = report.results[0].message
+    assert report.results[0].status == Status.FAILED, message
+    assert "observed NaN" in message and "nan_fully_masked_divergences(" in message, message
+
+
 def test_a_declaration_that_does_not_match_the_output_fails_and_says_what_came_out():
     report = mha_harness.check(LiesUniformButNaN(), cases=[FULLY])
     result = report.results[0]
@@ -400,3 +410,18 @@ def test_a_causal_case_on_a_backend_without_causal_names_the_missing_capability(
     report = mha_harness.check(NoCausal(), cases=["check_causal_mask_blocks_future_keys"])
     assert report.results and all(r.status == "skipped" for r in report.results)
     assert all("does not declare capability 'causal'" in r.message for r in report.results), report.results[0].message
+
+
+def test_a_float64_run_computed_in_float32_fails_saying_so_and_naming_the_declaration():
+    class Undeclared(Float32Inside):
+        name = "f32-inside-undeclared"
+        divergences = ()
+
+    class Float16Undeclared(Float16Inside):
+        name = "f16-inside-undeclared"
+        divergences = ()
+    result = _grid_float64(Undeclared())
+    assert result.status == Status.FAILED
+    assert "within the float32 bound" in result.message and "precision_divergences(" in result.message, result.message
+    worse = _grid_float64(Float16Undeclared())  # beyond the float32 bound too: no such hint
+    assert worse.status == Status.FAILED and "within the float32 bound" not in worse.message, worse.message

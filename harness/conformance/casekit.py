@@ -28,6 +28,7 @@ from mha_harness.contract.api import (
     implicitly_causal,
     supported,
 )
+from mha_harness.contract.conventions import EPS
 from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.tolerance import Tolerance, naive_dtype, tolerance_from
@@ -344,8 +345,20 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
         where = ", ".join(f"{label} {int(row_ids[i]) if (row_ids is not None and label == 'position') else int(i)}"
                           for label, i in zip(labels, idx))
         raise CaseFailure(f"{what}: expected {expected[idx]:.6g}, got {actual[idx]:.6g} at {where}; "
-                          f"max error {err:.3g} exceeds {tol.describe()}", max_error=err)
+                          f"max error {err:.3g} exceeds {tol.describe()}{_float32_level_hint(err, tol)}", max_error=err)
     return err
+
+
+def _float32_level_hint(err: float, tol: Tolerance) -> str:
+    """A message suffix when a float64 run misses its bound but is within the float32 bound of the same call
+    (both terms of the rule scale with the unit roundoff): somewhere it computes in float32."""
+    float32_bound = tol.bound * EPS["float32"] / EPS["float64"]
+    if tol.dtype != "float64" or err > float32_bound:
+        return ""
+    return (f"; the error is within the float32 bound ({float32_bound:.3g}): the float64 call computes in float32 "
+            "somewhere (a cast of the inputs or weights, a float32 softmax); compute in float64, or declare it: "
+            "divergences = precision_divergences(\"float64\", \"float32\", \"why\", cases=[...]) from "
+            "mha_harness.toolkit.divergences")
 
 
 def check_against_reference(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs,
