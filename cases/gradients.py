@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.cases._fixtures import ALL_FORMS, cross_ok, form_inputs, input_gradients
-from mha_harness.conformance.casekit import Measurement, assert_gradients_close, case, require
+from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_gradients_close, case, require
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_params
 from mha_harness.contract.reference import reference_vjp
@@ -22,25 +22,50 @@ def _gradient_variants(backend):
     if caps.grouped_query:
         out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0], "causal": caps.always_causal,
                     "bias": False, "kv_heads": 2})
+    if caps.inputs == "separate":  # it accepts one x too (the grid and search call it so)
+        out.append({"dtype": out[0]["dtype"], "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4,
+                    "one_x": True})
     return out
 
 
 @case(requires=("gradients",), variants=_gradient_variants, forms=ALL_FORMS)
-def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads):
+def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads, one_x=False):
     """Gradients of sum(output * cotangent) with respect to query, key, value and every parameter equal the
-    reference's, within the tolerance rule applied to the naive backward in the same dtype. With one x the
-    input gradient is d/dx (the sum over its three uses); with shared K/V, d/dx_kv sums the key and value parts."""
+    reference's, within the tolerance rule applied to the naive backward in the same dtype. The input gradients
+    follow the backend's declared form: one x (``inputs='self'``) gives d/dx, the sum over its three uses; shared
+    K/V gives d/dx_kv, the sum of the key and value parts; a separate-form backend gives d/dquery, d/dkey and
+    d/dvalue, also when it is called with one x (``one_x``, as the grid and search call it)."""
     config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias)
     params = make_params(config, seed=21)
+    form = "self" if one_x else form
     # Tq != Tk where declared; the causal variant of a layer whose mask is optional is square, while an
     # always-causal layer, all of whose variants are causal, keeps Tq != Tk
-    cross = cross_ok(backend) and (not causal or backend.capabilities.always_causal)
+    cross = cross_ok(backend) and (not causal or backend.capabilities.always_causal) and not one_x
     inputs = form_inputs(form, config, 2, 7, 9 if cross else 7, seed=21,
                          causal=(backend.capabilities.causal_alignments[0] if causal else None))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     cotangent = np.random.default_rng(22).standard_normal((2, 7, 32))
     got = backend.load(params, dtype=dtype).vjp(inputs, cotangent)
-    exact = input_gradients(reference_vjp(params, inputs, cotangent), form)
-    naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), form)
-    worst = assert_gradients_close(got, exact, naive, dtype, length=inputs.batch * max(inputs.tq, inputs.tk))
+    declared = backend.capabilities.inputs  # the gradients come per argument of the module's own call
+    separate = reference_vjp(params, inputs, cotangent)
+    exact = input_gradients(separate, declared)
+    naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), declared)
+    try:
+        worst = assert_gradients_close(got, exact, naive, dtype, length=inputs.batch * max(inputs.tq, inputs.tk))
+    except CaseFailure as failure:
+        raise CaseFailure(str(failure) + _gradient_form_hint(got, separate, declared), failure.max_error) from None
     return Measurement(max_error=worst)
+
+
+def _gradient_form_hint(got: dict, separate: dict, declared: str) -> str:
+    """A message suffix when the input gradients match another form's convention than the declared one."""
+    if separate["query"].shape != separate["key"].shape:  # Tq != Tk: no one-x call, no mix-up to name
+        return ""
+    total = separate["query"] + separate["key"] + separate["value"]
+    if declared == "separate" and "query" in got and np.allclose(got["query"], total, atol=1e-4):
+        return ("; the query gradient is the total d/dx (query, key and value parts summed): a separate-form "
+                "backend returns d/dquery, d/dkey and d/dvalue, also when query is key is value (three leaves)")
+    if declared == "self" and "query" in got and np.allclose(got["query"], separate["query"], atol=1e-4):
+        return ("; the query gradient is d/dquery alone: with one x (inputs='self') return d/dx, the sum of the "
+                "query, key and value parts")
+    return ""

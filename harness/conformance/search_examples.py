@@ -206,10 +206,11 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
     _check_leakage(backend, params, inputs, example, loaded, allowed, empty, got, tol)
     if example.get("gradients") and backend.capabilities.gradients and dtype in coverage.gradient_dtypes \
             and (empty is None or not empty.any()):
-        from mha_harness.conformance.casekit import input_gradients  # per distinct input array of the form
+        from mha_harness.conformance.casekit import input_gradients
         cotangent = np.random.default_rng(int(example["seed"]) + 3).standard_normal(got.shape)
-        exact = input_gradients(reference_vjp(params, inputs, cotangent), inputs.form)
-        naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), inputs.form)
+        declared = backend.capabilities.inputs  # per argument of the module's own call, whatever the call's form
+        exact = input_gradients(reference_vjp(params, inputs, cotangent), declared)
+        naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), declared)
         assert_gradients_close(loaded.vjp(inputs, cotangent), exact, naive, dtype,
                                length=inputs.batch * max(inputs.tq, inputs.tk))
     return worst

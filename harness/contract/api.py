@@ -424,8 +424,10 @@ class LoadedAttention:
 
         Returns gradients keyed by ``query``, ``key``, ``value`` and the parameter names
         (``W_q`` ...), all in the canonical layout. Only for backends declaring ``gradients``.
-        One gradient per distinct input array: a ``self`` backend returns ``query`` (d/dx), a ``shared_kv``
-        backend ``query`` (d/dx_q) and ``key`` (d/dx_kv); a ``value`` entry is then ignored.
+        One gradient per argument of the module's call, as its declared form has them: a ``separate`` backend
+        returns ``query``, ``key`` and ``value`` (also for a call with one x: three leaves, not the total), a
+        ``self`` backend ``query`` (d/dx), a ``shared_kv`` backend ``query`` (d/dx_q) and ``key`` (d/dx_kv); a
+        ``value`` entry is then ignored.
         Validates like :meth:`forward`, and ``cotangent`` like an output (shape, dtype, finite), then calls
         :meth:`compute_vjp`.
         """

@@ -269,6 +269,14 @@ class _GradientMutant(NumpyNaiveLoaded):
         return reference_vjp(self._params, inputs, cotangent)
 
 
+class OneXGradientSummed(_GradientMutant):
+    def compute_vjp(self, inputs, cotangent):
+        grads = super().compute_vjp(inputs, cotangent)
+        if inputs.query is inputs.key is inputs.value:  # one leaf used three times: each gets the total d/dx
+            grads["query"] = grads["key"] = grads["value"] = grads["query"] + grads["key"] + grads["value"]
+        return grads
+
+
 class GradientFlowsToFutureKeys(_GradientMutant):
     def compute_vjp(self, inputs, cotangent):
         return reference_vjp(self._params, inputs.replace(causal=None), cotangent)
@@ -325,6 +333,9 @@ MUTANTS = (
            "causal leak in gradients", gradients=True),
     Mutant("mutant-gradient-w-o-transposed", "returns the W_o gradient transposed", GradientOfWoTransposed,
            "gradient of W_o", gradients=True),
+    Mutant("mutant-one-x-gradient-summed", "a separate-form layer given one x (query is key is value) returns the "
+           "total d/dx as each of the query, key and value gradients (one leaf used three times)", OneXGradientSummed,
+           "total d/dx", gradients=True),
 )
 
 
