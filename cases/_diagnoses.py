@@ -84,11 +84,12 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
         if inputs.attn_mask is not None:
             kind = "bool" if inputs.attn_mask.dtype == np.bool_ else "additive"
             candidates.append((f"the {kind} attn_mask", inputs.replace(attn_mask=None)))
-    if len(candidates) < 2 or not np.all(np.isfinite(got if rows is None else got[rows])):
+    def compared(output: np.ndarray) -> np.ndarray:
+        return output if rows is None else output[rows]
+    if len(candidates) < 2 or not np.all(np.isfinite(compared(got))):
         return ""
     for label, other in candidates:
-        wrong = reference_attention(params, other).output
-        if np.allclose(got if rows is None else got[rows], wrong if rows is None else wrong[rows], atol=1e-3):
+        if np.allclose(compared(got), compared(reference_attention(params, other).output), atol=1e-3):
             return f"; the output matches the same call without {label}: that mask is dropped when combined"
     return ""
 

@@ -61,7 +61,7 @@ def _gradient_form_hint(got: dict, separate: dict, declared: str) -> str:
     """A message suffix when the input gradients match another form's convention than the declared one."""
     if separate["query"].shape != separate["key"].shape:  # Tq != Tk: no one-x call, no mix-up to name
         return ""
-    total = separate["query"] + separate["key"] + separate["value"]
+    total = input_gradients(separate, "self")["query"]  # d/dx: the query, key and value parts summed
     if declared == "separate" and "query" in got and np.allclose(got["query"], total, atol=1e-4):
         return ("; the query gradient is the total d/dx (query, key and value parts summed): a separate-form "
                 "backend returns d/dquery, d/dkey and d/dvalue, also when query is key is value (three leaves)")
