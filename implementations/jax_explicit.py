@@ -1,13 +1,17 @@
 """jax-explicit: multi-head attention in jax.numpy, jitted per shape, jax.vjp for gradients.
 
-Masked keys contribute exactly nothing even when they hold NaN or inf: when the values are
-not all finite (checked with lax.cond, so the common case pays nothing) the product is taken
-with them zeroed and the poison re-added only to rows that give them weight.
+Masked keys contribute exactly nothing even when they hold NaN or inf: when the projected values
+can be non-finite, the product is taken with them zeroed and the poison re-added only to rows
+that give them weight. Which of the two programs runs is decided on the host, from the inputs
+and parameters (``values_finite``), so each call compiles only the program it runs: a
+``lax.cond`` inside one program would compile both and double every compile of the suite.
 """
 from __future__ import annotations
 
 import functools
 import math
+
+import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 from mha_harness.contract.conventions import MASK_POLARITY
@@ -15,26 +19,41 @@ from mha_harness.implementations._jax_common import GPU_DTYPES, JAX_DTYPES, JaxB
 from mha_harness.toolkit.masks import full_mask
 
 
-def _weighted_values(jnp, lax, p, v):
-    def safe(p, v):
-        finite = jnp.isfinite(v)
-        out = p @ jnp.where(finite, v, 0)
-        touched = (p != 0).astype(v.dtype)
-        # which outputs a NaN, +inf or -inf value reaches with nonzero weight: one product with the three indicator
-        # matrices side by side (each column is its own sum, so this equals three separate products; one dot
-        # instead of three roughly halves the branch's XLA compile time)
-        kinds = jnp.concatenate([jnp.isnan(v), v == jnp.inf, v == -jnp.inf], axis=-1).astype(v.dtype)
-        hit = touched @ kinds > 0
-        width = v.shape[-1]
-        nan_hit, pos_hit, neg_hit = hit[..., :width], hit[..., width:2 * width], hit[..., 2 * width:]
-        out = jnp.where(pos_hit, out + jnp.inf, out)
-        out = jnp.where(neg_hit, out - jnp.inf, out)
-        return jnp.where(nan_hit, jnp.nan, out)
-    return lax.cond(jnp.all(jnp.isfinite(v)), lambda p, v: p @ v, safe, p, v)
+def _weighted_values(jnp, p, v, values_finite: bool):
+    """``p @ v``, where a NaN or inf value reaches only the outputs whose weight on it is nonzero."""
+    if values_finite:
+        return p @ v
+    finite = jnp.isfinite(v)
+    out = p @ jnp.where(finite, v, 0)
+    touched = (p != 0).astype(v.dtype)
+    # which outputs a NaN, +inf or -inf value reaches with nonzero weight: one product with the three indicator
+    # matrices side by side (each column is its own sum, so this equals three separate products; one dot
+    # instead of three roughly halves the branch's XLA compile time)
+    kinds = jnp.concatenate([jnp.isnan(v), v == jnp.inf, v == -jnp.inf], axis=-1).astype(v.dtype)
+    hit = touched @ kinds > 0
+    width = v.shape[-1]
+    nan_hit, pos_hit, neg_hit = hit[..., :width], hit[..., width:2 * width], hit[..., 2 * width:]
+    out = jnp.where(pos_hit, out + jnp.inf, out)
+    out = jnp.where(neg_hit, out - jnp.inf, out)
+    return jnp.where(nan_hit, jnp.nan, out)
+
+
+def values_are_surely_finite(value, w_v, b_v, dtype_max: float) -> bool:
+    """Whether the projected values ``value @ w_v + b_v`` are finite for sure in a dtype whose largest value is
+    ``dtype_max``: every input and parameter is finite and below half of ``dtype_max`` (so casting cannot overflow),
+    and so is the bound ``max|value| * max column sum |w_v| + max|b_v|`` on every projected entry (the half
+    covers the rounding of the product)."""
+    arrays = [np.abs(np.asarray(a, np.float64)) for a in (value, w_v, b_v) if a is not None]
+    if not all(a.size == 0 or a.max() < dtype_max / 2 for a in arrays):  # also False for NaN: NaN < x is False
+        return False
+    bound = arrays[0].max(initial=0.0) * arrays[1].sum(axis=0).max(initial=0.0)
+    if b_v is not None:
+        bound += arrays[2].max(initial=0.0)
+    return bool(bound < dtype_max / 2)
 
 
 @functools.cache
-def _compiled(num_heads: int, kv_heads: int, need_weights: bool):
+def _compiled(num_heads: int, kv_heads: int, need_weights: bool, values_finite: bool):
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -61,7 +80,7 @@ def _compiled(num_heads: int, kv_heads: int, need_weights: bool):
         e = jnp.exp(scores - row_max)
         total = e.sum(axis=-1, keepdims=True)
         weights = e / jnp.where(total == 0, 1, total)
-        out = _weighted_values(jnp, lax, weights, v)
+        out = _weighted_values(jnp, weights, v, values_finite)
         b, h, t, dh = out.shape
         return proj(out.transpose(0, 2, 1, 3).reshape(b, t, h * dh), "o"), (weights if need_weights else None)
     return jax.jit(apply)
@@ -70,14 +89,18 @@ def _compiled(num_heads: int, kv_heads: int, need_weights: bool):
 class JaxExplicitLoaded(JaxLoaded):
     def setup(self, params: AttentionParams) -> None:
         self.params = linear_tree(self, params)
+        arrays = params.arrays()
+        self.value_projection = (arrays["W_v"], arrays.get("b_v"))
 
     def native_inputs(self, inputs: AttentionInputs) -> dict:
         allowed, additive = full_mask(inputs)
+        dtype_max = float(self.jax.numpy.finfo(self.dtype).max)
+        finite = values_are_surely_finite(inputs.value, *self.value_projection, dtype_max)
         return {"query": self.array(inputs.query), "key": self.array(inputs.key), "value": self.array(inputs.value),
-                "allowed": self.array(allowed), "additive": self.array(additive)}
+                "allowed": self.array(allowed), "additive": self.array(additive), "values_finite": finite}
 
     def call(self, params, a: dict, need_weights: bool):
-        fn = _compiled(self.config.num_heads, self.config.kv_heads, need_weights)
+        fn = _compiled(self.config.num_heads, self.config.kv_heads, need_weights, a["values_finite"])
         return fn(params, a["query"], a["key"], a["value"], a["allowed"], a["additive"])
 
     def canonical_gradients(self, grads) -> dict:

@@ -1,6 +1,7 @@
 """Framework adapters: parameter loading must be exact, and a wrong layout must fail a case."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import numpy as np
@@ -219,7 +220,52 @@ def test_jax_explicit_nan_safe_values_product_equals_three_products(dtype):
     v[0, 0, 2], v[1, 2, 5, 1] = np.inf, -np.inf
     p, v = jnp.asarray(p, dtype), jnp.asarray(v, dtype)
     cotangent = jnp.asarray(rng.standard_normal((2, 3, 7, 5)), dtype)
-    got, pull_got = jax.vjp(lambda p, v: _weighted_values(jnp, lax, p, v), p, v)
+    got, pull_got = jax.vjp(lambda p, v: _weighted_values(jnp, p, v, values_finite=False), p, v)
     want, pull_want = jax.vjp(three_products, p, v)
     for a, b in zip((got, *pull_got(cotangent)), (want, *pull_want(cotangent))):
         np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
+    # on finite values, the NaN-safe program and the plain product agree bitwise with the lax.cond formulation
+    finite_v = jnp.where(jnp.isfinite(v), v, 1)
+    want, pull_want = jax.vjp(three_products, p, finite_v)
+    for values_finite in (True, False):
+        got, pull_got = jax.vjp(functools.partial(_weighted_values, jnp, values_finite=values_finite), p, finite_v)
+        for a, b in zip((got, *pull_got(cotangent)), (want, *pull_want(cotangent))):
+            np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
+
+
+@pytest.mark.parametrize(("value", "w_v", "b_v", "dtype_max", "expected"), [
+    (np.ones((2, 3, 4)), np.full((4, 4), 0.5), np.zeros(4), 65504.0, True),
+    (np.ones((2, 3, 4)), np.full((4, 4), 0.5), None, 65504.0, True),
+    (np.where(np.eye(4)[None, :3] > 0, np.nan, 1.0), np.full((4, 4), 0.5), None, 65504.0, False),  # a NaN value
+    (np.ones((2, 3, 4)), np.full((4, 4), np.inf), None, 3.4e38, False),  # a non-finite parameter
+    (np.full((1, 2, 4), 1e5), np.eye(4), None, 65504.0, False),  # casting the value to float16 overflows
+    (np.full((1, 2, 4), 300.0), np.full((4, 4), 75.0), None, 65504.0, False),  # 300 * 4 * 75 = 90,000 overflows
+    (np.full((1, 2, 4), 300.0), np.full((4, 4), 75.0), None, 3.4e38, True),  # ... but not in float32
+    (np.ones((1, 2, 4)), np.eye(4), np.full(4, 4e4), 65504.0, False),  # a bias past half of the largest float16
+])
+def test_jax_explicit_runs_the_nan_safe_program_whenever_projected_values_could_be_non_finite(
+        value, w_v, b_v, dtype_max, expected):
+    """The host-side choice between jax-explicit's two programs: the plain ``P @ V`` only when the projected values
+    cannot hold NaN or inf (finite inputs and parameters, no overflow possible in the layer's dtype)."""
+    from mha_harness.implementations.jax_explicit import values_are_surely_finite
+
+    assert values_are_surely_finite(value, w_v, b_v, dtype_max) is expected
+
+
+@jax_only
+def test_jax_explicit_compiles_only_the_program_it_runs():
+    """A call with finite values lowers to one straight-line program: no conditional whose untaken branch XLA
+    would compile too (that doubled every jax-explicit compile of the suite)."""
+    from mha_harness.contract.api import AttentionConfig, AttentionInputs
+    from mha_harness.contract.params import make_params
+    from mha_harness.implementations.jax_explicit import JaxExplicit, _compiled
+
+    config = AttentionConfig(d_model=8, num_heads=2)
+    layer = JaxExplicit("cpu").load_native(make_params(config), "float32")
+    x = np.random.default_rng(0).standard_normal((1, 3, 8))
+    native = layer.native_inputs(AttentionInputs(x, x, x))
+    assert native["values_finite"] is True
+    args = (layer.params, native["query"], native["key"], native["value"], native["allowed"], native["additive"])
+    for values_finite in (True, False):
+        hlo = _compiled(2, 2, False, values_finite).lower(*args).as_text()
+        assert "conditional" not in hlo and "stablehlo.case" not in hlo and "stablehlo.if" not in hlo
