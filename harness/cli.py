@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="every backend: available or why not, and its capabilities")
     p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT",
-                   help="also list the backends of 'package.module:object' (an instance, class or factory; "
-                        "repeatable), with the reason when it fails to load")
+                   help="list only the backends of 'package.module:object' (an instance, class or factory; "
+                        "repeatable), with the reason when it fails to load; the registered ones are not listed, "
+                        "as check runs only these")
     p.add_argument("--verbose", "-v", action="store_true", help="show every capability and the source")
 
     p = sub.add_parser("check", help="run the conformance cases (each backend in its own worker process)")
@@ -239,8 +240,10 @@ def _say_opted_out(registry) -> None:
 
 def cmd_list(args) -> int:
     registry = _registry(args.backend_spec)
-    width = max(len(n) for n in registry.names())
-    for entry in registry.entries.values():
+    # the backends check/search/bench would run with the same options: with --backend-spec, only the spec's
+    entries = [e for e in registry.entries.values() if not args.backend_spec or e.spec in args.backend_spec]
+    width = max(len(e.name) for e in entries)
+    for entry in entries:
         reason = entry.reason_unavailable
         status = "available" if reason is None else f"unavailable: {reason}"
         if reason is None and opt_in_reason(entry):
@@ -257,6 +260,8 @@ def cmd_list(args) -> int:
                   f"{', '.join(flags)}")
             if args.verbose:
                 print(f"{'':<{width}}  source: {entry.source}; divergences declared: {len(entry.backend.divergences)}")
+    if args.backend_spec:
+        print(f"({len(registry.entries) - len(entries)} registered backends not listed: mha-harness list)")
     return EXIT_OK
 
 

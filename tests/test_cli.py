@@ -193,7 +193,8 @@ def test_help_documents_backend_spec_and_the_timeout_default(capsys):
     from mha_harness.cli import main
     check_words = ["(default 120)", "only those backends run", "not the other registered ones"]
     for argv, words in ((["check", "--help"], check_words),
-                        (["list", "--help"], ["also list the backends of 'package.module:object'"])):
+                        (["list", "--help"], ["list only the backends of 'package.module:object'",
+                                               "the registered ones are not listed"])):
         with pytest.raises(SystemExit):
             main(argv)
         text = " ".join(capsys.readouterr().out.split())

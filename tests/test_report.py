@@ -425,3 +425,95 @@ def test_a_float64_run_computed_in_float32_fails_saying_so_and_naming_the_declar
     assert "within the float32 bound" in result.message and "precision_divergences(" in result.message, result.message
     worse = _grid_float64(Float16Undeclared())  # beyond the float32 bound too: no such hint
     assert worse.status == Status.FAILED and "within the float32 bound" not in worse.message, worse.message
+
+
+def test_policy_table_tells_a_poison_only_failure_from_a_failing_mask():
+    """An alignment whose only failures hold NaN/inf in masked keys says so (the mask itself holds on finite keys,
+    a dense P @ V's 0 * NaN); any other failure is a plain FAILS, with the count of failing variants."""
+    from mha_harness.conformance.report import Report
+    from mha_harness.conformance.results import CaseResult
+
+    def row(case, poison, status):
+        params = {"alignment": "top-left", "seq": 9, "tk": 9, "poison": poison}
+        return CaseResult("b", case, f"b-{case}-{poison}", params, status)
+
+    mask_case, output_case = "check_causal_mask_blocks_future_keys", "check_causal_output_matches_reference"
+    poison_only = [row(mask_case, "random", Status.PASSED), row(mask_case, "nan", Status.FAILED),
+                   row(mask_case, "inf", Status.FAILED), row(output_case, None, Status.PASSED)]
+    text = Report._alignments(poison_only, ["top-left"])
+    assert text.startswith("top-left FAILS only with NaN/inf stored in masked keys (2 of 4 variants")
+    assert "masked_poison_divergences" in text
+    leaking = poison_only[:3] + [row(output_case, None, Status.FAILED)]
+    assert Report._alignments(leaking, ["top-left"]) == "top-left FAILS (3 of 4 variants)"
+
+
+class _SoftmaxInFloat32(NumpyNaiveLoaded):
+    """float64 projections, but the softmax in float32: exact wherever the weights are exactly 1 (one key)."""
+
+    def softmax(self, scores):
+        return super().softmax(scores.astype(np.float32)).astype(scores.dtype)
+
+
+class SoftmaxInFloat32(NumpyNaive):
+    name = "softmax-f32"
+    loaded_class = _SoftmaxInFloat32
+    divergences = precision_divergences("float64", "float32", "the softmax runs in float32", [GRID])
+
+
+class StalePrecision(NumpyNaive):
+    """Computes float64 in float64, yet declares float32 precision: a stale declaration."""
+    name = "stale-precision"
+    divergences = precision_divergences("float64", "float32", "stale: fixed upstream", [GRID])
+
+
+def test_a_precision_declaration_over_a_whole_case_lets_exact_variants_pass():
+    """Declared over the whole grid, float32-level precision is needed by most float64 rows; the rows with one key
+    are exact (softmax weight 1) and pass at the strict tolerance instead of being unexpected passes."""
+    report = mha_harness.check(SoftmaxInFloat32(), cases=[GRID])
+    rows = {r.params["variant"]: r for r in report.results if r.params["dtype"] == "float64"}
+    assert report.ok, [r.message for r in report.failures()]
+    for exact in ("single_token", "single_key"):
+        assert rows[exact].status == Status.PASSED and "was not needed by this variant" in rows[exact].message
+    assert rows["eight_heads"].status == Status.EXPECTED_DIVERGENCE
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_precision_declaration_no_variant_needs_is_an_unexpected_pass(isolate):
+    """A precision declaration must be needed by at least one variant it matches, or every strict pass it matches
+    is an unexpected pass (the declaration is stale), in-process and in isolated workers."""
+    report = mha_harness.check(StalePrecision(), cases=[GRID], isolate=isolate)
+    matched = [r for r in report.results if r.params["dtype"] == "float64"]
+    assert not report.ok and matched
+    assert all(r.status == Status.UNEXPECTED_PASS and "no variant it matches needed it" in r.message for r in matched)
+    assert all(r.status == Status.PASSED for r in report.results if r.params["dtype"] != "float64")
+
+
+class _StrayOutputBias(NumpyNaiveLoaded):
+    """Adds an output bias although the config has none (a framework layer built with its default biases)."""
+
+    def output_projection(self, concat):
+        return super().output_projection(concat) + np.linspace(0.05, 0.2, concat.shape[-1], dtype=concat.dtype)
+
+
+class StrayOutputBias(NumpyNaive):
+    name = "stray-output-bias"
+    loaded_class = _StrayOutputBias
+
+
+@pytest.mark.parametrize(("bias", "advice"), [(False, "load zeros into its biases"),
+                                              (True, "check that b_v and b_o are loaded")])
+def test_an_output_off_by_one_constant_vector_is_diagnosed_as_a_stray_bias(bias, advice):
+    """A failure whose output differs from the reference by the same vector at every position says so, with the
+    advice for the config's biases; a failure of another kind does not get that diagnosis."""
+    from mha_harness.conformance.casekit import CaseFailure, check_against_reference
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.contract.params import make_inputs, make_params
+
+    params = make_params(AttentionConfig(d_model=16, num_heads=2, bias=bias))
+    inputs = make_inputs(params.config, 2, 5)
+    with pytest.raises(CaseFailure, match="the same at every position") as failure:
+        check_against_reference(StrayOutputBias(), params, inputs, "float64")
+    assert advice in str(failure.value)
+    with pytest.raises(CaseFailure) as other:
+        check_against_reference(Float16Inside(), params, inputs, "float64")
+    assert "the same at every position" not in str(other.value)

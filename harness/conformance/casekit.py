@@ -373,9 +373,28 @@ def check_against_reference(backend: AttentionBackend, params: AttentionParams, 
     try:
         return assert_close(got, expected, tol, what, row_ids=rows)
     except CaseFailure as failure:
-        if hint is None:
+        extra = constant_offset_hint(got, expected, params.config.bias) + (hint(got) if hint else "")
+        if not extra:
             raise
-        raise CaseFailure(str(failure) + hint(got), failure.max_error, failure.observed) from None
+        raise CaseFailure(str(failure) + extra, failure.max_error, failure.observed) from None
+
+
+def constant_offset_hint(got: np.ndarray, expected: np.ndarray, bias: bool) -> str:
+    """The diagnosis of an output that is off by one vector, the same at every batch item and position: a constant
+    added after the softmax (weights sum to 1, so a value-projection bias comes out whole, as an output bias does);
+    "" when the difference is not such a constant. ``got`` and ``expected`` are (batch, T, d_model)."""
+    diff = np.asarray(got, np.float64) - np.asarray(expected, np.float64)
+    positions = diff.reshape(-1, diff.shape[-1])
+    if positions.shape[0] < 2 or not np.isfinite(positions).all():
+        return ""
+    offset = positions.mean(axis=0)
+    size = float(np.abs(offset).max())
+    if size == 0 or float(np.abs(positions - offset).max()) > 1e-3 * size:
+        return ""
+    advice = ("the config has no biases (bias=False): the layer must add none, so load zeros into its biases or "
+              "build it without them" if not bias else "check that b_v and b_o are loaded where they belong")
+    return (f"; the output is off by one vector, the same at every position (up to {size:.3g}): a constant added "
+            f"after the softmax, as a value or output projection bias does; {advice}")
 
 
 @dataclass

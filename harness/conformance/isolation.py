@@ -36,7 +36,7 @@ from pathlib import Path
 from mha_harness.conformance.casekit import Case
 from mha_harness.conformance.proxy import BackendProxy, WorkerLost, describe_exception, raise_described
 from mha_harness.conformance.results import ABANDONED, CaseResult, Status
-from mha_harness.conformance.runner import declared_skip, lost_result, plan, run_case
+from mha_harness.conformance.runner import declared_skip, lost_result, plan, run_case, settle_precision_declarations
 from mha_harness.conformance.wire import decode
 from mha_harness.contract.api import AttentionBackend
 
@@ -396,6 +396,7 @@ def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, th
                 progress(result)
     finally:
         transport.stop()
+    settle_precision_declarations(target.backend, results)
     return results
 
 

@@ -171,15 +171,42 @@ def run_case(backend, case: Case, params: dict, *, spec: str | None = None,
             _verify(proxy, case, params, declared[0], result)
         elif declared and result.status == Status.PASSED:
             d = declared[0]
-            result.status = Status.UNEXPECTED_PASS
-            result.message = (f"declared divergence did not happen: {proxy.name} was declared to give "
-                              f"'{d.observed}' ({d.reason}) but passed; remove or narrow the declaration")
+            if d.behaviour.startswith("precision:"):  # settled over the whole run: settle_precision_declarations
+                result.observed = PRECISION_NOT_NEEDED
+                result.message = (f"passed at the strict tolerance: the declared {d.observed} ({d.reason}) was not "
+                                  "needed by this variant")
+            else:
+                result.status, result.message = Status.UNEXPECTED_PASS, _did_not_happen(proxy.name, d)
     except WorkerLost as lost:
         result.status, result.message = lost.status, str(lost)
     finally:
         proxy.transport.end_case()
     result.seconds = round(time.perf_counter() - start, 4)
     return result
+
+
+#: ``observed`` of a variant that passed strictly although a ``precision:`` declaration matches it
+PRECISION_NOT_NEEDED = "declared precision not needed"
+
+
+def _did_not_happen(backend: str, d: Divergence) -> str:
+    return (f"declared divergence did not happen: {backend} was declared to give '{d.observed}' ({d.reason}) "
+            "but passed; remove or narrow the declaration")
+
+
+def settle_precision_declarations(backend, results: list[CaseResult]) -> None:
+    """A ``precision:`` declaration must be needed by at least one variant it matches in the run; the others may
+    pass at the strict tolerance, since a result at a lower precision can be exact (one key: the softmax weight is
+    exactly 1). A declaration that no variant needed is stale: its strict passes become unexpected passes."""
+    declarations = as_proxy(backend).divergences
+    first = {id(r): next((d for d in declarations if d.matches(r.case, r.params)), None) for r in results}
+    needed = {id(first[id(r)]) for r in results
+              if first[id(r)] is not None and r.status in (Status.EXPECTED_DIVERGENCE, Status.FAILED)}
+    for r in results:
+        d = first[id(r)]
+        if r.observed == PRECISION_NOT_NEEDED and r.status == Status.PASSED and id(d) not in needed:
+            r.status, r.message = Status.UNEXPECTED_PASS, _did_not_happen(r.backend, d) + (
+                "; no variant it matches needed it")
 
 
 def lost_result(backend: str, case: Case, params: dict, status: Status, message: str,
@@ -198,4 +225,5 @@ def run_backend(backend: AttentionBackend, cases: list[Case], progress=None,
         results.append(run_case(proxy, case, params, spec=spec))
         if progress:
             progress(results[-1])
+    settle_precision_declarations(backend, results)
     return results
