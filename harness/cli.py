@@ -256,10 +256,15 @@ def cmd_list(args) -> int:
             if caps.cross_attention and not caps.more_queries_than_keys:
                 flags[flags.index("cross_attention")] = "cross_attention (Tq <= Tk only)"
             causal = ("always " if caps.always_causal else "") + ("/".join(caps.causal_alignments) or "none")
-            print(f"{'':<{width}}  dtypes {','.join(caps.dtypes)}; devices {','.join(caps.devices)}; causal {causal}; "
-                  f"{', '.join(flags)}")
+            parts = [f"inputs {caps.inputs}", f"dtypes {','.join(caps.dtypes)}", f"devices {','.join(caps.devices)}",
+                     f"causal {causal}"] + ([", ".join(flags)] if flags else [])
+            print(f"{'':<{width}}  " + "; ".join(parts))
+            divergences = entry.backend.divergences
             if args.verbose:
-                print(f"{'':<{width}}  source: {entry.source}; divergences declared: {len(entry.backend.divergences)}")
+                print(f"{'':<{width}}  source: {entry.source}; divergences declared: {len(divergences)}")
+                for d in divergences:
+                    when = f" when {d.when}" if d.when else ""
+                    print(f"{'':<{width}}    {d.case}: {d.behaviour}{when} ({d.reason})")
     if args.backend_spec:
         print(f"({len(registry.entries) - len(entries)} registered backends not listed: mha-harness list)")
     return EXIT_OK

@@ -27,6 +27,18 @@ def test_list_shows_numpy_backends_available_and_reasons_for_the_rest():
     assert "torch-sdpa-flash-cuda" in out.stdout and "cuda" in out.stdout.lower()
 
 
+def test_list_shows_each_backends_input_form_and_with_verbose_its_declared_divergences():
+    """A capability line names the input form (what a plugin's compute receives) and never ends in a dangling
+    separator; -v lists every declared divergence with its case, behaviour, condition and reason."""
+    out = run_cli("list", "-v")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    block = lines[next(i for i, line in enumerate(lines) if line.startswith("jax-dpa ")):][:12]
+    assert block[1].strip().startswith("inputs separate; dtypes float32,float64")
+    assert any("check_output_matches_reference: precision:float32 when {" in line for line in block)
+    assert not any(line.rstrip().endswith(";") for line in lines)
+
+
 def test_check_one_backend_writes_json_and_markdown(tmp_path):
     out = run_cli("check", "--backend", "numpy-tiled", "--quick", "--results", tmp_path, "--jobs", "1")
     assert out.returncode == 0, out.stdout + out.stderr

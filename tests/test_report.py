@@ -500,20 +500,45 @@ class StrayOutputBias(NumpyNaive):
     loaded_class = _StrayOutputBias
 
 
-@pytest.mark.parametrize(("bias", "advice"), [(False, "load zeros into its biases"),
-                                              (True, "check that b_v and b_o are loaded")])
-def test_an_output_off_by_one_constant_vector_is_diagnosed_as_a_stray_bias(bias, advice):
-    """A failure whose output differs from the reference by the same vector at every position says so, with the
-    advice for the config's biases; a failure of another kind does not get that diagnosis."""
+class _StrayBiasesEverywhere(NumpyNaiveLoaded):
+    """Every projection adds a bias although the config has none (torch.nn.Linear left at its default bias=True):
+    the query and key biases change the scores, so the output is not off by a constant."""
+
+    def project(self, x, which):
+        return super().project(x, which) + np.linspace(0.1, 0.5, self.weights[f"W_{which}"].shape[1], dtype=x.dtype)
+
+
+class StrayBiasesEverywhere(NumpyNaive):
+    name = "stray-biases"
+    loaded_class = _StrayBiasesEverywhere
+
+
+def _reference_failure(backend, bias: bool, form: str = "separate") -> str:
+    from mha_harness.cases._fixtures import form_inputs
     from mha_harness.conformance.casekit import CaseFailure, check_against_reference
     from mha_harness.contract.api import AttentionConfig
-    from mha_harness.contract.params import make_inputs, make_params
+    from mha_harness.contract.params import make_params
 
     params = make_params(AttentionConfig(d_model=16, num_heads=2, bias=bias))
-    inputs = make_inputs(params.config, 2, 5)
-    with pytest.raises(CaseFailure, match="the same at every position") as failure:
-        check_against_reference(StrayOutputBias(), params, inputs, "float64")
-    assert advice in str(failure.value)
-    with pytest.raises(CaseFailure) as other:
-        check_against_reference(Float16Inside(), params, inputs, "float64")
-    assert "the same at every position" not in str(other.value)
+    with pytest.raises(CaseFailure) as failure:
+        check_against_reference(backend, params, form_inputs(form, params.config, 2, 5, 5, seed=1), "float64")
+    return str(failure.value)
+
+
+@pytest.mark.parametrize("form", ["separate", "self", "shared_kv"])
+def test_a_bias_free_layer_that_adds_biases_is_diagnosed_by_its_output_for_zero_inputs(form):
+    """With bias=False, a failure of a layer that adds biases anyway (every projection, so the output is not off by
+    a constant) says so: with every input zero, attention without biases outputs exactly 0."""
+    message = _reference_failure(StrayBiasesEverywhere(), bias=False, form=form)
+    assert "with every input zero the layer outputs values up to" in message
+    assert "load zeros into the module's biases" in message
+
+
+def test_an_output_off_by_one_constant_vector_is_diagnosed_as_a_stray_bias():
+    """With bias=True, a failure whose output differs from the reference by the same vector at every position says
+    so (a value or output bias loaded wrong); a failure of another kind gets neither diagnosis."""
+    message = _reference_failure(StrayOutputBias(), bias=True)
+    assert "the same at every position" in message and "check that b_v and b_o are loaded" in message
+    for bias in (False, True):
+        other = _reference_failure(Float16Inside(), bias=bias)
+        assert "the same at every position" not in other and "every input zero" not in other

@@ -373,10 +373,35 @@ def check_against_reference(backend: AttentionBackend, params: AttentionParams, 
     try:
         return assert_close(got, expected, tol, what, row_ids=rows)
     except CaseFailure as failure:
-        extra = constant_offset_hint(got, expected, params.config.bias) + (hint(got) if hint else "")
+        stray = "" if params.config.bias else zero_input_hint(backend, params, inputs, dtype)
+        extra = (stray or constant_offset_hint(got, expected, params.config.bias)) + (hint(got) if hint else "")
         if not extra:
             raise
         raise CaseFailure(str(failure) + extra, failure.max_error, failure.observed) from None
+
+
+def zero_input_hint(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str) -> str:
+    """The diagnosis of a layer that adds biases although the config has none: with every input zero, attention
+    without biases outputs exactly 0 (zero queries, keys and values, whatever the weights and masks), so any
+    finite nonzero output is a bias. Calls the backend once more, only for a failure; "" when the call fails or
+    its output is 0."""
+    zq = np.zeros_like(inputs.query)
+    if inputs.form == "self":
+        zeroed = inputs.replace(query=zq, key=zq, value=zq)
+    else:
+        zk = np.zeros_like(inputs.key)
+        zv = zk if inputs.form == "shared_kv" else np.zeros_like(inputs.value)
+        zeroed = inputs.replace(query=zq, key=zk, value=zv)
+    try:
+        out = np.asarray(run(backend, params, zeroed, dtype).output, np.float64)
+    except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
+        return ""
+    finite = np.abs(out[np.isfinite(out)])
+    if finite.size == 0 or finite.max() == 0:
+        return ""
+    return (f"; with every input zero the layer outputs values up to {finite.max():.3g}, where attention without "
+            "biases outputs exactly 0: it adds biases although the config has none (bias=False); load zeros into "
+            "the module's biases, or build it without them")
 
 
 def constant_offset_hint(got: np.ndarray, expected: np.ndarray, bias: bool) -> str:
