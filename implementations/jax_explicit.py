@@ -38,18 +38,26 @@ def _weighted_values(jnp, p, v, values_finite: bool):
     return jnp.where(nan_hit, jnp.nan, out)
 
 
-def values_are_surely_finite(value, w_v, b_v, dtype_max: float) -> bool:
-    """Whether the projected values ``value @ w_v + b_v`` are finite for sure in a dtype whose largest value is
-    ``dtype_max``: every input and parameter is finite and below half of ``dtype_max`` (so casting cannot overflow),
-    and so is the bound ``max|value| * max column sum |w_v| + max|b_v|`` on every projected entry (the half
-    covers the rounding of the product)."""
-    arrays = [np.abs(np.asarray(a, np.float64)) for a in (value, w_v, b_v) if a is not None]
-    if not all(a.size == 0 or a.max() < dtype_max / 2 for a in arrays):  # also False for NaN: NaN < x is False
-        return False
-    bound = arrays[0].max(initial=0.0) * arrays[1].sum(axis=0).max(initial=0.0)
-    if b_v is not None:
-        bound += arrays[2].max(initial=0.0)
-    return bool(bound < dtype_max / 2)
+def value_projection_bounds(w_v, b_v) -> tuple[float, float, float]:
+    """What bounds the projected values ``value @ w_v + b_v`` besides ``max|value|``: (the largest magnitude of any
+    entry of ``w_v`` and ``b_v``, the largest column sum of ``|w_v|``, the largest ``|b_v|`` or 0). A NaN or inf
+    entry makes them NaN or inf."""
+    w = np.abs(np.asarray(w_v, np.float64))
+    b = np.abs(np.asarray(b_v, np.float64)) if b_v is not None else np.zeros(1)
+    return float(max(w.max(initial=0.0), b.max(initial=0.0))), float(w.sum(axis=0).max(initial=0.0)), \
+        float(b.max(initial=0.0))
+
+
+def values_are_surely_finite(value, bounds: tuple[float, float, float], dtype_max: float) -> bool:
+    """Whether ``value @ w_v + b_v`` is finite for sure in a dtype whose largest value is ``dtype_max``, with the
+    ``bounds`` of :func:`value_projection_bounds`: every input and parameter finite and below half of ``dtype_max``
+    (so casting cannot overflow), and so is ``max|value| * max column sum |w_v| + max|b_v|``, which bounds every
+    projected entry (the half covers the rounding of the product). NaN compares False, so it gives False."""
+    largest_parameter, column_sum, bias = bounds
+    largest_value = float(np.abs(np.asarray(value, np.float64)).max(initial=0.0))
+    limit = dtype_max / 2
+    return bool(largest_value < limit and largest_parameter < limit
+                and largest_value * column_sum + bias < limit)
 
 
 @functools.cache
@@ -89,13 +97,12 @@ def _compiled(num_heads: int, kv_heads: int, need_weights: bool, values_finite: 
 class JaxExplicitLoaded(JaxLoaded):
     def setup(self, params: AttentionParams) -> None:
         self.params = linear_tree(self, params)
-        arrays = params.arrays()
-        self.value_projection = (arrays["W_v"], arrays.get("b_v"))
+        self.value_bounds = value_projection_bounds(params.W_v, params.b_v)  # numbers: the vjp cache keeps a copy
 
     def native_inputs(self, inputs: AttentionInputs) -> dict:
         allowed, additive = full_mask(inputs)
         dtype_max = float(self.jax.numpy.finfo(self.dtype).max)
-        finite = values_are_surely_finite(inputs.value, *self.value_projection, dtype_max)
+        finite = values_are_surely_finite(inputs.value, self.value_bounds, dtype_max)
         return {"query": self.array(inputs.query), "key": self.array(inputs.key), "value": self.array(inputs.value),
                 "allowed": self.array(allowed), "additive": self.array(additive), "values_finite": finite}
 

@@ -242,14 +242,15 @@ def test_jax_explicit_nan_safe_values_product_equals_three_products(dtype):
     (np.full((1, 2, 4), 300.0), np.full((4, 4), 75.0), None, 65504.0, False),  # 300 * 4 * 75 = 90,000 overflows
     (np.full((1, 2, 4), 300.0), np.full((4, 4), 75.0), None, 3.4e38, True),  # ... but not in float32
     (np.ones((1, 2, 4)), np.eye(4), np.full(4, 4e4), 65504.0, False),  # a bias past half of the largest float16
+    (np.ones((1, 2, 4)), np.eye(4), np.array([0.0, np.nan, 0.0, 0.0]), 3.4e38, False),  # a NaN bias
 ])
 def test_jax_explicit_runs_the_nan_safe_program_whenever_projected_values_could_be_non_finite(
         value, w_v, b_v, dtype_max, expected):
     """The host-side choice between jax-explicit's two programs: the plain ``P @ V`` only when the projected values
     cannot hold NaN or inf (finite inputs and parameters, no overflow possible in the layer's dtype)."""
-    from mha_harness.implementations.jax_explicit import values_are_surely_finite
+    from mha_harness.implementations.jax_explicit import value_projection_bounds, values_are_surely_finite
 
-    assert values_are_surely_finite(value, w_v, b_v, dtype_max) is expected
+    assert values_are_surely_finite(value, value_projection_bounds(w_v, b_v), dtype_max) is expected
 
 
 @jax_only
