@@ -93,6 +93,7 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
             return f"; the output matches the same call without {label}: that mask is dropped when combined"
     return ""
 
+
 def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
     """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
     b_q = None if params.b_q is None else params.b_q * factor

@@ -385,13 +385,10 @@ def zero_input_hint(backend: AttentionBackend, params: AttentionParams, inputs: 
     without biases outputs exactly 0 (zero queries, keys and values, whatever the weights and masks), so any
     finite nonzero output is a bias. Calls the backend once more, only for a failure; "" when the call fails or
     its output is 0."""
-    zq = np.zeros_like(inputs.query)
-    if inputs.form == "self":
-        zeroed = inputs.replace(query=zq, key=zq, value=zq)
-    else:
+    zeroed = _with_query(inputs, np.zeros_like(inputs.query))  # with one x, also the keys and values
+    if inputs.form != "self":
         zk = np.zeros_like(inputs.key)
-        zv = zk if inputs.form == "shared_kv" else np.zeros_like(inputs.value)
-        zeroed = inputs.replace(query=zq, key=zk, value=zv)
+        zeroed = zeroed.replace(key=zk, value=zk if inputs.form == "shared_kv" else np.zeros_like(inputs.value))
     try:
         out = np.asarray(run(backend, params, zeroed, dtype).output, np.float64)
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
