@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from mha_harness.util.atomic import check_writable
+from mha_harness.util.install import install_hint
 from mha_harness.util.options import available_memory_bytes, float_range, int_range, nonempty_path
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -493,6 +494,8 @@ def cmd_fidelity(args) -> int:
     _require("scipy", "bench")
     names = args.backend or [e.name for e in registry.available()
                              if e.backend.device == "cpu" and (args.opt_in or opt_in_reason(e) is None)]
+    if not args.backend and not args.opt_in:
+        _say_opted_out(registry)
     for name in names:
         _usage(registry.get, name)
     run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS)
@@ -528,7 +531,7 @@ def cmd_run(args) -> int:
 def _require(module: str, extra: str) -> None:
     import importlib.util
     if importlib.util.find_spec(module) is None:
-        raise UsageError(f"{module} is not installed; it is needed here (pip install 'mha-harness[{extra}]')")
+        raise UsageError(f"{module} is not installed; it is needed here ({install_hint(extra)})")
 
 
 def _sigterm(signum, frame):

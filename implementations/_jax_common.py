@@ -22,6 +22,7 @@ from mha_harness.contract.api import (
     LoadedAttention,
 )
 from mha_harness.toolkit.jax_setup import configure_jax
+from mha_harness.util.install import install_hint
 
 # JAX takes 75% of a GPU's memory in every process by default: a worker checking one backend, or a sweep that
 # also runs torch, would leave the others nothing. Set before jax is first imported; a user's own setting wins.
@@ -33,9 +34,9 @@ GPU_DTYPES = ("float32", "bfloat16", "float16")
 
 def jax_reason(device: str = "cpu", needs_flax: bool = False) -> str | None:
     if importlib.util.find_spec("jax") is None:
-        return "jax is not installed (pip install 'mha-harness[jax]')"
+        return f"jax is not installed ({install_hint('jax')})"
     if needs_flax and importlib.util.find_spec("flax") is None:
-        return "flax is not installed (pip install 'mha-harness[jax]')"
+        return f"flax is not installed ({install_hint('jax')})"
     if device == "gpu":
         import jax
         try:

@@ -18,6 +18,7 @@ from mha_harness.contract.api import (
     AttentionParams,
     LoadedAttention,
 )
+from mha_harness.util.install import install_hint
 
 TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
 #: where the compiled torch backends keep inductor's on-disk cache (empty: leave inductor's own default)
@@ -29,7 +30,7 @@ GPU_DTYPES = ("float32", "bfloat16", "float16")
 def torch_reason(device: str = "cpu") -> str | None:
     """None when torch (and, for device 'cuda', a CUDA device) is usable, else the reason."""
     if importlib.util.find_spec("torch") is None:
-        return "torch is not installed (pip install 'mha-harness[torch]' -c constraints.txt)"
+        return f"torch is not installed ({install_hint('torch')})"
     if device == "cuda":
         import torch
         if not torch.cuda.is_available():

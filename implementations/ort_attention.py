@@ -60,12 +60,13 @@ from mha_harness.contract.api import (
 from mha_harness.contract.conventions import PARAM_NAMES
 from mha_harness.toolkit.divergences import masked_poison_divergences, precision_divergences
 from mha_harness.toolkit.masks import full_mask
+from mha_harness.util.install import install_hint
 
 OPSET = 23
 PROVIDER = "CPUExecutionProvider"
 DTYPES = ("float32", "float64", "float16")
 MASK_KINDS = ("none", "bool", "float")
-INSTALL_HINT = "pip install 'mha-harness[onnx]' -c constraints.txt"
+INSTALL_HINT = install_hint("onnx")
 
 _SCALE_IN_FLOAT32 = ("onnxruntime has no float64 Attention kernel and runs the operator's ONNX function body, whose "
                      "scale 1/sqrt(d_head) is float32 (observed max error ~5e-8 against the float64 reference on "

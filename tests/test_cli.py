@@ -109,7 +109,7 @@ def test_missing_optional_dependency_is_one_line_and_exit_2(monkeypatch, capsys)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert cli.main(["bench", "--backend", "numpy-naive", "--seq-lens", "16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "matplotlib is not installed" in err[0] and "mha-harness[bench]" in err[0]
+    assert len(err) == 1 and "matplotlib is not installed" in err[0] and "-e '.[bench]'" in err[0]
 
 
 def test_requesting_a_backend_whose_framework_is_missing_is_one_line_and_exit_2(monkeypatch, capsys):

@@ -25,7 +25,8 @@ def test_registered_as_a_built_in():
 def test_a_missing_package_is_the_reason_with_the_install_hint(monkeypatch, module):
     monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
     reason = ort_attention.OrtAttention().availability()
-    assert reason.startswith(f"{module} is not installed (pip install 'mha-harness[onnx]' -c constraints.txt)")
+    assert reason.startswith(f"{module} is not installed (pip install -c constraints.txt -e '.[onnx]' from the "
+                             "mha-harness clone)")
 
 
 def test_mha_harness_list_says_why_when_onnxruntime_does_not_import():
@@ -33,7 +34,7 @@ def test_mha_harness_list_says_why_when_onnxruntime_does_not_import():
             "from mha_harness.cli import main; sys.exit(main(['list']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     line = next(row for row in out.stdout.splitlines() if row.startswith("onnxruntime-cpu "))
-    assert "unavailable: onnxruntime is not installed (pip install 'mha-harness[onnx]'" in line, out.stdout
+    assert "unavailable: onnxruntime is not installed (pip install -c constraints.txt -e '.[onnx]'" in line, out.stdout
 
 
 def test_a_runtime_that_cannot_run_the_operator_says_so(monkeypatch):

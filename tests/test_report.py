@@ -542,3 +542,19 @@ def test_an_output_off_by_one_constant_vector_is_diagnosed_as_a_stray_bias():
     for bias in (False, True):
         other = _reference_failure(Float16Inside(), bias=bias)
         assert "the same at every position" not in other and "every input zero" not in other
+
+
+def test_a_tolerance_failure_says_how_many_times_the_bound_the_error_is():
+    """A reference mismatch states error / bound, so a marginal miss (1.1 x) is told from a wrong formula (1000 x)."""
+    from mha_harness.conformance.casekit import CaseFailure, assert_close
+    from mha_harness.contract.tolerance import Tolerance
+
+    tol = Tolerance(bound=1e-3, naive_error=1e-4, dtype="float32")
+    expected = np.zeros((1, 2, 3))
+    actual = expected.copy()
+    actual[0, 1, 2] = 2.5e-3
+    with pytest.raises(CaseFailure) as failure:
+        assert_close(actual, expected, tol, "output")
+    assert "max error 0.0025 (2.5 x the bound) exceeds tolerance 0.001" in str(failure.value), str(failure.value)
+    assert failure.value.max_error == pytest.approx(2.5e-3)
+    assert assert_close(actual / 5, expected, tol, "output") == pytest.approx(5e-4)  # within the bound: passes

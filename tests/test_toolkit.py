@@ -20,6 +20,23 @@ def test_causal_mask_in_both_alignments_and_polarities():
         masks.causal_mask(2, 2, polarity="keep")
 
 
+def test_the_mask_builder_is_one_module_however_it_is_imported():
+    """``import mha_harness.masks``, ``from mha_harness.masks import ...`` and the attribute after ``import
+    mha_harness`` give the same module, in a fresh interpreter, in either order."""
+    import subprocess
+    import sys
+    orders = [
+        "import mha_harness.masks as m; import mha_harness; from mha_harness.masks import causal_mask; "
+        "import mha_harness.toolkit.masks as t; "
+        "assert m is t and mha_harness.masks is t and causal_mask is t.causal_mask",
+        "import mha_harness; a = mha_harness.masks; import mha_harness.masks as m; assert a is m; "
+        "assert m.causal_mask(1, 2).tolist() == [[True, False]]",
+    ]
+    for code in orders:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+
+
 def test_padding_mask_marks_padding_by_default():
     assert masks.padding_mask([3, 1], 3).tolist() == [[False, False, False], [False, True, True]]
     assert masks.padding_mask([3, 1], 3, polarity="attend").tolist() == [[True, True, True], [True, False, False]]

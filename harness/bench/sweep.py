@@ -40,6 +40,7 @@ from mha_harness.bench.metrics import (
 from mha_harness.bench.threads import DEFAULT_THREADS, apply_threads, thread_report
 from mha_harness.bench.worker import CRASHED, OUT_OF_MEMORY, TIMEOUT, BackendWorker, WorkerLost, wait_until_idle
 from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
+from mha_harness.util.install import install_hint
 
 DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
@@ -615,6 +616,6 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
             paths = plot(points, directory, machine)
             log(f"  plots: {', '.join(str(p) for p in paths)}")
         except ImportError:
-            log("  plots skipped: matplotlib is not installed (pip install 'mha-harness[bench]')")
+            log(f"  plots skipped: matplotlib is not installed ({install_hint('bench')})")
         log(f"  json: {directory / 'bench.json'}  ({doc['seconds']} s)")
     return doc

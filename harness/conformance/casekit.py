@@ -345,7 +345,8 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
         where = ", ".join(f"{label} {int(row_ids[i]) if (row_ids is not None and label == 'position') else int(i)}"
                           for label, i in zip(labels, idx))
         raise CaseFailure(f"{what}: expected {expected[idx]:.6g}, got {actual[idx]:.6g} at {where}; "
-                          f"max error {err:.3g} exceeds {tol.describe()}{_float32_level_hint(err, tol)}", max_error=err)
+                          f"max error {err:.3g} ({err / tol.bound:.3g} x the bound) exceeds {tol.describe()}"
+                          f"{_float32_level_hint(err, tol)}", max_error=err)
     return err
 
 
