@@ -17,9 +17,20 @@ machine="${1:-$(hostname)}"
 config=()
 if [ -n "${ASV_CONFIG:-}" ]; then config=(--config "$ASV_CONFIG"); fi
 html="${ASV_HTML_DIR:-results/html}"
+# A named machine keeps the RAM it was first recorded with: the kernel's MemTotal drifts by tens of kB between
+# boots of the same VM, and asv files results under every machine field, so a new figure would start a separate
+# series in the dashboard for the same machine.
+ram="$(python - "${ASV_CONFIG:-asv.conf.json}" "$machine" <<'EOF'
+import json, os, sys
+from asv.config import Config
+path = os.path.join(Config.load(sys.argv[1]).results_dir, sys.argv[2], "machine.json")
+print(json.load(open(path)).get("ram", "") if os.path.exists(path) else "")
+EOF
+)"
+[ -n "$ram" ] || ram="$(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo)"
 python -m asv machine "${config[@]}" --yes --machine "$machine" --os "$(uname -sr)" --arch "$(uname -m)" \
     --cpu "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs || uname -p)" --num_cpu "$(nproc)" \
-    --ram "$(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo)"
+    --ram "$ram"
 python -m asv run "${config[@]}" --python=same --set-commit-hash "$(git rev-parse HEAD)" --machine "$machine" ${ASV_ARGS:-}
 python -m asv publish "${config[@]}"
 python benchmarks/asv_offline.py "$html"
