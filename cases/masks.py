@@ -254,24 +254,40 @@ def classify_fully_masked_rows(rows: np.ndarray, zero_out: np.ndarray, uniform_o
     return "other"
 
 
-@case(requires=(), forms=ALL_FORMS)
-def check_fully_masked_rows_output_zeros(backend, *, form, dtype):
-    """A query row whose keys are all masked outputs zeros before W_o (the output row equals b_o),
-    the flash-attention / SDPA convention; the observed behaviour is named (zeros, NaN, uniform average of V)."""
+#: the ways a row can lose every key, each a separate variant: a backend may handle one and not another (a layer that
+#: turns bool masks into "allowed" but adds a float mask outputs NaN for a row of -inf biases)
+FULLY_MASKED_ROUTES = ("key_padding_mask", "bool_attn_mask", "additive_attn_mask")
+
+
+def _fully_masked_variants(backend):
+    """One variant per mask kind the backend declares (``route``), on the primary dtype."""
+    routes = [route for route in FULLY_MASKED_ROUTES if getattr(backend.capabilities, route)]
+    return [{"dtype": primary_dtype(backend), "route": route} for route in routes or [None]]
+
+
+@case(requires=(), variants=_fully_masked_variants, forms=ALL_FORMS)
+def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_padding_mask"):
+    """A query row whose keys are all masked outputs zeros before W_o (the output row equals b_o), the
+    flash-attention / SDPA convention, whichever mask masks them all (padding, a bool attn_mask, an additive one of
+    -inf); the observed behaviour is named (zeros, NaN, uniform average of V)."""
     params = small_layer(backend, bias=True)
     tk = 6
-    if backend.capabilities.key_padding_mask:
+    if route == "key_padding_mask":
         mask = np.zeros((2, tk), bool)
         mask[1] = True
         inputs = form_inputs(form, params.config, 2, tk, key_padding_mask=mask)
         rows = (1, slice(None))
-    elif backend.capabilities.bool_attn_mask:
+    elif route in ("bool_attn_mask", "additive_attn_mask"):
         mask = np.ones((tk, tk), bool)
         mask[2] = False
+        if route == "additive_attn_mask":  # finite biases elsewhere, -inf across row 2
+            mask = np.where(mask, np.random.default_rng(5).standard_normal((tk, tk)), -np.inf)
         inputs = form_inputs(form, params.config, 2, tk, attn_mask=mask)
         rows = (slice(None), 2)
+    elif route is None:
+        raise CaseSkipped(f"{backend.name} declares none of {', '.join(FULLY_MASKED_ROUTES)}: no row can be masked")
     else:
-        raise CaseSkipped(f"{backend.name} declares neither key_padding_mask nor bool_attn_mask")
+        raise ValueError(f"route: got {route!r}; accepted: {', '.join(FULLY_MASKED_ROUTES)}")
     got = run(backend, params, inputs, dtype).output
     expected = reference_attention(params, inputs, empty_rows="zeros").output
     # uniform weights over every key: zero queries (and no b_q) make every score 0, with no mask

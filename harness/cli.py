@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=TIMEOUT, default=60.0, metavar="S",
                    help="worker seconds per example before the worker is killed (default 60)")
     p.add_argument("--no-isolate", action="store_true", help="call the backend in this process")
+    p.add_argument("--dtype", action="append", default=None, choices=("float32", "float64", "bfloat16", "float16"),
+                   help="search only this dtype (repeatable; default: every dtype the backend declares)")
+    p.add_argument("--no-gradients", action="store_true",
+                   help="draw no gradient examples (by default a backend that declares gradients gets them)")
     p.add_argument("--mutants", action="store_true",
                    help="search the mutant zoo (every mutant, or the --backend ones) and write the table of what "
                         "was found to <results>/search/mutants.md")
@@ -418,10 +422,14 @@ def cmd_search(args) -> int:
         if entry.backend is None or not entry.available:
             raise UsageError(f"--backend {name}: not available here: {entry.reason_unavailable}")
         targets.append(Target(entry.backend, entry.spec, entry.source))
+    from mha_harness.conformance.strategies import SearchSpace
+    for target in targets:  # a --dtype no backend declares is the user's mistake, before any search runs
+        _usage(SearchSpace.for_backend, target.backend, dtypes=tuple(args.dtype) if args.dtype else None)
     outcomes = run_search(targets, max_examples=args.max_examples or (QUICK_MAX_EXAMPLES if args.quick
                                                                        else DEFAULT_MAX_EXAMPLES),
                           seed=args.seed, time_budget=args.time_budget, quick=args.quick, results=results,
-                          isolate=not args.no_isolate, timeout=args.timeout)
+                          isolate=not args.no_isolate, timeout=args.timeout,
+                          dtypes=tuple(args.dtype) if args.dtype else None, gradients=not args.no_gradients)
     if args.mutants:
         from mha_harness.implementations.mutants import MUTANTS
         from mha_harness.util.atomic import write_text_atomic

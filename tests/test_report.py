@@ -558,3 +558,19 @@ def test_a_tolerance_failure_says_how_many_times_the_bound_the_error_is():
     assert "max error 0.0025 (2.5 x the bound) exceeds tolerance 0.001" in str(failure.value), str(failure.value)
     assert failure.value.max_error == pytest.approx(2.5e-3)
     assert assert_close(actual / 5, expected, tol, "output") == pytest.approx(5e-4)  # within the bound: passes
+
+
+def test_a_float64_miss_at_float64_rounding_size_is_not_called_float32():
+    """A float64 error of a few float64 ulps over the bound (a different summation order) gets no "computes in
+    float32" diagnosis; one of float32 size does."""
+    from mha_harness.conformance.casekit import CaseFailure, assert_close
+    from mha_harness.contract.tolerance import Tolerance
+
+    tol = Tolerance(bound=3.8e-16, naive_error=1e-16, dtype="float64")
+    expected = np.zeros((1, 1, 2))
+    for err, float32_sized in ((7.9e-16, False), (3e-8, True)):
+        actual = expected.copy()
+        actual[0, 0, 1] = err
+        with pytest.raises(CaseFailure) as failure:
+            assert_close(actual, expected, tol, "gradient of key")
+        assert ("within the float32 bound" in str(failure.value)) == float32_sized, str(failure.value)

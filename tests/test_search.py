@@ -113,6 +113,22 @@ def test_search_draws_only_what_the_backend_declares():
     drawn()
 
 
+def test_dtype_and_no_gradients_narrow_the_search_and_a_dtype_not_declared_is_named(tmp_path):
+    """--dtype keeps only those declared dtypes, --no-gradients draws no gradient example; a --dtype the backend does
+    not declare is a usage error (exit 2) naming the option and what the backend is searched in."""
+    from mha_harness.implementations.torch_eager import TorchEager
+
+    space = SearchSpace.for_backend(TorchEager(), dtypes=("float32",), gradients=False)
+    assert space.dtypes == ("float32",) and not space.gradients
+    assert SearchSpace.for_backend(TorchEager()).gradients
+    with pytest.raises(ValueError, match=r"--dtype: got float16; numpy-naive is searched in float32, float64"):
+        SearchSpace.for_backend(NumpyNaive(), dtypes=("float16",))
+    done = subprocess.run([sys.executable, "-m", "mha_harness", "search", "--backend", "numpy-naive", "--dtype",
+                           "float16", "--no-isolate", "--results", str(tmp_path)], capture_output=True, text=True,
+                          env=ENV, timeout=300)
+    assert done.returncode == 2 and "--dtype: got float16" in done.stderr, done.stderr
+
+
 def test_declared_divergences_are_not_searched():
     class UniformAverage(NumpyNaive):
         name = "uniform"
@@ -159,3 +175,19 @@ def test_pytest_mha_search_runs_one_search_test_per_backend(tmp_path):
                             "--mha-backend", "numpy-naive", "--collect-only", "-q", "-k", "search_property_holds"],
                            cwd=tmp_path, capture_output=True, text=True, env=ENV, timeout=300)
     assert "search_property_holds" not in quiet.stdout  # without --mha-search there is no search test
+
+
+def test_search_writes_nothing_into_the_current_folder(tmp_path, monkeypatch):
+    """hypothesis's own caches (its constants cache) go under <results>/search/.hypothesis, not ./.hypothesis in the
+    folder the user runs from (a clone of the repository, say); hypothesis's home is restored afterwards."""
+    from hypothesis import configuration
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    before = vars(configuration).get("__hypothesis_home_directory")
+    search_backend(Target(MUTANTS["mutant-no-scale"], MUTANT_SPEC), results=tmp_path / "results", isolate=False,
+                   max_examples=20, seed=0, save=False)
+    assert list(cwd.iterdir()) == []
+    assert (tmp_path / "results" / "search" / ".hypothesis").is_dir()
+    assert vars(configuration).get("__hypothesis_home_directory") == before

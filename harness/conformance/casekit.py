@@ -350,14 +350,21 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
     return err
 
 
+#: a float64 error at least this fraction of the float32 bound is float32-sized: a float32 computation errs by about
+#: a third of that bound (the naive float32 error), a float64 one by ~2^-29 of it, so the two never meet here
+FLOAT32_LEVEL_FRACTION = 1e-3
+
+
 def _float32_level_hint(err: float, tol: Tolerance) -> str:
-    """A message suffix when a float64 run misses its bound but is within the float32 bound of the same call
-    (both terms of the rule scale with the unit roundoff): somewhere it computes in float32."""
+    """A message suffix when a float64 run misses its bound with an error of float32 size: within the float32 bound
+    of the same call (both terms of the rule scale with the unit roundoff) and not a float64 rounding difference
+    (at least FLOAT32_LEVEL_FRACTION of that bound): somewhere it computes in float32."""
     float32_bound = tol.bound * EPS["float32"] / EPS["float64"]
-    if tol.dtype != "float64" or err > float32_bound:
+    if tol.dtype != "float64" or err > float32_bound or err < FLOAT32_LEVEL_FRACTION * float32_bound:
         return ""
     return (f"; the error is within the float32 bound ({float32_bound:.3g}): the float64 call computes in float32 "
-            "somewhere (a cast of the inputs or weights, a float32 softmax); compute in float64, or declare it: "
+            "somewhere (a cast of the inputs or weights, a float32 softmax; in JAX, float64 needs jax_enable_x64, "
+            "which mha_harness.configure_jax() sets); compute in float64, or declare it: "
             "divergences = precision_divergences(\"float64\", \"float32\", \"why\", cases=[...]) from "
             "mha_harness.toolkit.divergences")
 

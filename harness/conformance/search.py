@@ -85,16 +85,19 @@ def describe(example: dict[str, Any] | None) -> str:
 
 def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, seed: int | None = None,
                    time_budget: float | None = None, quick: bool = False, results: str | Path = "results",
-                   isolate: bool = True, timeout: float = 60.0, save: bool = True) -> SearchOutcome:
+                   isolate: bool = True, timeout: float = 60.0, save: bool = True,
+                   dtypes: tuple[str, ...] | None = None, gradients: bool = True) -> SearchOutcome:
     """Search ``target`` for a failing example; shrink, save (under ``<results>/search/<backend>/``) and return it.
 
-    ``time_budget`` bounds the generation phase (seconds); shrinking a found failure is not cut short."""
-    from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+    ``time_budget`` bounds the generation phase (seconds); shrinking a found failure is not cut short. ``dtypes``
+    and ``gradients=False`` narrow the space the backend declares (a ValueError when no declared dtype is left)."""
+    from hypothesis import HealthCheck, Phase, Verbosity, configuration, given, reject, settings
     from hypothesis import seed as fixed_seed
     from hypothesis.database import DirectoryBasedExampleDatabase
 
     from mha_harness.conformance.strategies import SearchSpace, examples
 
+    space = SearchSpace.for_backend(target.backend, quick=quick, dtypes=dtypes, gradients=gradients)
     transport = WorkerTransport(target.payload(), None) if isolate else None
     backend = BackendProxy(target.backend, transport) if isolate else target.backend
     if isolate:
@@ -104,7 +107,6 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
             transport.stop()
             return SearchOutcome(target.name, passed=False,
                                  message=f"the worker process could not build {target.name}: {exc}")
-    space = SearchSpace.for_backend(target.backend, quick=quick)
     folder = search_dir(results)
     state: dict[str, Any] = {"n": 0, "rejected": 0, "failing": None}
     start = time.perf_counter()
@@ -139,12 +141,15 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
     if seed is not None:
         test = fixed_seed(seed)(test)
     outcome = SearchOutcome(target.name, passed=True)
+    home = vars(configuration).get("__hypothesis_home_directory")
+    configuration.set_hypothesis_home_dir(folder / ".hypothesis")  # its caches too, not ./.hypothesis in the cwd
     try:
         test()
     except Exception:  # the failure (a Flaky one too) is reported below
         if state["failing"] is None:
             raise
     finally:
+        configuration.set_hypothesis_home_dir(home)
         if isolate:
             transport.stop()
     outcome.seconds = round(time.perf_counter() - start, 2)

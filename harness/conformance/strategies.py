@@ -47,11 +47,19 @@ class SearchSpace:
     max_d_head: int
 
     @classmethod
-    def for_backend(cls, backend: AttentionBackend, *, quick: bool = False) -> SearchSpace:
+    def for_backend(cls, backend: AttentionBackend, *, quick: bool = False, dtypes: tuple[str, ...] | None = None,
+                    gradients: bool = True) -> SearchSpace:
+        """What ``backend`` declares, narrowed to ``dtypes`` (None: all) and without gradients unless
+        ``gradients``. A ValueError names ``dtypes`` when none of them is declared."""
         caps, coverage = backend.capabilities, Coverage.of(backend)
         limit = QUICK_MAX_LENGTH if quick else (caps.max_seq_len or max(LENGTHS))
+        declared = coverage.output_dtypes or caps.dtypes
+        chosen = tuple(d for d in declared if dtypes is None or d in dtypes)
+        if not chosen:
+            raise ValueError(f"--dtype: got {', '.join(dtypes or ())}; {backend.name} is searched in "
+                             f"{', '.join(declared)}")
         return cls(
-            dtypes=coverage.output_dtypes or caps.dtypes,
+            dtypes=chosen,
             forms=tuple(f for f in FORMS if caps.accepts_form(f)),  # every form Capabilities.inputs accepts
             causal=((None,) if caps.has("non_causal") else ()) + tuple(caps.causal_alignments),
             cross_attention=caps.cross_attention,
@@ -61,7 +69,7 @@ class SearchSpace:
             padding=caps.key_padding_mask,
             mask_kinds=tuple(k for k, declared in (("bool", caps.bool_attn_mask), ("additive", caps.additive_attn_mask))
                              if declared),
-            gradients=caps.gradients,
+            gradients=caps.gradients and gradients,
             poisons=coverage.poisons or ("random",),
             max_batch=2 if quick else 3,
             lengths=tuple(t for t in LENGTHS if t <= limit),

@@ -221,6 +221,29 @@ class FullyMaskedRowsNaN(NumpyNaiveLoaded):
         return e / e.sum(axis=-1, keepdims=True)
 
 
+class AdditiveMaskedRowNaN(NumpyNaiveLoaded):
+    """Adds a float attn_mask to the scores as it is (its -inf included) and zeroes only the rows the causal,
+    padding and bool masks empty, with a softmax that does not guard them: a row of -inf biases gives 0/0 = NaN.
+    The layer a JAX user wrote first (bool masks through ``allowed``, float masks added)."""
+
+    def masks(self, inputs):
+        if inputs.attn_mask is None or np.asarray(inputs.attn_mask).dtype == bool:
+            return super().masks(inputs)
+        allowed, _ = super().masks(inputs.replace(attn_mask=None))
+        return allowed, np.asarray(inputs.attn_mask, np.float64)
+
+    def masked_softmax(self, scores, allowed, additive):
+        if additive is not None:
+            scores += additive.astype(self.dtype)
+        if allowed is not None:
+            np.copyto(scores, -np.inf, where=~allowed)
+        e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights = e / e.sum(axis=-1, keepdims=True)
+        if allowed is not None:  # rows that the bool masks leave without a key: zeros
+            weights = np.where(np.broadcast_to(allowed, weights.shape).any(axis=-1, keepdims=True), weights, 0)
+        return weights
+
+
 class HeadsConcatenatedReversed(NumpyNaiveLoaded):
     def merge_heads(self, heads):
         return super().merge_heads(heads[:, ::-1])
@@ -318,6 +341,8 @@ MUTANTS = (
            SoftmaxWithoutMaxSubtraction, "row maximum"),
     Mutant("mutant-fully-masked-rows-nan", "fully masked rows divide 0 by 0 (NaN)", FullyMaskedRowsNaN,
            "fully masked rows"),
+    Mutant("mutant-additive-masked-row-nan", "a row of -inf float-mask biases divides 0 by 0 (NaN); rows the bool and "
+           "padding masks empty are zeros", AdditiveMaskedRowNaN, "fully masked rows"),
     Mutant("mutant-heads-reversed", "concatenates heads in reverse order", HeadsConcatenatedReversed, "head"),
     Mutant("mutant-batch-normalised-together", "softmax normaliser shared across batch items",
            BatchNormalisedTogether, "batch"),
