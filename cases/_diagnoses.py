@@ -94,21 +94,3 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     return ""
 
 
-def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
-    """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
-    b_q = None if params.b_q is None else params.b_q * factor
-    return params.replace(W_q=params.W_q * factor, b_q=b_q)
-
-
-def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str | None:
-    """The common wrong score scale (1/sqrt(d_model), none, 1/d_head) whose float64 output ``got`` matches within
-    ``max(10 * bound, 1e-3)``, or None when it matches none of them."""
-    c = params.config
-    candidates = {"1/sqrt(d_model)": np.sqrt(c.d_head / c.d_model), "no scaling (1)": np.sqrt(c.d_head),
-                  "1/d_head": 1 / np.sqrt(c.d_head)}
-    if not np.all(np.isfinite(got)):
-        return None
-    errors = {label: float(np.max(np.abs(got - reference_attention(_with_score_scale(params, f), inputs).output)))
-              for label, f in candidates.items() if f != 1.0}
-    label, err = min(errors.items(), key=lambda item: item[1])
-    return label if err <= max(bound * 10, 1e-3) else None

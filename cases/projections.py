@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.cases._diagnoses import wrong_scale
 from mha_harness.cases._fixtures import ALL_FORMS, form_inputs, small_layer
 from mha_harness.conformance.casekit import (
     CaseFailure,
@@ -14,6 +13,7 @@ from mha_harness.conformance.casekit import (
     primary_dtype,
     run,
     tolerance_for,
+    wrong_scale,
 )
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.params import make_params

@@ -112,7 +112,7 @@ def test_pytest_plugin_turns_declared_divergences_into_xfail(pytester):
     pytest.importorskip("jax")
     result = pytester.runpytest("--pyargs", "mha_harness.cases", "--mha-backend", "jax-dpa", "-q",
                                 "-k", "check_fully_masked_rows_output_zeros")
-    result.assert_outcomes(xfailed=1)
+    result.assert_outcomes(xfailed=3)  # padding, bool and additive masks: jax-dpa declares all three
 
 
 def test_pytest_plugin_is_inert_in_other_projects(pytester):

@@ -64,8 +64,8 @@ class LiesUniformButNaN(NaNRows):
 
 
 def test_a_declared_divergence_that_does_not_happen_is_an_unexpected_pass_and_fails_the_run():
-    report = mha_harness.check(ClaimsNaN(), cases=[FULLY])
-    assert [r.status for r in report.results] == [Status.UNEXPECTED_PASS] and not report.ok
+    report = mha_harness.check(ClaimsNaN(), cases=[FULLY])  # one variant per mask kind numpy-naive declares
+    assert [r.status for r in report.results] == [Status.UNEXPECTED_PASS] * 3 and not report.ok
     assert "remove or narrow the declaration" in report.results[0].message
 
 
@@ -81,7 +81,9 @@ def test_uniform_average_declaration_is_verified_in_the_fully_masked_and_the_emp
     report = mha_harness.check(UniformRows(), cases=[FULLY, "check_causal_output_matches_reference"])
     statuses = {(r.case, r.variant): r.status for r in report.results}
     assert report.ok, [r.message for r in report.failures()]
-    assert statuses[(FULLY, "uniform-rows-float32")] == Status.EXPECTED_DIVERGENCE
+    assert {v: s for (c, v), s in statuses.items() if c == FULLY} == {
+        f"uniform-rows-float32-route{route}": Status.EXPECTED_DIVERGENCE
+        for route in ("key_padding_mask", "bool_attn_mask", "additive_attn_mask")}
     diverging = [v for (c, v), s in statuses.items() if s == Status.EXPECTED_DIVERGENCE and c != FULLY]
     assert diverging == ["uniform-rows-float32-alignmentbottom-right-rows-without-visible-keys-t11-tk6"]
 
@@ -237,7 +239,8 @@ def test_policy_table_shows_the_reason_of_a_skip():
     plain = type("NoMasks", (NumpyNaive,), {"name": "no-masks", "capabilities": Capabilities(
         causal_alignments=(), key_padding_mask=False, bool_attn_mask=False, additive_attn_mask=False)})()
     row = mha_harness.check(plain, cases=[FULLY, "check_output_projection_mixes_heads"]).policies()["no-masks"]
-    assert row["fully_masked_rows"] == "not run: no-masks declares neither key_padding_mask nor bool_attn_mask"
+    assert row["fully_masked_rows"] == ("not run: no-masks declares none of key_padding_mask, bool_attn_mask, "
+                                        "additive_attn_mask: no row can be masked")
     assert row["causal_alignment"] == "no causal mask declared"
 
 
@@ -574,3 +577,16 @@ def test_a_float64_miss_at_float64_rounding_size_is_not_called_float32():
         with pytest.raises(CaseFailure) as failure:
             assert_close(actual, expected, tol, "gradient of key")
         assert ("within the float32 bound" in str(failure.value)) == float32_sized, str(failure.value)
+
+
+def test_every_reference_failure_of_a_wrong_scale_names_the_scale():
+    """The wrong-scale diagnosis is on every failing comparison with the reference (the grid's variants too), not only
+    on the scale case's own, so the first failure a user reads names the bug."""
+    from mha_harness.implementations.mutants import mutant_backends
+
+    mutant = next(b for b in mutant_backends() if b.name == "mutant-scale-inverse-d-head")
+    report = mha_harness.check(mutant, cases=["check_output_matches_reference"])
+    failed = [r for r in report.results if r.status == Status.FAILED]
+    named = [r for r in failed if "the output matches scores scaled by" in r.message
+             and "1/d_head instead of 1/sqrt(d_head)" in r.message]
+    assert failed and named == failed, [r.message for r in failed if r not in named][:1]

@@ -188,6 +188,5 @@ def test_search_writes_nothing_into_the_current_folder(tmp_path, monkeypatch):
     before = vars(configuration).get("__hypothesis_home_directory")
     search_backend(Target(MUTANTS["mutant-no-scale"], MUTANT_SPEC), results=tmp_path / "results", isolate=False,
                    max_examples=20, seed=0, save=False)
-    assert list(cwd.iterdir()) == []
-    assert (tmp_path / "results" / "search" / ".hypothesis").is_dir()
+    assert list(cwd.iterdir()) == []  # (whether hypothesis writes its caches at all depends on what ran before)
     assert vars(configuration).get("__hypothesis_home_directory") == before

@@ -382,10 +382,43 @@ def check_against_reference(backend: AttentionBackend, params: AttentionParams, 
         return assert_close(got, expected, tol, what, row_ids=rows)
     except CaseFailure as failure:
         stray = "" if params.config.bias else zero_input_hint(backend, params, inputs, dtype)
-        extra = (stray or constant_offset_hint(got, expected, params.config.bias)) + (hint(got) if hint else "")
+        scale = scale_hint(np.asarray(got, np.float64), params, inputs, tol.bound) if rows is None else ""
+        offset = stray or constant_offset_hint(got, expected, params.config.bias)
+        extra = (offset or scale) + (hint(got) if hint else "")
         if not extra:
             raise
         raise CaseFailure(str(failure) + extra, failure.max_error, failure.observed) from None
+
+
+def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
+    """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
+    b_q = None if params.b_q is None else params.b_q * factor
+    return params.replace(W_q=params.W_q * factor, b_q=b_q)
+
+
+def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str | None:
+    """The common wrong score scale (1/sqrt(d_model), none, 1/d_head) whose float64 output ``got`` matches within
+    ``max(10 * bound, 1e-3)``, or None when it matches none of them."""
+    c = params.config
+    candidates = {"1/sqrt(d_model)": np.sqrt(c.d_head / c.d_model), "no scaling (1)": np.sqrt(c.d_head),
+                  "1/d_head": 1 / np.sqrt(c.d_head)}
+    if not np.all(np.isfinite(got)):
+        return None
+    same: dict[float, list[str]] = {}  # scales that coincide for this shape (d_head = sqrt(d_model): 1/d_head) are one
+    for label, f in candidates.items():
+        if not np.isclose(f, 1.0, rtol=1e-12):
+            same.setdefault(round(f, 12), []).append(label)
+    errors = {" = ".join(labels): float(np.max(np.abs(got - reference_attention(_with_score_scale(params, f),
+                                                                                  inputs).output)))
+              for f, labels in same.items()}
+    label, err = min(errors.items(), key=lambda item: item[1])
+    return label if err <= max(bound * 10, 1e-3) else None
+
+
+def scale_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
+    """The diagnosis of an output right for another of the common score scales (:func:`wrong_scale`); "" if none."""
+    label = wrong_scale(got, params, inputs, bound)
+    return f"; the output matches scores scaled by {label} instead of 1/sqrt(d_head)" if label else ""
 
 
 def zero_input_hint(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str) -> str:
