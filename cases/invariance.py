@@ -12,8 +12,8 @@ from mha_harness.conformance.casekit import (
     check_against_reference,
     primary_dtype,
     run,
+    scale_hint,
     tolerance_for,
-    wrong_scale,
 )
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_inputs, make_params
@@ -109,10 +109,9 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
     try:
         return Measurement(max_error=assert_close(got, expected, tol, what))
     except CaseFailure as failure:
-        label = wrong_scale(got, params, inputs, tol.bound)
-        if label:  # finite and right for another scale: a scale bug (check_scores_scaled_by_sqrt_d_head), no overflow
-            raise CaseFailure(f"{failure}; the output matches scores scaled by {label} instead of 1/sqrt(d_head): "
-                              "a scale bug, not an overflow", failure.max_error) from None
+        diagnosis = scale_hint(got, params, inputs, tol.bound)
+        if diagnosis:  # right for another scale: a scale bug (check_scores_scaled_by_sqrt_d_head), no overflow
+            raise CaseFailure(f"{failure}{diagnosis}: a scale bug, not an overflow", failure.max_error) from None
         try:
             check_against_reference(backend, ordinary, inputs, dtype)
         except CaseFailure as wrong_anyway:  # wrong without large logits too: another bug, which other cases name

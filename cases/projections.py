@@ -12,8 +12,8 @@ from mha_harness.conformance.casekit import (
     parameter_count_problem,
     primary_dtype,
     run,
+    scale_hint,
     tolerance_for,
-    wrong_scale,
 )
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.params import make_params
@@ -31,10 +31,9 @@ def check_scores_scaled_by_sqrt_d_head(backend, *, form, dtype):
     try:
         return Measurement(max_error=assert_close(got, expected, tol, "scaled attention output"))
     except CaseFailure as failure:
-        label = wrong_scale(got, params, inputs, tol.bound)
-        if label:
-            raise CaseFailure(f"{failure}; the output matches scores scaled by {label} instead of 1/sqrt(d_head)",
-                              failure.max_error) from None
+        diagnosis = scale_hint(got, params, inputs, tol.bound)
+        if diagnosis:
+            raise CaseFailure(f"{failure}{diagnosis}", failure.max_error) from None
         raise
 
 

@@ -423,13 +423,14 @@ def cmd_search(args) -> int:
             raise UsageError(f"--backend {name}: not available here: {entry.reason_unavailable}")
         targets.append(Target(entry.backend, entry.spec, entry.source))
     from mha_harness.conformance.strategies import SearchSpace
+    dtypes = tuple(args.dtype) if args.dtype else None
     for target in targets:  # a --dtype no backend declares is the user's mistake, before any search runs
-        _usage(SearchSpace.for_backend, target.backend, dtypes=tuple(args.dtype) if args.dtype else None)
+        _usage(SearchSpace.for_backend, target.backend, dtypes=dtypes)
     outcomes = run_search(targets, max_examples=args.max_examples or (QUICK_MAX_EXAMPLES if args.quick
                                                                        else DEFAULT_MAX_EXAMPLES),
                           seed=args.seed, time_budget=args.time_budget, quick=args.quick, results=results,
                           isolate=not args.no_isolate, timeout=args.timeout,
-                          dtypes=tuple(args.dtype) if args.dtype else None, gradients=not args.no_gradients)
+                          dtypes=dtypes, gradients=not args.no_gradients)
     if args.mutants:
         from mha_harness.implementations.mutants import MUTANTS
         from mha_harness.util.atomic import write_text_atomic
