@@ -15,6 +15,9 @@ from mha_harness.contract.conventions import TOP_LEFT, causal_offset
 from mha_harness.contract.params import make_inputs, make_params
 
 SMALL = dict(d_model=32, num_heads=4)
+#: Tq = Tk of every causal case's square variant (and of the causal gradient variant, which so shares its compiled
+#: programs with them)
+CAUSAL_SQUARE = 9
 #: every input form: most properties are defined whatever the form
 ALL_FORMS = ("separate", "shared_kv", "self")
 #: properties that need Tq != Tk or keys independent of queries
@@ -60,12 +63,12 @@ def cross_ok(backend) -> bool:
 def causal_variants(backend) -> list[dict]:
     """Each declared alignment at Tq == Tk and, where cross-attention is declared, Tq < Tk and Tq > Tk.
 
-    Named variants: ``square`` (9, 9), ``more_keys`` (5, 11), ``more_queries`` (11, 6) for top-left and
+    Named variants: ``square`` (9, 9: CAUSAL_SQUARE), ``more_keys`` (5, 11), ``more_queries`` (11, 6) for top-left and
     ``rows_without_visible_keys`` (11, 6) for bottom-right, where queries 0..4 see no key at all."""
     out = []
     dtype = primary_dtype(backend)
     for alignment in backend.capabilities.causal_alignments:
-        shapes = [("square", 9, 9)]
+        shapes = [("square", CAUSAL_SQUARE, CAUSAL_SQUARE)]
         if cross_ok(backend):
             shapes += [("more_keys", 5, 11),
                        ("more_queries" if alignment == TOP_LEFT else "rows_without_visible_keys", 11, 6)]

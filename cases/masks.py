@@ -78,8 +78,10 @@ def check_causal_mask_blocks_future_keys(backend, *, form, dtype, alignment, var
     """Changing keys/values after position i (to large random values, NaN or inf) leaves every output that
     may only see keys <= i unchanged: no future information leaks through the causal mask, not even through
     the softmax denominator. With one x (self-attention) x itself is changed after i, which moves the
-    queries, keys and values there; with shared K/V, x_kv is changed."""
-    params = small_layer(backend)
+    queries, keys and values there; with shared K/V, x_kv is changed. The layer has biases where declared (a
+    key or value bias is one more path to the future), as in check_causal_output_matches_reference, whose compiled
+    programs a backend compiling per shape so reuses."""
+    params = small_layer(backend, bias=True)
     inputs = form_inputs(form, params.config, 2, seq, tk, causal=alignment)
     require(backend, *inputs.features(), f"dtype:{dtype}")
     loaded = backend.load(params, dtype=dtype)

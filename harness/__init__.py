@@ -25,6 +25,7 @@ _PUBLIC = {
     "causal_offset": "mha_harness.contract.conventions",
     "make_inputs": "mha_harness.contract.params", "make_params": "mha_harness.contract.params",
     "reference_attention": "mha_harness.contract.reference", "reference_vjp": "mha_harness.contract.reference",
+    "reference_vjp_magnitudes": "mha_harness.contract.reference",
     "load_registry": "mha_harness.registry",
     "function_backend": "mha_harness.toolkit.function_backend",
     "configure_jax": "mha_harness.toolkit.jax_setup",
@@ -36,7 +37,7 @@ __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionO
            "Capabilities", "Divergence", "LoadedAttention", "Report", "Unsupported", "causal_offset", "check",
            "configure_jax", "function_backend", "implicitly_causal", "load_registry", "make_inputs", "make_params",
            "masks",
-           "parametrize_with_cases", "reference_attention", "reference_vjp", "repro"]
+           "parametrize_with_cases", "reference_attention", "reference_vjp", "reference_vjp_magnitudes", "repro"]
 
 
 def load_core() -> None:

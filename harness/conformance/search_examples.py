@@ -38,7 +38,7 @@ from mha_harness.conformance.casekit import (
 )
 from mha_harness.contract.api import AttentionBackend, AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.params import make_inputs, make_params
-from mha_harness.contract.reference import allowed_and_bias, reference_vjp
+from mha_harness.contract.reference import allowed_and_bias, reference_vjp, reference_vjp_magnitudes
 from mha_harness.contract.tolerance import naive_dtype
 
 SCHEMA = "mha-harness/search-regression"
@@ -211,8 +211,9 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
         declared = backend.capabilities.inputs  # per argument of the module's own call, whatever the call's form
         exact = input_gradients(reference_vjp(params, inputs, cotangent), declared)
         naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), declared)
+        terms = input_gradients(reference_vjp_magnitudes(params, inputs, cotangent), declared)
         assert_gradients_close(loaded.vjp(inputs, cotangent), exact, naive, dtype,
-                               length=inputs.batch * max(inputs.tq, inputs.tk))
+                               length=inputs.batch * max(inputs.tq, inputs.tk), terms=terms)
     return worst
 
 

@@ -253,6 +253,77 @@ def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
     return {name: grad.copy() for name, grad in grads.items()}
 
 
+def reference_vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
+                             ) -> dict[str, np.ndarray]:
+    """For each gradient of :func:`reference_vjp`, the size of the terms its computation sums: the same backward
+    in float64 with every sum of terms replaced by the root of the sum of their squares (each difference is a
+    sum of two terms), carried through every stage.
+
+    The rounding error of a sum, in any order, grows with the size of its terms, not with the sum: where terms
+    cancel it is far above eps * |sum|. The softmax backward ``p * (dp - sum(dp * p))`` cancels at peaked weights,
+    and the gradients of query, key and their weights inherit it; there this magnitude is far above |gradient|,
+    while for ordinary random inputs (terms of random sign, whose sum is about their root-sum-square) it is about
+    |gradient|. The tolerance rule's floor scales with it (rounding errors add like independent random terms:
+    the probabilistic analysis of Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019)."""
+    cotangent = np.asarray(cotangent)
+
+    def compute():
+        grads = _vjp_magnitudes(params, inputs, cotangent)
+        _read_only(*grads.values())
+        return grads
+
+    key = _content_key("vjp-magnitudes", params, inputs, cotangent, empty_rows_convention())
+    grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
+    return {name: grad.copy() for name, grad in grads.items()}
+
+
+def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray) -> dict:
+    """The backward of :func:`_vjp` on squares: a sum of products sum_k a_k b_k becomes sum_k a_k^2 b_k^2 (so a
+    product of matrices becomes the product of their squares), a difference a - b becomes a^2 + b^2; the square
+    root at the end gives each gradient's root-sum-square of terms."""
+    c = params.config
+    sq = {n: np.square(np.asarray(x, np.float64)) for n, x in params.arrays().items()}
+    x_sq = {n: np.square(np.asarray(getattr(inputs, n), np.float64)) for n in ("query", "key", "value")}
+
+    def projected(name, n_heads):
+        y = x_sq[name] @ sq[f"W_{name[0]}"]
+        if c.bias:
+            y = y + sq[f"b_{name[0]}"]
+        return _heads(y, n_heads)
+    q = projected("query", c.num_heads)
+    k = np.repeat(projected("key", c.kv_heads), c.group, axis=1)
+    v = np.repeat(projected("value", c.kv_heads), c.group, axis=1)
+    _, _, _, p, _, scale, _ = _forward_parts(params, inputs, None, "float64")
+    p2, scale2 = np.square(p), scale ** 2
+    g = np.square(np.asarray(cotangent, np.float64))
+    heads = p2 @ v
+    b, h, t, dh = heads.shape
+    concat = heads.transpose(0, 2, 1, 3).reshape(b, t, h * dh)
+    grads = {"W_o": np.einsum("btd,bte->de", concat, g)}
+    d_o = _heads(g @ sq["W_o"].T, c.num_heads)
+    d_p = d_o @ v.transpose(0, 1, 3, 2)
+    d_v = p2.transpose(0, 1, 3, 2) @ d_o
+    d_s = p2 * (d_p + (d_p * p2).sum(axis=-1, keepdims=True))
+    d_q = d_s @ k * scale2
+    d_k = d_s.transpose(0, 1, 3, 2) @ q * scale2
+
+    def merge(d, n_heads):
+        b, h, t, dh = d.shape
+        if h != n_heads:
+            d = d.reshape(b, n_heads, h // n_heads, t, dh).sum(axis=2)
+        return d.transpose(0, 2, 1, 3).reshape(b, t, n_heads * dh)
+
+    for name, d_heads, n in (("query", d_q, c.num_heads), ("key", d_k, c.kv_heads), ("value", d_v, c.kv_heads)):
+        d_proj = merge(d_heads, n)
+        grads[f"W_{name[0]}"] = np.einsum("btd,bte->de", x_sq[name], d_proj)
+        grads[name] = d_proj @ sq[f"W_{name[0]}"].T
+        if c.bias:
+            grads[f"b_{name[0]}"] = d_proj.sum(axis=(0, 1))
+    if c.bias:
+        grads["b_o"] = g.sum(axis=(0, 1))
+    return {name: np.sqrt(grad) for name, grad in grads.items()}
+
+
 def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str) -> dict:
     c = params.config
     r = lambda x: round_to(x, dtype)  # noqa: E731

@@ -6,9 +6,12 @@ A backend computing in ``dtype`` may differ from the float64 reference by at mos
 
 where ``naive_error`` is the max error that the naive algorithm *in the same dtype* makes
 against that reference, ``magnitude`` is max(1, max |reference|) and ``n`` the length of the
-longest reduction (the number of keys). The floor is the typical rounding error of an
-n-term accumulation in *some* order: the naive estimate uses NumPy's pairwise sums, and a
-backend summing in another valid order (sequential, blocked) is not wrong for it. So a
+longest reduction (the number of keys). For gradients ``magnitude`` is max(1, max |reference|,
+the largest root-sum-square of the terms each gradient sums; see ``reference_vjp_magnitudes``),
+so the floor covers the softmax backward's cancellation. The floor is the typical rounding error
+of an n-term accumulation in *some* order: the naive estimate uses NumPy's pairwise sums, and a
+backend summing in another valid order (sequential, blocked) is not wrong for it; one sample of
+the naive error can also be accidentally tiny where terms cancel. So a
 float16 backend is held to float16's own honest error, not to a fixed atol that is loose
 for float64 and impossible for bfloat16; real bugs (a leaked key, a wrong scale) are
 orders of magnitude above the bound.
@@ -60,18 +63,25 @@ def max_abs_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.nanmax(diff)) if diff.size else 0.0
 
 
-def tolerance_from(expected64: np.ndarray, naive_same_dtype: np.ndarray, dtype: str, length: int = 1) -> Tolerance:
+def tolerance_from(expected64: np.ndarray, naive_same_dtype: np.ndarray, dtype: str, length: int = 1,
+                   terms: np.ndarray | None = None) -> Tolerance:
     """Bound for a backend in ``dtype`` given the reference and the naive algorithm in ``dtype``.
 
     For float64 the reference *is* the naive algorithm, so its own error cannot be measured
     against itself: pass the naive float32 result instead, and its error is scaled by the
     ratio of the unit roundoffs (2^-52 / 2^-23), rounding error being linear in it.
+
+    ``terms``: the size of the terms the computation of each entry sums (their root-sum-square, e.g.
+    :func:`~mha_harness.contract.reference.reference_vjp_magnitudes`); the floor's magnitude is then the largest
+    of it and |reference|. Rounding error grows with the terms, not with their (possibly cancelled) sum, and one
+    sample of the naive error can be accidentally tiny there.
     """
     dtype = bound_dtype(dtype)
     naive_error = max_abs_error(naive_same_dtype, expected64)
     if dtype == "float64":
         naive_error *= EPS["float64"] / EPS["float32"]
-    magnitude = max(1.0, float(np.nanmax(np.abs(expected64)))) if np.isfinite(expected64).any() else 1.0
+    size = np.abs(expected64) if terms is None else np.maximum(np.abs(expected64), np.asarray(terms, np.float64))
+    magnitude = max(1.0, float(np.nanmax(size))) if np.isfinite(size).any() else 1.0
     floor = FLOOR_ULPS * EPS[dtype] * magnitude * float(np.sqrt(max(1, length)))
     return Tolerance(FACTOR * naive_error + floor, naive_error, dtype)
 
