@@ -15,6 +15,9 @@ from mha_harness.contract.conventions import TOP_LEFT, causal_offset
 from mha_harness.contract.params import make_inputs, make_params
 
 SMALL = dict(d_model=32, num_heads=4)
+#: the grid's ``short_with_bias`` row (batch 3, 2 heads of width 8, T = 7, biases): cases that need no shape of
+#: their own use it too, so a backend that compiles per shape compiles it once for all of them
+SHORT_BATCH, SHORT_HEADS, SHORT_D_HEAD, SHORT_SEQ = 3, 2, 8, 7
 #: Tq = Tk of every causal case's square variant (and of the causal gradient variant, which so shares its compiled
 #: programs with them)
 CAUSAL_SQUARE = 9
@@ -30,6 +33,12 @@ def small_layer(backend, *, bias: bool = False, num_kv_heads=None, seed: int = 0
     config = AttentionConfig(shape["d_model"], shape["num_heads"], num_kv_heads,
                              bias=bias and backend.capabilities.bias)
     return make_params(config, seed=seed)
+
+
+def short_layer(backend, *, seed: int = 0):
+    """The layer of the grid's ``short_with_bias`` row (d_model 16, 2 heads), biases where the backend declares
+    them; call it with batch SHORT_BATCH and length SHORT_SEQ."""
+    return small_layer(backend, bias=True, d_model=SHORT_HEADS * SHORT_D_HEAD, num_heads=SHORT_HEADS, seed=seed)
 
 
 def separate_inputs(config: AttentionConfig, batch: int, tq: int, tk: int | None = None, seed: int = 1, **masks):

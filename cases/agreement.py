@@ -4,7 +4,15 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.cases._diagnoses import causal_hint
-from mha_harness.cases._fixtures import ALL_FORMS, cross_ok, form_inputs
+from mha_harness.cases._fixtures import (
+    ALL_FORMS,
+    SHORT_BATCH,
+    SHORT_D_HEAD,
+    SHORT_HEADS,
+    SHORT_SEQ,
+    cross_ok,
+    form_inputs,
+)
 from mha_harness.conformance.casekit import (
     CaseFailure,
     Measurement,
@@ -23,7 +31,7 @@ from mha_harness.contract.tolerance import naive_dtype, tolerance_from
 # d_head {8, 64, 80}, heads {1, 2, 8}, with and without biases, grouped- and multi-query heads.
 GRID = {
     "single_token": (1, 1, 8, 1, 1, False, None),
-    "short_with_bias": (3, 2, 8, 7, 7, True, None),
+    "short_with_bias": (SHORT_BATCH, SHORT_HEADS, SHORT_D_HEAD, SHORT_SEQ, SHORT_SEQ, True, None),
     "eight_heads": (3, 8, 8, 64, 64, False, None),
     "d_head_64_with_bias": (1, 2, 64, 129, 129, True, None),
     "d_head_80": (3, 2, 80, 129, 129, False, None),

@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.cases._fixtures import ALL_FORMS, CROSS_FORMS, form_inputs, small_layer
-from mha_harness.cases.agreement import GRID
+from mha_harness.cases._fixtures import (
+    ALL_FORMS,
+    CROSS_FORMS,
+    SHORT_BATCH,
+    SHORT_SEQ,
+    form_inputs,
+    short_layer,
+    small_layer,
+)
 from mha_harness.conformance.casekit import (
     CaseFailure,
     Measurement,
@@ -26,9 +33,9 @@ REPEATED_CALLS = 5
 @case(requires=("non_causal",), forms=ALL_FORMS)
 def check_self_attention_is_permutation_equivariant(backend, *, dtype):
     """Without masks, permuting the tokens of a self-attention input permutes the output rows the same way."""
-    params = small_layer(backend, bias=True)
-    inputs = make_inputs(params.config, 2, 9, seed=12)
-    perm = np.random.default_rng(12).permutation(9)
+    params = short_layer(backend)
+    inputs = make_inputs(params.config, SHORT_BATCH, SHORT_SEQ, seed=12)
+    perm = np.random.default_rng(12).permutation(SHORT_SEQ)
     x = inputs.query[:, perm]
     base = run(backend, params, inputs, dtype).output
     permuted = run(backend, params, inputs.replace(query=x, key=x, value=x), dtype).output
@@ -54,8 +61,8 @@ def check_cross_attention_is_invariant_to_key_order(backend, *, form, dtype):
 @case(forms=ALL_FORMS)
 def check_batch_items_are_independent(backend, *, form, dtype):
     """Changing one batch item's inputs changes no other batch item's output."""
-    params = small_layer(backend, bias=True)
-    inputs = form_inputs(form, params.config, 3, 8)
+    params = short_layer(backend)
+    inputs = form_inputs(form, params.config, SHORT_BATCH, SHORT_SEQ)  # items 0 and 2 around the changed item 1
     base = run(backend, params, inputs, dtype).output
     rng = np.random.default_rng(14)
     changed = {}
@@ -130,10 +137,9 @@ def check_repeated_calls_are_bitwise_identical(backend, *, form, dtype):
     (so a stale cache, a buffer reused across calls or state that drifts from call to call shows), return
     identical bits. The layer and inputs have the shape of the grid's ``short_with_bias`` row, so a backend that
     compiles per shape reuses that row's program instead of compiling one more per dtype."""
-    batch, heads, d_head, seq, _, bias, _ = GRID["short_with_bias"]
-    params = small_layer(backend, bias=bias, d_model=heads * d_head, num_heads=heads)
-    inputs = form_inputs(form, params.config, batch, seq)
-    other = form_inputs(form, params.config, batch, seq, seed=2)
+    params = short_layer(backend)
+    inputs = form_inputs(form, params.config, SHORT_BATCH, SHORT_SEQ)
+    other = form_inputs(form, params.config, SHORT_BATCH, SHORT_SEQ, seed=2)
     loaded = backend.load(params, dtype=dtype)
     first = run(backend, params, inputs, dtype, loaded=loaded).output
     for call in range(2, REPEATED_CALLS + 1):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.cases._fixtures import ALL_FORMS, form_inputs, small_layer
+from mha_harness.cases._fixtures import ALL_FORMS, SHORT_BATCH, SHORT_SEQ, form_inputs, short_layer, small_layer
 from mha_harness.conformance.casekit import (
     CaseFailure,
     Measurement,
@@ -122,8 +122,8 @@ def check_head_split_keeps_features_together(backend, *, form, dtype):
 @case(forms=ALL_FORMS)
 def check_output_projection_mixes_heads(backend, *, form, dtype):
     """The output is concat(heads) @ W_o + b_o with a random W_o, not the bare concatenation: W_o mixes the heads."""
-    params = small_layer(backend, bias=True)
-    inputs = form_inputs(form, params.config, 2, 7)
+    params = short_layer(backend)
+    inputs = form_inputs(form, params.config, SHORT_BATCH, SHORT_SEQ)
     no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
     concat = run(backend, _identity_output(params).replace(b_o=no_bias), inputs, dtype).output
     got = run(backend, params, inputs, dtype).output
