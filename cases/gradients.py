@@ -4,11 +4,18 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.cases._fixtures import ALL_FORMS, CAUSAL_SQUARE, cross_ok, form_inputs, input_gradients
-from mha_harness.conformance.casekit import CaseFailure, Measurement, assert_gradients_close, case, require
+from mha_harness.conformance.casekit import (
+    CaseFailure,
+    Measurement,
+    assert_gradients_close,
+    case,
+    gradient_reduction_length,
+    naive_gradients,
+    require,
+)
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_params
 from mha_harness.contract.reference import reference_vjp, reference_vjp_magnitudes
-from mha_harness.contract.tolerance import naive_dtype
 
 
 def _gradient_variants(backend):
@@ -52,10 +59,10 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     declared = backend.capabilities.inputs  # the gradients come per argument of the module's own call
     separate = reference_vjp(params, inputs, cotangent)
     exact = input_gradients(separate, declared)
-    naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), declared)
+    naive = naive_gradients(params, inputs, cotangent, dtype, declared)
     terms = input_gradients(reference_vjp_magnitudes(params, inputs, cotangent), declared)
     try:
-        worst = assert_gradients_close(got, exact, naive, dtype, length=inputs.batch * max(inputs.tq, inputs.tk),
+        worst = assert_gradients_close(got, exact, naive, dtype, length=gradient_reduction_length(params, inputs),
                                        terms=terms)
     except CaseFailure as failure:
         raise CaseFailure(str(failure) + _gradient_form_hint(got, separate, declared), failure.max_error) from None

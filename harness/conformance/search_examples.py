@@ -32,6 +32,8 @@ from mha_harness.conformance.casekit import (
     assert_gradients_close,
     bad_call_problem,
     bad_calls,
+    gradient_reduction_length,
+    naive_gradients,
     parameter_count_problem,
     run,
     tolerance_for,
@@ -39,7 +41,6 @@ from mha_harness.conformance.casekit import (
 from mha_harness.contract.api import AttentionBackend, AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import allowed_and_bias, reference_vjp, reference_vjp_magnitudes
-from mha_harness.contract.tolerance import naive_dtype
 
 SCHEMA = "mha-harness/search-regression"
 SCHEMA_VERSION = 1
@@ -192,7 +193,8 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
             raise CaseFailure(_COUNTED[key])
     loaded = backend.load(params, dtype=dtype)
     if example.get("malformed") is not None:
-        calls = bad_calls(FORMS[example.get("form", "separate")](config, 2, 6, 6, int(example["seed"])))
+        calls = bad_calls(FORMS[example.get("form", "separate")](config, 2, 6, 6, int(example["seed"])),
+                          declared=backend.capabilities.inputs)
         problem = bad_call_problem(loaded, *calls[int(example["malformed"]) % len(calls)])
         if problem:
             raise CaseFailure(f"bad input not rejected clearly: {problem}")
@@ -210,10 +212,10 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
         cotangent = np.random.default_rng(int(example["seed"]) + 3).standard_normal(got.shape)
         declared = backend.capabilities.inputs  # per argument of the module's own call, whatever the call's form
         exact = input_gradients(reference_vjp(params, inputs, cotangent), declared)
-        naive = input_gradients(reference_vjp(params, inputs, cotangent, dtype=naive_dtype(dtype)), declared)
+        naive = naive_gradients(params, inputs, cotangent, dtype, declared)
         terms = input_gradients(reference_vjp_magnitudes(params, inputs, cotangent), declared)
         assert_gradients_close(loaded.vjp(inputs, cotangent), exact, naive, dtype,
-                               length=inputs.batch * max(inputs.tq, inputs.tk), terms=terms)
+                               length=gradient_reduction_length(params, inputs), terms=terms)
     return worst
 
 

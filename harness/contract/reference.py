@@ -101,14 +101,18 @@ def _masked_softmax(scores, allowed, empty_rows: str = "zeros"):
     return np.where(any_allowed, e / np.where(total == 0, 1, total), empty)
 
 
-def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype: str, empty_rows: str | None = None):
+def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype: str, empty_rows: str | None = None,
+                   scale_first: bool = False):
     c = params.config
     query = inputs.query if rows is None else inputs.query[:, np.asarray(rows)]
     q = _heads(_project(query, params.W_q, params.b_q, dtype), c.num_heads)
     k = np.repeat(_heads(_project(inputs.key, params.W_k, params.b_k, dtype), c.kv_heads), c.group, axis=1)
     v = np.repeat(_heads(_project(inputs.value, params.W_v, params.b_v, dtype), c.kv_heads), c.group, axis=1)
     scale = 1.0 / np.sqrt(c.d_head)
-    scores = round_to(q @ k.transpose(0, 1, 3, 2) * scale, dtype)
+    if scale_first:  # the queries times the scale rounded to dtype, then the product (as fused kernels do)
+        scores = round_to(round_to(q * round_to(np.float64(scale), dtype), dtype) @ k.transpose(0, 1, 3, 2), dtype)
+    else:
+        scores = round_to(q @ k.transpose(0, 1, 3, 2) * scale, dtype)
     allowed, additive = allowed_and_bias(params, inputs, rows)
     if additive is not None:
         scores = round_to(scores + additive, dtype)
@@ -211,11 +215,14 @@ def _read_only(*arrays):
 
 def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, rows=None,
                         need_weights: bool = False, dtype: str = "float64",
-                        empty_rows: str | None = None) -> AttentionOutput:
+                        empty_rows: str | None = None, scale_first: bool = False) -> AttentionOutput:
     """Multi-head attention by the definition, in float64 unless ``dtype`` says otherwise.
 
     With ``rows`` only those query rows are computed (output shape (B, len(rows), d_model)). ``empty_rows``
     overrides the output of rows with no visible key (default: :func:`empty_rows_convention`, normally zeros).
+    ``scale_first``: the queries are multiplied by the scale rounded to ``dtype`` before the product with the
+    keys (as fused kernels compute it) instead of the product being scaled: another valid algorithm, whose honest
+    error in a low precision differs (at large logits by several times).
     """
     require_params(params)
     require_inputs(inputs)
@@ -223,32 +230,34 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
     rows_key = None if rows is None else np.asarray(rows)
 
     def compute():
-        *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype, empty_rows)
+        *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype, empty_rows, scale_first)
         out = _project(concat, params.W_o, params.b_o, dtype).astype(np.float64)
         weights = weights.astype(np.float64) if need_weights else None
         _read_only(out, weights)
         return out, weights
 
-    key = _content_key("forward", params, inputs, rows_key, need_weights, dtype, empty_rows)
+    key = _content_key("forward", params, inputs, rows_key, need_weights, dtype, empty_rows, scale_first)
     out, weights = _CACHE.get(key, compute, lambda v: v[0].nbytes + (0 if v[1] is None else v[1].nbytes))
     return AttentionOutput(out.copy(), None if weights is None else weights.copy())
 
 
 def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray,
-                  dtype: str = "float64") -> dict[str, np.ndarray]:
+                  dtype: str = "float64", *, flash: bool = False) -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) with respect to inputs and parameters.
 
     Exact in float64; with another ``dtype`` it is the naive backward in that format
-    (rounding after every stage), whose error sets the gradient tolerance.
+    (rounding after every stage), whose error sets the gradient tolerance. ``flash``: the backward
+    as FlashAttention-2 computes it (weights recomputed from the log-sum-exp, the softmax backward's
+    row term from the output), another valid algorithm whose honest error in ``dtype`` also counts.
     """
     cotangent = np.asarray(cotangent)
 
     def compute():
-        grads = _vjp(params, inputs, cotangent, dtype)
+        grads = _vjp(params, inputs, cotangent, dtype, flash=flash)
         _read_only(*grads.values())
         return grads
 
-    key = _content_key("vjp", params, inputs, cotangent, dtype, empty_rows_convention())
+    key = _content_key("vjp", params, inputs, cotangent, dtype, empty_rows_convention(), flash)
     grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
     return {name: grad.copy() for name, grad in grads.items()}
 
@@ -324,16 +333,44 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     return {name: np.sqrt(grad) for name, grad in grads.items()}
 
 
-def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str) -> dict:
+def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale, dtype: str) -> np.ndarray:
+    """The softmax weights as a FlashAttention backward recomputes them, rounding in ``dtype``: scores again (the
+    queries scaled first), then ``exp(s - logsumexp)`` from the row's log-sum-exp (rows with no visible key: 0)."""
+    r = lambda x: round_to(x, dtype)  # noqa: E731
+    scores = r(r(q * r(np.float64(scale))) @ k.transpose(0, 1, 3, 2))
+    allowed, additive = allowed_and_bias(params, inputs, None)
+    if additive is not None:
+        scores = r(scores + additive)
+    allowed = np.broadcast_to(allowed, scores.shape)
+    scores = np.where(allowed, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    visible = np.isfinite(row_max)
+    shifted = r(scores - np.where(visible, row_max, 0.0))
+    total = r(np.where(allowed, np.exp(shifted), 0.0).sum(axis=-1, keepdims=True))
+    lse = r(np.where(visible, row_max, 0.0) + np.log(np.where(total > 0, total, 1.0)))
+    return np.where(allowed & visible, r(np.exp(r(scores - lse))), 0.0)
+
+
+def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
+         flash: bool = False) -> dict:
+    """The backward, rounding after every stage in ``dtype``. ``flash``: as FlashAttention-2 computes it (and
+    torch's SDPA kernels and nn.MultiheadAttention's fused path do): the queries scaled first, the weights
+    recomputed from the row's log-sum-exp, and the softmax backward's row term taken as ``rowsum(dO * O)`` instead
+    of ``rowsum(dP * P)`` (equal in exact arithmetic, not after rounding)."""
     c = params.config
     r = lambda x: round_to(x, dtype)  # noqa: E731
-    q, k, v, p, concat, scale, _ = _forward_parts(params, inputs, None, dtype)
+    q, k, v, p, concat, scale, _ = _forward_parts(params, inputs, None, dtype, scale_first=flash)
     g = r(cotangent)
     grads = {"W_o": r(np.einsum("btd,bte->de", concat, g))}
     d_o = _heads(r(g @ r(params.W_o).T), c.num_heads)
     d_p = r(d_o @ v.transpose(0, 1, 3, 2))
+    if flash:
+        p = _flash_weights(params, inputs, q, k, scale, dtype)
+        row = r(r(d_o * _heads(concat, c.num_heads)).sum(axis=-1, keepdims=True))
+    else:
+        row = r((d_p * p).sum(axis=-1, keepdims=True))
     d_v = r(p.transpose(0, 1, 3, 2) @ d_o)
-    d_s = r(p * (d_p - (d_p * p).sum(axis=-1, keepdims=True)))
+    d_s = r(p * r(d_p - row))
     d_q = r(d_s @ k * scale)
     d_k = r(d_s.transpose(0, 1, 3, 2) @ q * scale)
 
