@@ -10,6 +10,7 @@ from mha_harness.conformance.casekit import (
     assert_gradients_close,
     case,
     gradient_reduction_length,
+    input_gradient_terms,
     naive_gradients,
     require,
 )
@@ -60,7 +61,7 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     separate = reference_vjp(params, inputs, cotangent)
     exact = input_gradients(separate, declared)
     naive = naive_gradients(params, inputs, cotangent, dtype, declared)
-    terms = input_gradients(reference_vjp_magnitudes(params, inputs, cotangent), declared)
+    terms = input_gradient_terms(reference_vjp_magnitudes(params, inputs, cotangent), declared)
     try:
         worst = assert_gradients_close(got, exact, naive, dtype, length=gradient_reduction_length(params, inputs),
                                        terms=terms)

@@ -12,6 +12,7 @@ from mha_harness.cases._fixtures import (
     short_layer,
     small_layer,
 )
+from mha_harness.cases.agreement import GRID
 from mha_harness.conformance.casekit import (
     CaseFailure,
     Measurement,
@@ -135,11 +136,13 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
 def check_repeated_calls_are_bitwise_identical(backend, *, form, dtype):
     """Five identical forward calls on one loaded layer, each after a call on other inputs of the same shape
     (so a stale cache, a buffer reused across calls or state that drifts from call to call shows), return
-    identical bits. The layer and inputs have the shape of the grid's ``short_with_bias`` row, so a backend that
-    compiles per shape reuses that row's program instead of compiling one more per dtype."""
-    params = short_layer(backend)
-    inputs = form_inputs(form, params.config, SHORT_BATCH, SHORT_SEQ)
-    other = form_inputs(form, params.config, SHORT_BATCH, SHORT_SEQ, seed=2)
+    identical bits. The layer and inputs have the shape of the grid's ``eight_heads`` row (T = 64: more than one
+    32-row tile, so work split across tiles or threads shows), whose compiled program a backend compiling per shape
+    reuses instead of compiling one more per dtype."""
+    batch, heads, d_head, seq, _, _, _ = GRID["eight_heads"]
+    params = small_layer(backend, d_model=heads * d_head, num_heads=heads)
+    inputs = form_inputs(form, params.config, batch, seq)
+    other = form_inputs(form, params.config, batch, seq, seed=2)
     loaded = backend.load(params, dtype=dtype)
     first = run(backend, params, inputs, dtype, loaded=loaded).output
     for call in range(2, REPEATED_CALLS + 1):

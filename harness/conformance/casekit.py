@@ -483,13 +483,12 @@ def _with_query(inputs, query):
     return inputs.replace(query=query)
 
 
-def bad_calls(inputs: AttentionInputs, declared: str | None = None) -> list[tuple[str, str, AttentionInputs]]:
+def bad_calls(inputs: AttentionInputs) -> list[tuple[str, str, AttentionInputs]]:
     """Malformed calls built from well-formed ``inputs`` (batch >= 2, Tq >= 3, Tk >= 2), each in the inputs' form:
-    (the parameter the error message must name, a description, the modified inputs). ``declared``: the input form
-    the backend declares (default: the inputs' own); separate arrays are a malformed call only where it is not
-    ``separate`` (a separate-form backend called with one x, as the search calls it, must still take them)."""
+    (the parameter the error message must name, a description, the modified inputs). The last one of a one-x or
+    shared-K/V form, separate arrays (parameter ``inputs``), is malformed only for a backend that declares that
+    form, not for a separate-form backend called with one x (as the search calls it)."""
     q, k, v, form = inputs.query, inputs.key, inputs.value, inputs.form
-    declared = declared or form
     nan_query = np.where(np.arange(q.shape[1])[None, :, None] == 2, np.nan, q)
     calls = [
         ("query", "query of width d_model + 1", _with_query(inputs, np.concatenate([q, q[..., :1]], -1))),
@@ -508,7 +507,7 @@ def bad_calls(inputs: AttentionInputs, declared: str | None = None) -> list[tupl
                   ("value", "value shorter than key", inputs.replace(value=v[:, :-1]))]
     if form == "shared_kv":
         calls.append(("key", "x_kv with another batch size", inputs.replace(key=k[:1], value=k[:1])))
-    if declared != "separate":  # a form the backend did not declare is refused by validation, naming inputs
+    if form != "separate":  # a form the backend did not declare is refused by validation, naming inputs
         calls.append(("inputs", "separate query/key/value arrays", inputs.replace(key=k.copy(), value=v.copy() + 1)))
     return calls
 
@@ -545,8 +544,9 @@ def assert_gradients_close(got: Mapping[str, np.ndarray], exact: Mapping[str, np
 
     ``naive``: one same-dtype backward, or several valid ones (:func:`naive_gradients`: the textbook backward and
     FlashAttention's), each gradient's bound then from the one farthest from ``exact``. ``terms``: the size of
-    what each gradient's computation sums (:func:`~mha_harness.contract.reference.reference_vjp_magnitudes`, in the
-    same form as ``exact``), which the floor scales with; without it, |exact| (too tight where the softmax backward
+    what each gradient's computation sums (:func:`input_gradient_terms` of
+    :func:`~mha_harness.contract.reference.reference_vjp_magnitudes`, in the same form as ``exact``), which the
+    floor scales with; without it, |exact| (too tight where the softmax backward
     cancels: correct backends then fail by a few times the bound)."""
     estimates = [naive] if isinstance(naive, Mapping) else list(naive)
     worst = 0.0
@@ -572,6 +572,14 @@ def naive_gradients(params: AttentionParams, inputs: AttentionInputs, cotangent:
     low = naive_dtype(dtype)
     return [input_gradients(reference_vjp(params, inputs, cotangent, dtype=low, flash=flash), form)
             for flash in (False, True)]
+
+
+def input_gradient_terms(terms: dict, form: str) -> dict:
+    """:func:`~mha_harness.contract.reference.reference_vjp_magnitudes` per distinct input of ``form``, as
+    :func:`input_gradients` combines the gradients: the uses of one x add their terms, so their root-sum-squares
+    combine as the root of the summed squares."""
+    squared = input_gradients({name: np.square(t) for name, t in terms.items()}, form)
+    return {name: np.sqrt(t) for name, t in squared.items()}
 
 
 def gradient_reduction_length(params: AttentionParams, inputs: AttentionInputs) -> int:

@@ -335,7 +335,8 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
 
 def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale, dtype: str) -> np.ndarray:
     """The softmax weights as a FlashAttention backward recomputes them, rounding in ``dtype``: scores again (the
-    queries scaled first), then ``exp(s - logsumexp)`` from the row's log-sum-exp (rows with no visible key: 0)."""
+    queries scaled first), then ``exp(s - logsumexp)`` from the row's log-sum-exp (rows with no visible key: as
+    :func:`empty_rows_convention` says, like the forward's)."""
     r = lambda x: round_to(x, dtype)  # noqa: E731
     scores = r(r(q * r(np.float64(scale))) @ k.transpose(0, 1, 3, 2))
     allowed, additive = allowed_and_bias(params, inputs, None)
@@ -348,7 +349,8 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
     shifted = r(scores - np.where(visible, row_max, 0.0))
     total = r(np.where(allowed, np.exp(shifted), 0.0).sum(axis=-1, keepdims=True))
     lse = r(np.where(visible, row_max, 0.0) + np.log(np.where(total > 0, total, 1.0)))
-    return np.where(allowed & visible, r(np.exp(r(scores - lse))), 0.0)
+    empty = {"zeros": 0.0, "nan": np.nan, "uniform_average": 1.0 / scores.shape[-1]}[empty_rows_convention()]
+    return np.where(visible, np.where(allowed, r(np.exp(r(scores - lse))), 0.0), empty)
 
 
 def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,

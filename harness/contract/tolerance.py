@@ -80,7 +80,7 @@ def tolerance_from(expected64: np.ndarray, naive_same_dtype: np.ndarray, dtype: 
     naive_error = max_abs_error(naive_same_dtype, expected64)
     if dtype == "float64":
         naive_error *= EPS["float64"] / EPS["float32"]
-    size = np.abs(expected64) if terms is None else np.maximum(np.abs(expected64), np.asarray(terms, np.float64))
+    size = np.abs(expected64) if terms is None else np.fmax(np.abs(expected64), np.asarray(terms, np.float64))
     magnitude = max(1.0, float(np.nanmax(size))) if np.isfinite(size).any() else 1.0
     floor = FLOOR_ULPS * EPS[dtype] * magnitude * float(np.sqrt(max(1, length)))
     return Tolerance(FACTOR * naive_error + floor, naive_error, dtype)
