@@ -29,9 +29,9 @@ from mha_harness.contract.api import (
     supported,
 )
 from mha_harness.contract.conventions import EPS
-from mha_harness.contract.reference import reference_attention, reference_vjp
+from mha_harness.contract.reference import reference_attention, reference_vjp, reference_vjp_magnitudes
 from mha_harness.contract.scoped import scoped
-from mha_harness.contract.tolerance import Tolerance, max_abs_error, naive_dtype, tolerance_from
+from mha_harness.contract.tolerance import Tolerance, farthest, naive_dtype, tolerance_from
 
 
 class CaseFailure(AssertionError):
@@ -315,8 +315,8 @@ def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str,
     (the queries scaled first, by the scale rounded to the dtype); one algorithm's error alone can be several times
     below another's at large logits."""
     expected = reference_attention(params, inputs, rows=rows).output
-    naive = max((reference_attention(params, inputs, rows=rows, dtype=naive_dtype(dtype), scale_first=first).output
-                 for first in (False, True)), key=lambda a: max_abs_error(a, expected))
+    naive = farthest((reference_attention(params, inputs, rows=rows, dtype=naive_dtype(dtype), scale_first=first).output
+                      for first in (False, True)), expected)
     return expected, tolerance_from(expected, naive, dtype, length=inputs.tk)
 
 
@@ -557,11 +557,23 @@ def assert_gradients_close(got: Mapping[str, np.ndarray], exact: Mapping[str, np
         if actual.shape != expected.shape:
             raise CaseFailure(f"gradient of {name}: expected shape {expected.shape}, got {actual.shape}")
         labels = ("batch", "position", "feature") if expected.ndim == 3 else ("row", "column")[:expected.ndim]
-        honest = max((e[name] for e in estimates), key=lambda a: max_abs_error(a, expected))
+        honest = farthest((e[name] for e in estimates), expected)
         size = None if terms is None else terms[name]
         tol = tolerance_from(expected, honest, dtype, length=length, terms=size)
         worst = max(worst, assert_close(actual, expected, tol, f"gradient of {name}", labels=labels))
     return worst
+
+
+def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
+                                     cotangent: np.ndarray, dtype: str, form: str) -> float:
+    """A backend's gradients ``got`` (for ``sum(output * cotangent)``, per argument of its declared input ``form``)
+    against the reference under the tolerance rule: the exact gradients, the two valid same-dtype backwards
+    (:func:`naive_gradients`), the floor's terms (:func:`input_gradient_terms`) and its ``n``
+    (:func:`gradient_reduction_length`); returns the worst error, raises CaseFailure naming the gradient."""
+    exact = input_gradients(reference_vjp(params, inputs, cotangent), form)
+    terms = input_gradient_terms(reference_vjp_magnitudes(params, inputs, cotangent), form)
+    return assert_gradients_close(got, exact, naive_gradients(params, inputs, cotangent, dtype, form), dtype,
+                                  length=gradient_reduction_length(params, inputs), terms=terms)
 
 
 def naive_gradients(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,

@@ -90,6 +90,11 @@ def _project(x, w, bias, dtype):
     return round_to(y, dtype)
 
 
+def _empty_row_weight(empty_rows: str, tk: int) -> float:
+    """The weight every key gets in a row with no visible key, under the ``empty_rows`` convention."""
+    return {"zeros": 0.0, "nan": np.nan, "uniform_average": 1.0 / tk}[empty_rows]
+
+
 def _masked_softmax(scores, allowed, empty_rows: str = "zeros"):
     scores = np.where(allowed, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
@@ -97,8 +102,31 @@ def _masked_softmax(scores, allowed, empty_rows: str = "zeros"):
     e = np.exp(scores - np.where(any_allowed, row_max, 0.0))
     e = np.where(allowed, e, 0.0)
     total = e.sum(axis=-1, keepdims=True)
-    empty = {"zeros": 0.0, "nan": np.nan, "uniform_average": 1.0 / scores.shape[-1]}[empty_rows]
+    empty = _empty_row_weight(empty_rows, scores.shape[-1])
     return np.where(any_allowed, e / np.where(total == 0, 1, total), empty)
+
+
+def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale: float, dtype: str, scale_first: bool):
+    """The scaled scores with the float attn_mask added, rounding in ``dtype``, and the allowed mask. ``scale_first``:
+    the queries times the scale rounded to ``dtype``, then the product (as fused kernels do); else the product
+    scaled."""
+    if scale_first:
+        scores = round_to(round_to(q * round_to(np.float64(scale), dtype), dtype) @ k.transpose(0, 1, 3, 2), dtype)
+    else:
+        scores = round_to(q @ k.transpose(0, 1, 3, 2) * scale, dtype)
+    allowed, additive = allowed_and_bias(params, inputs, rows)
+    if additive is not None:
+        scores = round_to(scores + additive, dtype)
+    return scores, allowed
+
+
+def _merge_heads(d: np.ndarray, n_heads: int) -> np.ndarray:
+    """(batch, heads, T, d_head) per-head gradients -> (batch, T, n_heads * d_head), the query heads of a group
+    summed onto their shared key/value head when ``n_heads`` is the key/value head count."""
+    b, h, t, dh = d.shape
+    if h != n_heads:
+        d = d.reshape(b, n_heads, h // n_heads, t, dh).sum(axis=2)
+    return d.transpose(0, 2, 1, 3).reshape(b, t, n_heads * dh)
 
 
 def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype: str, empty_rows: str | None = None,
@@ -109,13 +137,7 @@ def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype
     k = np.repeat(_heads(_project(inputs.key, params.W_k, params.b_k, dtype), c.kv_heads), c.group, axis=1)
     v = np.repeat(_heads(_project(inputs.value, params.W_v, params.b_v, dtype), c.kv_heads), c.group, axis=1)
     scale = 1.0 / np.sqrt(c.d_head)
-    if scale_first:  # the queries times the scale rounded to dtype, then the product (as fused kernels do)
-        scores = round_to(round_to(q * round_to(np.float64(scale), dtype), dtype) @ k.transpose(0, 1, 3, 2), dtype)
-    else:
-        scores = round_to(q @ k.transpose(0, 1, 3, 2) * scale, dtype)
-    allowed, additive = allowed_and_bias(params, inputs, rows)
-    if additive is not None:
-        scores = round_to(scores + additive, dtype)
+    scores, allowed = _scores(params, inputs, rows, q, k, scale, dtype, scale_first)
     weights = round_to(_masked_softmax(scores, np.broadcast_to(allowed, scores.shape),
                                        empty_rows or empty_rows_convention()), dtype)
     heads = round_to(weighted_values(weights, v), dtype)
@@ -316,14 +338,8 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     d_q = d_s @ k * scale2
     d_k = d_s.transpose(0, 1, 3, 2) @ q * scale2
 
-    def merge(d, n_heads):
-        b, h, t, dh = d.shape
-        if h != n_heads:
-            d = d.reshape(b, n_heads, h // n_heads, t, dh).sum(axis=2)
-        return d.transpose(0, 2, 1, 3).reshape(b, t, n_heads * dh)
-
     for name, d_heads, n in (("query", d_q, c.num_heads), ("key", d_k, c.kv_heads), ("value", d_v, c.kv_heads)):
-        d_proj = merge(d_heads, n)
+        d_proj = _merge_heads(d_heads, n)
         grads[f"W_{name[0]}"] = np.einsum("btd,bte->de", x_sq[name], d_proj)
         grads[name] = d_proj @ sq[f"W_{name[0]}"].T
         if c.bias:
@@ -338,10 +354,7 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
     queries scaled first), then ``exp(s - logsumexp)`` from the row's log-sum-exp (rows with no visible key: as
     :func:`empty_rows_convention` says, like the forward's)."""
     r = lambda x: round_to(x, dtype)  # noqa: E731
-    scores = r(r(q * r(np.float64(scale))) @ k.transpose(0, 1, 3, 2))
-    allowed, additive = allowed_and_bias(params, inputs, None)
-    if additive is not None:
-        scores = r(scores + additive)
+    scores, allowed = _scores(params, inputs, None, q, k, scale, dtype, scale_first=True)
     allowed = np.broadcast_to(allowed, scores.shape)
     scores = np.where(allowed, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
@@ -349,7 +362,7 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
     shifted = r(scores - np.where(visible, row_max, 0.0))
     total = r(np.where(allowed, np.exp(shifted), 0.0).sum(axis=-1, keepdims=True))
     lse = r(np.where(visible, row_max, 0.0) + np.log(np.where(total > 0, total, 1.0)))
-    empty = {"zeros": 0.0, "nan": np.nan, "uniform_average": 1.0 / scores.shape[-1]}[empty_rows_convention()]
+    empty = _empty_row_weight(empty_rows_convention(), scores.shape[-1])
     return np.where(visible, np.where(allowed, r(np.exp(r(scores - lse))), 0.0), empty)
 
 
@@ -376,15 +389,9 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
     d_q = r(d_s @ k * scale)
     d_k = r(d_s.transpose(0, 1, 3, 2) @ q * scale)
 
-    def merge(d, n_heads):
-        b, h, t, dh = d.shape
-        if h != n_heads:
-            d = d.reshape(b, n_heads, h // n_heads, t, dh).sum(axis=2)
-        return r(d.transpose(0, 2, 1, 3).reshape(b, t, n_heads * dh))
-
     for name, d_heads, x, n in (("q", d_q, inputs.query, c.num_heads), ("k", d_k, inputs.key, c.kv_heads),
                                 ("v", d_v, inputs.value, c.kv_heads)):
-        d_proj = merge(d_heads, n)
+        d_proj = r(_merge_heads(d_heads, n))
         grads[f"W_{name}"] = r(np.einsum("btd,bte->de", r(x), d_proj))
         grads[{"q": "query", "k": "key", "v": "value"}[name]] = r(d_proj @ r(getattr(params, f"W_{name}")).T)
         if c.bias:

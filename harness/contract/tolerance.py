@@ -63,6 +63,12 @@ def max_abs_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.nanmax(diff)) if diff.size else 0.0
 
 
+def farthest(estimates, expected: np.ndarray) -> np.ndarray:
+    """Of several valid same-dtype results (one per algorithm), the one farthest from ``expected``: the honest
+    error the tolerance rule starts from is the largest of theirs."""
+    return max(estimates, key=lambda a: max_abs_error(a, expected))
+
+
 def tolerance_from(expected64: np.ndarray, naive_same_dtype: np.ndarray, dtype: str, length: int = 1,
                    terms: np.ndarray | None = None) -> Tolerance:
     """Bound for a backend in ``dtype`` given the reference and the naive algorithm in ``dtype``.
