@@ -6,7 +6,11 @@ from counting too little (each example below failed a correct built-in backend b
 - the naive error is the larger of two valid same-dtype algorithms: the textbook one and the fused kernels' (queries
   scaled first; FlashAttention-2's backward with weights recomputed from the log-sum-exp and the row term from the
   output), whose error torch's flash kernel reproduces to the digit;
-- a separate-form backend searched with one x is not asked to refuse separate arrays.
+- a separate-form backend searched with one x is not asked to refuse separate arrays;
+- at large logits (x10, x100) one more estimate: the float64 computation whose scores (and FlashAttention's
+  recomputed exponents ``s - lse``) each carry one float32 rounding at the size of their terms, with a seeded
+  random sign (``score_error_of``): which way each score rounds decides one algorithm's error there, and the
+  search found eight correct-kernel failures of 1.02-9.2 x the bound without it (LARGE_LOGITS).
 
 Ordinary gradients keep about the bound they had and wrong ones still fail (the mutants' tests cover the rest)."""
 from __future__ import annotations
@@ -74,16 +78,40 @@ def _bound_growth(dtype, kv_heads, bias, tq, tk, causal) -> dict[str, float]:
     return out
 
 
-def test_bound_growth_on_ordinary_gradients_is_at_most_about_2x():
-    """On the gradient case's inputs every bound grows by at most 2x, b_k's (whose exact gradient is 0 by the
-    softmax's shift invariance, so its floor was eps-sized) by at most 3.2x; ``-s`` prints the table."""
+def test_bound_growth_on_ordinary_gradients_is_at_most_about_3x():
+    """On the gradient case's inputs every bound grows by at most 2.8x (half precision: 2x), b_k's (whose exact
+    gradient is 0 by the softmax's shift invariance, so its floor was eps-sized) by at most 5.2x (3.2x); ``-s``
+    prints the table. Up to 2x came with the floor's terms and FlashAttention's backward, the rest in float32 and
+    float64 with the score-error estimate of FlashAttention's recomputed weights (later the same day),
+    which no normalisation evens out."""
     for variant in GROWTH_VARIANTS:
         growth = _bound_growth(*variant)
         others = {n: g for n, g in growth.items() if n != "b_k"}
         worst = max(others, key=others.get)
         print(f"{variant}: max {others[worst]:.2f}x ({worst}), median {np.median(list(others.values())):.2f}x"
               + (f", b_k {growth['b_k']:.2f}x" if "b_k" in growth else ""))
-        assert max(others.values()) <= 2.0 and growth.get("b_k", 1.0) <= 3.2, (variant, growth)
+        half = variant[0] in ("bfloat16", "float16")
+        assert max(others.values()) <= (2.0 if half else 2.8), (variant, growth)
+        assert growth.get("b_k", 1.0) <= (3.2 if half else 5.2), (variant, growth)
+
+
+def test_output_bounds_over_the_grid_grow_by_at_most_5_percent():
+    """The score-error estimate leaves the output bounds of ordinary inputs as they were: over every GRID row and
+    dtype the bound with it is at most 1.05 x the bound from the two rounding algorithms alone (1.03 x measured)."""
+    from mha_harness.cases.agreement import GRID
+    from mha_harness.conformance.casekit import naive_forwards
+    from mha_harness.contract.params import make_inputs
+    from mha_harness.contract.tolerance import farthest
+    for dtype in ("float32", "float64", "bfloat16", "float16"):
+        for batch, heads, d_head, tq, tk, bias, kv in GRID.values():
+            config = AttentionConfig(heads * d_head, heads, kv, bias=bias)
+            params = make_params(config, seed=tq + tk)
+            inputs = make_inputs(config, batch, min(tq, 129), min(tk, 129), seed=batch + heads)
+            ref = reference_attention(params, inputs).output
+            estimates = [e.output for e in naive_forwards(params, inputs, dtype)]
+            old = tolerance_from(ref, farthest(estimates[:2], ref), dtype, length=inputs.tk).bound
+            new = tolerance_from(ref, farthest(estimates, ref), dtype, length=inputs.tk).bound
+            assert new <= 1.05 * old, (dtype, batch, heads, d_head, tq, tk, new / old)
 
 
 def test_a_wrong_gradient_on_the_cancelling_example_still_fails():
@@ -160,6 +188,109 @@ def test_correct_torch_kernels_pass_what_the_search_flagged(example, module, nam
     from importlib import import_module
     backend = next(b for b in import_module(f"mha_harness.implementations.{module}").backends() if b.name == name)
     check_example(backend, example)
+
+
+def _example(dtype="float32", form="separate", tq=4, tk=15, d_head=2, heads=1, kv_heads=1, bias=False,
+             padding=None, attn_mask=None, logit_scale=100, cut=14, gradients=True, seed=0):
+    return {"dtype": dtype, "form": form, "batch": 1, "tq": tq, "tk": tk, "heads": heads, "kv_heads": kv_heads,
+            "d_head": d_head, "bias": bias, "causal": None, "padding": padding, "attn_mask": attn_mask,
+            "logit_scale": logit_scale, "cut": cut, "poison": "random", "gradients": gradients, "malformed": None,
+            "seed": seed}
+
+
+_ADDITIVE = {"kind": "additive", "per": "shared", "density": 1.0, "empty_rows": [], "seed": 0, "magnitude": 1.0}
+#: what `mha-harness search --backend torch-nn-mha --backend torch-sdpa-flash-cpu --backend torch-sdpa-math-cpu
+#: --backend onnxruntime-cpu --seed S --max-examples 200` (S = 0..3) stopped at before the score-error estimate:
+#: (example, module, backend, what failed and by how much)
+LARGE_LOGITS = [
+    (_example(), "torch_sdpa", "torch-sdpa-flash-cpu", "gradient of W_v, 9.22x"),
+    (_example(), "torch_nn_mha", "torch-nn-mha", "gradient of W_v, 9.22x"),
+    (_example(form="self", tq=15, d_head=3, logit_scale=10), "torch_nn_mha", "torch-nn-mha",
+     "gradient of value, 1.04x"),
+    (_example(form="self", tq=15, d_head=3, logit_scale=10), "torch_sdpa", "torch-sdpa-flash-cpu",
+     "gradient of value, 1.04x"),
+    (_example(tq=1, tk=1, attn_mask=_ADDITIVE, logit_scale=10, cut=0, seed=1), "torch_sdpa", "torch-sdpa-flash-cpu",
+     "gradient of W_v, 1.14x"),
+    (_example(tq=1, tk=1, attn_mask=_ADDITIVE, logit_scale=10, cut=0, seed=1), "torch_nn_mha", "torch-nn-mha",
+     "gradient of W_v, 1.14x"),
+    (_example(dtype="float64", tq=6, tk=2, d_head=4, bias=True, cut=1, gradients=False), "torch_sdpa",
+     "torch-sdpa-math-cpu", "output, 1.51x"),
+    (_example(form="self", tq=16, tk=16, heads=3, d_head=12, bias=True, padding={"valid": [4], "side": "end"},
+              cut=15, gradients=False, seed=3), "ort_attention", "onnxruntime-cpu", "output, 1.02x"),
+]
+
+
+@pytest.mark.parametrize("example, module, name, before", LARGE_LOGITS,
+                         ids=[f"{n}-{b.split(',')[0].replace(' ', '-')}-{e['logit_scale']}x"
+                              for e, _, n, b in LARGE_LOGITS])
+def test_correct_kernels_pass_at_large_logits(example, module, name, before):
+    needs = "onnxruntime" if module == "ort_attention" else "torch"
+    if importlib.util.find_spec(needs) is None:
+        pytest.skip(f"{needs} is not installed")
+    from importlib import import_module
+    backend = next(b for b in import_module(f"mha_harness.implementations.{module}").backends() if b.name == name)
+    check_example(backend, example)
+
+
+def _logits_x1000_examples(count: int = 40) -> list[dict]:
+    """Seeded float32 examples at logits x1000, beyond the search's space (float32 stops at x100, where exp
+    overflows without max subtraction): batch 1-2, Tq up to 33, Tk up to 127, half of them with gradients."""
+    rng = np.random.default_rng(7)
+    out = []
+    for seed in range(count):
+        heads = int(rng.choice([1, 2]))
+        out.append(_example(tq=int(rng.choice([1, 4, 9, 16, 33])), tk=int(rng.choice([1, 2, 9, 15, 64, 127])),
+                            heads=heads, kv_heads=heads, d_head=int(rng.choice([1, 3, 8, 16])),
+                            bias=bool(rng.integers(0, 2)), logit_scale=1000, cut=0,
+                            gradients=bool(rng.integers(0, 2)), seed=seed) | {"batch": int(rng.integers(1, 3))})
+    return out
+
+
+@pytest.mark.parametrize("spec, name", [
+    ("numpy_naive:NumpyNaive", "numpy-naive"), ("numpy_tiled:NumpyTiled", "numpy-tiled"),
+    ("torch_sdpa:backends", "torch-sdpa-math-cpu"), ("torch_sdpa:backends", "torch-sdpa-flash-cpu"),
+    ("torch_eager:backends", "torch-eager")])
+def test_correct_kernels_pass_at_logits_x1000(spec, name):
+    """Before the score-error estimate 11 of these 200 checks failed (torch-sdpa-flash-cpu's gradient of W_v up to
+    146 x the bound, the outputs of three torch kernels up to 1.17 x); the numpy kernels passed."""
+    if spec.startswith("torch") and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")
+    from mha_harness.registry import backends_from_spec
+    backend = next(b for b in backends_from_spec(f"mha_harness.implementations.{spec}") if b.name == name)
+    for example in _logits_x1000_examples():
+        check_example(backend, example)
+
+
+def test_the_score_error_estimate_is_the_flash_kernels_error_at_large_logits():
+    """On the first LARGE_LOGITS example the W_v gradient of FlashAttention's backward whose recomputed exponents
+    carry one float32 rounding is off by more than 10x (17x measured) the two rounding algorithms' (torch's flash
+    kernel: 2.66e-5, 9.2x their bound): the exponent ``s - lse`` of 100s loses digits no normalisation gives back."""
+    params, inputs = build(LARGE_LOGITS[0][0])
+    cotangent = np.random.default_rng(0).standard_normal((1, 4, 2))
+    exact = reference_vjp(params, inputs, cotangent)["W_v"]
+    rounding = max(max_abs_error(reference_vjp(params, inputs, cotangent, dtype="float32", flash=f)["W_v"], exact)
+                   for f in (False, True))
+    erred = max_abs_error(reference_vjp(params, inputs, cotangent, flash=True, score_error_of="float32")["W_v"], exact)
+    assert erred > 10 * rounding, (erred, rounding)
+
+
+def test_a_wrong_output_at_large_logits_still_fails():
+    """The score-error estimate is a rounding's size: an output off by 1e-4 relative at logits x100 (float32) is
+    still a failure, and so is the reference's own output with the scale of d_model instead of d_head."""
+    from mha_harness.conformance.casekit import assert_close, tolerance_for
+    params, inputs = build(LARGE_LOGITS[-2][0] | {"dtype": "float32"})
+    expected, tol = tolerance_for(params, inputs, "float32")
+    with pytest.raises(CaseFailure):
+        assert_close(expected * (1 + 1e-4), expected, tol, "output")
+    params, inputs = build(LARGE_LOGITS[-1][0])
+    expected, tol = tolerance_for(params, inputs, "float32")
+    assert tol.bound < 1e-4 * np.abs(expected).max()
+
+
+def test_score_error_of_names_the_accepted_dtypes():
+    params, inputs = build(LARGE_LOGITS[-2][0])
+    with pytest.raises(ValueError, match="score_error_of: got 'float8'; accepted: None or one of float64"):
+        reference_attention(params, inputs, score_error_of="float8")
 
 
 def test_a_separate_form_backend_searched_with_one_x_may_take_separate_arrays():

@@ -31,7 +31,7 @@ from mha_harness.contract.api import (
 from mha_harness.contract.conventions import EPS
 from mha_harness.contract.reference import reference_attention, reference_vjp, reference_vjp_magnitudes
 from mha_harness.contract.scoped import scoped
-from mha_harness.contract.tolerance import Tolerance, farthest, naive_dtype, tolerance_from
+from mha_harness.contract.tolerance import Tolerance, farthest, naive_dtype, score_error_dtype, tolerance_from
 
 
 class CaseFailure(AssertionError):
@@ -308,15 +308,28 @@ def run(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInp
     return AttentionOutput(output, weights)
 
 
+def naive_forwards(params: AttentionParams, inputs: AttentionInputs, dtype: str, rows=None,
+                   need_weights: bool = False) -> list[AttentionOutput]:
+    """The same-dtype results whose largest error against the float64 reference sets the tolerance of a backend in
+    ``dtype``: two valid algorithms rounding in :func:`naive_dtype`, the textbook one (the product of queries and
+    keys scaled) and the fused kernels' (the queries scaled first, by the scale rounded to the dtype), and the
+    float64 one whose scores each carry one rounding error of :func:`score_error_dtype` at the size of their terms,
+    with a seeded random sign (at large logits the softmax makes the scores' rounding the largest error, and which
+    way each score happens to round decides one algorithm's error: it can be several times below another correct
+    kernel's)."""
+    low = naive_dtype(dtype)
+    return [reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low, scale_first=False),
+            reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low, scale_first=True),
+            reference_attention(params, inputs, rows=rows, need_weights=need_weights,
+                                score_error_of=score_error_dtype(dtype))]
+
+
 def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str,
                   rows=None) -> tuple[np.ndarray, Tolerance]:
-    """The float64 reference output and the tolerance for a backend in ``dtype``: from the larger error of two
-    valid same-dtype algorithms, the textbook one (the product of queries and keys scaled) and the fused kernels'
-    (the queries scaled first, by the scale rounded to the dtype); one algorithm's error alone can be several times
-    below another's at large logits."""
+    """The float64 reference output and the tolerance for a backend in ``dtype``, from the largest error of the
+    estimates of :func:`naive_forwards`."""
     expected = reference_attention(params, inputs, rows=rows).output
-    naive = farthest((reference_attention(params, inputs, rows=rows, dtype=naive_dtype(dtype), scale_first=first).output
-                      for first in (False, True)), expected)
+    naive = farthest((n.output for n in naive_forwards(params, inputs, dtype, rows)), expected)
     return expected, tolerance_from(expected, naive, dtype, length=inputs.tk)
 
 
@@ -578,12 +591,17 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
 
 def naive_gradients(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
                     form: str) -> list[dict]:
-    """The valid same-dtype backwards whose errors bound a backend's in ``dtype`` (for
-    :func:`assert_gradients_close`), in ``form``: the textbook one and FlashAttention-2's (weights recomputed from
-    the log-sum-exp, the softmax row term from the output: torch's SDPA kernels compute it so)."""
+    """The same-dtype backwards whose errors bound a backend's in ``dtype`` (for :func:`assert_gradients_close`),
+    in ``form``: the textbook one and FlashAttention-2's (weights recomputed from the log-sum-exp, the softmax row
+    term from the output: torch's SDPA kernels compute it so), rounding in :func:`naive_dtype`, and each of the two
+    in float64 with the weights carrying one rounding of the scores in :func:`score_error_dtype` (the textbook
+    one's normalised, FlashAttention's ``exp(s - lse)`` not: at large logits the largest error, see
+    :func:`naive_forwards` and ``reference_vjp(..., score_error_of=)``)."""
     low = naive_dtype(dtype)
     return [input_gradients(reference_vjp(params, inputs, cotangent, dtype=low, flash=flash), form)
-            for flash in (False, True)]
+            for flash in (False, True)] + \
+        [input_gradients(reference_vjp(params, inputs, cotangent, flash=flash, score_error_of=score_error_dtype(dtype)),
+                         form) for flash in (False, True)]
 
 
 def input_gradient_terms(terms: dict, form: str) -> dict:

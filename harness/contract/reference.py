@@ -29,7 +29,7 @@ from collections import OrderedDict
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams
-from mha_harness.contract.conventions import causal_offset, round_to
+from mha_harness.contract.conventions import EPS, causal_offset, round_to
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.validation import require_inputs, require_params
@@ -106,10 +106,35 @@ def _masked_softmax(scores, allowed, empty_rows: str = "zeros"):
     return np.where(any_allowed, e / np.where(total == 0, 1, total), empty)
 
 
-def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale: float, dtype: str, scale_first: bool):
+#: the seed of the signs of :func:`_score_error` (fixed: a tolerance is a function of the case's inputs alone)
+SCORE_ERROR_SEED = 20261202
+
+
+def _score_terms(q, k, scale: float, additive) -> np.ndarray:
+    """The size of the terms each score sums, ``scale * sum_d |q_d k_d| + |additive|``: a score's rounding error in
+    any dtype grows with it (not with the possibly cancelled score)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        size = np.abs(q) @ np.abs(k).transpose(0, 1, 3, 2) * scale
+        return size if additive is None else size + np.abs(additive)
+
+
+def _rounding_error(size: np.ndarray, of: str) -> np.ndarray:
+    """``eps(of) * size`` with a seeded random sign per entry (:data:`SCORE_ERROR_SEED`): one rounding error of
+    each entry; non-finite sizes give 0."""
+    sign = np.random.default_rng(SCORE_ERROR_SEED).choice((-1.0, 1.0), size=size.shape)
+    with np.errstate(invalid="ignore"):
+        error = EPS[of] * size * sign
+    return np.where(np.isfinite(error), error, 0.0)
+
+
+def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale: float, dtype: str, scale_first: bool,
+            score_error_of: str | None = None):
     """The scaled scores with the float attn_mask added, rounding in ``dtype``, and the allowed mask. ``scale_first``:
     the queries times the scale rounded to ``dtype``, then the product (as fused kernels do); else the product
-    scaled."""
+    scaled. ``score_error_of``: each score then carries one rounding error of that dtype at the size of its terms
+    (:func:`_score_terms`; the softmax turns an absolute score error e into a relative weight error of about e, so
+    at large logits, scores of 100s, it is the largest error a correct kernel makes, and which way each score
+    happens to round decides how large its output's error is)."""
     if scale_first:
         scores = round_to(round_to(q * round_to(np.float64(scale), dtype), dtype) @ k.transpose(0, 1, 3, 2), dtype)
     else:
@@ -117,6 +142,9 @@ def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale:
     allowed, additive = allowed_and_bias(params, inputs, rows)
     if additive is not None:
         scores = round_to(scores + additive, dtype)
+    if score_error_of is not None:
+        scores = scores + _rounding_error(np.broadcast_to(_score_terms(q, k, scale, additive), scores.shape),
+                                          score_error_of)
     return scores, allowed
 
 
@@ -130,14 +158,14 @@ def _merge_heads(d: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype: str, empty_rows: str | None = None,
-                   scale_first: bool = False):
+                   scale_first: bool = False, score_error_of: str | None = None):
     c = params.config
     query = inputs.query if rows is None else inputs.query[:, np.asarray(rows)]
     q = _heads(_project(query, params.W_q, params.b_q, dtype), c.num_heads)
     k = np.repeat(_heads(_project(inputs.key, params.W_k, params.b_k, dtype), c.kv_heads), c.group, axis=1)
     v = np.repeat(_heads(_project(inputs.value, params.W_v, params.b_v, dtype), c.kv_heads), c.group, axis=1)
     scale = 1.0 / np.sqrt(c.d_head)
-    scores, allowed = _scores(params, inputs, rows, q, k, scale, dtype, scale_first)
+    scores, allowed = _scores(params, inputs, rows, q, k, scale, dtype, scale_first, score_error_of)
     weights = round_to(_masked_softmax(scores, np.broadcast_to(allowed, scores.shape),
                                        empty_rows or empty_rows_convention()), dtype)
     heads = round_to(weighted_values(weights, v), dtype)
@@ -229,6 +257,11 @@ def clear_reference_cache() -> None:
     _CACHE.clear()
 
 
+def _require_dtype_name(name: str, value: str | None) -> None:
+    if value is not None and value not in EPS:
+        raise ValueError(f"{name}: got {value!r}; accepted: None or one of {', '.join(EPS)}")
+
+
 def _read_only(*arrays):
     for a in arrays:
         if a is not None:
@@ -237,7 +270,8 @@ def _read_only(*arrays):
 
 def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, rows=None,
                         need_weights: bool = False, dtype: str = "float64",
-                        empty_rows: str | None = None, scale_first: bool = False) -> AttentionOutput:
+                        empty_rows: str | None = None, scale_first: bool = False,
+                        score_error_of: str | None = None) -> AttentionOutput:
     """Multi-head attention by the definition, in float64 unless ``dtype`` says otherwise.
 
     With ``rows`` only those query rows are computed (output shape (B, len(rows), d_model)). ``empty_rows``
@@ -245,41 +279,54 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
     ``scale_first``: the queries are multiplied by the scale rounded to ``dtype`` before the product with the
     keys (as fused kernels compute it) instead of the product being scaled: another valid algorithm, whose honest
     error in a low precision differs (at large logits by several times).
+    ``score_error_of``: a dtype; every score then carries an error of one rounding in it (at the size of the terms
+    the score sums, with a seeded random sign) and nothing else is rounded beyond ``dtype``: with float64, the
+    error of a kernel exact but for its scores' rounding, which dominates at large logits (see :func:`_scores`).
     """
     require_params(params)
     require_inputs(inputs)
+    _require_dtype_name("score_error_of", score_error_of)
     empty_rows = empty_rows or empty_rows_convention()
     rows_key = None if rows is None else np.asarray(rows)
 
     def compute():
-        *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype, empty_rows, scale_first)
+        *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype, empty_rows, scale_first,
+                                                   score_error_of)
         out = _project(concat, params.W_o, params.b_o, dtype).astype(np.float64)
         weights = weights.astype(np.float64) if need_weights else None
         _read_only(out, weights)
         return out, weights
 
-    key = _content_key("forward", params, inputs, rows_key, need_weights, dtype, empty_rows, scale_first)
+    key = _content_key("forward", params, inputs, rows_key, need_weights, dtype, empty_rows, scale_first,
+                       score_error_of)
     out, weights = _CACHE.get(key, compute, lambda v: v[0].nbytes + (0 if v[1] is None else v[1].nbytes))
     return AttentionOutput(out.copy(), None if weights is None else weights.copy())
 
 
 def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray,
-                  dtype: str = "float64", *, flash: bool = False) -> dict[str, np.ndarray]:
+                  dtype: str = "float64", *, flash: bool = False,
+                  score_error_of: str | None = None) -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) with respect to inputs and parameters.
 
     Exact in float64; with another ``dtype`` it is the naive backward in that format
     (rounding after every stage), whose error sets the gradient tolerance. ``flash``: the backward
     as FlashAttention-2 computes it (weights recomputed from the log-sum-exp, the softmax backward's
     row term from the output), another valid algorithm whose honest error in ``dtype`` also counts.
+    ``score_error_of``: in float64, the backward whose weights carry the error of one rounding of the scores in
+    that dtype: the textbook backward takes the weights of :func:`reference_attention`'s forward with that
+    argument (normalised), FlashAttention's recomputes each weight as ``exp(s - lse)`` with one rounding error of
+    ``|s|`` and of ``|lse|`` in the exponent, which no normalisation removes (at large logits, |lse| of 100s,
+    that is the largest error of its gradients).
     """
+    _require_dtype_name("score_error_of", score_error_of)
     cotangent = np.asarray(cotangent)
 
     def compute():
-        grads = _vjp(params, inputs, cotangent, dtype, flash=flash)
+        grads = _vjp(params, inputs, cotangent, dtype, flash=flash, score_error_of=score_error_of)
         _read_only(*grads.values())
         return grads
 
-    key = _content_key("vjp", params, inputs, cotangent, dtype, empty_rows_convention(), flash)
+    key = _content_key("vjp", params, inputs, cotangent, dtype, empty_rows_convention(), flash, score_error_of)
     grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
     return {name: grad.copy() for name, grad in grads.items()}
 
@@ -349,10 +396,12 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     return {name: np.sqrt(grad) for name, grad in grads.items()}
 
 
-def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale, dtype: str) -> np.ndarray:
+def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale, dtype: str,
+                   score_error_of: str | None = None) -> np.ndarray:
     """The softmax weights as a FlashAttention backward recomputes them, rounding in ``dtype``: scores again (the
     queries scaled first), then ``exp(s - logsumexp)`` from the row's log-sum-exp (rows with no visible key: as
-    :func:`empty_rows_convention` says, like the forward's)."""
+    :func:`empty_rows_convention` says, like the forward's). ``score_error_of``: the exponent ``s - lse`` carries
+    one rounding error of that dtype at the size of ``s``'s terms plus ``|lse|``."""
     r = lambda x: round_to(x, dtype)  # noqa: E731
     scores, allowed = _scores(params, inputs, None, q, k, scale, dtype, scale_first=True)
     allowed = np.broadcast_to(allowed, scores.shape)
@@ -362,25 +411,31 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
     shifted = r(scores - np.where(visible, row_max, 0.0))
     total = r(np.where(allowed, np.exp(shifted), 0.0).sum(axis=-1, keepdims=True))
     lse = r(np.where(visible, row_max, 0.0) + np.log(np.where(total > 0, total, 1.0)))
+    exponent = r(scores - lse)
+    if score_error_of is not None:
+        _, additive = allowed_and_bias(params, inputs, None)
+        size = _score_terms(q, k, scale, additive) + np.abs(np.where(visible, lse, 0.0)) / 2
+        exponent = exponent + _rounding_error(np.broadcast_to(size, exponent.shape), score_error_of)
     empty = _empty_row_weight(empty_rows_convention(), scores.shape[-1])
-    return np.where(visible, np.where(allowed, r(np.exp(r(scores - lse))), 0.0), empty)
+    return np.where(visible, np.where(allowed, r(np.exp(exponent)), 0.0), empty)
 
 
 def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
-         flash: bool = False) -> dict:
+         flash: bool = False, score_error_of: str | None = None) -> dict:
     """The backward, rounding after every stage in ``dtype``. ``flash``: as FlashAttention-2 computes it (and
     torch's SDPA kernels and nn.MultiheadAttention's fused path do): the queries scaled first, the weights
     recomputed from the row's log-sum-exp, and the softmax backward's row term taken as ``rowsum(dO * O)`` instead
     of ``rowsum(dP * P)`` (equal in exact arithmetic, not after rounding)."""
     c = params.config
     r = lambda x: round_to(x, dtype)  # noqa: E731
-    q, k, v, p, concat, scale, _ = _forward_parts(params, inputs, None, dtype, scale_first=flash)
+    q, k, v, p, concat, scale, _ = _forward_parts(params, inputs, None, dtype, scale_first=flash,
+                                                  score_error_of=None if flash else score_error_of)
     g = r(cotangent)
     grads = {"W_o": r(np.einsum("btd,bte->de", concat, g))}
     d_o = _heads(r(g @ r(params.W_o).T), c.num_heads)
     d_p = r(d_o @ v.transpose(0, 1, 3, 2))
     if flash:
-        p = _flash_weights(params, inputs, q, k, scale, dtype)
+        p = _flash_weights(params, inputs, q, k, scale, dtype, score_error_of)
         row = r(r(d_o * _heads(concat, c.num_heads)).sum(axis=-1, keepdims=True))
     else:
         row = r((d_p * p).sum(axis=-1, keepdims=True))

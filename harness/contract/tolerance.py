@@ -5,7 +5,10 @@ A backend computing in ``dtype`` may differ from the float64 reference by at mos
     FACTOR * naive_error + FLOOR_ULPS * eps(dtype) * magnitude * sqrt(n)
 
 where ``naive_error`` is the max error that the naive algorithm *in the same dtype* makes
-against that reference, ``magnitude`` is max(1, max |reference|) and ``n`` the length of the
+against that reference (the largest of several estimates: the textbook algorithm, the fused kernels' with the
+queries scaled first or FlashAttention's backward, and the float64 one whose scores carry one float32 rounding each,
+``score_error_dtype``; ``mha_harness.conformance.casekit.naive_forwards`` and ``naive_gradients`` list them),
+``magnitude`` is max(1, max |reference|) and ``n`` the length of the
 longest reduction (the number of keys). For gradients ``magnitude`` is max(1, max |reference|,
 the largest root-sum-square of the terms each gradient sums; see ``reference_vjp_magnitudes``),
 so the floor covers the softmax backward's cancellation. The floor is the typical rounding error
@@ -96,3 +99,13 @@ def naive_dtype(dtype: str) -> str:
     """The dtype to run the naive algorithm in, to estimate a backend's honest error in ``dtype``."""
     dtype = bound_dtype(dtype)
     return "float32" if dtype == "float64" else dtype
+
+
+def score_error_dtype(dtype: str) -> str:
+    """The dtype whose rounding the scores and softmax statistics get in the tolerance's score-error estimate
+    (``score_error_of`` of the reference) for a backend in ``dtype``: float32, since kernels in half precision
+    still accumulate scores and keep the row maximum and log-sum-exp in float32 (their half-precision rounding of
+    inputs and weights is what the textbook estimate in that dtype makes); for float64, float32 scaled by the ratio
+    of the unit roundoffs, as every naive estimate of float64."""
+    bound_dtype(dtype)
+    return "float32"
