@@ -190,10 +190,10 @@ def repro(backend, case: str, *, backend_name: str | None = None, **params) -> N
 
 
 def _called_from_the_repro_line() -> bool:
-    """True when :func:`repro` was called by the top level of ``python -c '...'`` itself (the one-line repro), not
-    by other code running in a ``-c`` process (pytest-xdist's workers are ``python -c`` too)."""
+    """True when :func:`repro` or :func:`replay` was called by the top level of ``python -c '...'`` itself (the
+    one-line repro), not by other code running in a ``-c`` process (pytest-xdist's workers are ``python -c`` too)."""
     import sys
-    caller = sys._getframe(2)  # repro's caller
+    caller = sys._getframe(2)  # repro's or replay's caller
     return (sys.argv[:1] == ["-c"] and not sys.flags.interactive and caller.f_back is None
             and caller.f_code.co_filename == "<string>")
 
@@ -203,9 +203,12 @@ def replay(backend, example, *, name: str | None = None) -> float:
     failure; print what happened (the one-line repro that ``mha-harness search`` prints).
 
     ``backend``: a registered name, a ``module:object`` spec or an :class:`AttentionBackend`; ``name`` picks one
-    backend when the spec yields several. Returns the output's error against the float64 reference."""
+    backend when the spec yields several. Returns the output's error against the float64 reference. Prints
+    ``passed: ...`` or ``failed: <message>``; run as the one-line command (``python -c '...'``), a failure exits
+    with status 1 after that line, without a traceback (as :func:`repro`)."""
     import json
 
+    from mha_harness.conformance.casekit import CaseFailure
     from mha_harness.conformance.search_examples import check_example
     targets, unavailable = resolve_targets(backend)
     found = [t.name for t in targets]
@@ -220,7 +223,15 @@ def replay(backend, example, *, name: str | None = None) -> float:
     chosen = targets[0].backend
     shapes = {k: example[k] for k in ("batch", "tq", "tk", "heads", "kv_heads", "d_head")}
     print(f"{chosen.name}: {json.dumps(shapes)} dtype {example['dtype']}")
-    err = check_example(chosen, example)
+    try:
+        err = check_example(chosen, example)
+    except CaseFailure as failure:
+        print(f"failed: {failure}")
+        if _called_from_the_repro_line():  # its message is the whole story
+            import sys
+            sys.stdout.flush()
+            raise SystemExit(1) from None
+        raise
     print(f"passed: max output error {err:.3g}")
     return err
 

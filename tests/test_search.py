@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import mha_harness
@@ -57,11 +58,41 @@ def test_printed_repro_runs_when_pasted_into_bash(tmp_path):
     assert outcome.repro.startswith("python -c '")
     done = subprocess.run(["bash", "-c", outcome.repro.replace("python", sys.executable, 1)], cwd=tmp_path,
                           capture_output=True, text=True, env=ENV, timeout=120)
-    assert done.returncode != 0 and "CaseFailure: output: expected" in done.stderr, done.stderr[-800:]
+    # like check's repro: one "failed: ..." line naming the mistake, exit 1, no traceback
+    assert done.returncode == 1 and "failed: output: expected" in done.stdout, done.stdout[-800:] + done.stderr[-800:]
+    assert "the output matches scores scaled by no scaling (1)" in done.stdout, done.stdout[-800:]
+    assert "Traceback" not in done.stderr, done.stderr[-800:]
     fixed = repro_line("numpy-naive", None, outcome.example)
     done = subprocess.run(["bash", "-c", fixed.replace("python", sys.executable, 1)], cwd=tmp_path,
                           capture_output=True, text=True, env=ENV, timeout=120)
     assert done.returncode == 0 and "passed" in done.stdout, done.stderr[-800:]
+
+
+def test_a_search_failure_names_the_common_mistake_like_check(tmp_path):
+    """The shrunk example's message says which known mistake the output matches, as check's cases do."""
+    outcome = _search("mutant-scale-sqrt-d-model", tmp_path)
+    assert "the output matches scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)" in outcome.message, \
+        outcome.lines()
+
+
+def test_no_scale_diagnosis_where_every_common_scale_is_the_right_one():
+    """d_model = d_head = 1: 1/sqrt(d_model), none and 1/d_head are all 1/sqrt(d_head); nothing to name."""
+    from mha_harness.conformance.casekit import wrong_scale
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.contract.params import make_inputs, make_params
+    params = make_params(AttentionConfig(1, 1), seed=0)
+    inputs = make_inputs(params.config, 1, 2, 2, seed=0)
+    assert wrong_scale(np.zeros((1, 2, 1)), params, inputs, 1e-7) is None
+
+
+def test_replay_called_from_code_raises_the_failure():
+    from mha_harness.checking import replay
+    from mha_harness.conformance.casekit import CaseFailure
+    example = {"dtype": "float32", "form": "separate", "batch": 1, "tq": 1, "tk": 2, "heads": 1, "kv_heads": 1,
+               "d_head": 2, "bias": False, "causal": None, "padding": None, "attn_mask": None, "logit_scale": 1,
+               "cut": 1, "poison": "random", "gradients": False, "malformed": None, "seed": 0}
+    with pytest.raises(CaseFailure, match=r"scaled by no scaling \(1\)"):
+        replay("mha_harness.implementations.mutants:mutant_backends", example, name="mutant-no-scale")
 
 
 def test_same_seed_same_search(tmp_path):

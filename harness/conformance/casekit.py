@@ -399,15 +399,22 @@ def check_against_reference(backend: AttentionBackend, params: AttentionParams, 
     try:
         return assert_close(got, expected, tol, what, row_ids=rows)
     except CaseFailure as failure:
-        stray = "" if params.config.bias else zero_input_hint(backend, params, inputs, dtype)
-        offset = stray or constant_offset_hint(got, expected, params.config.bias)
-        # the scale diagnosis costs three reference calls: only when no bias diagnosis came first, on whole outputs
-        scale = "" if offset or rows is not None else scale_hint(np.asarray(got, np.float64), params, inputs,
-                                                                   tol.bound)
-        extra = (offset or scale) + (hint(got) if hint else "")
+        extra = common_mistake(backend, params, inputs, dtype, got, expected, tol, rows) + (hint(got) if hint else "")
         if not extra:
             raise
         raise CaseFailure(str(failure) + extra, failure.max_error, failure.observed) from None
+
+
+def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str,
+                   got: np.ndarray, expected: np.ndarray, tol: Tolerance, rows=None) -> str:
+    """The known mistake a failing output ``got`` matches, as a sentence to append to the failure ('' when none):
+    biases added by a bias-free layer (the layer called again with every input zero), an output off by one
+    constant vector, or a wrong score scale (whole outputs only, ``rows`` None)."""
+    stray = "" if params.config.bias else zero_input_hint(backend, params, inputs, dtype)
+    offset = stray or constant_offset_hint(got, expected, params.config.bias)
+    # the scale diagnosis costs three reference calls: only when no bias diagnosis came first, on whole outputs
+    scale = "" if offset or rows is not None else scale_hint(np.asarray(got, np.float64), params, inputs, tol.bound)
+    return offset or scale
 
 
 def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
@@ -428,6 +435,8 @@ def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     for label, f in candidates.items():
         if not np.isclose(f, 1.0, rtol=1e-12):
             same.setdefault(round(f, 12), []).append(label)
+    if not same:  # d_model = d_head = 1: every common wrong scale is the right one
+        return None
     errors = {" = ".join(labels): float(np.max(np.abs(got - reference_attention(_with_score_scale(params, f),
                                                                                   inputs).output)))
               for f, labels in same.items()}

@@ -32,6 +32,7 @@ from mha_harness.conformance.casekit import (
     assert_gradients_match_reference,
     bad_call_problem,
     bad_calls,
+    common_mistake,
     parameter_count_problem,
     run,
     tolerance_for,
@@ -204,7 +205,14 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
     expected, tol = tolerance_for(params, inputs, dtype)
     worst = 0.0
     if dtype in coverage.output_dtypes:
-        worst = assert_close(_ignoring(got, expected, empty), expected, tol, "output")
+        compared = _ignoring(got, expected, empty)
+        try:
+            worst = assert_close(compared, expected, tol, "output")
+        except CaseFailure as failure:  # named like check's: the known mistake the output matches
+            extra = common_mistake(backend, params, inputs, dtype, compared, expected, tol)
+            if not extra:
+                raise
+            raise CaseFailure(str(failure) + extra, failure.max_error, failure.observed) from None
     _check_leakage(backend, params, inputs, example, loaded, allowed, empty, got, tol)
     if example.get("gradients") and backend.capabilities.gradients and dtype in coverage.gradient_dtypes \
             and (empty is None or not empty.any()):
