@@ -547,6 +547,16 @@ def test_an_output_off_by_one_constant_vector_is_diagnosed_as_a_stray_bias():
         assert "the same at every position" not in other and "every input zero" not in other
 
 
+def test_no_constant_offset_diagnosis_where_every_position_has_the_same_right_output():
+    """Two positions that see the same single key have the same right output, so a wrong weight on it makes the
+    same error at both: that is no sign of a bias (the search's shrunk padded-keys example was misdiagnosed so)."""
+    from mha_harness.conformance.casekit import constant_offset_hint
+    expected = np.tile(np.array([0.3, -0.2, 0.1]), (1, 2, 1))
+    assert constant_offset_hint(expected * 0.5, expected, bias=False) == ""
+    varied = expected + np.array([[[0.0], [1.0]]])
+    assert "the same at every position" in constant_offset_hint(varied + 0.25, varied, bias=False)
+
+
 def test_a_tolerance_failure_says_how_many_times_the_bound_the_error_is():
     """A reference mismatch states error / bound, so a marginal miss (1.1 x) is told from a wrong formula (1000 x)."""
     from mha_harness.conformance.casekit import CaseFailure, assert_close
