@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 
-from mha_harness.bench.threads import DEFAULT_THREADS, thread_env
+from mha_harness.bench.threads import DEFAULT_THREADS, pin_cpus, thread_env
 
 THREADS = int(os.environ.get("MHA_ASV_THREADS", DEFAULT_THREADS))
-os.environ.update(thread_env(THREADS))  # before any backend imports its framework (XLA reads its flags at import)
+os.environ.update(thread_env(THREADS))  # before any backend imports its framework (BLAS reads these at load)
+pin_cpus(THREADS)  # this benchmark process runs on THREADS CPUs (where there are more): XLA sizes its pools so
 
 CPU_SEQ_LENS = (128, 256, 512, 1024, 2048, 4096, 8192)
 GPU_SEQ_LENS = (16384, 32768, 65536)

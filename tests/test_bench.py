@@ -447,3 +447,24 @@ def test_every_backend_of_a_twelve_backend_sweep_gets_its_own_colour_and_marker(
     styles = _backend_styles(points)
     assert len(styles) == 12
     assert len({c for c, _ in styles.values()}) == 12 and len({m for _, m in styles.values()}) == 10
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and at least 2 CPUs")
+def test_a_worker_with_fewer_threads_than_cpus_is_pinned_to_that_many():
+    """XLA's CPU runtime sizes its pools from the affinity mask, not from XLA_FLAGS: a worker for --threads 1 runs
+    on one CPU (every pool it starts inherits that), and its report says which."""
+    from mha_harness.bench.worker import BackendWorker
+    worker = BackendWorker(NumpyNaive(), 1)
+    try:
+        status, info = worker.request(("info",), timeout=120)
+    finally:
+        worker.close()
+    assert status == "ok" and len(info["threads"]["cpus"]) == 1, info
+
+
+def test_pin_cpus_keeps_all_when_threads_cover_them():
+    from mha_harness.bench.threads import pin_cpus
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    assert pin_cpus(len(os.sched_getaffinity(0))) is None

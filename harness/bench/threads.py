@@ -1,7 +1,8 @@
 """Same threads for every backend: one count applied to BLAS, OpenMP/torch and XLA, and reported.
 
-:func:`thread_env` is the environment a benchmark worker starts with (read by OpenBLAS, MKL and OpenMP at
-load time, and by XLA before jax is imported); :func:`apply_threads` then pins what can only be set at run
+:func:`pin_cpus` restricts a benchmark worker to that many CPUs (what XLA's CPU runtime sizes its pools from),
+:func:`thread_env` is the environment it starts with (read by OpenBLAS, MKL and OpenMP at
+load time); :func:`apply_threads` then pins what can only be set at run
 time (threadpoolctl's limit on every BLAS/OpenMP pool, torch.set_num_threads); :func:`thread_report` records
 what threadpoolctl sees: each library, its version, thread count and kernel (OpenBLAS's ``architecture``,
 which OPENBLAS_CORETYPE can force to an older one), so figures from different boxes compare honestly.
@@ -28,6 +29,24 @@ def thread_env(threads: int) -> dict[str, str]:
     return env
 
 
+def pin_cpus(threads: int) -> list[int] | None:
+    """Restrict this process's thread and every thread it starts from now on to ``threads`` of the CPUs it may run
+    on (the lowest-numbered), where it may run on more: the one limit XLA's CPU runtime obeys, since it sizes its
+    thread pools from the affinity mask (``XLA_FLAGS``' ``intra_op_parallelism_threads`` and
+    ``--xla_cpu_multi_thread_eigen`` change nothing in jax 0.10: a 1536² matmul used 2 CPU-seconds per second with
+    them on this 2-core box, 1 when pinned to one CPU). The other libraries get the same count from
+    :func:`thread_env` and :func:`apply_threads`. Returns the CPUs kept, None where nothing was restricted
+    (``threads`` at least the CPUs allowed, or no ``sched_setaffinity`` on this platform)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if threads >= len(allowed):
+        return None
+    keep = allowed[:max(1, threads)]
+    os.sched_setaffinity(0, keep)
+    return keep
+
+
 def apply_threads(threads: int) -> None:
     """Pin the run-time thread counts of every loaded pool (BLAS, OpenMP) and of torch, if loaded."""
     try:
@@ -50,6 +69,8 @@ def thread_report(threads: int) -> dict:
     except ImportError:
         pools = "threadpoolctl is not installed"
     report = {"threads": threads, "env": thread_env(threads), "pools": pools}
+    if hasattr(os, "sched_getaffinity"):
+        report["cpus"] = sorted(os.sched_getaffinity(0))  # what XLA sizes its pools from (pin_cpus)
     if "torch" in sys.modules:
         report["torch_num_threads"] = sys.modules["torch"].get_num_threads()
     if os.environ.get("OPENBLAS_CORETYPE"):

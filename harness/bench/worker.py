@@ -50,7 +50,8 @@ def _worker_main(conn, payload: bytes, threads: int) -> None:
     except OSError:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a worker stops
-    from mha_harness.bench.threads import apply_threads
+    from mha_harness.bench.threads import apply_threads, pin_cpus
+    pin_cpus(threads)  # before the plugin is unpickled: every pool it starts (XLA's too) sees ``threads`` CPUs
     server = _Server(pickle.loads(payload), threads)
     apply_threads(threads)
     conn.send(("ready", os.getpid()))  # the start (spawn, imports, the plugin's unpickling) is not charged to a request
