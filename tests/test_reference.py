@@ -163,3 +163,43 @@ def test_the_reference_is_computed_once_per_content_and_every_caller_gets_its_ow
     cot = np.ones((2, 5, 16))
     g1, g2 = reference_vjp(params, inputs, cot), reference_vjp(params, inputs, cot)
     assert g1.keys() == g2.keys() and all(np.array_equal(g1[k], g2[k]) and g1[k] is not g2[k] for k in g1)
+
+
+def test_hashed_once_reuses_one_digest_for_the_same_objects_and_only_for_them():
+    """Inside ``hashed_once(params, inputs)`` the memo keys of those objects come from one digest (the same
+    results as without it); other objects, even equal ones, are hashed as before; after the block a change of an
+    array is seen again."""
+    from mha_harness.contract import reference as ref
+    config = AttentionConfig(16, 2)
+    params = make_params(config, seed=3)
+    inputs = make_inputs(config, 2, 5, seed=4)
+    ref.clear_reference_cache()
+    outside = reference_attention(params, inputs).output
+    calls = []
+    real = ref._call_digest
+    ref._call_digest = lambda p, i: calls.append((p, i)) or real(p, i)
+    try:
+        with ref.hashed_once(params, inputs):
+            inside = reference_attention(params, inputs).output
+            reference_attention(params, inputs, dtype="float32")
+            reference_vjp(params, inputs, np.ones((2, 5, 16)))
+            assert len(calls) == 1  # the block's own digest
+            other = make_inputs(config, 2, 5, seed=5)
+            reference_attention(params, other)
+            assert len(calls) == 2 and calls[1][1] is other
+    finally:
+        ref._call_digest = real
+    np.testing.assert_array_equal(inside, outside)
+    moved = inputs.query.copy()
+    moved[0, 0, 0] += 1.0
+    assert not np.array_equal(reference_attention(params, inputs.replace(query=moved)).output, outside)
+
+
+def test_a_self_attention_call_and_its_separate_copy_have_the_same_reference():
+    """One x (query is key is value) is hashed once; the result equals that of three equal separate arrays."""
+    config = AttentionConfig(16, 2)
+    params = make_params(config, seed=3)
+    x = make_inputs(config, 2, 5, seed=4, self_attention=True)
+    assert x.query is x.key
+    separate = x.replace(key=x.query.copy(), value=x.query.copy())
+    np.testing.assert_array_equal(reference_attention(params, x).output, reference_attention(params, separate).output)

@@ -29,7 +29,12 @@ from mha_harness.contract.api import (
     supported,
 )
 from mha_harness.contract.conventions import EPS
-from mha_harness.contract.reference import reference_attention, reference_vjp, reference_vjp_magnitudes
+from mha_harness.contract.reference import (
+    hashed_once,
+    reference_attention,
+    reference_vjp,
+    reference_vjp_magnitudes,
+)
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.tolerance import Tolerance, farthest, naive_dtype, score_error_dtype, tolerance_from
 
@@ -318,18 +323,20 @@ def naive_forwards(params: AttentionParams, inputs: AttentionInputs, dtype: str,
     way each score happens to round decides one algorithm's error: it can be several times below another correct
     kernel's)."""
     low = naive_dtype(dtype)
-    return [reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low, scale_first=False),
-            reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low, scale_first=True),
-            reference_attention(params, inputs, rows=rows, need_weights=need_weights,
-                                score_error_of=score_error_dtype(dtype))]
+    with hashed_once(params, inputs):
+        return [reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low),
+                reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low, scale_first=True),
+                reference_attention(params, inputs, rows=rows, need_weights=need_weights,
+                                    score_error_of=score_error_dtype(dtype))]
 
 
 def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str,
                   rows=None) -> tuple[np.ndarray, Tolerance]:
     """The float64 reference output and the tolerance for a backend in ``dtype``, from the largest error of the
     estimates of :func:`naive_forwards`."""
-    expected = reference_attention(params, inputs, rows=rows).output
-    naive = farthest((n.output for n in naive_forwards(params, inputs, dtype, rows)), expected)
+    with hashed_once(params, inputs):
+        expected = reference_attention(params, inputs, rows=rows).output
+        naive = farthest((n.output for n in naive_forwards(params, inputs, dtype, rows)), expected)
     return expected, tolerance_from(expected, naive, dtype, length=inputs.tk)
 
 
@@ -595,10 +602,12 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
     against the reference under the tolerance rule: the exact gradients, the two valid same-dtype backwards
     (:func:`naive_gradients`), the floor's terms (:func:`input_gradient_terms`) and its ``n``
     (:func:`gradient_reduction_length`); returns the worst error, raises CaseFailure naming the gradient."""
-    exact = input_gradients(reference_vjp(params, inputs, cotangent), form)
-    terms = input_gradient_terms(reference_vjp_magnitudes(params, inputs, cotangent), form)
-    return assert_gradients_close(got, exact, naive_gradients(params, inputs, cotangent, dtype, form), dtype,
-                                  length=gradient_reduction_length(params, inputs), terms=terms)
+    with hashed_once(params, inputs):
+        exact = input_gradients(reference_vjp(params, inputs, cotangent), form)
+        terms = input_gradient_terms(reference_vjp_magnitudes(params, inputs, cotangent), form)
+        naive = naive_gradients(params, inputs, cotangent, dtype, form)
+    return assert_gradients_close(got, exact, naive, dtype, length=gradient_reduction_length(params, inputs),
+                                  terms=terms)
 
 
 def naive_gradients(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
@@ -610,10 +619,11 @@ def naive_gradients(params: AttentionParams, inputs: AttentionInputs, cotangent:
     one's normalised, FlashAttention's ``exp(s - lse)`` not: at large logits the largest error, see
     :func:`naive_forwards` and ``reference_vjp(..., score_error_of=)``)."""
     low = naive_dtype(dtype)
-    return [input_gradients(reference_vjp(params, inputs, cotangent, dtype=low, flash=flash), form)
-            for flash in (False, True)] + \
-        [input_gradients(reference_vjp(params, inputs, cotangent, flash=flash, score_error_of=score_error_dtype(dtype)),
-                         form) for flash in (False, True)]
+    with hashed_once(params, inputs):
+        return [input_gradients(reference_vjp(params, inputs, cotangent, dtype=low, flash=flash), form)
+                for flash in (False, True)] + \
+            [input_gradients(reference_vjp(params, inputs, cotangent, flash=flash,
+                                           score_error_of=score_error_dtype(dtype)), form) for flash in (False, True)]
 
 
 def input_gradient_terms(terms: dict, form: str) -> dict:
