@@ -79,11 +79,11 @@ def _bound_growth(dtype, kv_heads, bias, tq, tk, causal) -> dict[str, float]:
 
 
 def test_bound_growth_on_ordinary_gradients_is_at_most_about_3x():
-    """On the gradient case's inputs every bound grows by at most 2.8x (half precision: 2x), b_k's (whose exact
-    gradient is 0 by the softmax's shift invariance, so its floor was eps-sized) by at most 5.2x (3.2x); ``-s``
-    prints the table. Up to 2x came with the floor's terms and FlashAttention's backward, the rest in float32 and
-    float64 with the score-error estimate of FlashAttention's recomputed weights (later the same day),
-    which no normalisation evens out."""
+    """On the gradient case's inputs every bound grows by at most 3.4x (half precision: 2x), b_k's (whose exact
+    gradient is 0 by the softmax's shift invariance, so its floor was eps-sized) by at most 4.5x (3.2x); ``-s``
+    prints the table. Up to 1.85x came with the floor's terms and FlashAttention's backward, the rest in float32
+    and float64 with the score-error estimate of FlashAttention's recomputed weights (later the same day: 3.21x,
+    b_k 4.26x), which no normalisation evens out."""
     for variant in GROWTH_VARIANTS:
         growth = _bound_growth(*variant)
         others = {n: g for n, g in growth.items() if n != "b_k"}
@@ -91,13 +91,15 @@ def test_bound_growth_on_ordinary_gradients_is_at_most_about_3x():
         print(f"{variant}: max {others[worst]:.2f}x ({worst}), median {np.median(list(others.values())):.2f}x"
               + (f", b_k {growth['b_k']:.2f}x" if "b_k" in growth else ""))
         half = variant[0] in ("bfloat16", "float16")
-        assert max(others.values()) <= (2.0 if half else 2.8), (variant, growth)
-        assert growth.get("b_k", 1.0) <= (3.2 if half else 5.2), (variant, growth)
+        assert max(others.values()) <= (2.0 if half else 3.4), (variant, growth)
+        assert growth.get("b_k", 1.0) <= (3.2 if half else 4.5), (variant, growth)
 
 
-def test_output_bounds_over_the_grid_grow_by_at_most_5_percent():
-    """The score-error estimate leaves the output bounds of ordinary inputs as they were: over every GRID row and
-    dtype the bound with it is at most 1.05 x the bound from the two rounding algorithms alone (1.03 x measured)."""
+def test_output_bounds_over_the_grid_grow_by_at_most_60_percent():
+    """The score-error estimate leaves most output bounds of ordinary inputs as they were: over every GRID row (T
+    capped at 129 to keep the test short; the T = 1000 rows measured alike) and dtype the bound with it is at most
+    1.6 x the bound from the two rounding algorithms alone (median 1.00 x, the most 1.54 x: more_keys in float32
+    and float64)."""
     from mha_harness.cases.agreement import GRID
     from mha_harness.conformance.casekit import naive_forwards
     from mha_harness.contract.params import make_inputs
@@ -111,7 +113,7 @@ def test_output_bounds_over_the_grid_grow_by_at_most_5_percent():
             estimates = [e.output for e in naive_forwards(params, inputs, dtype)]
             old = tolerance_from(ref, farthest(estimates[:2], ref), dtype, length=inputs.tk).bound
             new = tolerance_from(ref, farthest(estimates, ref), dtype, length=inputs.tk).bound
-            assert new <= 1.05 * old, (dtype, batch, heads, d_head, tq, tk, new / old)
+            assert new <= 1.6 * old, (dtype, batch, heads, d_head, tq, tk, new / old)
 
 
 def test_a_wrong_gradient_on_the_cancelling_example_still_fails():
@@ -285,6 +287,44 @@ def test_a_wrong_output_at_large_logits_still_fails():
     params, inputs = build(LARGE_LOGITS[-1][0])
     expected, tol = tolerance_for(params, inputs, "float32")
     assert tol.bound < 1e-4 * np.abs(expected).max()
+    from mha_harness.conformance.casekit import _with_score_scale
+    d_model_scale = reference_attention(_with_score_scale(params, np.sqrt(1 / params.config.num_heads)), inputs)
+    with pytest.raises(CaseFailure):
+        assert_close(d_model_scale.output, expected, tol, "output")
+
+
+@pytest.mark.parametrize("scale", [100, 1000])
+def test_a_gradient_one_percent_wrong_at_large_logits_still_fails(scale):
+    """The score-error estimate's gradient bounds stay far below a real mistake: W_v and value 1% off fail."""
+    params, inputs = build(LARGE_LOGITS[0][0] | {"logit_scale": scale})
+    cotangent = np.random.default_rng(0).standard_normal((1, 4, 2))
+    exact = reference_vjp(params, inputs, cotangent)
+    terms = input_gradient_terms(reference_vjp_magnitudes(params, inputs, cotangent), "separate")
+    naive = naive_gradients(params, inputs, cotangent, "float32", "separate")
+    for name in ("W_v", "value"):
+        wrong = dict(exact)
+        wrong[name] = exact[name] * 1.01
+        with pytest.raises(CaseFailure, match=f"gradient of {name}"):
+            assert_gradients_close(wrong, exact, naive, "float32", length=gradient_reduction_length(params, inputs),
+                                   terms=terms)
+
+
+def test_a_huge_finite_mask_value_does_not_make_the_bound_vacuous():
+    """A row whose every key carries float32's most negative value (a common way to mask) has uniform weights in
+    any precision: the score-error estimate rounds the mask as a float32 kernel does, so the bound stays small and
+    a zero output fails."""
+    from mha_harness.conformance.casekit import assert_close, tolerance_for
+    from mha_harness.contract.params import make_inputs
+    config = AttentionConfig(32, 4)
+    params = make_params(config, seed=1)
+    mask = np.zeros((16, 16))
+    mask[3, :] = np.finfo(np.float32).min
+    mask[5, 8:] = np.finfo(np.float32).min
+    inputs = make_inputs(config, 2, 16, seed=2, attn_mask=mask)
+    expected, tol = tolerance_for(params, inputs, "float32")
+    assert tol.bound < 1e-4 * np.abs(expected).max(), tol.describe()
+    with pytest.raises(CaseFailure):
+        assert_close(np.zeros_like(expected), expected, tol, "output")
 
 
 def test_score_error_of_names_the_accepted_dtypes():

@@ -36,14 +36,18 @@ def pin_cpus(threads: int) -> list[int] | None:
     ``--xla_cpu_multi_thread_eigen`` change nothing in jax 0.10: a 1536² matmul used 2 CPU-seconds per second with
     them on this 2-core box, 1 when pinned to one CPU). The other libraries get the same count from
     :func:`thread_env` and :func:`apply_threads`. Returns the CPUs kept, None where nothing was restricted
-    (``threads`` at least the CPUs allowed, or no ``sched_setaffinity`` on this platform)."""
+    (``threads`` at least the CPUs allowed, no ``sched_setaffinity`` on this platform, or not permitted). Threads
+    that already run keep their CPUs (e.g. a BLAS pool started at import; threadpoolctl limits those)."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    allowed = sorted(os.sched_getaffinity(0))
-    if threads >= len(allowed):
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+        if threads >= len(allowed):
+            return None
+        keep = allowed[:max(1, threads)]
+        os.sched_setaffinity(0, keep)
+    except OSError:  # a container may forbid it: the other limits still hold
         return None
-    keep = allowed[:max(1, threads)]
-    os.sched_setaffinity(0, keep)
     return keep
 
 

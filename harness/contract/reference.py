@@ -106,24 +106,38 @@ def _masked_softmax(scores, allowed, empty_rows: str = "zeros"):
     return np.where(any_allowed, e / np.where(total == 0, 1, total), empty)
 
 
-#: the seed of the signs of :func:`_score_error` (fixed: a tolerance is a function of the case's inputs alone)
+#: the key of the signs of :func:`_signs` (fixed: a tolerance is a function of the case's inputs alone)
 SCORE_ERROR_SEED = 20261202
+_MIX = tuple(np.uint64(m) for m in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93))
 
 
-def _score_terms(q, k, scale: float, additive) -> np.ndarray:
-    """The size of the terms each score sums, ``scale * sum_d |q_d k_d| + |additive|``: a score's rounding error in
-    any dtype grows with it (not with the possibly cancelled score)."""
+def _score_terms(q, k, scale: float) -> np.ndarray:
+    """The size of the terms each score's dot product sums, ``scale * sum_d |q_d k_d|``: its rounding error in any
+    dtype grows with it (not with the possibly cancelled score)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        size = np.abs(q) @ np.abs(k).transpose(0, 1, 3, 2) * scale
-        return size if additive is None else size + np.abs(additive)
+        return np.abs(q) @ np.abs(k).transpose(0, 1, 3, 2) * scale
 
 
-def _rounding_error(size: np.ndarray, of: str) -> np.ndarray:
-    """``eps(of) * size`` with a seeded random sign per entry (:data:`SCORE_ERROR_SEED`): one rounding error of
-    each entry; non-finite sizes give 0."""
-    sign = np.random.default_rng(SCORE_ERROR_SEED).choice((-1.0, 1.0), size=size.shape)
+def _signs(shape, rows) -> np.ndarray:
+    """A pseudo-random sign per (batch, head, query position, key), a hash (splitmix64's finaliser) of those indices
+    and :data:`SCORE_ERROR_SEED`: an entry's sign does not depend on which query ``rows`` are computed."""
+    b, h, r, t = shape
+    query = np.arange(r) if rows is None else np.asarray(rows)
+    z = (np.arange(b, dtype=np.uint64)[:, None, None, None] * _MIX[0]
+         ^ np.arange(h, dtype=np.uint64)[None, :, None, None] * _MIX[1]
+         ^ query.astype(np.uint64)[None, None, :, None] * _MIX[2]
+         ^ np.arange(t, dtype=np.uint64)[None, None, None, :] * _MIX[3] ^ np.uint64(SCORE_ERROR_SEED))
+    z = (z ^ (z >> np.uint64(30))) * _MIX[1]
+    z = (z ^ (z >> np.uint64(27))) * _MIX[2]
+    z = z ^ (z >> np.uint64(31))
+    return np.where(z >> np.uint64(63), -1.0, 1.0)
+
+
+def _rounding_error(size: np.ndarray, of: str, rows) -> np.ndarray:
+    """``size`` times the unit roundoff of ``of`` (eps / 2: one rounding at its largest), with a pseudo-random sign
+    per entry (:func:`_signs`); non-finite sizes give 0."""
     with np.errstate(invalid="ignore"):
-        error = EPS[of] * size * sign
+        error = EPS[of] / 2 * size * _signs(size.shape, rows)
     return np.where(np.isfinite(error), error, 0.0)
 
 
@@ -131,10 +145,11 @@ def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale:
             score_error_of: str | None = None):
     """The scaled scores with the float attn_mask added, rounding in ``dtype``, and the allowed mask. ``scale_first``:
     the queries times the scale rounded to ``dtype``, then the product (as fused kernels do); else the product
-    scaled. ``score_error_of``: each score then carries one rounding error of that dtype at the size of its terms
-    (:func:`_score_terms`; the softmax turns an absolute score error e into a relative weight error of about e, so
-    at large logits, scores of 100s, it is the largest error a correct kernel makes, and which way each score
-    happens to round decides how large its output's error is)."""
+    scaled. ``score_error_of``: each score then carries an error of that dtype at the size of its dot product's
+    terms (:func:`_score_terms`, :func:`_rounding_error`; the softmax turns an absolute score error e into a relative
+    weight error of about e, so at large logits, scores of 100s, it is the largest error a correct kernel makes,
+    and which way each score happens to round decides how large its output's error is); a float mask is added as a
+    kernel in that dtype adds it, rounded exactly (a huge finite mask value absorbs the score, here as there)."""
     if scale_first:
         scores = round_to(round_to(q * round_to(np.float64(scale), dtype), dtype) @ k.transpose(0, 1, 3, 2), dtype)
     else:
@@ -143,8 +158,12 @@ def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale:
     if additive is not None:
         scores = round_to(scores + additive, dtype)
     if score_error_of is not None:
-        scores = scores + _rounding_error(np.broadcast_to(_score_terms(q, k, scale, additive), scores.shape),
-                                          score_error_of)
+        if additive is not None:
+            with np.errstate(over="ignore"):
+                scores = round_to(scores, score_error_of).astype(np.float64)
+        # two roundings at the size of the dot product's terms: its sum rounds more than once
+        size = np.broadcast_to(2 * _score_terms(q, k, scale), scores.shape)
+        scores = scores + _rounding_error(size, score_error_of, rows)
     return scores, allowed
 
 
@@ -443,9 +462,16 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
     lse = r(np.where(visible, row_max, 0.0) + np.log(np.where(total > 0, total, 1.0)))
     exponent = r(scores - lse)
     if score_error_of is not None:
+        # per entry: the score's (two roundings of its dot product's terms, one of s + mask) and one rounding of
+        # s - lse at the size of its operands; per row: the stored lse's own rounding, which every weight of the
+        # row shares (the row's weights then no longer sum to 1)
         _, additive = allowed_and_bias(params, inputs, None)
-        size = _score_terms(q, k, scale, additive) + np.abs(np.where(visible, lse, 0.0)) / 2
-        exponent = exponent + _rounding_error(np.broadcast_to(size, exponent.shape), score_error_of)
+        row = np.abs(np.where(visible, lse, 0.0))
+        size = 2 * _score_terms(q, k, scale) + row
+        if additive is not None:
+            size = size + np.abs(additive)
+        exponent = exponent + _rounding_error(np.broadcast_to(size, exponent.shape), score_error_of, None) \
+            + _rounding_error(row, score_error_of, None)
     empty = _empty_row_weight(empty_rows_convention(), scores.shape[-1])
     return np.where(visible, np.where(allowed, r(np.exp(exponent)), 0.0), empty)
 
