@@ -140,15 +140,23 @@ def test_the_floor_never_drops_below_the_one_from_the_reference():
         assert new.bound == old.bound
 
 
+def _builtin(spec: str, name: str, needs: str):
+    """The built-in backend ``name`` that ``mha_harness.implementations.<spec>`` (``module`` or ``module:object``,
+    default object ``backends``) produces; the test skips where ``needs`` is not installed."""
+    if importlib.util.find_spec(needs) is None:
+        pytest.skip(f"{needs} is not installed")
+    from mha_harness.registry import backends_from_spec
+    module, _, obj = spec.partition(":")
+    return next(b for b in backends_from_spec(f"mha_harness.implementations.{module}:{obj or 'backends'}")
+                if b.name == name)
+
+
 @pytest.mark.parametrize("module, name, needs", [
     ("torch_eager", "torch-eager", "torch"), ("torch_nn_mha", "torch-nn-mha", "torch"),
     ("jax_explicit", "jax-explicit", "jax"), ("flax_mha", "flax-mha", "flax")])
 def test_correct_backends_pass_the_cancelling_example(module, name, needs):
-    if importlib.util.find_spec(needs) is None:
-        pytest.skip(f"{needs} is not installed")
-    from importlib import import_module
-    backend = next(b for b in import_module(f"mha_harness.implementations.{module}").backends() if b.name == name)
-    check_example(backend, CANCELLING)  # raised CaseFailure "gradient of key ... (1.06-2.06 x the bound)" before
+    # raised CaseFailure "gradient of key ... (1.06-2.06 x the bound)" before
+    check_example(_builtin(module, name, needs), CANCELLING)
 
 
 FLASH_RECOMPUTE = {"dtype": "float32", "form": "self", "batch": 1, "tq": 9, "tk": 9, "heads": 1, "kv_heads": 1,
@@ -185,11 +193,7 @@ def test_the_scaled_queries_estimate_is_larger_at_large_logits():
     (FLASH_RECOMPUTE, "torch_sdpa", "torch-sdpa-flash-cpu"), (ONE_KEY, "torch_nn_mha", "torch-nn-mha"),
     (SCALED_QUERIES, "torch_sdpa", "torch-sdpa-math-cpu")])
 def test_correct_torch_kernels_pass_what_the_search_flagged(example, module, name):
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("torch is not installed")
-    from importlib import import_module
-    backend = next(b for b in import_module(f"mha_harness.implementations.{module}").backends() if b.name == name)
-    check_example(backend, example)
+    check_example(_builtin(module, name, "torch"), example)
 
 
 def _example(dtype="float32", form="separate", tq=4, tk=15, d_head=2, heads=1, kv_heads=1, bias=False,
@@ -226,12 +230,7 @@ LARGE_LOGITS = [
                          ids=[f"{n}-{b.split(',')[0].replace(' ', '-')}-{e['logit_scale']}x"
                               for e, _, n, b in LARGE_LOGITS])
 def test_correct_kernels_pass_at_large_logits(example, module, name, before):
-    needs = "onnxruntime" if module == "ort_attention" else "torch"
-    if importlib.util.find_spec(needs) is None:
-        pytest.skip(f"{needs} is not installed")
-    from importlib import import_module
-    backend = next(b for b in import_module(f"mha_harness.implementations.{module}").backends() if b.name == name)
-    check_example(backend, example)
+    check_example(_builtin(module, name, "onnxruntime" if module == "ort_attention" else "torch"), example)
 
 
 def _logits_x1000_examples(count: int = 40) -> list[dict]:
@@ -255,10 +254,7 @@ def _logits_x1000_examples(count: int = 40) -> list[dict]:
 def test_correct_kernels_pass_at_logits_x1000(spec, name):
     """Before the score-error estimate 11 of these 200 checks failed (torch-sdpa-flash-cpu's gradient of W_v up to
     146 x the bound, the outputs of three torch kernels up to 1.17 x); the numpy kernels passed."""
-    if spec.startswith("torch") and importlib.util.find_spec("torch") is None:
-        pytest.skip("torch is not installed")
-    from mha_harness.registry import backends_from_spec
-    backend = next(b for b in backends_from_spec(f"mha_harness.implementations.{spec}") if b.name == name)
+    backend = _builtin(spec, name, "torch" if spec.startswith("torch") else "numpy")
     for example in _logits_x1000_examples():
         check_example(backend, example)
 

@@ -318,10 +318,10 @@ def naive_forwards(params: AttentionParams, inputs: AttentionInputs, dtype: str,
     """The same-dtype results whose largest error against the float64 reference sets the tolerance of a backend in
     ``dtype``: two valid algorithms rounding in :func:`naive_dtype`, the textbook one (the product of queries and
     keys scaled) and the fused kernels' (the queries scaled first, by the scale rounded to the dtype), and the
-    float64 one whose scores each carry one rounding error of :func:`score_error_dtype` at the size of their terms,
-    with a seeded random sign (at large logits the softmax makes the scores' rounding the largest error, and which
-    way each score happens to round decides one algorithm's error: it can be several times below another correct
-    kernel's)."""
+    float64 one whose scores each carry the rounding of :func:`score_error_dtype` at the size of their terms, with
+    a pseudo-random sign (``reference_attention(..., score_error_of=)``; at large logits the softmax makes the
+    scores' rounding the largest error, and which way each score happens to round decides one algorithm's error: it
+    can be several times below another correct kernel's)."""
     low = naive_dtype(dtype)
     with hashed_once(params, inputs):
         return [reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low),
@@ -403,6 +403,14 @@ def check_against_reference(backend: AttentionBackend, params: AttentionParams, 
     if rows is not None:
         got = got[:, rows]
     expected, tol = tolerance_for(params, inputs, dtype, rows=rows)
+    return assert_output_close(backend, params, inputs, dtype, got, expected, tol, what, rows, hint)
+
+
+def assert_output_close(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str,
+                        got: np.ndarray, expected: np.ndarray, tol: Tolerance, what: str = "output", rows=None,
+                        hint: Callable[[np.ndarray], str] | None = None) -> float:
+    """:func:`assert_close` for a backend's output, whose failure also names the known mistake the output matches
+    (:func:`common_mistake`, then ``hint(got)``); returns the worst error."""
     try:
         return assert_close(got, expected, tol, what, row_ids=rows)
     except CaseFailure as failure:
@@ -615,7 +623,7 @@ def naive_gradients(params: AttentionParams, inputs: AttentionInputs, cotangent:
     """The same-dtype backwards whose errors bound a backend's in ``dtype`` (for :func:`assert_gradients_close`),
     in ``form``: the textbook one and FlashAttention-2's (weights recomputed from the log-sum-exp, the softmax row
     term from the output: torch's SDPA kernels compute it so), rounding in :func:`naive_dtype`, and each of the two
-    in float64 with the weights carrying one rounding of the scores in :func:`score_error_dtype` (the textbook
+    in float64 with the weights carrying the rounding of the scores in :func:`score_error_dtype` (the textbook
     one's normalised, FlashAttention's ``exp(s - lse)`` not: at large logits the largest error, see
     :func:`naive_forwards` and ``reference_vjp(..., score_error_of=)``)."""
     low = naive_dtype(dtype)

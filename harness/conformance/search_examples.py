@@ -30,9 +30,9 @@ from mha_harness.conformance.casekit import (
     CaseFailure,
     assert_close,
     assert_gradients_match_reference,
+    assert_output_close,
     bad_call_problem,
     bad_calls,
-    common_mistake,
     parameter_count_problem,
     run,
     tolerance_for,
@@ -205,14 +205,8 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
     expected, tol = tolerance_for(params, inputs, dtype)
     worst = 0.0
     if dtype in coverage.output_dtypes:
-        compared = _ignoring(got, expected, empty)
-        try:
-            worst = assert_close(compared, expected, tol, "output")
-        except CaseFailure as failure:  # named like check's: the known mistake the output matches
-            extra = common_mistake(backend, params, inputs, dtype, compared, expected, tol)
-            if not extra:
-                raise
-            raise CaseFailure(str(failure) + extra, failure.max_error, failure.observed) from None
+        # named like check's failures: the known mistake the output matches
+        worst = assert_output_close(backend, params, inputs, dtype, _ignoring(got, expected, empty), expected, tol)
     _check_leakage(backend, params, inputs, example, loaded, allowed, empty, got, tol)
     if example.get("gradients") and backend.capabilities.gradients and dtype in coverage.gradient_dtypes \
             and (empty is None or not empty.any()):

@@ -106,7 +106,7 @@ def _masked_softmax(scores, allowed, empty_rows: str = "zeros"):
     return np.where(any_allowed, e / np.where(total == 0, 1, total), empty)
 
 
-#: the key of the signs of :func:`_signs` (fixed: a tolerance is a function of the case's inputs alone)
+#: mixed into the hash of :func:`_signs` (fixed: a tolerance is a function of the case's inputs alone)
 SCORE_ERROR_SEED = 20261202
 _MIX = tuple(np.uint64(m) for m in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93))
 
@@ -143,7 +143,8 @@ def _rounding_error(size: np.ndarray, of: str, rows) -> np.ndarray:
 
 def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale: float, dtype: str, scale_first: bool,
             score_error_of: str | None = None):
-    """The scaled scores with the float attn_mask added, rounding in ``dtype``, and the allowed mask. ``scale_first``:
+    """The scaled scores with the float attn_mask added, rounding in ``dtype``; the allowed mask; the float mask's
+    additive part (None without one). ``scale_first``:
     the queries times the scale rounded to ``dtype``, then the product (as fused kernels do); else the product
     scaled. ``score_error_of``: each score then carries an error of that dtype at the size of its dot product's
     terms (:func:`_score_terms`, :func:`_rounding_error`; the softmax turns an absolute score error e into a relative
@@ -164,7 +165,7 @@ def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale:
         # two roundings at the size of the dot product's terms: its sum rounds more than once
         size = np.broadcast_to(2 * _score_terms(q, k, scale), scores.shape)
         scores = scores + _rounding_error(size, score_error_of, rows)
-    return scores, allowed
+    return scores, allowed, additive
 
 
 def _merge_heads(d: np.ndarray, n_heads: int) -> np.ndarray:
@@ -184,7 +185,7 @@ def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype
     k = np.repeat(_heads(_project(inputs.key, params.W_k, params.b_k, dtype), c.kv_heads), c.group, axis=1)
     v = np.repeat(_heads(_project(inputs.value, params.W_v, params.b_v, dtype), c.kv_heads), c.group, axis=1)
     scale = 1.0 / np.sqrt(c.d_head)
-    scores, allowed = _scores(params, inputs, rows, q, k, scale, dtype, scale_first, score_error_of)
+    scores, allowed, _ = _scores(params, inputs, rows, q, k, scale, dtype, scale_first, score_error_of)
     weights = round_to(_masked_softmax(scores, np.broadcast_to(allowed, scores.shape),
                                        empty_rows or empty_rows_convention()), dtype)
     heads = round_to(weighted_values(weights, v), dtype)
@@ -233,18 +234,21 @@ def hashed_once(params: AttentionParams, inputs: AttentionInputs):
     """Within this block, the memo keys of every reference computation for exactly these ``params`` and ``inputs``
     objects reuse one digest of them (hashing the arrays costs as much as most references themselves). The
     caller must not modify their arrays inside the block."""
-    held = _HASHED.get()
-    if held is not None and held[0] is params and held[1] is inputs:  # nested: already hashed
+    if _held_digest(params, inputs) is not None:  # nested: already hashed
         yield
         return
     with scoped(_HASHED, (params, inputs, _call_digest(params, inputs))):
         yield
 
 
-def _content_key(kind: str, params: AttentionParams, inputs: AttentionInputs, *extra) -> bytes:
+def _held_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes | None:
+    """The digest :func:`hashed_once` holds for exactly these objects, or None."""
     held = _HASHED.get()
-    call = held[2] if held is not None and held[0] is params and held[1] is inputs else _call_digest(params, inputs)
-    return _digest(kind, call, *extra)
+    return held[2] if held is not None and held[0] is params and held[1] is inputs else None
+
+
+def _content_key(kind: str, params: AttentionParams, inputs: AttentionInputs, *extra) -> bytes:
+    return _digest(kind, _held_digest(params, inputs) or _call_digest(params, inputs), *extra)
 
 
 class _ContentCache:
@@ -328,9 +332,10 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
     ``scale_first``: the queries are multiplied by the scale rounded to ``dtype`` before the product with the
     keys (as fused kernels compute it) instead of the product being scaled: another valid algorithm, whose honest
     error in a low precision differs (at large logits by several times).
-    ``score_error_of``: a dtype; every score then carries an error of one rounding in it (at the size of the terms
-    the score sums, with a seeded random sign) and nothing else is rounded beyond ``dtype``: with float64, the
-    error of a kernel exact but for its scores' rounding, which dominates at large logits (see :func:`_scores`).
+    ``score_error_of``: a dtype; every score then carries an error of that dtype's rounding (two unit roundoffs at
+    the size of the terms its dot product sums, a pseudo-random sign per entry; a float mask added and rounded as a
+    kernel in that dtype does) and nothing else is rounded beyond ``dtype``: with float64, the error of a kernel
+    exact but for its scores' rounding, which dominates at large logits (see :func:`_scores`).
     """
     require_params(params)
     require_inputs(inputs)
@@ -361,11 +366,11 @@ def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
     (rounding after every stage), whose error sets the gradient tolerance. ``flash``: the backward
     as FlashAttention-2 computes it (weights recomputed from the log-sum-exp, the softmax backward's
     row term from the output), another valid algorithm whose honest error in ``dtype`` also counts.
-    ``score_error_of``: in float64, the backward whose weights carry the error of one rounding of the scores in
-    that dtype: the textbook backward takes the weights of :func:`reference_attention`'s forward with that
-    argument (normalised), FlashAttention's recomputes each weight as ``exp(s - lse)`` with one rounding error of
-    ``|s|`` and of ``|lse|`` in the exponent, which no normalisation removes (at large logits, |lse| of 100s,
-    that is the largest error of its gradients).
+    ``score_error_of``: in float64, the backward whose weights carry the rounding of the scores in that dtype: the
+    textbook backward takes the weights of :func:`reference_attention`'s forward with that argument (normalised),
+    FlashAttention's recomputes each weight as ``exp(s - lse)`` with that error, and one rounding of s + mask and of
+    s - lse per entry and of the stored lse per row, in the exponent, which no normalisation removes (at large
+    logits, |lse| of 100s, that is the largest error of its gradients; see :func:`_flash_weights`).
     """
     _require_dtype_name("score_error_of", score_error_of)
     cotangent = np.asarray(cotangent)
@@ -450,9 +455,10 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
     """The softmax weights as a FlashAttention backward recomputes them, rounding in ``dtype``: scores again (the
     queries scaled first), then ``exp(s - logsumexp)`` from the row's log-sum-exp (rows with no visible key: as
     :func:`empty_rows_convention` says, like the forward's). ``score_error_of``: the exponent ``s - lse`` carries
-    one rounding error of that dtype at the size of ``s``'s terms plus ``|lse|``."""
+    that dtype's rounding: per entry two unit roundoffs at the size of ``s``'s dot-product terms and one at
+    ``|mask| + |lse|``, per row one at ``|lse|``."""
     r = lambda x: round_to(x, dtype)  # noqa: E731
-    scores, allowed = _scores(params, inputs, None, q, k, scale, dtype, scale_first=True)
+    scores, allowed, additive = _scores(params, inputs, None, q, k, scale, dtype, scale_first=True)
     allowed = np.broadcast_to(allowed, scores.shape)
     scores = np.where(allowed, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
@@ -465,7 +471,6 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
         # per entry: the score's (two roundings of its dot product's terms, one of s + mask) and one rounding of
         # s - lse at the size of its operands; per row: the stored lse's own rounding, which every weight of the
         # row shares (the row's weights then no longer sum to 1)
-        _, additive = allowed_and_bias(params, inputs, None)
         row = np.abs(np.where(visible, lse, 0.0))
         size = 2 * _score_terms(q, k, scale) + row
         if additive is not None:

@@ -6,7 +6,7 @@ A backend computing in ``dtype`` may differ from the float64 reference by at mos
 
 where ``naive_error`` is the max error that the naive algorithm *in the same dtype* makes
 against that reference (the largest of several estimates: the textbook algorithm, the fused kernels' with the
-queries scaled first or FlashAttention's backward, and the float64 one whose scores carry one float32 rounding each,
+queries scaled first or FlashAttention's backward, and the float64 one whose scores carry float32's rounding,
 ``score_error_dtype``; ``mha_harness.conformance.casekit.naive_forwards`` and ``naive_gradients`` list them),
 ``magnitude`` is max(1, max |reference|) and ``n`` the length of the
 longest reduction (the number of keys). For gradients ``magnitude`` is max(1, max |reference|,
@@ -107,5 +107,4 @@ def score_error_dtype(dtype: str) -> str:
     still accumulate scores and keep the row maximum and log-sum-exp in float32 (their half-precision rounding of
     inputs and weights is what the textbook estimate in that dtype makes); for float64, float32 scaled by the ratio
     of the unit roundoffs, as every naive estimate of float64."""
-    bound_dtype(dtype)
     return "float32"
