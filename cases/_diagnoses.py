@@ -48,7 +48,8 @@ def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionI
 
 def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs) -> str:
     """A message suffix naming the causal-mask mistake a causal call's output ``got`` matches: the other alignment
-    (Tq != Tk), a mask without the diagonal, no mask at all, or a mask one key too wide; "" when none."""
+    (Tq != Tk), a mask without the diagonal, no mask at all, a reversed mask (the future instead of the past), or a
+    mask one key too wide; "" when none."""
     alignment, tq, tk = inputs.causal, inputs.tq, inputs.tk
     if alignment is None:
         return ""
@@ -59,8 +60,12 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     with implicitly_causal(None):  # the unmasked call, also for a backend that declares always_causal
         unmasked = inputs.replace(causal=None)
         next_key = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool))
+        reversed_mask = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool))
     if unmasked.attn_mask is None and matches(unmasked):
         return "; the output matches attention without a causal mask: the mask is not applied"
+    if unmasked.attn_mask is None and matches(reversed_mask):
+        return ("; the output matches a reversed causal mask: query i sees key i and every later key (the future) "
+                "instead of the keys up to i (torch.triu where torch.tril belongs)")
     if unmasked.attn_mask is None and matches(next_key):
         return "; the output matches a causal mask one key too wide (query i also sees key i + 1)"
     no_diagonal = ~np.eye(tq, tk, k=offset, dtype=bool)

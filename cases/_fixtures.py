@@ -18,9 +18,12 @@ SMALL = dict(d_model=32, num_heads=4)
 #: the grid's ``short_with_bias`` row (batch 3, 2 heads of width 8, T = 7, biases): cases that need no shape of
 #: their own use it too, so a backend that compiles per shape compiles it once for all of them
 SHORT_BATCH, SHORT_HEADS, SHORT_D_HEAD, SHORT_SEQ = 3, 2, 8, 7
+#: keys enough to cross the 16-, 32- and 64-key blocks of a tiled (FlashAttention) kernel: how blocks combine, and
+#: which blocks a causal mask lets it skip, are never exercised by keys that fit in one block
+KEYS_ACROSS_BLOCKS = 65
 #: Tq = Tk of every causal case's square variant (and of the causal gradient variant, which so shares its compiled
 #: programs with them)
-CAUSAL_SQUARE = 9
+CAUSAL_SQUARE = KEYS_ACROSS_BLOCKS
 #: every input form: most properties are defined whatever the form
 ALL_FORMS = ("separate", "shared_kv", "self")
 #: properties that need Tq != Tk or keys independent of queries
@@ -72,14 +75,15 @@ def cross_ok(backend) -> bool:
 def causal_variants(backend) -> list[dict]:
     """Each declared alignment at Tq == Tk and, where cross-attention is declared, Tq < Tk and Tq > Tk.
 
-    Named variants: ``square`` (9, 9: CAUSAL_SQUARE), ``more_keys`` (5, 11), ``more_queries`` (11, 6) for top-left and
-    ``rows_without_visible_keys`` (11, 6) for bottom-right, where queries 0..4 see no key at all."""
+    Named variants: ``square`` (65, 65: CAUSAL_SQUARE), ``more_keys`` (5, 65), ``more_queries`` (11, 6) for top-left
+    and ``rows_without_visible_keys`` (11, 6) for bottom-right, where queries 0..4 see no key at all. 65 keys cross
+    a tiled kernel's key blocks: under bottom-right alignment the 5 queries see keys up to 60..64."""
     out = []
     dtype = primary_dtype(backend)
     for alignment in backend.capabilities.causal_alignments:
         shapes = [("square", CAUSAL_SQUARE, CAUSAL_SQUARE)]
         if cross_ok(backend):
-            shapes += [("more_keys", 5, 11),
+            shapes += [("more_keys", 5, KEYS_ACROSS_BLOCKS),
                        ("more_queries" if alignment == TOP_LEFT else "rows_without_visible_keys", 11, 6)]
         out += [{"dtype": dtype, "alignment": alignment, "variant": name, "seq": tq, "tk": tk}
                 for name, tq, tk in shapes]

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.cases._fixtures import ALL_FORMS, CAUSAL_SQUARE, cross_ok, form_inputs, input_gradients
+from mha_harness.cases._fixtures import (
+    ALL_FORMS,
+    CAUSAL_SQUARE,
+    KEYS_ACROSS_BLOCKS,
+    cross_ok,
+    form_inputs,
+    input_gradients,
+)
 from mha_harness.conformance.casekit import (
     CaseFailure,
     Measurement,
@@ -15,9 +22,9 @@ from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_params
 from mha_harness.contract.reference import reference_vjp
 
-#: the keys of the non-causal variants: 65 crosses the 16-, 32- and 64-key blocks of a tiled (FlashAttention)
+#: the keys of every variant but one_x's: 65 crosses the 16-, 32- and 64-key blocks of a tiled (FlashAttention)
 #: backward, whose per-block recomputation and accumulation one block of keys would never exercise
-GRADIENT_KEYS = 65
+GRADIENT_KEYS = KEYS_ACROSS_BLOCKS
 
 
 def _gradient_variants(backend):
@@ -52,8 +59,8 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     cross = cross_ok(backend) and (not causal or backend.capabilities.always_causal) and not one_x
     # the square causal variant has the causal cases' square shape: a backend compiling per shape shares the
     # program with check_causal_jacobian_zero_for_future_inputs
-    # 65 keys in every non-causal variant but one_x's (7 x 7, the grid's and search's one-x call), queries 7 where
-    # Tq != Tk is declared
+    # 65 keys in every variant but one_x's (7 x 7, the grid's and search's one-x call), queries 7 where Tq != Tk is
+    # declared
     tq = CAUSAL_SQUARE if causal and not cross else 7 if cross or one_x else GRADIENT_KEYS
     inputs = form_inputs(form, config, 2, tq, GRADIENT_KEYS if cross else tq, seed=21,
                          causal=(backend.capabilities.causal_alignments[0] if causal else None))

@@ -36,6 +36,14 @@ def _backend_items(backends) -> list:
     raise TypeError(f"backends: got {type(backends).__name__} {backends!r:.60}; accepted: {_ACCEPTED_BACKENDS}")
 
 
+def target_of(entry: BackendEntry) -> Target:
+    """The target for a registry entry: a worker process rebuilds it from its ``module:object`` spec (a class made
+    with ``type()`` under another name, or one holding a module, need not pickle), an object given as such is
+    pickled."""
+    return Target(entry.backend, entry.spec if entry.spec != "python object" else None, entry.source,
+                  backends_from_spec)
+
+
 def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Target], list[BackendInfo]]:
     """Turn names, ``module:object`` specs, instances or classes into check targets.
 
@@ -45,8 +53,7 @@ def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Ta
 
     def add_entry(entry):
         if entry.backend is not None and entry.available:
-            targets.append(Target(entry.backend, entry.spec if entry.spec != "python object" else None,
-                                  entry.source, backends_from_spec))
+            targets.append(target_of(entry))
         else:
             unavailable.append(entry_info(entry))
 

@@ -393,7 +393,7 @@ def _available_backends(registry, names):
 
 
 def cmd_search(args) -> int:
-    from mha_harness.conformance.isolation import Target
+    from mha_harness.checking import target_of
     from mha_harness.conformance.search import (
         DEFAULT_MAX_EXAMPLES,
         MUTANT_SPEC,
@@ -421,7 +421,7 @@ def cmd_search(args) -> int:
         entry = registry.get(name)
         if entry.backend is None or not entry.available:
             raise UsageError(f"--backend {name}: not available here: {entry.reason_unavailable}")
-        targets.append(Target(entry.backend, entry.spec, entry.source))
+        targets.append(target_of(entry))
     from mha_harness.conformance.strategies import SearchSpace
     dtypes = tuple(args.dtype) if args.dtype else None
     for target in targets:  # a --dtype no backend declares is the user's mistake, before any search runs
@@ -458,7 +458,8 @@ def cmd_bench(args) -> int:
     backends = _available_backends(registry, names)
     doc = run_bench(backends, Path(args.results), seq_lens=args.seq_lens, causal=args.causal, backward=args.backward,
                     config=config, query_lens=args.query_lens or DECODE_QUERY_LENS) if backends else {}
-    return _bench_verdict(_not_loaded(registry, names), doc)
+    explicit = bool(args.backend or args.backend_spec)  # asked for by name: measuring none of its points is a failure
+    return _bench_verdict(_not_loaded(registry, names), doc, explicit)
 
 
 def _not_loaded(registry, names) -> list[str]:
@@ -482,9 +483,25 @@ def _bench_problems(doc: dict) -> list[str]:
     return lines
 
 
-def _bench_verdict(not_loaded: list[str], doc: dict) -> int:
-    """Exit 0 only when every requested backend loaded and every point was measured (or is unsupported)."""
-    problems = not_loaded + _bench_problems(doc)
+def _nothing_measured(doc: dict) -> list[str]:
+    """One line per backend none of whose points was measured, every one skipped as unsupported, with the first
+    reason (an always-causal layer at the default --causal off, a backend without gradients under --backward)."""
+    points: dict[str, list[dict]] = {}
+    for point in doc.get("points", []):
+        points.setdefault(point["backend"], []).append(point)
+    lines = []
+    for name, mine in points.items():
+        if all(p.get("status") == "skipped" for p in mine):
+            why = mine[0].get("skipped") or "unsupported"
+            hint = "; pass --causal on (or both)" if "always causal" in why else ""
+            lines.append(f"{name}: no point measured, all {len(mine)} skipped (first: {why[:200]}){hint}")
+    return lines
+
+
+def _bench_verdict(not_loaded: list[str], doc: dict, explicit: bool = False) -> int:
+    """Exit 0 only when every requested backend loaded and every point was measured (or is unsupported), and each
+    backend requested by name (``explicit``) had at least one point measured."""
+    problems = not_loaded + _bench_problems(doc) + (_nothing_measured(doc) if explicit else [])
     if not doc:
         problems.append("nothing was benchmarked: no requested backend is available")
     if problems:

@@ -23,17 +23,29 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
 
     def attend(self, inputs: AttentionInputs, need_weights: bool) -> AttentionOutput:
         c = self.config
-        q, k, v = self.heads(inputs)
-        b, tq = inputs.batch, inputs.tq
-        # (B, kv, group, T, dh) view of queries lets each kv head serve its group without copying K/V
-        q = q.reshape(b, c.kv_heads, c.group, tq, c.d_head) * self.dtype.type(self.scale())
-        k, v = k[:, :, None], v[:, :, None]
-        out = np.empty((b, c.kv_heads, c.group, tq, c.d_head), dtype=self.dtype)
-        for q0 in range(0, tq, self.block_q):
-            q1 = min(tq, q0 + self.block_q)
-            out[:, :, :, q0:q1] = self._query_block(q[:, :, :, q0:q1], k, v, inputs, q0, q1)
-        heads = out.reshape(b, c.num_heads, tq, c.d_head)
+        heads = self.attend_heads(*self.grouped_heads(inputs), inputs)
+        heads = heads.reshape(inputs.batch, c.num_heads, inputs.tq, c.d_head)
         return AttentionOutput(self.output_projection(self.merge_heads(heads)), None)
+
+    def grouped_heads(self, inputs: AttentionInputs):
+        """Scaled queries (B, kv, group, Tq, dh), keys and values (B, kv, 1, Tk, dh): each kv head serves its group
+        of query heads without copying K/V."""
+        c = self.config
+        q, k, v = self.heads(inputs)
+        q = q.reshape(inputs.batch, c.kv_heads, c.group, inputs.tq, c.d_head) * self.dtype.type(self.scale())
+        return q, k[:, :, None], v[:, :, None]
+
+    def attend_heads(self, q, k, v, inputs: AttentionInputs) -> np.ndarray:
+        """Each head's softmax(QK^T)V, (B, kv, group, Tq, dh), one block of queries at a time."""
+        out = np.empty(q.shape, dtype=self.dtype)
+        for q0 in range(0, inputs.tq, self.block_q):
+            q1 = min(inputs.tq, q0 + self.block_q)
+            out[:, :, :, q0:q1] = self._query_block(q[:, :, :, q0:q1], k, v, inputs, q0, q1)
+        return out
+
+    def key_limit(self, inputs: AttentionInputs, q1: int) -> int:
+        """Exclusive bound of the keys that queries below q1 may see: key blocks from there on are skipped."""
+        return causal_key_limit(inputs, q1)
 
     def _query_block(self, qb, k, v, inputs, q0, q1):
         c = self.config
@@ -42,7 +54,7 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
         m = np.full((b, c.kv_heads, c.group, rows, 1), -np.inf, dtype=self.dtype)
         l = np.zeros((b, c.kv_heads, c.group, rows, 1), dtype=self.dtype)
         acc = np.zeros((b, c.kv_heads, c.group, rows, c.d_head), dtype=self.dtype)
-        for k0 in range(0, causal_key_limit(inputs, q1), self.block_k):
+        for k0 in range(0, self.key_limit(inputs, q1), self.block_k):
             k1 = min(inputs.tk, k0 + self.block_k)
             s = qb @ k[:, :, :, k0:k1].swapaxes(-1, -2)
             allowed, additive = block_mask(inputs, q0, q1, k0, k1)

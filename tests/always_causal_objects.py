@@ -1,7 +1,7 @@
 """Always-causal modules, the attention decoders are written with, declared with ``Capabilities(always_causal=True)``:
 nanoGPT's ``CausalSelfAttention`` (one x, one fused c_attn projection, a causal buffer it always applies), the same
-with the two classic mask bugs, and the built-in dense NumPy layer restricted to one alignment (a decode kernel that
-always aligns the queries at the end of the keys), which asserts that every call it gets is causal."""
+with the classic mask and head-split bugs, and the built-in dense NumPy layer restricted to one alignment (a decode
+kernel that always aligns the queries at the end of the keys), which asserts that every call it gets is causal."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,9 +14,9 @@ from mha_harness.implementations.numpy_naive import NumpyNaive
 
 
 class _GPTLoaded(mha_harness.LoadedAttention):
-    def __init__(self, params, dtype, future_keys_seen, masked):
+    def __init__(self, params, dtype, module):
         cat = np.concatenate
-        self.dtype, self.future_keys_seen, self.masked = np.dtype(dtype), future_keys_seen, masked
+        self.dtype, self.module = np.dtype(dtype), module
         # nanoGPT: c_attn = Linear(d_model, 3 d_model) makes q, k, v at once; c_proj = Linear(d_model, d_model)
         self.c_attn_w = cat([params.W_q, params.W_k, params.W_v], axis=1).astype(self.dtype)
         self.c_proj_w = params.W_o.astype(self.dtype)
@@ -29,13 +29,20 @@ class _GPTLoaded(mha_harness.LoadedAttention):
         b, t, c = x.shape
         h = self.config.num_heads
         q, k, v = np.split(x @ self.c_attn_w + self.c_attn_b, 3, axis=-1)
-        q, k, v = (m.reshape(b, t, h, c // h).transpose(0, 2, 1, 3) for m in (q, k, v))
+        m = self.module
+        if m.split_tokens:  # x.view(B, h, T, d_head): each head holds a block of tokens, not its features
+            q, k, v = (part.reshape(b, h, t, c // h) for part in (q, k, v))
+        else:
+            q, k, v = (part.reshape(b, t, h, c // h).transpose(0, 2, 1, 3) for part in (q, k, v))
         att = q @ k.transpose(0, 1, 3, 2) / np.sqrt(c // h)
-        if self.masked:  # the registered buffer: tril(ones(T, T)); future_keys_seen > 0 is the off-by-one bug
-            att = np.where(np.tril(np.ones((t, t), bool), k=self.future_keys_seen), att, -np.inf)
+        if m.masked:  # the registered buffer: tril(ones(T, T)); future_keys_seen > 0 is the off-by-one bug
+            ones = np.ones((t, t), bool)
+            keep = np.triu(ones) if m.reversed_mask else np.tril(ones, k=m.future_keys_seen)
+            att = np.where(keep, att, -np.inf)
         att = np.exp(att - att.max(axis=-1, keepdims=True))
         att = att / att.sum(axis=-1, keepdims=True)
-        y = weighted_values(att, v).transpose(0, 2, 1, 3).reshape(b, t, c)
+        y = weighted_values(att, v)
+        y = y.reshape(b, t, c) if m.split_tokens else y.transpose(0, 2, 1, 3).reshape(b, t, c)
         return mha_harness.AttentionOutput(y @ self.c_proj_w + self.c_proj_b)
 
 
@@ -47,10 +54,10 @@ class GPTCausalSelfAttention(mha_harness.AttentionBackend):
                                             key_padding_mask=False, bool_attn_mask=False, additive_attn_mask=False,
                                             grouped_query=False)
     native_causal = "always: a registered tril buffer (top-left)"
-    future_keys_seen, masked = 0, True
+    future_keys_seen, masked, reversed_mask, split_tokens = 0, True, False, False
 
     def load_native(self, params, dtype):
-        return _GPTLoaded(params, dtype, self.future_keys_seen, self.masked)
+        return _GPTLoaded(params, dtype, self)
 
     def native_parameter_shapes(self, config):
         d = config.d_model
@@ -70,6 +77,20 @@ class GPTCausalSelfAttentionWithoutMask(GPTCausalSelfAttention):
 
     name = "gpt-without-mask"
     masked = False
+
+
+class GPTCausalSelfAttentionReversedMask(GPTCausalSelfAttention):
+    """torch.triu where torch.tril belongs: every position sees itself and the future."""
+
+    name = "gpt-reversed-mask"
+    reversed_mask = True
+
+
+class GPTCausalSelfAttentionSplitTokens(GPTCausalSelfAttention):
+    """Heads split (and merged) with a plain view, no transpose: tokens instead of features."""
+
+    name = "gpt-split-tokens"
+    split_tokens = True
 
 
 def gpt_attention(X, W_q, W_k, W_v, W_o, num_heads):

@@ -16,7 +16,9 @@ from mha_harness.contract.api import implicitly_causal
 from mha_harness.contract.params import make_inputs, make_params
 from tests.always_causal_objects import (
     GPTCausalSelfAttention,
+    GPTCausalSelfAttentionReversedMask,
     GPTCausalSelfAttentionSeesNextToken,
+    GPTCausalSelfAttentionSplitTokens,
     GPTCausalSelfAttentionWithoutMask,
     GPTFunction,
     NaiveAlwaysBottomRight,
@@ -96,6 +98,7 @@ def test_a_nanogpt_style_module_runs_every_case_causally_and_skips_only_what_it_
 @pytest.mark.parametrize("backend, diagnosis", [
     (GPTCausalSelfAttentionSeesNextToken(), "a causal mask one key too wide (query i also sees key i + 1)"),
     (GPTCausalSelfAttentionWithoutMask(), "attention without a causal mask: the mask is not applied"),
+    (GPTCausalSelfAttentionReversedMask(), "a reversed causal mask: query i sees key i and every later key"),
 ])
 def test_an_always_causal_module_with_a_broken_mask_fails_with_the_diagnosis(backend, diagnosis):
     report = _check(backend)
@@ -166,3 +169,28 @@ def test_a_decode_kernel_declaring_tq_at_most_tk_gets_no_call_with_more_queries_
     def never_more_queries(example):
         assert example["tq"] <= example["tk"]
     never_more_queries()
+
+
+def test_an_always_causal_module_splitting_tokens_is_named_by_the_head_and_grid_cases():
+    """The head-split diagnosis compares with the split applied to the causal call the module got (a stranger's
+    GPT-2 copy with view(B, h, T, d_head) failed without it: the diagnosis had compared with an unmasked split)."""
+    failed = {r.case: r.message for r in _check(GPTCausalSelfAttentionSplitTokens()).results
+              if r.status.value == "failed"}
+    named = "the 'split tokens instead of features' mistake"
+    assert named in failed["check_head_split_keeps_features_together"]
+    assert named in failed["check_output_matches_reference"]
+    assert named in failed["check_causal_output_matches_reference"]
+
+
+def test_bench_of_an_always_causal_backend_at_causal_off_exits_1_saying_to_pass_causal_on(tmp_path):
+    """Every point of a backend asked for by name skipped ("always causal" at the default --causal off): the run
+    measured nothing of it, which is a failure naming the fix, not an exit 0."""
+    import os
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "mha_harness", "bench", "--backend-spec",
+                           "tests.always_causal_objects:NaiveAlwaysTopLeft", "--seq-lens", "32", "--budget", "0.1",
+                           "--results", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "no point measured" in done.stderr and "pass --causal on" in done.stderr

@@ -63,6 +63,18 @@ def test_fit_exponent_uses_the_largest_points_above_resolution_with_stderr():
     assert stats.fit_exponent(xs, [10, 10, 10, 2 ** 20, 2 ** 22], floor=100) is None  # only 2 above the floor
 
 
+def test_a_time_exponent_time_cannot_have_or_that_noise_leaves_undetermined_is_a_measurement_error():
+    """A stranger's loaded-machine sweep printed time exponents -1.33 +- 0.41 and -1.07 +- 1.70 as results."""
+    falling = stats.time_fit([128, 256, 512], [4e-3, 1.0e-3, 0.7e-3])
+    assert "measurement_error" in falling and "exponent" not in falling and "outside [0.0, 3.0]" in \
+        falling["measurement_error"]
+    scattered = stats.time_fit([128, 256, 512], [1e-3, 8e-3, 0.4e-3])
+    assert "measurement_error" in scattered and "undetermined" in scattered["measurement_error"]
+    flat = stats.time_fit([128, 256, 512], [1.00e-3, 0.98e-3, 0.99e-3])  # overhead-bound: flat, not an error
+    assert flat["exponent"] == pytest.approx(0.0, abs=0.05)
+    assert stats.time_fit([256, 512, 1024], [1e-3, 4e-3, 16e-3])["exponent"] == pytest.approx(2.0)
+
+
 def test_memory_exponent_outside_0_to_2_2_is_a_measurement_error():
     fit = stats.memory_fit([256, 512, 1024], [1e6, 1e6 * 8 ** 2, 1e6 * 8 ** 4], floor=0)  # slope 3.8
     assert "measurement_error" in fit and "exponent" not in fit

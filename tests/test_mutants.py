@@ -143,3 +143,33 @@ def test_every_mutant_backend_pickles_for_the_isolated_workers():
     import pickle
     for backend in mutant_backends():
         assert type(pickle.loads(pickle.dumps(backend))) is type(backend)
+
+
+class _OneBlockTiledBackward(zoo.TiledBackwardBlockSoftmax):
+    """The block-softmax mutant with blocks of 128 keys: one block holds every key of the suite's shapes."""
+
+    def __init__(self, params, dtype):
+        zoo.NumpyTiledLoaded.__init__(self, params, dtype, block_q=128, block_k=128)
+
+
+class _OneBlockTiledTopLeft(zoo.TiledKeyBlocksTopLeft):
+    def __init__(self, params, dtype):
+        zoo.NumpyTiledLoaded.__init__(self, params, dtype, block_q=128, block_k=128)
+
+
+@pytest.mark.parametrize("name, one_block, catching", [
+    ("mutant-tiled-backward-block-softmax", _OneBlockTiledBackward, "check_gradients_match_reference"),
+    ("mutant-tiled-causal-blocks-top-left", _OneBlockTiledTopLeft, "check_causal_output_matches_reference"),
+])
+def test_tiled_kernel_bugs_are_caught_only_by_variants_whose_keys_cross_a_block(name, one_block, catching):
+    """The tiled mutants' bugs live in how 16-key blocks combine (the backward's per-block weights; which blocks a
+    bottom-right causal mask lets the kernel skip): the same code with one 128-key block passes every case, so the
+    catch is the case shapes' 65 keys (5 x 65 and 65 x 65 causal, 65 keys in every gradient variant), not another
+    bug."""
+    report = quick_report(name)
+    assert {f.case for f in report.failures()} == {catching}
+    assert all(f.params.get("tk", 65) == 65 for f in report.failures()), [f.params for f in report.failures()]
+    mutant = dataclasses.replace(BY_NAME[name], loaded=one_block)
+    passing = mha_harness.check(MutantBackend(mutant, weights=False), include_slow=False)
+    assert not passing.failures() and not [r for r in passing.results if r.status == "error"], \
+        [f.message[:120] for f in passing.failures()]

@@ -221,3 +221,23 @@ def test_search_writes_nothing_into_the_current_folder(tmp_path, monkeypatch):
                    max_examples=20, seed=0, save=False)
     assert list(cwd.iterdir()) == []  # (whether hypothesis writes its caches at all depends on what ran before)
     assert vars(configuration).get("__hypothesis_home_directory") == before
+
+
+def test_search_rebuilds_a_spec_backend_in_its_worker_instead_of_pickling_it(tmp_path):
+    """A factory's class made with type() under a name the module does not hold cannot be pickled; `check` rebuilt
+    it from its module:object spec, but `search` pickled it and died with a PicklingError traceback (a stranger's
+    broken-copy plugins). Both now rebuild it from the spec."""
+    done = subprocess.run([sys.executable, "-m", "mha_harness", "search", "--backend-spec",
+                           "tests.plugin_objects:two_backends", "--max-examples", "5", "--seed", "0", "--no-gradients",
+                           "--results", str(tmp_path)], capture_output=True, text=True, env=ENV, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "search other-naive:" in done.stdout and "Traceback" not in done.stdout + done.stderr
+
+
+def test_search_of_an_unpicklable_python_object_says_how_to_give_it(tmp_path):
+    backend = NumpyNaive()
+    backend.hook = lambda: None  # an attribute pickle cannot send
+    outcome = search_backend(Target(backend), results=tmp_path, max_examples=5, seed=0)
+    assert not outcome.passed and "cannot send the backend to a worker process" in outcome.message
+    assert "module:object" in outcome.message and "--no-isolate" in outcome.message

@@ -8,7 +8,8 @@
 * :func:`converged`: the stopping rule, the CI within +-``rel`` of the median.
 * :func:`fit_exponent`: slope of log(y) on log(x) with its standard error (scipy.stats.linregress), over the
   largest points above a resolution; a memory exponent outside [0, 2.2] is a measurement error, not a result
-  (attention's memory grows at most like T^2).
+  (attention's memory grows at most like T^2), and so is a time exponent outside [0, 3] by more than two stderr
+  or with a stderr above 0.5 (:func:`time_fit`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ import numpy as np
 CONFIDENCE = 0.95
 MIN_SAMPLES = 6  # the smallest n whose binomial order-statistic interval reaches 95% coverage ([min, max])
 MEMORY_EXPONENT_RANGE = (0.0, 2.2)
+#: a time exponent whose whole 2-stderr interval lies outside this range is noise: attention's time does not fall
+#: as T grows, and grows at most as T^2 (3 leaves room for cache effects)
+TIME_EXPONENT_RANGE = (0.0, 3.0)
+#: a time exponent with a larger stderr says nothing about growth (three points scattered by a loaded machine)
+TIME_EXPONENT_MAX_STDERR = 0.5
 
 
 def calls_per_sample(call_s: float, min_sample_s: float) -> int:
@@ -78,6 +84,24 @@ def fit_exponent(xs, ys, *, largest: int = 3, floor: float = 0.0) -> dict | None
     fit = linregress(np.log([p[0] for p in pts]), np.log([p[1] for p in pts]))
     return {"exponent": round(float(fit.slope), 3), "stderr": round(float(fit.stderr), 3),
             "points": [p[0] for p in pts]}
+
+
+def time_fit(xs, ys) -> dict | None:
+    """:func:`fit_exponent` for time, with a slope that time cannot have (below 0 or above 3 by more than two
+    stderr) or cannot pin down (stderr above 0.5) reported as a measurement error, never printed as a result."""
+    fit = fit_exponent(xs, ys)
+    if fit is None:
+        return None
+    low, high = TIME_EXPONENT_RANGE
+    slope, err = fit["exponent"], fit["stderr"]
+    if slope + 2 * err < low or slope - 2 * err > high:
+        why = f"fitted slope {slope} +- {err} is outside [{low}, {high}] by more than two stderr"
+    elif err > TIME_EXPONENT_MAX_STDERR:
+        why = f"fitted slope {slope} +- {err} is undetermined (stderr above {TIME_EXPONENT_MAX_STDERR})"
+    else:
+        return fit
+    return {"measurement_error": f"{why}: the medians are noise (a loaded machine, a budget too small), not the "
+                                 "backend's growth", "points": fit["points"]}
 
 
 def memory_fit(xs, ys, floor: float) -> dict | None:

@@ -367,7 +367,7 @@ def fits(points: list[BenchPoint]) -> dict:
         memory = [p.peak_extra_bytes if p.peak_extra_bytes is not None and not p.memory_below_resolution else None
                   for p in line]
         floor = max([p.memory_resolution_bytes or 0 for p in line] or [0])
-        out[series_key(*key)] = {"time": stats.fit_exponent(lengths, [p.median_s for p in line]),
+        out[series_key(*key)] = {"time": stats.time_fit(lengths, [p.median_s for p in line]),
                                  "memory": stats.memory_fit(lengths, memory, floor)}
     return out
 
@@ -585,7 +585,11 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
                           "memory_exponent_range": list(stats.MEMORY_EXPONENT_RANGE),
                           "memory_exponent_guard": "a memory exponent outside this range is impossible for attention: "
                                                    "fits[...]['memory'] is then {'measurement_error': ...}, never an "
-                                                   "exponent"}}
+                                                   "exponent",
+                          "time_exponent_range": list(stats.TIME_EXPONENT_RANGE),
+                          "time_exponent_guard": "a time exponent outside this range by more than two stderr, or "
+                                                 f"with a stderr above {stats.TIME_EXPONENT_MAX_STDERR}, is noise: "
+                                                 "fits[...]['time'] is then {'measurement_error': ...}"}}
     groups = plan_points(names, config, seq_lens, causal_modes=(True,) if decode else causal_modes,
                          backward=backward, query_lens=query_lens)
     sweep = Sweep(backends, config, directory / "bench.json" if directory else None, doc, log=log)

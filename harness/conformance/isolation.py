@@ -115,6 +115,12 @@ class Target:
         return ("pickle", pickle.dumps(self.backend), self.name)
 
 
+def unsendable(exc: BaseException) -> str:
+    """Why a backend given as a Python object could not be sent to a worker process, and what to do instead."""
+    return (f"cannot send the backend to a worker process ({type(exc).__name__}: {exc}); give it as module:object "
+            "(a worker rebuilds it from there) or pass isolate=False (--no-isolate)")
+
+
 # --- the worker process -------------------------------------------------------------------------------------
 
 def _build_backend(payload) -> AttentionBackend:
@@ -375,8 +381,7 @@ def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, th
     try:
         payload = target.payload()
     except Exception as exc:  # noqa: BLE001 - an unpicklable object: run nothing, say why
-        return [lost_result(target.name, c, p, Status.ERROR, f"cannot send the backend to a worker process "
-                            f"({exc}); give it as module:object or pass isolate=False", spec)
+        return [lost_result(target.name, c, p, Status.ERROR, unsendable(exc), spec)
                 for c, p in plan(target.backend, cases)]
     transport = WorkerTransport(payload, threads)
     proxy = BackendProxy(target.backend, transport)

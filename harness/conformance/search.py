@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mha_harness.conformance.casekit import CaseFailure, CaseSkipped
-from mha_harness.conformance.isolation import Target, WorkerTransport
+from mha_harness.conformance.isolation import Target, WorkerTransport, unsendable
 from mha_harness.conformance.proxy import BackendProxy, WorkerLost
 from mha_harness.conformance.search_examples import check_example, example_id, repro_line, save_regression, search_dir
 from mha_harness.contract.api import Unsupported
@@ -40,6 +40,8 @@ class SearchOutcome:
     passed: bool
     examples: int = 0
     rejected: int = 0
+    #: why the first rejected example was unsupported (the backend's Unsupported or a skip)
+    first_rejection: str = ""
     seconds: float = 0.0
     example: dict | None = None
     message: str = ""
@@ -49,6 +51,9 @@ class SearchOutcome:
 
     def lines(self) -> list[str]:
         head = f"search {self.backend}: {self.examples} examples in {self.seconds:.1f} s"
+        if self.rejected:  # hypothesis draws again for each: max_examples counts the examples that ran
+            head += (f" ({self.rejected} of them rejected as unsupported and drawn again, first: "
+                     f"{self.first_rejection[:120]})")
         if self.passed:
             return [f"{head}: no failure"]
         return [f"{head}: FAILED", f"  {self.message[:600]}", f"  minimal example: {describe(self.example)}",
@@ -98,7 +103,10 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
     from mha_harness.conformance.strategies import SearchSpace, examples
 
     space = SearchSpace.for_backend(target.backend, quick=quick, dtypes=dtypes, gradients=gradients)
-    transport = WorkerTransport(target.payload(), None) if isolate else None
+    try:
+        transport = WorkerTransport(target.payload(), None) if isolate else None
+    except Exception as exc:  # noqa: BLE001 - an unpicklable object: search nothing, say why
+        return SearchOutcome(target.name, passed=False, message=unsendable(exc))
     backend = BackendProxy(target.backend, transport) if isolate else target.backend
     if isolate:
         try:  # the worker's start (importing torch or jax) is not charged to the time budget
@@ -119,8 +127,9 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
             transport.begin_case(timeout)  # the worker gets ``timeout`` seconds per example
         try:
             check_example(backend, example)
-        except (Unsupported, CaseSkipped):
+        except (Unsupported, CaseSkipped) as skip:
             state["rejected"] += 1
+            state["first_rejection"] = state.get("first_rejection") or str(skip)
             reject()
         except WorkerLost as lost:  # a hang or a crash of the worker is a finding
             failure = CaseFailure(f"{getattr(lost, 'status', 'lost')}: {lost}")
@@ -154,6 +163,7 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
             transport.stop()
     outcome.seconds = round(time.perf_counter() - start, 2)
     outcome.examples, outcome.rejected = state["n"], state["rejected"]
+    outcome.first_rejection = state.get("first_rejection", "")
     if state["failing"] is not None:
         example, exc = state["failing"]
         outcome.passed = False

@@ -12,7 +12,8 @@ from mha_harness.contract.api import INPUT_FORMS, AttentionConfig, AttentionInpu
 from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.reference import reference_vjp
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
-from mha_harness.toolkit.masks import full_mask
+from mha_harness.implementations.numpy_tiled import NumpyTiledLoaded
+from mha_harness.toolkit.masks import block_mask, full_mask
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,15 @@ class CausalExcludesDiagonal(NumpyNaiveLoaded):
         if inputs.causal:
             offset = causal_offset(inputs.causal, inputs.tq, inputs.tk)
             allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] < np.arange(inputs.tq)[:, None] + offset)
+        return allowed, additive
+
+
+class CausalMaskReversed(NumpyNaiveLoaded):
+    def masks(self, inputs):  # torch.triu where torch.tril belongs: query i sees key i and every later key
+        allowed, additive = full_mask(inputs.replace(causal=None))
+        if inputs.causal:
+            offset = causal_offset(inputs.causal, inputs.tq, inputs.tk)
+            allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] >= np.arange(inputs.tq)[:, None] + offset)
         return allowed, additive
 
 
@@ -312,6 +322,58 @@ class GradientOfWoTransposed(_GradientMutant):
         return grads
 
 
+class _TiledLoaded(NumpyTiledLoaded):
+    """numpy-tiled with 16-query and 16-key blocks (a FlashAttention kernel's BLOCK_M = BLOCK_N = 16): a bug in how
+    blocks combine shows only where the keys span more than one block."""
+
+    def __init__(self, params, dtype):
+        super().__init__(params, dtype, block_q=16, block_k=16)
+
+
+class TiledKeyBlocksTopLeft(_TiledLoaded):
+    def key_limit(self, inputs, q1):  # the top-left diagonal's bound, also under bottom-right alignment
+        return min(inputs.tk, q1) if inputs.causal else inputs.tk
+
+
+class TiledBackwardBlockSoftmax(_TiledLoaded):
+    """A FlashAttention-2-style backward over key blocks whose weights are each block's own softmax (the block's
+    maximum and sum) where they must be exp(s - lse) with the row's log-sum-exp: exact while one block holds
+    every key."""
+
+    def compute_vjp(self, inputs, cotangent):
+        c, w, dt = self.config, self.weights, self.dtype
+        b, tq = inputs.batch, inputs.tq
+        with np.errstate(invalid="ignore", over="ignore"):
+            q, k, v = self.grouped_heads(inputs)
+            o = self.attend_heads(q, k, v, inputs)
+            g = np.asarray(cotangent, dt)
+            d_o = self.split_heads(g @ w["W_o"].T, c.num_heads).reshape(o.shape)
+            row = (d_o * o).sum(axis=-1, keepdims=True)
+            d_q, d_k, d_v = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+            for k0 in range(0, self.key_limit(inputs, tq), self.block_k):
+                k1 = min(inputs.tk, k0 + self.block_k)
+                masks = block_mask(inputs, 0, tq, k0, k1)
+                p = self.masked_softmax(q @ k[..., k0:k1, :].swapaxes(-1, -2),
+                                        *(None if m is None else self._group_view(m) for m in masks))
+                d_p = d_o @ v[..., k0:k1, :].swapaxes(-1, -2)
+                d_s = np.where(p != 0, p * (d_p - row), 0)
+                d_v[..., k0:k1, :] = (p.swapaxes(-1, -2) @ d_o).sum(axis=2, keepdims=True)
+                d_k[..., k0:k1, :] = (d_s.swapaxes(-1, -2) @ q).sum(axis=2, keepdims=True)
+                d_q += d_s @ k[..., k0:k1, :]
+            heads = {"q": d_q.reshape(b, c.num_heads, tq, c.d_head) * dt.type(self.scale()), "k": d_k[:, :, 0],
+                     "v": d_v[:, :, 0]}
+            grads = {"W_o": np.einsum("btd,bte->de", self.merge_heads(o.reshape(heads["q"].shape)), g)}
+            for name, which in (("query", "q"), ("key", "k"), ("value", "v")):
+                d_proj = self.merge_heads(heads[which])
+                grads[f"W_{which}"] = np.einsum("btd,bte->de", np.asarray(getattr(inputs, name), dt), d_proj)
+                grads[name] = d_proj @ w[f"W_{which}"].T
+                if f"b_{which}" in w:
+                    grads[f"b_{which}"] = d_proj.sum(axis=(0, 1))
+            if "b_o" in w:
+                grads["b_o"] = g.sum(axis=(0, 1))
+        return grads
+
+
 def _full_width_kv(config: AttentionConfig):
     d = config.d_model
     shapes = {"W_q": (d, d), "W_k": (d, d), "W_v": (d, d), "W_o": (d, d)}
@@ -361,6 +423,11 @@ MUTANTS = (
     Mutant("mutant-one-x-gradient-summed", "a separate-form layer given one x (query is key is value) returns the "
            "total d/dx as each of the query, key and value gradients (one leaf used three times)", OneXGradientSummed,
            "total d/dx", gradients=True),
+    Mutant("mutant-tiled-causal-blocks-top-left", "a tiled kernel (16-key blocks) skips the key blocks past the "
+           "top-left diagonal also under bottom-right alignment", TiledKeyBlocksTopLeft, "bottom-right causal output"),
+    Mutant("mutant-tiled-backward-block-softmax", "a tiled backward (16-key blocks) recomputes each block's weights "
+           "as that block's own softmax instead of exp(s - lse) with the row's log-sum-exp",
+           TiledBackwardBlockSoftmax, "gradient of", gradients=True),
 )
 
 
@@ -395,6 +462,9 @@ MUTANTS += (
                           "normaliser", PaddedKeysInDenominator, "padding leak")),
     *in_every_form(Mutant("mutant-softmax-no-max-subtraction", "softmax without subtracting the row maximum",
                           SoftmaxWithoutMaxSubtraction, "row maximum"), forms=("self",)),
+    *in_every_form(Mutant("mutant-causal-mask-reversed", "builds the causal mask with triu instead of tril (query i "
+                          "sees the future, keys i and later)", CausalMaskReversed, "reversed causal mask"),
+                   forms=("separate", "self")),
     Mutant("mutant-padding-dropped-when-causal", "forgets the key padding mask when causal masking is on",
            PaddingDroppedWhenCausal, "without key_padding_mask: that mask is dropped"),
     Mutant("mutant-attn-mask-replaces-causal", "an explicit attn_mask replaces the causal mask instead of joining it",

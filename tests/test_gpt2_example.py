@@ -1,0 +1,62 @@
+"""examples/gpt2_plugin: the README's worked torch example is the file, it passes the suite, and the one-word bug
+a stranger made in it (triu for tril) fails with the diagnosis the README quotes."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mha_harness
+
+pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "gpt2_plugin" / "gpt2_attention" / "__init__.py"
+
+
+def _module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # the isolated workers rebuild the backend from this module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readme_shows_the_example_file_verbatim():
+    readme = (ROOT / "README.md").read_text()
+    shown = re.search(r"<!-- gpt2-example:start -->\n```python\n(.*?)```\n<!-- gpt2-example:end -->", readme, re.S)
+    assert shown and shown.group(1) == EXAMPLE.read_text()
+
+
+def test_the_gpt2_module_passes_every_case_it_declares():
+    backend = _module(EXAMPLE, "gpt2_attention").GPT2Attention()
+    report = mha_harness.check(backend, include_slow=False, isolate=False)
+    assert report.ok, "\n".join(report.summary_lines())
+    statuses = [r.status.value for r in report.results]
+    assert statuses.count("passed") >= 29 and "error" not in statuses
+    assert {r.case for r in report.results if r.status.value == "passed"} >= {
+        "check_gradients_match_reference", "check_parameter_count_is_4_d_model_squared",
+        "check_causal_mask_blocks_future_keys", "check_output_matches_reference"}
+
+
+def test_the_gpt2_module_with_triu_for_tril_fails_naming_the_reversed_mask(tmp_path):
+    broken = tmp_path / "gpt2_triu.py"
+    broken.write_text(EXAMPLE.read_text().replace("torch.tril(", "torch.triu("))
+    report = mha_harness.check(_module(broken, "gpt2_triu").GPT2Attention(), include_slow=False, isolate=False)
+    failed = {r.case: r.message for r in report.results if r.status.value == "failed"}
+    assert "a reversed causal mask: query i sees key i and every later key" in \
+        failed["check_causal_output_matches_reference"]
+    assert "top-left causal leak" in failed["check_causal_mask_blocks_future_keys"]
+
+
+def test_the_gpt2_module_is_benchmarked_at_causal_on(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mha_harness", "bench", "--backend-spec",
+                           "gpt2_attention:GPT2Attention", "--causal", "on", "--seq-lens", "32", "--budget", "0.2",
+                           "--results", str(tmp_path)], cwd=EXAMPLE.parents[1], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gpt2-attention" in done.stdout
