@@ -90,6 +90,19 @@ def causal_variants(backend) -> list[dict]:
     return out
 
 
+def random_allowed_mask(tq: int, tk: int, seed: int = 3) -> np.ndarray:
+    """A random "may attend" mask with every row keeping at least one key."""
+    rng = np.random.default_rng(seed)
+    m = rng.random((tq, tk)) < 0.6
+    m[np.arange(tq), rng.integers(0, tk, tq)] = True
+    return m
+
+
+def additive_mask_from(allowed: np.ndarray, seed: int = 4) -> np.ndarray:
+    """A float attn_mask: random finite biases (standard deviation 2) where ``allowed``, -inf elsewhere."""
+    return np.where(allowed, np.random.default_rng(seed).standard_normal(allowed.shape) * 2.0, -np.inf)
+
+
 def key_limit(alignment: str, row: int, tq: int, tk: int) -> int:
     """Last key index that query ``row`` may see under the causal mask (may be < 0: none)."""
     return row + causal_offset(alignment, tq, tk)

@@ -7,9 +7,11 @@ from mha_harness.cases._fixtures import (
     ALL_FORMS,
     CAUSAL_SQUARE,
     KEYS_ACROSS_BLOCKS,
+    additive_mask_from,
     cross_ok,
     form_inputs,
     input_gradients,
+    random_allowed_mask,
 )
 from mha_harness.conformance.casekit import (
     CaseFailure,
@@ -41,16 +43,40 @@ def _gradient_variants(backend):
     if caps.inputs == "separate":  # it accepts one x too (the grid and search call it so)
         out.append({"dtype": out[0]["dtype"], "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4,
                     "one_x": True})
+    # a backward that drops a mask the forward applies: padding, then the attn_mask kind declared (additive first)
+    attn_mask = next((k for k in ("additive_attn_mask", "bool_attn_mask") if getattr(caps, k)), None)
+    for mask in ("key_padding_mask" if caps.key_padding_mask else None, attn_mask):
+        if mask:
+            out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
+                        "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4, "mask": mask})
     return out
 
 
+#: real keys of batch item 1 in the padding variant (item 0 has all 65): the padded ones start inside a key block
+PADDED_ITEM_KEYS = 17
+
+
+def _mask(kind: str | None, batch: int, tq: int, tk: int) -> dict:
+    """The variant's mask as AttentionInputs fields: item 1 padded after PADDED_ITEM_KEYS keys, or a random
+    attn_mask (every row keeps a key; bool, or finite biases with -inf where masked)."""
+    if kind == "key_padding_mask":
+        return {"key_padding_mask": np.arange(tk)[None, :] >= np.array([tk, PADDED_ITEM_KEYS][:batch])[:, None]}
+    if kind in ("bool_attn_mask", "additive_attn_mask"):
+        allowed = random_allowed_mask(tq, tk, seed=23)
+        return {"attn_mask": allowed if kind == "bool_attn_mask" else additive_mask_from(allowed, seed=24)}
+    return {}
+
+
 @case(requires=("gradients",), variants=_gradient_variants, forms=ALL_FORMS)
-def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads, one_x=False):
+def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads, one_x=False, mask=None):
     """Gradients of sum(output * cotangent) with respect to query, key, value and every parameter equal the
     reference's, within the tolerance rule applied to the naive backward in the same dtype. The input gradients
     follow the backend's declared form: one x (``inputs='self'``) gives d/dx, the sum over its three uses; shared
     K/V gives d/dx_kv, the sum of the key and value parts; a separate-form backend gives d/dquery, d/dkey and
-    d/dvalue, also when it is called with one x (``one_x``, as the grid and search call it)."""
+    d/dvalue, also when it is called with one x (``one_x``, as the grid and search call it). With a ``mask``
+    (padding, or the attn_mask kind declared) the backward applies it as the forward does: padded and masked keys
+    get exactly the reference's gradient (zero where nothing reaches them); the cotangent is zero at padded query
+    positions (Tq = Tk), whose outputs are unspecified."""
     config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias)
     params = make_params(config, seed=21)
     form = "self" if one_x else form
@@ -62,10 +88,14 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     # 65 keys in every variant but one_x's (7 x 7, the grid's and search's one-x call), queries 7 where Tq != Tk is
     # declared
     tq = CAUSAL_SQUARE if causal and not cross else 7 if cross or one_x else GRADIENT_KEYS
-    inputs = form_inputs(form, config, 2, tq, GRADIENT_KEYS if cross else tq, seed=21,
-                         causal=(backend.capabilities.causal_alignments[0] if causal else None))
+    tk = GRADIENT_KEYS if cross else tq
+    inputs = form_inputs(form, config, 2, tq, tk, seed=21,
+                         causal=(backend.capabilities.causal_alignments[0] if causal else None),
+                         **_mask(mask, 2, tq, tk))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     cotangent = np.random.default_rng(22).standard_normal((2, tq, 32))
+    if inputs.key_padding_mask is not None and tq == tk:
+        cotangent[inputs.key_padding_mask] = 0.0
     got = backend.load(params, dtype=dtype).vjp(inputs, cotangent)
     declared = backend.capabilities.inputs  # the gradients come per argument of the module's own call
     try:

@@ -13,9 +13,9 @@ from mha_harness.conformance.casekit import (
     primary_dtype,
     run,
     scale_hint,
-    token_split_hint,
     tolerance_for,
 )
+from mha_harness.conformance.diagnoses import token_split_hint
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.params import make_params
 

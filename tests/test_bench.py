@@ -480,3 +480,30 @@ def test_pin_cpus_keeps_all_when_threads_cover_them():
     if not hasattr(os, "sched_getaffinity"):
         pytest.skip("no CPU affinity on this platform")
     assert pin_cpus(len(os.sched_getaffinity(0))) is None
+
+
+def test_a_cross_attention_layer_without_causal_masks_runs_the_one_query_decode_step_unmasked():
+    """A stranger's encoder-decoder cross-attention (no causal alignment) measured no decode point: every one was
+    "no bottom-right causal mask". With one query, bottom-right sees every key, so the unmasked call is the same
+    attention and runs; 16 queries still need the mask and stay skipped with the reason."""
+    import dataclasses
+
+    from mha_harness.bench.calls import backend_arguments, unsupported
+    backend = NumpyNaive()
+    backend.capabilities = dataclasses.replace(backend.capabilities, causal_alignments=())
+    one, sixteen = (Shape(1, tq, 64, 32, 4, "float32", True, False) for tq in (1, 16))
+    assert unsupported(backend, one) is None
+    assert unsupported(backend, sixteen) == "no bottom-right causal mask"
+    assert backend_arguments(backend, one)[1].causal is None
+    assert backend_arguments(NumpyNaive(), one)[1].causal == "bottom-right"  # a causal backend gets its mask
+
+
+def test_a_time_exponent_carries_its_points_confidence_intervals():
+    """Three medians exactly on a line had stderr 0.00 although each had a +-30 % CI (a stranger's sweep printed
+    "time 1.31 +- 0.00"): the points' own uncertainty is added in quadrature."""
+    xs, ys = [256, 512, 1024], [1e-3, 2e-3, 4e-3]
+    assert stats.fit_exponent(xs, ys)["stderr"] == pytest.approx(0.0, abs=1e-9)
+    wide = stats.fit_exponent(xs, ys, rel_ci95=[0.3, 0.3, 0.3])
+    sigma = 0.3 / 1.96  # a relative 95 % half-width as the log's standard deviation
+    assert wide["exponent"] == pytest.approx(1.0)
+    assert wide["stderr"] == pytest.approx(sigma / np.sqrt(2 * np.log(2) ** 2), rel=0.01)

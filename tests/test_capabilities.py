@@ -77,3 +77,20 @@ def test_declaring_gradients_without_compute_vjp_is_refused_at_load():
     with pytest.raises(TypeError, match="claims-gradients declares gradients=True but its _Loaded does not "
                                         "implement compute_vjp"):
         ClaimsGradients().load(params)
+
+
+def test_a_loaded_object_whose_attribute_hides_vjp_is_refused_naming_it():
+    """A stranger stored a jitted function as self.vjp; the harness's vjp was gone and JAX raised an opaque
+    'Error interpreting argument ... AttentionInputs' from the proxy. Now load says what happened."""
+    from mha_harness.contract.params import make_params
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+
+    class Loaded(NumpyNaive.loaded_class):
+        def __init__(self, params, dtype):
+            super().__init__(params, dtype)
+            self.vjp = lambda *args: None
+
+    backend = NumpyNaive()
+    backend.loaded_class = Loaded
+    with pytest.raises(TypeError, match=r"Loaded\.vjp: an attribute of that name .* hides LoadedAttention\.vjp"):
+        backend.load(make_params(mha_harness.AttentionConfig(8, 2)))

@@ -9,8 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import mha_harness
 from tests.conftest import ROOT, run_cli
 
 #: fail at once; checked next to a healthy backend under the default timeout, so a loaded machine (pytest -n auto)
@@ -352,3 +354,42 @@ def test_the_worker_server_starts_before_any_framework_is_imported_and_preloads_
     assert out.returncode == 0, out.stderr
     installed = sorted(m for m in ("torch", "jax", "flax.linen") if importlib.util.find_spec(m.split(".")[0]))
     assert out.stdout.strip() == str(installed)
+
+
+@pytest.mark.parametrize("isolate", [True, False], ids=["worker", "in-process"])
+def test_a_plugin_writing_into_its_inputs_fails_alike_in_its_worker_and_in_process(isolate):
+    """A layer that reuses its caller's query array as scratch (its outputs are right) fails every case that calls
+    it, naming the array, in both modes. Before, in-process, the reference was computed from the overwritten array:
+    a plugin zeroing its query (and computing from zeros) passed 94 of 98 variants there and failed 61 isolated."""
+    from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend
+    mutant = next(m for m in MUTANTS if m.name == "mutant-query-reused-as-scratch")
+    report = mha_harness.check(MutantBackend(mutant, weights=False), cases=["check_output_matches_reference"],
+                               isolate=isolate)
+    failed = report.failures()
+    assert failed and len(failed) == len(report.results) - sum(r.status.value == "skipped" for r in report.results)
+    assert all("forward wrote into its inputs.query" in f.message for f in failed), failed[0].message
+
+
+def test_in_process_calls_hand_the_plugin_copies_that_keep_the_form():
+    """The in-process transport copies what crosses it, as a worker's pipe does, and keeps query is key is value."""
+    from mha_harness.conformance.proxy import InProcess
+    from mha_harness.contract.params import make_inputs, make_params
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    seen = []
+
+    class Spy(NumpyNaive.loaded_class):
+        def compute(self, inputs, *, need_weights=False):
+            seen.append(inputs)
+            return super().compute(inputs, need_weights=need_weights)
+
+    backend = NumpyNaive()
+    backend.loaded_class = Spy
+    params = make_params(mha_harness.AttentionConfig(8, 2))
+    inputs = make_inputs(params.config, 1, 3, seed=0)  # one x: query is key is value
+    transport = InProcess(backend)
+    handle = transport.call("load", params, "float32")
+    out = transport.call("forward", handle, inputs, False, None)
+    given = seen[0]
+    assert given.query is not inputs.query and given.query is given.key is given.value
+    out["output"][...] = 0.0  # what came back is the harness's own
+    assert not np.all(transport.call("forward", handle, inputs, False, None)["output"] == 0)

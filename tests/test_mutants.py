@@ -166,9 +166,10 @@ def test_tiled_kernel_bugs_are_caught_only_by_variants_whose_keys_cross_a_block(
     bottom-right causal mask lets the kernel skip): the same code with one 128-key block passes every case, so the
     catch is the case shapes' 65 keys (5 x 65 and 65 x 65 causal, 65 keys in every gradient variant), not another
     bug."""
-    report = quick_report(name)
-    assert {f.case for f in report.failures()} == {catching}
-    assert all(f.params.get("tk", 65) == 65 for f in report.failures()), [f.params for f in report.failures()]
+    # the replay of a saved search example (results/search, Tk = 17) catches it too, across a block as well
+    failures = [f for f in quick_report(name).failures() if f.case != "check_search_regressions_still_pass"]
+    assert {f.case for f in failures} == {catching}
+    assert all(f.params.get("tk", 65) == 65 for f in failures), [f.params for f in failures]
     mutant = dataclasses.replace(BY_NAME[name], loaded=one_block)
     passing = mha_harness.check(MutantBackend(mutant, weights=False), include_slow=False)
     assert not passing.failures() and not [r for r in passing.results if r.status == "error"], \

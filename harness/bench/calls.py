@@ -11,13 +11,22 @@ def causal_alignment(shape: Shape) -> str | None:
     return "top-left" if shape.tq == shape.tk else "bottom-right"
 
 
+def one_query_sees_every_key(backend, shape: Shape) -> bool:
+    """Whether ``shape`` is a decode step with one query, which under bottom-right causal masking sees every key,
+    for a backend without that alignment (a cross-attention layer: an encoder-decoder's decoder attending to the
+    encoder's keys): the same attention is then its call without a mask, and that is what it runs."""
+    caps = backend.capabilities
+    return (shape.tq == 1 and causal_alignment(shape) == "bottom-right" and not caps.always_causal
+            and "bottom-right" not in caps.causal_alignments)
+
+
 def unsupported(backend, shape: Shape) -> str | None:
     """Why ``backend`` cannot run ``shape``, from its declared capabilities; None when it can."""
     caps = backend.capabilities
     alignment = causal_alignment(shape)
     if shape.dtype not in caps.dtypes:
         return f"dtype {shape.dtype} not declared"
-    if alignment and alignment not in caps.causal_alignments:
+    if alignment and alignment not in caps.causal_alignments and not one_query_sees_every_key(backend, shape):
         return f"no {alignment} causal mask"
     if not alignment and caps.always_causal:
         return "always causal (declares always_causal): no full-attention call"
@@ -30,16 +39,23 @@ def unsupported(backend, shape: Shape) -> str | None:
     return None
 
 
-def call_arguments(shape: Shape):
-    """(params, inputs) of the benchmarked call for ``shape``: seeded, the same in every process."""
+def call_arguments(shape: Shape, unmasked: bool = False):
+    """(params, inputs) of the benchmarked call for ``shape``: seeded, the same in every process. ``unmasked``:
+    without the causal mask (:func:`one_query_sees_every_key`: the same attention)."""
     from mha_harness.contract.api import AttentionConfig
     from mha_harness.contract.params import make_inputs, make_params
     attn = AttentionConfig(shape.d_model, shape.num_heads)
-    inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal_alignment(shape))
+    inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk,
+                         causal=None if unmasked else causal_alignment(shape))
     return make_params(attn, seed=0), inputs
+
+
+def backend_arguments(backend, shape: Shape):
+    """:func:`call_arguments` as ``backend`` is called for ``shape``."""
+    return call_arguments(shape, unmasked=one_query_sees_every_key(backend, shape))
 
 
 def prepared_call(backend, shape: Shape):
     """The backend's zero-argument prepared callable for ``shape`` (seeded inputs and parameters)."""
-    params, inputs = call_arguments(shape)
+    params, inputs = backend_arguments(backend, shape)
     return backend.load(params, dtype=shape.dtype).prepare(inputs, backward=shape.backward)

@@ -71,25 +71,33 @@ def summary(samples, calls: int, budget_exhausted: bool, target_rel: float) -> d
             "min_s": float(min(samples)) if samples else None, "max_s": float(max(samples)) if samples else None}
 
 
-def fit_exponent(xs, ys, *, largest: int = 3, floor: float = 0.0) -> dict | None:
+def fit_exponent(xs, ys, *, largest: int = 3, floor: float = 0.0, rel_ci95=None) -> dict | None:
     """Growth exponent: slope of log(y) on log(x) over the ``largest`` points with y > ``floor``, with its stderr.
 
     Small T is dominated by fixed costs (dispatch, projections), so only the largest points are fitted; points at
-    or below ``floor`` (the measuring method's resolution) carry no information and are left out.
+    or below ``floor`` (the measuring method's resolution) carry no information and are left out. ``rel_ci95``:
+    each y's 95 % CI half-width relative to y; the stderr then also carries that uncertainty of the points (three
+    points on a line have a regression stderr of 0 however wide their CIs), added in quadrature.
     """
-    pts = sorted((x, y) for x, y in zip(xs, ys) if y is not None and y > floor and y > 0)[-largest:]
+    rel = [None] * len(xs) if rel_ci95 is None else list(rel_ci95)
+    pts = sorted((x, y, r) for x, y, r in zip(xs, ys, rel) if y is not None and y > floor and y > 0)[-largest:]
     if len(pts) < 3:
         return None
     from scipy.stats import linregress
-    fit = linregress(np.log([p[0] for p in pts]), np.log([p[1] for p in pts]))
-    return {"exponent": round(float(fit.slope), 3), "stderr": round(float(fit.stderr), 3),
-            "points": [p[0] for p in pts]}
+    logx = np.log([p[0] for p in pts])
+    fit = linregress(logx, np.log([p[1] for p in pts]))
+    stderr = float(fit.stderr)
+    sigma = np.array([(p[2] or 0.0) / 1.96 for p in pts])  # a relative half-width is the log's: sigma ~ r / 1.96
+    if sigma.any():
+        d = logx - logx.mean()
+        stderr = float(np.hypot(stderr, np.sqrt(np.sum(d ** 2 * sigma ** 2)) / np.sum(d ** 2)))
+    return {"exponent": round(float(fit.slope), 3), "stderr": round(stderr, 3), "points": [p[0] for p in pts]}
 
 
-def time_fit(xs, ys) -> dict | None:
+def time_fit(xs, ys, rel_ci95=None) -> dict | None:
     """:func:`fit_exponent` for time, with a slope that time cannot have (below 0 or above 3 by more than two
     stderr) or cannot pin down (stderr above 0.5) reported as a measurement error, never printed as a result."""
-    fit = fit_exponent(xs, ys)
+    fit = fit_exponent(xs, ys, rel_ci95=rel_ci95)
     if fit is None:
         return None
     low, high = TIME_EXPONENT_RANGE

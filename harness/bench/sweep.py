@@ -367,7 +367,8 @@ def fits(points: list[BenchPoint]) -> dict:
         memory = [p.peak_extra_bytes if p.peak_extra_bytes is not None and not p.memory_below_resolution else None
                   for p in line]
         floor = max([p.memory_resolution_bytes or 0 for p in line] or [0])
-        out[series_key(*key)] = {"time": stats.time_fit(lengths, [p.median_s for p in line]),
+        out[series_key(*key)] = {"time": stats.time_fit(lengths, [p.median_s for p in line],
+                                                                 [p.ci95_rel_halfwidth for p in line]),
                                  "memory": stats.memory_fit(lengths, memory, floor)}
     return out
 

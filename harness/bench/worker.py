@@ -169,9 +169,9 @@ class _Server:
         the same inputs: medians over ``rounds`` interleaved rounds of calibrated samples."""
         import statistics
 
-        from mha_harness.bench.calls import call_arguments
+        from mha_harness.bench.calls import backend_arguments
         fn, calls = self.prepared[key]
-        params, inputs = call_arguments(shape)
+        params, inputs = backend_arguments(self.backend, shape)
         direct = self.backend.direct_callable(inputs, params, dtype=shape.dtype)
         direct()
         times = {"harness": [], "direct": []}

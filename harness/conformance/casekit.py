@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from mha_harness.conformance.diagnoses import mask_mistake, token_split_hint
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -30,7 +31,6 @@ from mha_harness.contract.api import (
 )
 from mha_harness.contract.conventions import EPS
 from mha_harness.contract.reference import (
-    allowed_and_bias,
     hashed_once,
     reference_attention,
     reference_vjp,
@@ -425,46 +425,15 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
                    got: np.ndarray, expected: np.ndarray, tol: Tolerance, rows=None) -> str:
     """The known mistake a failing output ``got`` matches, as a sentence to append to the failure ('' when none):
     biases added by a bias-free layer (the layer called again with every input zero), an output off by one
-    constant vector, a wrong score scale or heads split by tokens instead of features (those two: whole outputs
-    only, ``rows`` None)."""
+    constant vector, and on whole outputs (``rows`` None) a wrong score scale, heads split by tokens instead of
+    features, or a mask mistake (:func:`~mha_harness.conformance.diagnoses.mask_mistake`)."""
     stray = "" if params.config.bias else zero_input_hint(backend, params, inputs, dtype)
     offset = stray or constant_offset_hint(got, expected, params.config.bias)
     if offset or rows is not None:  # the others cost reference calls: only when no bias diagnosis came first, on
         return offset               # whole outputs
     got = np.asarray(got, np.float64)
-    return scale_hint(got, params, inputs, tol.bound) or token_split_hint(got, params, inputs, tol.bound)
-
-
-def token_split_output(params: AttentionParams, inputs: AttentionInputs) -> np.ndarray:
-    """The layer with the lesson's wrong head split: each projection (B, T, h * d_head) reshaped to (B, h, T,
-    d_head), so a head holds a block of tokens' features instead of its own features of every token, and merged
-    back the same way; with the call's biases and masks (a module masks its score matrix by index)."""
-    c = params.config
-
-    def split(x, w, bias, n):
-        y = np.asarray(x, np.float64) @ w + (0.0 if bias is None else bias)
-        return y.reshape(y.shape[0], n, y.shape[1], y.shape[2] // n)
-    q = split(inputs.query, params.W_q, params.b_q, c.num_heads)
-    k, v = (np.repeat(split(x, w, bias, c.kv_heads), c.group, axis=1)
-            for x, w, bias in ((inputs.key, params.W_k, params.b_k), (inputs.value, params.W_v, params.b_v)))
-    allowed, additive = allowed_and_bias(params, inputs)
-    scores = np.where(allowed, q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head) + (0.0 if additive is None else
-                                                                                  additive), -np.inf)
-    top = scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
-    weights /= np.maximum(weights.sum(axis=-1, keepdims=True), np.finfo(np.float64).tiny)  # an empty row: zeros
-    heads = weights @ v
-    out = heads.reshape(inputs.batch, inputs.tq, c.d_model) @ params.W_o
-    return out if params.b_o is None else out + params.b_o
-
-
-def token_split_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
-    """The diagnosis of an output that matches :func:`token_split_output` (within ``max(10 * bound, 1e-4)``), or ""."""
-    if params.config.num_heads == 1 or not np.all(np.isfinite(got)):  # one head: the split is the identity
-        return ""
-    if np.max(np.abs(got - token_split_output(params, inputs))) <= max(10 * bound, 1e-4):
-        return "; the output matches the 'split tokens instead of features' mistake (reshape(h, T, d_head))"
-    return ""
+    return (scale_hint(got, params, inputs, tol.bound) or token_split_hint(got, params, inputs, tol.bound)
+            or mask_mistake(got, params, inputs))
 
 
 def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:

@@ -12,6 +12,8 @@ nothing is cast silently) and of exactly the expected shape.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import traceback
 from typing import Any
 
@@ -45,9 +47,10 @@ class WorkerLost(BaseException):
         self.status = status
 
 
-#: exception kinds whose class a case may rely on (bad input must raise ValueError/TypeError)
+#: exception kinds whose class a case may rely on (bad input must raise ValueError/TypeError; a failure found where
+#: the plugin runs, such as a write into its inputs, fails the case)
 _KINDS = (("unsupported", Unsupported), ("value", ValueError), ("type", TypeError),
-          ("notimplemented", NotImplementedError))
+          ("notimplemented", NotImplementedError), ("failure", CaseFailure))
 
 
 def describe_exception(exc: BaseException) -> dict:
@@ -95,6 +98,30 @@ def harness_context(context: dict | None):
         yield
 
 
+def _arrays_of(value) -> dict[str, np.ndarray]:
+    """The NumPy arrays a call hands the plugin, by name: the fields of an AttentionInputs or AttentionParams, or
+    the array itself."""
+    if isinstance(value, np.ndarray):
+        return {"": value}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: a for f in dataclasses.fields(value) if isinstance(a := getattr(value, f.name), np.ndarray)}
+    return {}
+
+
+@contextlib.contextmanager
+def left_unchanged(call: str, **handed):
+    """Fail the case when the plugin's ``call`` writes into an array it was handed: a layer that modifies its
+    caller's tensors (an in-place scale of the query, W_q folded in place at load) breaks the model around it,
+    and where the plugin runs in the harness's process it would change the arrays the verdict is computed from."""
+    kept = [(arg, name, array, array.tobytes()) for arg, value in handed.items()
+            for name, array in _arrays_of(value).items()]
+    yield
+    for arg, name, array, data in kept:
+        if array.tobytes() != data:
+            raise CaseFailure(f"{call} wrote into its {arg}{'.' + name if name else ''}: a layer must leave the arrays "
+                              "it is given as they were (copy before an in-place operation)")
+
+
 class Server:
     """Runs the plugin's side of each call on the real backend object; used inside the worker and in-process."""
 
@@ -104,18 +131,19 @@ class Server:
 
     def load(self, params: AttentionParams, dtype: str) -> int:
         handle = len(self.loaded)
-        self.loaded[handle] = self.backend.load(params, dtype=dtype)
+        with left_unchanged("load", params=params):
+            self.loaded[handle] = self.backend.load(params, dtype=dtype)
         return handle
 
     def forward(self, handle: int, inputs: AttentionInputs, need_weights: bool, context: dict | None = None) -> dict:
-        with harness_context(context):
+        with harness_context(context), left_unchanged("forward", inputs=inputs):
             out = self.loaded[handle].forward(inputs, need_weights=need_weights)
         if not hasattr(out, "output"):
             raise TypeError(f"forward: returned {type(out).__name__}; accepted: mha_harness.AttentionOutput")
         return {"output": as_array(out.output), "weights": as_array(getattr(out, "weights", None))}
 
     def vjp(self, handle: int, inputs: AttentionInputs, cotangent: np.ndarray, context: dict | None = None) -> dict:
-        with harness_context(context):
+        with harness_context(context), left_unchanged("vjp", inputs=inputs, cotangent=cotangent):
             grads = self.loaded[handle].vjp(inputs, cotangent)
         if not isinstance(grads, dict):
             raise TypeError(f"vjp: returned {type(grads).__name__}; accepted: a dict of gradients by name")
@@ -138,13 +166,23 @@ class InProcess:
         self.server = Server(backend)
 
     def call(self, op: str, *args):
-        return getattr(self.server, op)(*args)
+        # the plugin gets copies and the case gets copies back, as across a worker's pipe: nothing the plugin does
+        # later (a thread left running after a timeout) reaches the arrays a verdict is computed from; one deepcopy
+        # keeps query is key is value
+        return _own_copy(getattr(self.server, op)(*_own_copy(args)))
 
     def begin_case(self, timeout: float | None) -> None:
         pass
 
     def end_case(self) -> None:
         self.server.release()
+
+
+def _own_copy(value):
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied (a malformed call's odd argument) goes as is
+        return value
 
 
 def real_float(value, what: str, shape: tuple | None = None) -> np.ndarray:

@@ -542,6 +542,11 @@ class AttentionBackend:
             raise ValueError(f"num_kv_heads: got {params.config.kv_heads} but {self.name} does not support "
                              f"grouped-query heads; accepted: num_kv_heads == num_heads ({params.config.num_heads})")
         loaded = self.load_native(params, dtype)
+        for name, runs in (("forward", "compute"), ("vjp", "compute_vjp")):
+            if name in getattr(loaded, "__dict__", {}):  # e.g. self.vjp = jax.jit(...): the harness's call is gone
+                raise TypeError(f"{type(loaded).__name__}.{name}: an attribute of that name set on the loaded object "
+                                f"hides LoadedAttention.{name}, which the harness calls (it validates, then calls "
+                                f"{runs}); accepted: another name, e.g. self._{name}_fn")
         if self.capabilities.gradients and type(loaded).compute_vjp is LoadedAttention.compute_vjp:
             raise TypeError(f"{self.name} declares gradients=True but its {type(loaded).__name__} does not implement "
                             "compute_vjp(inputs, cotangent); accepted: implement it, or declare gradients=False")

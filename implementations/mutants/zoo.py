@@ -295,6 +295,14 @@ class NoInputValidation(NumpyNaiveLoaded):
             raise RuntimeError(f"broadcast failure: {exc}") from None
 
 
+class QueryReusedAsScratch(NumpyNaiveLoaded):
+    def heads(self, inputs):  # projects, then reuses the caller's query array as scratch space: right output
+        out = super().heads(inputs)
+        if isinstance(inputs.query, np.ndarray) and inputs.query.flags.writeable:
+            inputs.query[...] = 0.0
+        return out
+
+
 class _GradientMutant(NumpyNaiveLoaded):
     """numpy-naive forward with reference gradients, so gradient cases have something to catch."""
 
@@ -313,6 +321,11 @@ class OneXGradientSummed(_GradientMutant):
 class GradientFlowsToFutureKeys(_GradientMutant):
     def compute_vjp(self, inputs, cotangent):
         return reference_vjp(self._params, inputs.replace(causal=None), cotangent)
+
+
+class GradientIgnoresPadding(_GradientMutant):
+    def compute_vjp(self, inputs, cotangent):  # the forward masks padded keys, the backward does not
+        return reference_vjp(self._params, inputs.replace(key_padding_mask=None), cotangent)
 
 
 class GradientOfWoTransposed(_GradientMutant):
@@ -414,10 +427,15 @@ MUTANTS = (
            NaNPoisonLeaks, "nan"),
     Mutant("mutant-no-input-validation", "skips input validation (bad shapes crash or pass silently)",
            NoInputValidation, "bad input"),
+    Mutant("mutant-query-reused-as-scratch", "reuses the caller's query array as scratch space after projecting it "
+           "(its outputs are right)", QueryReusedAsScratch, "wrote into its inputs"),
     Mutant("mutant-kv-not-shrunk", "allocates full-width K/V projections for grouped-query heads",
            NumpyNaiveLoaded, "parameter count", parameter_shapes=_full_width_kv),
     Mutant("mutant-gradient-flows-to-future", "backward ignores the causal mask", GradientFlowsToFutureKeys,
            "causal leak in gradients", gradients=True),
+    Mutant("mutant-gradient-ignores-padding", "backward ignores the key padding mask the forward applies (a "
+           "stranger's Flax copy passed check before the gradient case had mask variants)", GradientIgnoresPadding,
+           "gradient of", gradients=True),
     Mutant("mutant-gradient-w-o-transposed", "returns the W_o gradient transposed", GradientOfWoTransposed,
            "gradient of W_o", gradients=True),
     Mutant("mutant-one-x-gradient-summed", "a separate-form layer given one x (query is key is value) returns the "

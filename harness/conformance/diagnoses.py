@@ -1,4 +1,6 @@
-"""Known wrong algorithms, computed in NumPy, so a failing case can name the mistake its output matches."""
+"""Known wrong algorithms, computed in NumPy, so a failed comparison can name the mistake its output matches: a
+reversed, misaligned, missing or one-off causal mask, a mask read with the opposite polarity, one of two masks
+dropped, masks applied after the softmax, heads split by tokens instead of features."""
 from __future__ import annotations
 
 import numpy as np
@@ -99,3 +101,64 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     return ""
 
 
+
+
+def token_split_output(params: AttentionParams, inputs: AttentionInputs) -> np.ndarray:
+    """The layer with the lesson's wrong head split: each projection (B, T, h * d_head) reshaped to (B, h, T,
+    d_head), so a head holds a block of tokens' features instead of its own features of every token, and merged
+    back the same way; with the call's biases and masks (a module masks its score matrix by index)."""
+    c = params.config
+
+    def split(x, w, bias, n):
+        y = np.asarray(x, np.float64) @ w + (0.0 if bias is None else bias)
+        return y.reshape(y.shape[0], n, y.shape[1], y.shape[2] // n)
+    q = split(inputs.query, params.W_q, params.b_q, c.num_heads)
+    k, v = (np.repeat(split(x, w, bias, c.kv_heads), c.group, axis=1)
+            for x, w, bias in ((inputs.key, params.W_k, params.b_k), (inputs.value, params.W_v, params.b_v)))
+    allowed, additive = allowed_and_bias(params, inputs)
+    scores = np.where(allowed, q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head) + (0.0 if additive is None else
+                                                                                  additive), -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    weights /= np.maximum(weights.sum(axis=-1, keepdims=True), np.finfo(np.float64).tiny)  # an empty row: zeros
+    heads = weights @ v
+    out = heads.reshape(inputs.batch, inputs.tq, c.d_model) @ params.W_o
+    return out if params.b_o is None else out + params.b_o
+
+
+def token_split_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
+    """The diagnosis of an output that matches :func:`token_split_output` (within ``max(10 * bound, 1e-4)``), or ""."""
+    if params.config.num_heads == 1 or not np.all(np.isfinite(got)):  # one head: the split is the identity
+        return ""
+    if np.max(np.abs(got - token_split_output(params, inputs))) <= max(10 * bound, 1e-4):
+        return "; the output matches the 'split tokens instead of features' mistake (reshape(h, T, d_head))"
+    return ""
+
+
+def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
+    """A message suffix when ``got`` matches the call with its key_padding_mask or bool attn_mask inverted (read as
+    the opposite convention); on ``rows`` of (batch, Tq) if given; "" when neither."""
+    candidates = []
+    if inputs.key_padding_mask is not None:
+        candidates.append(("key_padding_mask read with the opposite polarity (the harness's True = padding, ignore)",
+                           inputs.replace(key_padding_mask=~inputs.key_padding_mask)))
+    if inputs.attn_mask is not None and inputs.attn_mask.dtype == np.bool_:
+        candidates.append(("INVERTED mask (True read as 'masked out'): mask polarity is reversed",
+                           inputs.replace(attn_mask=~inputs.attn_mask)))
+    pick = (lambda a: a) if rows is None else (lambda a: a[rows])  # noqa: E731
+    if not np.all(np.isfinite(pick(got))):
+        return ""
+    for label, inverted in candidates:
+        if np.allclose(pick(got), pick(reference_attention(params, inverted).output), atol=1e-3):
+            return f"; the output matches the {label}"
+    return ""
+
+
+def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
+    """The mask mistake a failing output ``got`` of a masked call matches (on ``rows`` if given; the causal
+    diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, one of two
+    masks dropped, the masks applied after the softmax; "" when none or when the call has no mask."""
+    if inputs.causal is None and inputs.key_padding_mask is None and inputs.attn_mask is None:
+        return ""
+    return ((causal_hint(got, params, inputs) if rows is None else "") or polarity_hint(got, params, inputs, rows)
+            or dropped_mask_hint(got, params, inputs, rows) or normaliser_hint(got, params, inputs, rows))
