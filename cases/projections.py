@@ -15,7 +15,7 @@ from mha_harness.conformance.casekit import (
     scale_hint,
     tolerance_for,
 )
-from mha_harness.conformance.diagnoses import token_split_hint
+from mha_harness.conformance.diagnoses import layer_mistake
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.params import make_params
 
@@ -43,7 +43,7 @@ def _identity_output(params: AttentionParams) -> AttentionParams:
 
 
 def _split_hint(backend, params, inputs, dtype) -> str:
-    return token_split_hint(run(backend, params, inputs, dtype).output, params, inputs,
+    return layer_mistake(run(backend, params, inputs, dtype).output, params, inputs,
                             tolerance_for(params, inputs, dtype)[1].bound)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_harness.conformance.diagnoses import mask_mistake, token_split_hint
+from mha_harness.conformance.diagnoses import layer_mistake, mask_mistake
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -425,14 +425,15 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
                    got: np.ndarray, expected: np.ndarray, tol: Tolerance, rows=None) -> str:
     """The known mistake a failing output ``got`` matches, as a sentence to append to the failure ('' when none):
     biases added by a bias-free layer (the layer called again with every input zero), an output off by one
-    constant vector, and on whole outputs (``rows`` None) a wrong score scale, heads split by tokens instead of
-    features, or a mask mistake (:func:`~mha_harness.conformance.diagnoses.mask_mistake`)."""
+    constant vector, and on whole outputs (``rows`` None) a wrong score scale, a known wrong layer
+    (:func:`~mha_harness.conformance.diagnoses.layer_mistake`: heads split by tokens, a softmax over the queries, no
+    W_o) or a mask mistake (:func:`~mha_harness.conformance.diagnoses.mask_mistake`)."""
     stray = "" if params.config.bias else zero_input_hint(backend, params, inputs, dtype)
     offset = stray or constant_offset_hint(got, expected, params.config.bias)
     if offset or rows is not None:  # the others cost reference calls: only when no bias diagnosis came first, on
         return offset               # whole outputs
     got = np.asarray(got, np.float64)
-    return (scale_hint(got, params, inputs, tol.bound) or token_split_hint(got, params, inputs, tol.bound)
+    return (scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
             or mask_mistake(got, params, inputs))
 
 

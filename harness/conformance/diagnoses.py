@@ -1,6 +1,7 @@
 """Known wrong algorithms, computed in NumPy, so a failed comparison can name the mistake its output matches: a
 reversed, misaligned, missing or one-off causal mask, a mask read with the opposite polarity, one of two masks
-dropped, masks applied after the softmax, heads split by tokens instead of features."""
+dropped, masks applied after the softmax, heads split by tokens instead of features, a softmax over the queries, no
+output projection."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,36 +11,41 @@ from mha_harness.contract.conventions import causal_offset, other_alignment
 from mha_harness.contract.reference import allowed_and_bias, reference_attention
 
 
-def _heads(x: np.ndarray, n: int) -> np.ndarray:
-    b, t, w = x.shape
-    return x.reshape(b, t, n, w // n).transpose(0, 2, 1, 3)
-
-
-def _project(x, w, b):
-    return x @ w + (0 if b is None else b)
-
-
-def mask_after_softmax_output(params: AttentionParams, inputs: AttentionInputs) -> np.ndarray:
-    """Output when the masks are applied AFTER the softmax without renormalising: masked keys get weight 0
-    but still enter every row's normaliser (denominator), so the kept weights sum to less than 1."""
+def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool = False,
+                       softmax_axis: int = -1, mask_after_softmax: bool = False) -> np.ndarray:
+    """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``,
+    the lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
+    block of tokens instead of its own features of every token, merged back the same way; a module masks its score
+    matrix by index); ``softmax_axis=-2``, the softmax over the queries instead of the keys; ``mask_after_softmax``,
+    the masks applied after the softmax without renormalising (masked keys get weight 0 but stay in every row's
+    normaliser). Masked values never reach it (a NaN stored there is read as 0)."""
     c = params.config
-    q = _heads(_project(inputs.query, params.W_q, params.b_q), c.num_heads)
-    k = np.repeat(_heads(_project(inputs.key, params.W_k, params.b_k), c.kv_heads), c.group, axis=1)
-    v = np.repeat(_heads(_project(inputs.value, params.W_v, params.b_v), c.kv_heads), c.group, axis=1)
-    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head)
+
+    def heads(x, w, bias, n):
+        y = np.asarray(x, np.float64) @ w + (0.0 if bias is None else bias)
+        b, t, width = y.shape
+        return y.reshape(b, n, t, width // n) if split_tokens else y.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
+    q = heads(inputs.query, params.W_q, params.b_q, c.num_heads)
+    k, v = (np.repeat(heads(x, w, bias, c.kv_heads), c.group, axis=1)
+            for x, w, bias in ((inputs.key, params.W_k, params.b_k), (inputs.value, params.W_v, params.b_v)))
     allowed, additive = allowed_and_bias(params, inputs)
-    if additive is not None:
-        scores = scores + additive
-    e = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    weights = np.where(allowed, e / e.sum(axis=-1, keepdims=True), 0.0)
-    heads = weights @ np.where(np.isfinite(v), v, 0.0)
-    b, h, t, dh = heads.shape
-    return _project(heads.transpose(0, 2, 1, 3).reshape(b, t, h * dh), params.W_o, params.b_o)
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head) + (0.0 if additive is None else additive)
+    if not mask_after_softmax:
+        scores = np.where(allowed, scores, -np.inf)
+    top = scores.max(axis=softmax_axis, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    weights /= np.maximum(weights.sum(axis=softmax_axis, keepdims=True), np.finfo(np.float64).tiny)  # empty: zeros
+    if mask_after_softmax:
+        weights = np.where(allowed, weights, 0.0)
+    out = weights @ np.where(np.isfinite(v), v, 0.0)
+    b, h, t, dh = out.shape
+    merged = out.reshape(b, t, h * dh) if split_tokens else out.transpose(0, 2, 1, 3).reshape(b, t, h * dh)
+    return merged @ params.W_o + (0.0 if params.b_o is None else params.b_o)
 
 
 def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
     """A message suffix when ``got`` matches the mask-after-softmax mistake (on ``rows`` of (batch, Tq) if given)."""
-    wrong = mask_after_softmax_output(params, inputs)
+    wrong = wrong_layer_output(params, inputs, mask_after_softmax=True)
     if rows is not None:
         got, wrong = got[rows], wrong[rows]
     if np.all(np.isfinite(got)) and np.allclose(got, wrong, atol=1e-4, rtol=1e-4):
@@ -103,35 +109,24 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
 
 
 
-def token_split_output(params: AttentionParams, inputs: AttentionInputs) -> np.ndarray:
-    """The layer with the lesson's wrong head split: each projection (B, T, h * d_head) reshaped to (B, h, T,
-    d_head), so a head holds a block of tokens' features instead of its own features of every token, and merged
-    back the same way; with the call's biases and masks (a module masks its score matrix by index)."""
-    c = params.config
-
-    def split(x, w, bias, n):
-        y = np.asarray(x, np.float64) @ w + (0.0 if bias is None else bias)
-        return y.reshape(y.shape[0], n, y.shape[1], y.shape[2] // n)
-    q = split(inputs.query, params.W_q, params.b_q, c.num_heads)
-    k, v = (np.repeat(split(x, w, bias, c.kv_heads), c.group, axis=1)
-            for x, w, bias in ((inputs.key, params.W_k, params.b_k), (inputs.value, params.W_v, params.b_v)))
-    allowed, additive = allowed_and_bias(params, inputs)
-    scores = np.where(allowed, q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head) + (0.0 if additive is None else
-                                                                                  additive), -np.inf)
-    top = scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
-    weights /= np.maximum(weights.sum(axis=-1, keepdims=True), np.finfo(np.float64).tiny)  # an empty row: zeros
-    heads = weights @ v
-    out = heads.reshape(inputs.batch, inputs.tq, c.d_model) @ params.W_o
-    return out if params.b_o is None else out + params.b_o
-
-
-def token_split_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
-    """The diagnosis of an output that matches :func:`token_split_output` (within ``max(10 * bound, 1e-4)``), or ""."""
-    if params.config.num_heads == 1 or not np.all(np.isfinite(got)):  # one head: the split is the identity
+def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
+    """The diagnosis of a whole output that matches, within ``max(10 * bound, 1e-4)``, the layer with its heads
+    split by tokens, its softmax over the queries, or no output projection; "" when none."""
+    if not np.all(np.isfinite(got)):
         return ""
-    if np.max(np.abs(got - token_split_output(params, inputs))) <= max(10 * bound, 1e-4):
-        return "; the output matches the 'split tokens instead of features' mistake (reshape(h, T, d_head))"
+    c = params.config
+    candidates = []
+    if c.num_heads > 1 and inputs.tq > 1:  # one head or one token: the token split is the identity
+        candidates.append(("the 'split tokens instead of features' mistake (reshape(h, T, d_head))",
+                           lambda: wrong_layer_output(params, inputs, split_tokens=True)))
+    candidates.append(("a softmax over the queries (axis -2: each key's weights sum to 1) instead of over the keys",
+                       lambda: wrong_layer_output(params, inputs, softmax_axis=-2)))
+    no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
+    candidates.append(("concat(heads) without the output projection W_o (and b_o): W_o is missing",
+                       lambda: reference_attention(params.replace(W_o=np.eye(c.d_model), b_o=no_bias), inputs).output))
+    for label, output in candidates:
+        if np.max(np.abs(got - output())) <= max(10 * bound, 1e-4):
+            return f"; the output matches {label}"
     return ""
 
 
