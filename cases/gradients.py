@@ -43,12 +43,13 @@ def _gradient_variants(backend):
     if caps.inputs == "separate":  # it accepts one x too (the grid and search call it so)
         out.append({"dtype": out[0]["dtype"], "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4,
                     "one_x": True})
-    # a backward that drops a mask the forward applies: padding, then the attn_mask kind declared (additive first)
+    # a backward that drops a mask the forward applies: padding and the attn_mask kind declared (additive first),
+    # together in one call (one more compiled program per backend, not two)
     attn_mask = next((k for k in ("additive_attn_mask", "bool_attn_mask") if getattr(caps, k)), None)
-    for mask in ("key_padding_mask" if caps.key_padding_mask else None, attn_mask):
-        if mask:
-            out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
-                        "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4, "mask": mask})
+    masks = [k for k in ("key_padding_mask" if caps.key_padding_mask else None, attn_mask) if k]
+    if masks:
+        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
+                    "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4, "mask": "+".join(masks)})
     return out
 
 
@@ -56,15 +57,19 @@ def _gradient_variants(backend):
 PADDED_ITEM_KEYS = 17
 
 
-def _mask(kind: str | None, batch: int, tq: int, tk: int) -> dict:
-    """The variant's mask as AttentionInputs fields: item 1 padded after PADDED_ITEM_KEYS keys, or a random
-    attn_mask (every row keeps a key; bool, or finite biases with -inf where masked)."""
-    if kind == "key_padding_mask":
-        return {"key_padding_mask": np.arange(tk)[None, :] >= np.array([tk, PADDED_ITEM_KEYS][:batch])[:, None]}
-    if kind in ("bool_attn_mask", "additive_attn_mask"):
-        allowed = random_allowed_mask(tq, tk, seed=23)
-        return {"attn_mask": allowed if kind == "bool_attn_mask" else additive_mask_from(allowed, seed=24)}
-    return {}
+def _mask(kinds: str | None, batch: int, tq: int, tk: int) -> dict:
+    """The variant's masks as AttentionInputs fields, for each kind in ``kinds`` ('+'-joined): item 1 padded after
+    PADDED_ITEM_KEYS keys; a random attn_mask (every row keeps key 0, so padding never empties a row; bool, or
+    finite biases with -inf where masked)."""
+    fields = {}
+    for kind in (kinds or "").split("+"):
+        if kind == "key_padding_mask":
+            fields[kind] = np.arange(tk)[None, :] >= np.array([tk, PADDED_ITEM_KEYS][:batch])[:, None]
+        elif kind in ("bool_attn_mask", "additive_attn_mask"):
+            allowed = random_allowed_mask(tq, tk, seed=23)
+            allowed[:, 0] = True
+            fields["attn_mask"] = allowed if kind == "bool_attn_mask" else additive_mask_from(allowed, seed=24)
+    return fields
 
 
 @case(requires=("gradients",), variants=_gradient_variants, forms=ALL_FORMS)
@@ -73,10 +78,10 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     reference's, within the tolerance rule applied to the naive backward in the same dtype. The input gradients
     follow the backend's declared form: one x (``inputs='self'``) gives d/dx, the sum over its three uses; shared
     K/V gives d/dx_kv, the sum of the key and value parts; a separate-form backend gives d/dquery, d/dkey and
-    d/dvalue, also when it is called with one x (``one_x``, as the grid and search call it). With a ``mask``
-    (padding, or the attn_mask kind declared) the backward applies it as the forward does: padded and masked keys
-    get exactly the reference's gradient (zero where nothing reaches them); the cotangent is zero at padded query
-    positions (Tq = Tk), whose outputs are unspecified."""
+    d/dvalue, also when it is called with one x (``one_x``, as the grid and search call it). With ``mask``
+    (padding and the attn_mask kind declared, in one call) the backward applies them as the forward does: padded
+    and masked keys get exactly the reference's gradient (zero where nothing reaches them); the cotangent is zero
+    at padded query positions (Tq = Tk), whose outputs are unspecified."""
     config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias)
     params = make_params(config, seed=21)
     form = "self" if one_x else form
