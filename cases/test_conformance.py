@@ -13,8 +13,9 @@ MHA_HARNESS_CASES = True
 
 
 def _make(case_name: str):
-    def test(mha_backend, mha_params):
-        run_as_test(case_name, mha_backend, mha_params)
+    def test(mha_backend, mha_params, request):
+        spec = getattr(request.config, "_mha_repro_specs", {}).get(mha_backend.name)
+        run_as_test(case_name, mha_backend, mha_params, spec=spec)
     test.__name__ = case_name
     test.__doc__ = all_cases()[case_name].doc
     test._mha_case = case_name

@@ -83,6 +83,7 @@ def _targets(config):
         targets = _resolve_targets(config.getoption("--mha-backend"))
         cached = config._mha_targets = [t.backend for t in targets]
         config._mha_specs = {t.backend.name: t.spec for t in targets}
+        config._mha_repro_specs = {t.backend.name: t.repro_spec for t in targets}  # a spec's repro names the spec
     return cached
 
 

@@ -113,3 +113,26 @@ def test_parametrize_with_cases_fails_a_broken_backend_with_the_case_message(pyt
     result = pytester.runpytest("-q")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*failed: output vs concat(heads) @ W_o*", "*repro: python -c*"])
+
+
+def test_a_spec_backend_s_repro_under_the_plugin_names_the_spec_and_runs(tmp_path):
+    """A stranger pasted a repro line printed under `--mha-backend module:object`: it named the backend by a name no
+    registry knows and raised RegistryError. It names the spec now, as `check --backend-spec` does, and runs."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *sys.path])}
+    spec = "tests.always_causal_objects:GPTCausalSelfAttentionSeesNextToken"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "mha_harness.cases",
+                           "--mha-backend", spec, "-k", "check_causal_output_matches_reference", "-q"],
+                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    repro = re.search(r"repro: (python -c '.*')", done.stdout)
+    assert done.returncode == 1 and repro, done.stdout[-1500:]
+    assert f'repro("{spec}"' in repro.group(1)
+    pasted = subprocess.run(repro.group(1), shell=True, cwd=root, capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert pasted.returncode == 1 and "failed:" in pasted.stdout and "Traceback" not in pasted.stderr, \
+        pasted.stdout + pasted.stderr

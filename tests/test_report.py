@@ -600,3 +600,22 @@ def test_every_reference_failure_of_a_wrong_scale_names_the_scale():
     named = [r for r in failed if "the output matches scores scaled by" in r.message
              and "1/d_head instead of 1/sqrt(d_head)" in r.message]
     assert failed and named == failed, [r.message for r in failed if r not in named][:1]
+
+
+def test_a_declared_divergence_whose_case_did_not_run_is_shown_as_not_verified():
+    """masked_poison_divergences() also declares the padding leak case; a backend without key padding never runs it,
+    yet the report listed it under "Each is verified" (a stranger's decode kernel). It now counts the variants."""
+    import dataclasses
+
+    import mha_harness
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    from mha_harness.toolkit.divergences import masked_poison_divergences
+
+    class NoPadding(NumpyNaive):
+        name = "no-padding"
+        capabilities = dataclasses.replace(NumpyNaive.capabilities, key_padding_mask=False)
+        divergences = masked_poison_divergences("declared for the test")
+
+    md = mha_harness.check(NoPadding(), cases=["check_padding_mask_blocks_padded_keys"]).to_markdown()
+    row = next(line for line in md.splitlines() if "| no-padding | check_padding_mask_blocks_padded_keys |" in line)
+    assert row.endswith("| none: the case did not diverge or run here |")

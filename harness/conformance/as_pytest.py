@@ -11,10 +11,11 @@ from mha_harness.conformance.runner import run_case
 from mha_harness.contract.api import AttentionBackend
 
 
-def run_as_test(case_name: str, backend: AttentionBackend, params: dict) -> None:
-    """Run one variant in this process and translate its status into pytest's outcomes."""
+def run_as_test(case_name: str, backend: AttentionBackend, params: dict, spec: str | None = None) -> None:
+    """Run one variant in this process and translate its status into pytest's outcomes. ``spec``: the
+    ``module:object`` the backend came from, which its repro line must name (it is not a registered name)."""
     import pytest
-    result = run_case(backend, all_cases()[case_name], params)
+    result = run_case(backend, all_cases()[case_name], params, spec=spec)
     if result.status == SKIPPED:
         pytest.skip(result.message)
     if result.status == EXPECTED_DIVERGENCE:

@@ -93,3 +93,6 @@ class GPT2Attention(mha_harness.AttentionBackend):
     def native_parameter_shapes(self, config):  # what the module allocates: checked against 4 d_model^2 (+ 4 d_model)
         module = CausalSelfAttention(config.d_model, config.num_heads, bias=config.bias)
         return {name: tuple(p.shape) for name, p in module.named_parameters()}
+
+    def versions(self):  # recorded with every result
+        return {"numpy": np.__version__, "torch": torch.__version__}
