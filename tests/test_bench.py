@@ -16,7 +16,7 @@ import pytest
 from mha_harness.bench import stats
 from mha_harness.bench.memory import peak_extra_bytes
 from mha_harness.bench.metrics import Shape, compulsory_bytes, core_flops, metrics
-from mha_harness.bench.sweep import BenchConfig, run_bench
+from mha_harness.bench.sweep import BenchConfig, BenchPoint, run_bench, table
 from mha_harness.implementations.numpy_naive import NumpyNaive
 from mha_harness.implementations.numpy_tiled import NumpyTiled
 from tests.conftest import ROOT
@@ -125,6 +125,7 @@ def test_decode_workload_is_bottom_right_with_its_own_plots(tmp_path):
                     query_lens=(1, 16))
     assert {(p["tq"], p["tk"]) for p in doc["points"]} == {(1, 64), (16, 64), (1, 256), (16, 256)}
     assert all(p["causal"] and p["status"] == "measured" and p["gbytes_per_s"] > 0 for p in doc["points"])
+    assert {p["call_mask"] for p in doc["points"]} == {"bottom-right"}
     assert "numpy-tiled|decode tq=1|forward" in doc["fits"]
     for name in ("decode_time_vs_kv_len.png", "decode_bandwidth_vs_kv_len.png", "bench.json"):
         assert (tmp_path / "bench-decode" / name).exists()
@@ -496,6 +497,25 @@ def test_a_cross_attention_layer_without_causal_masks_runs_the_one_query_decode_
     assert unsupported(backend, sixteen) == "no bottom-right causal mask"
     assert backend_arguments(backend, one)[1].causal is None
     assert backend_arguments(NumpyNaive(), one)[1].causal == "bottom-right"  # a causal backend gets its mask
+
+
+def test_a_decode_point_run_unmasked_says_so_in_the_json_and_the_table(tmp_path):
+    """The one-query decode step of a backend without bottom-right masking runs unmasked; its point recorded only
+    the shape's ``causal: true``, so the JSON and the table read as if the call had carried the mask."""
+    import dataclasses
+    cross = NumpyNaive()
+    cross.name = "numpy-naive-cross"
+    cross.capabilities = dataclasses.replace(cross.capabilities, causal_alignments=())
+    doc = run_bench([cross, NumpyTiled()], tmp_path, seq_lens=[64], config=BenchConfig(workload="decode", **SMALL),
+                    query_lens=(1, 16))
+    by = {(p["backend"], p["tq"]): p for p in doc["points"]}
+    assert by[("numpy-naive-cross", 1)]["call_mask"] == "none" and by[("numpy-naive-cross", 1)]["causal"]
+    assert by[("numpy-naive-cross", 1)]["status"] == "measured"
+    assert by[("numpy-naive-cross", 16)]["status"] == "skipped"
+    assert by[("numpy-tiled", 1)]["call_mask"] == by[("numpy-tiled", 16)]["call_mask"] == "bottom-right"
+    rows = [line.split() for line in table([BenchPoint(**p) for p in doc["points"]]).splitlines()]
+    assert ["numpy-naive-cross", "fwd", "none"] in [r[:3] for r in rows]
+    assert ["numpy-tiled", "fwd", "bottom-right"] in [r[:3] for r in rows]
 
 
 def test_a_time_exponent_carries_its_points_confidence_intervals():

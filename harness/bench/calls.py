@@ -20,6 +20,15 @@ def one_query_sees_every_key(backend, shape: Shape) -> bool:
             and "bottom-right" not in caps.causal_alignments)
 
 
+def mask_in_call(backend, shape: Shape) -> str:
+    """The mask the call for ``shape`` carries when ``backend`` runs it: its causal alignment ("top-left",
+    "bottom-right") or "none" (a full-attention shape, or the one-query decode step of a backend without
+    bottom-right masking, :func:`one_query_sees_every_key`). Recorded with each point, beside the shape's ``causal``."""
+    if one_query_sees_every_key(backend, shape):
+        return "none"
+    return causal_alignment(shape) or "none"
+
+
 def unsupported(backend, shape: Shape) -> str | None:
     """Why ``backend`` cannot run ``shape``, from its declared capabilities; None when it can."""
     caps = backend.capabilities

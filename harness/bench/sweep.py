@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mha_harness.bench import stats
-from mha_harness.bench.calls import unsupported
+from mha_harness.bench.calls import mask_in_call, unsupported
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import (
     BYTES_FORMULA,
@@ -46,7 +46,7 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.0"
+SCHEMA_VERSION = "2.1"  # 2.1: points record call_mask
 MAX_CONSECUTIVE_LOSSES = 2  # crashes or out-of-memory in a row before a backend's remaining points are not run
 MEASURED, SKIPPED, NOT_RUN = "measured", "skipped", "not-run"
 
@@ -81,8 +81,9 @@ class BenchPoint:
     seq_len: int  # T for prefill; the KV length Tk for decode
     tq: int
     tk: int
-    causal: bool
+    causal: bool  # the workload's shape: prefill top-left, decode bottom-right
     mode: str  # "forward" or "forward+backward"
+    call_mask: str | None = None  # the mask the call carried ("top-left", "bottom-right", "none"): calls.mask_in_call
     status: str = NOT_RUN
     skipped: str | None = None  # the reason, when status is not "measured"
     samples_s: list = field(default_factory=list)
@@ -216,6 +217,7 @@ class Sweep:
             if reason:
                 point.status, point.skipped = SKIPPED, reason
                 continue
+            point.call_mask = mask_in_call(self.backends[point.backend], shape_of(point, config))
             answer = self.ask(point, ("prepare", point.key, shape_of(point, config), config.warm_up_s,
                                       config.min_sample_s))
             if answer is not None:
@@ -398,22 +400,28 @@ def table(points: list[BenchPoint]) -> str:
         workload, tq, tk = key
         label = "T" if workload == "prefill" else f"decode Tq = {tq}, KV"
         lines.append(f"\n{label} = {tk}")
-        lines.append(f"  {'backend':<24}{'mode':<9}{'causal':<7}{'median ms':>10}{'95% CI +-':>10}{'n':>4}"
+        lines.append(f"  {'backend':<24}{'mode':<9}{'mask':<13}{'median ms':>10}{'95% CI +-':>10}{'n':>4}"
                      f"{'calls':>6}{'peak MiB':>9}{'GFLOP/s':>9}{'%GEMM':>7}{'GB/s':>7}{'%BW':>6}")
         for p in (q for q in points if (q.workload, q.tq, q.tk) == key):
             mode = "fwd" if p.mode == "forward" else "fwd+bwd"
             if p.status != MEASURED:
-                lines.append(f"  {p.backend:<24}{mode:<9}{str(p.causal):<7}  {p.status}: {(p.skipped or '')[:70]}")
+                lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}  {p.status}: {(p.skipped or '')[:70]}")
                 continue
             ci = f"{100 * p.ci95_rel_halfwidth:.1f}%" if p.ci95_rel_halfwidth is not None else "n/a"
             flag = "*" if p.budget_exhausted else " "
-            lines.append(f"  {p.backend:<24}{mode:<9}{str(p.causal):<7}{p.median_s * 1e3:>10.3f}{ci:>9}{flag}"
+            lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}{p.median_s * 1e3:>10.3f}{ci:>9}{flag}"
                          f"{p.n_samples:>4}{p.calls_per_sample or 0:>6}{_fmt_memory(p):>9}{p.gflops or 0:>9.1f}"
                          f"{100 * (p.fraction_of_gemm_peak or 0):>6.1f}%{p.gbytes_per_s or 0:>7.2f}"
                          f"{100 * (p.fraction_of_memory_bandwidth or 0):>5.1f}%")
     lines.append("\n  * the time budget ran out before the 95% CI reached the target; '<N' = below the memory "
-                 "method's resolution of N MiB")
+                 "method's resolution of N MiB; mask: the causal mask the call carried (none for full attention, "
+                 "and for the one-query decode step of a backend without bottom-right masking: the same attention)")
     return "\n".join(lines)
+
+
+def _mask_label(p: BenchPoint) -> str:
+    """The mask column: what the call carried, or for a point never prepared the shape's ("causal" or "none")."""
+    return p.call_mask or ("causal" if p.causal else "none")
 
 
 def _positive(y) -> bool:
