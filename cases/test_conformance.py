@@ -14,7 +14,8 @@ MHA_HARNESS_CASES = True
 
 def _make(case_name: str):
     def test(mha_backend, mha_params, request):
-        spec = getattr(request.config, "_mha_repro_specs", {}).get(mha_backend.name)
+        target = getattr(request.config, "_mha_target_of", {}).get(mha_backend.name)
+        spec = target.repro_spec if target else None
         run_as_test(case_name, mha_backend, mha_params, spec=spec)
     test.__name__ = case_name
     test.__doc__ = all_cases()[case_name].doc

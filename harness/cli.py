@@ -467,30 +467,33 @@ def _not_loaded(registry, names) -> list[str]:
     return [f"{name}: {registry.get(name).error}" for name in names if registry.get(name).error]
 
 
+def _points_by_backend(doc: dict) -> dict[str, list[dict]]:
+    """The sweep's points grouped by backend, in the order they appear."""
+    points: dict[str, list[dict]] = {}
+    for point in doc.get("points", []):
+        points.setdefault(point["backend"], []).append(point)
+    return points
+
+
 def _bench_problems(doc: dict) -> list[str]:
     """One line per backend with points that were neither measured nor skipped as unsupported (timeout, crash,
     out of memory, error, not run after losses), or whose memory measurement failed."""
-    lost: dict[str, list[dict]] = {}
-    for point in doc.get("points", []):
-        if point.get("status") not in ("measured", "skipped") or point.get("memory_error"):
-            lost.setdefault(point["backend"], []).append(point)
     lines = []
-    for name, points in lost.items():
-        first = points[0]
-        why = first.get("memory_error") or f"{first.get('status')}: {first.get('skipped') or ''}"
-        lines.append(f"{name}: {len(points)} point(s) not measured (first: Tq={first.get('tq')} Tk={first.get('tk')}"
-                     f" {first.get('mode')}: {why[:200]})")
+    for name, mine in _points_by_backend(doc).items():
+        lost = [p for p in mine if p.get("status") not in ("measured", "skipped") or p.get("memory_error")]
+        if lost:
+            first = lost[0]
+            why = first.get("memory_error") or f"{first.get('status')}: {first.get('skipped') or ''}"
+            lines.append(f"{name}: {len(lost)} point(s) not measured (first: Tq={first.get('tq')} "
+                         f"Tk={first.get('tk')} {first.get('mode')}: {why[:200]})")
     return lines
 
 
 def _nothing_measured(doc: dict) -> list[str]:
     """One line per backend none of whose points was measured, every one skipped as unsupported, with the first
     reason (an always-causal layer at the default --causal off, a backend without gradients under --backward)."""
-    points: dict[str, list[dict]] = {}
-    for point in doc.get("points", []):
-        points.setdefault(point["backend"], []).append(point)
     lines = []
-    for name, mine in points.items():
+    for name, mine in _points_by_backend(doc).items():
         if all(p.get("status") == "skipped" for p in mine):
             why = mine[0].get("skipped") or "unsupported"
             hint = "; pass --causal on (or both)" if "always causal" in why else ""

@@ -82,8 +82,7 @@ def _targets(config):
     if cached is None:
         targets = _resolve_targets(config.getoption("--mha-backend"))
         cached = config._mha_targets = [t.backend for t in targets]
-        config._mha_specs = {t.backend.name: t.spec for t in targets}
-        config._mha_repro_specs = {t.backend.name: t.repro_spec for t in targets}  # a spec's repro names the spec
+        config._mha_target_of = {t.backend.name: t for t in targets}  # the search rebuilds .spec; repros name it
     return cached
 
 

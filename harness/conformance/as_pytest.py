@@ -47,8 +47,9 @@ def run_search_as_test(backend: AttentionBackend, config) -> None:
     from mha_harness.conformance.isolation import Target
     from mha_harness.conformance.search import search_backend
     from mha_harness.conformance.search_examples import search_dir
-    spec = getattr(config, "_mha_specs", {}).get(backend.name)
-    outcome = search_backend(Target(backend, spec), max_examples=config.getoption("--mha-search-examples"),
+    target = getattr(config, "_mha_target_of", {}).get(backend.name)
+    outcome = search_backend(Target(backend, target.spec if target else None),
+                             max_examples=config.getoption("--mha-search-examples"),
                              seed=config.getoption("--mha-search-seed"), results=search_dir().parent, isolate=False)
     if not outcome.passed:
         pytest.fail("\n".join(outcome.lines()), pytrace=False)
