@@ -45,10 +45,14 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
 
 def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
     """A message suffix when ``got`` matches the mask-after-softmax mistake (on ``rows`` of (batch, Tq) if given)."""
+    if rows is not None:
+        got = got[rows]
+    if not np.all(np.isfinite(got)):  # the wrong layer's output is finite: no match, and no need to build it
+        return ""
     wrong = wrong_layer_output(params, inputs, mask_after_softmax=True)
     if rows is not None:
-        got, wrong = got[rows], wrong[rows]
-    if np.all(np.isfinite(got)) and np.allclose(got, wrong, atol=1e-4, rtol=1e-4):
+        wrong = wrong[rows]
+    if np.allclose(got, wrong, atol=1e-4, rtol=1e-4):
         return ("; the output matches the mask applied after the softmax without renormalising (masked keys still "
                 "enter the softmax denominator)")
     return ""
