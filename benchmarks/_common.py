@@ -7,6 +7,9 @@ Calls are built exactly as ``mha-harness bench`` builds them (mha_harness.bench.
 throughput comes from the same metrics function (mha_harness.bench.metrics).
 
 Environment knobs (for quick runs and tests): MHA_ASV_BACKENDS (comma-separated names),
+MHA_ASV_BACKEND_SPECS (comma-separated 'module:object' plugins, as `--backend-spec` takes them; asv keeps
+PYTHONPATH from its benchmark processes, so put the plugin's folder in ASV_PYTHONPATH, which asv passes on as
+PYTHONPATH),
 MHA_ASV_SEQ_LENS (comma-separated lengths), MHA_ASV_MAX_CPU_SEQ (default 8192),
 MHA_ASV_DECODE_KV_LENS (default 1024,4096,16384,65536), MHA_ASV_THREADS (default: the bench default, 2).
 """
@@ -26,15 +29,36 @@ DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 
 
+def _listed(variable: str) -> list[str]:
+    return [v.strip() for v in os.environ.get(variable, "").split(",") if v.strip()]
+
+
+SPECS = _listed("MHA_ASV_BACKEND_SPECS")
+_REGISTRY = None
+
+
+def registry():
+    """The registry with MHA_ASV_BACKEND_SPECS's plugins (ValueError for a malformed spec)."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        from mha_harness.registry import load_registry
+        _REGISTRY = load_registry(SPECS)
+    return _REGISTRY
+
+
 def _backend_names() -> list[str]:
-    wanted = [n for n in os.environ.get("MHA_ASV_BACKENDS", "").split(",") if n]
-    if wanted:
+    """MHA_ASV_BACKENDS's names, then the backends of MHA_ASV_BACKEND_SPECS (with either set, only those, as the
+    command line's --backend and --backend-spec); with neither, every registered backend that loaded."""
+    wanted = _listed("MHA_ASV_BACKENDS")
+    if wanted and not SPECS:
         return wanted
     try:
-        from mha_harness.registry import load_registry
-        return [e.name for e in load_registry().entries.values() if e.backend is not None]
-    except Exception:  # noqa: BLE001 - asv must still import this file
-        return []
+        entries = list(registry().entries.values())
+    except Exception:  # noqa: BLE001 - asv must still import this file (a malformed spec: setup says why)
+        return wanted + [s for s in SPECS if s not in wanted]
+    if SPECS:  # a spec that failed to import is a row too: its setup skips with the reason
+        return wanted + [e.name for e in entries if e.spec in SPECS and e.name not in wanted]
+    return [e.name for e in entries if e.backend is not None]
 
 
 def _ints(variable: str, default) -> list[int]:
@@ -49,16 +73,7 @@ CAUSAL = [False, True]
 PARAMS = [BACKENDS, SEQ_LENS, CAUSAL]
 PARAM_NAMES = ["backend", "seq_len", "causal"]
 MAX_CPU_SEQ = int(os.environ.get("MHA_ASV_MAX_CPU_SEQ", "8192"))
-_REGISTRY = None
 _ROOFS = {}
-
-
-def registry():
-    global _REGISTRY
-    if _REGISTRY is None:
-        from mha_harness.registry import load_registry
-        _REGISTRY = load_registry()
-    return _REGISTRY
 
 
 def roofs() -> dict:

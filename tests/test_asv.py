@@ -78,3 +78,38 @@ def test_benchmark_files_import_without_any_backend_available(tmp_path):
            "try:\n    prepared('does-not-exist', 64, False)\nexcept NotImplementedError as e:\n    print('skip:', e)\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
     assert out.returncode == 0 and "skip: backend: got 'does-not-exist'" in out.stdout, out.stderr
+
+
+PLUGIN = '''
+from mha_harness.implementations.numpy_naive import NumpyNaive
+
+
+class MyAttention(NumpyNaive):
+    name = "my-asv-attention"
+'''
+
+
+def test_a_plugin_given_as_a_spec_is_benchmarked_without_installing_it(tmp_path):
+    """A plugin that is only a module in a folder of the user's (no entry point) reaches asv through
+    MHA_ASV_BACKEND_SPECS and ASV_PYTHONPATH (asv drops PYTHONPATH from its benchmark processes); a spec that does
+    not import is a row whose setup skips with the import error, not a failed run."""
+    plugin_dir = tmp_path / "plugin"
+    plugin_dir.mkdir()
+    (plugin_dir / "my_asv_attn.py").write_text(PLUGIN)
+    config = asv_config(tmp_path)
+    env = {"MHA_ASV_BACKEND_SPECS": "my_asv_attn:MyAttention,no_such_module:thing", "ASV_PYTHONPATH":
+           str(plugin_dir), "MHA_ASV_SEQ_LENS": "64"}
+    out = run_asv(config, "run", "--python=same", "--quick", "--show-stderr", "--machine", "cpu-box",
+                  "--bench", "bench_time.TimeForward.time_forward", env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "No module named 'no_such_module'" in out.stdout + out.stderr
+    [result_file] = [p for p in (tmp_path / "asv" / "cpu-box").glob("*.json") if p.name != "machine.json"]
+    doc = json.loads(result_file.read_text())
+    entry = doc["results"]["bench_time.TimeForward.time_forward"]
+    columns = doc["result_columns"]
+    values, params = entry[columns.index("result")], entry[columns.index("params")]
+    assert params[0] == ["'my-asv-attention'", "'no_such_module:thing'"]
+    grid = dict(zip([(b, s, c) for b in params[0] for s in params[1] for c in params[2]], values))
+    assert grid[("'my-asv-attention'", "64", "False")] > 0
+    skipped = grid[("'no_such_module:thing'", "64", "False")]
+    assert skipped is None or skipped != skipped  # asv's n/a: null, or NaN for a skip in setup
