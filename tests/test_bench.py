@@ -527,3 +527,23 @@ def test_a_time_exponent_carries_its_points_confidence_intervals():
     sigma = 0.3 / 1.96  # a relative 95 % half-width as the log's standard deviation
     assert wide["exponent"] == pytest.approx(1.0)
     assert wide["stderr"] == pytest.approx(sigma / np.sqrt(2 * np.log(2) ** 2), rel=0.01)
+
+
+def test_calibration_takes_the_fastest_warm_up_call_so_a_slow_moment_does_not_shrink_samples(monkeypatch):
+    """A stranger's 0.39 ms decode step got 3 calls per sample (1.2 ms samples for a 20 ms target): the one call
+    that calibrated it had taken 8 ms on a loaded machine. Calibration now takes the fastest of the warm-up's calls
+    and of three samples of the estimated size."""
+    from mha_harness.bench import calls as calls_module
+    from mha_harness.bench.worker import _Server
+    began = []
+
+    def step():  # 0.5 ms, but 25 ms in a loaded moment just as the warm-up (0.3 s) ends
+        began.append(began[0] if began else time.perf_counter())
+        time.sleep(0.025 if 0.28 < time.perf_counter() - began[0] < 0.4 else 0.0005)
+    monkeypatch.setattr(calls_module, "prepared_call", lambda backend, shape: step)
+    server = _Server(NumpyNaive(), 1)
+    shape = Shape(1, 1, 64, 32, 4, "float32", True, False)
+    answer = server.do_prepare("k", shape, 0.3, 0.02)
+    assert answer["calls_per_sample"] >= 20, answer  # 0.02 s / ~0.5-0.6 ms: 34-40; one slow call would give 1
+    samples = server.do_sample("k", 3)["samples_s"]
+    assert min(samples) * answer["calls_per_sample"] >= 0.015
