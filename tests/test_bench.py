@@ -547,3 +547,22 @@ def test_calibration_takes_the_fastest_warm_up_call_so_a_slow_moment_does_not_sh
     assert answer["calls_per_sample"] >= 20, answer  # 0.02 s / ~0.5-0.6 ms: 34-40; one slow call would give 1
     samples = server.do_sample("k", 3)["samples_s"]
     assert min(samples) * answer["calls_per_sample"] >= 0.015
+
+
+def test_a_layer_declaring_only_bottom_right_runs_causal_prefill_with_that_mask(tmp_path):
+    """A stranger's KV-cache layer (causal_alignments=("bottom-right",), as the README declares one) was skipped
+    at every prefill point under --causal on ("no top-left causal mask"), though with Tq = Tk the two alignments
+    are the same mask: it now runs with its own alignment, recorded as the call's mask."""
+    import dataclasses
+
+    from mha_harness.bench.calls import backend_arguments, unsupported
+    decoder = NumpyNaive()
+    decoder.name = "numpy-naive-bottom-right"
+    decoder.capabilities = dataclasses.replace(decoder.capabilities, causal_alignments=("bottom-right",))
+    square = Shape(1, 64, 64, 32, 4, "float32", True, False)
+    assert unsupported(decoder, square) is None
+    assert backend_arguments(decoder, square)[1].causal == "bottom-right"
+    assert backend_arguments(NumpyNaive(), square)[1].causal == "top-left"
+    doc = run_bench([decoder], tmp_path, seq_lens=[64], causal="on", config=BenchConfig(**SMALL))
+    [point] = doc["points"]
+    assert point["status"] == "measured" and point["call_mask"] == "bottom-right", point

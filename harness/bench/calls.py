@@ -11,6 +11,17 @@ def causal_alignment(shape: Shape) -> str | None:
     return "top-left" if shape.tq == shape.tk else "bottom-right"
 
 
+def alignment_for(backend, shape: Shape) -> str | None:
+    """The causal alignment ``backend``'s call for ``shape`` carries: :func:`causal_alignment`, except that a square
+    causal shape (prefill) takes bottom-right for a backend that declares only bottom-right (a KV-cache decode
+    layer): with Tq = Tk the two alignments are the same mask."""
+    alignment = causal_alignment(shape)
+    declared = backend.capabilities.causal_alignments
+    if alignment == "top-left" and "top-left" not in declared and "bottom-right" in declared:
+        return "bottom-right"
+    return alignment
+
+
 def one_query_sees_every_key(backend, shape: Shape) -> bool:
     """Whether ``shape`` is a decode step with one query, which under bottom-right causal masking sees every key,
     for a backend without that alignment (a cross-attention layer: an encoder-decoder's decoder attending to the
@@ -26,13 +37,13 @@ def mask_in_call(backend, shape: Shape) -> str:
     bottom-right masking, :func:`one_query_sees_every_key`). Recorded with each point, beside the shape's ``causal``."""
     if one_query_sees_every_key(backend, shape):
         return "none"
-    return causal_alignment(shape) or "none"
+    return alignment_for(backend, shape) or "none"
 
 
 def unsupported(backend, shape: Shape) -> str | None:
     """Why ``backend`` cannot run ``shape``, from its declared capabilities; None when it can."""
     caps = backend.capabilities
-    alignment = causal_alignment(shape)
+    alignment = alignment_for(backend, shape)
     if shape.dtype not in caps.dtypes:
         return f"dtype {shape.dtype} not declared"
     if alignment and alignment not in caps.causal_alignments and not one_query_sees_every_key(backend, shape):
@@ -48,20 +59,22 @@ def unsupported(backend, shape: Shape) -> str | None:
     return None
 
 
-def call_arguments(shape: Shape, unmasked: bool = False):
+def call_arguments(shape: Shape, unmasked: bool = False, alignment: str | None = None):
     """(params, inputs) of the benchmarked call for ``shape``: seeded, the same in every process. ``unmasked``:
-    without the causal mask (:func:`one_query_sees_every_key`: the same attention)."""
+    without the causal mask (:func:`one_query_sees_every_key`: the same attention); ``alignment``: the causal
+    alignment when the shape's own is not the one to use (:func:`alignment_for`)."""
     from mha_harness.contract.api import AttentionConfig
     from mha_harness.contract.params import make_inputs, make_params
     attn = AttentionConfig(shape.d_model, shape.num_heads)
     inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk,
-                         causal=None if unmasked else causal_alignment(shape))
+                         causal=None if unmasked else alignment or causal_alignment(shape))
     return make_params(attn, seed=0), inputs
 
 
 def backend_arguments(backend, shape: Shape):
     """:func:`call_arguments` as ``backend`` is called for ``shape``."""
-    return call_arguments(shape, unmasked=one_query_sees_every_key(backend, shape))
+    return call_arguments(shape, unmasked=one_query_sees_every_key(backend, shape),
+                          alignment=alignment_for(backend, shape))
 
 
 def prepared_call(backend, shape: Shape):
