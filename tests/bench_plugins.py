@@ -1,4 +1,5 @@
-"""Plugins that break the benchmark sweep in one way each: hang in prepare(), crash in the call, hog memory."""
+"""Plugins that break the benchmark sweep in one way each: hang in prepare(), crash in the call, hog memory, time
+nothing."""
 from __future__ import annotations
 
 import signal
@@ -56,3 +57,13 @@ class _HangsAboveT32(NumpyNaiveLoaded):
 
 class HangsAboveT32(NumpyNaive):
     name, loaded_class = "bench-hangs-above-t32", _HangsAboveT32
+
+
+class _DoesNothingWhenTimed(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):  # all the work done here, untimed: the timed call is empty
+        self.compute(inputs)
+        return lambda: None
+
+
+class DoesNothingWhenTimed(NumpyNaive):
+    name, loaded_class = "does-nothing-when-timed", _DoesNothingWhenTimed

@@ -199,11 +199,15 @@ def test_interrupted_sweep_keeps_every_finished_point_and_kills_its_workers(tmp_
             seen = len(json.loads(path.read_text())["points"])
     assert seen >= 4, "the sweep wrote no points in time"
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=180)  # a loaded 2-core box needs more than 60 s to stop the workers
+    out, err = proc.communicate(timeout=180)  # a loaded 2-core box needs more than 60 s to stop the workers
     assert proc.returncode == 130, err
     doc = json.loads(path.read_text())
     assert doc["complete"] is False and len(doc["points"]) >= seen
     assert all(p["status"] == "measured" and p["ci95_s"] for p in doc["points"])
+    # the memory pass comes after every timing: each timed point says why it has no memory figure
+    assert all(p["peak_extra_bytes"] is not None or p["memory_error"].startswith("not measured: the sweep was "
+               "interrupted") for p in doc["points"])
+    assert "bench.json (complete: false" in out, out[-2000:]
     for info in doc["backends"].values():
         with pytest.raises(ProcessLookupError):
             os.kill(info["pid"], 0)
@@ -566,3 +570,36 @@ def test_a_layer_declaring_only_bottom_right_runs_causal_prefill_with_that_mask(
     doc = run_bench([decoder], tmp_path, seq_lens=[64], causal="on", config=BenchConfig(**SMALL))
     [point] = doc["points"]
     assert point["status"] == "measured" and point["call_mask"] == "bottom-right", point
+
+
+def test_figures_beyond_this_machines_roofs_are_flagged_not_compared():
+    """A stranger's KV-cache plugin filled its cache in prepare() and timed only the step: its decode 'layer
+    GFLOP/s' was 30x the machine's GEMM peak and printed as a result beside backends that project K/V in every
+    call. A CPU figure past the compute roof is now flagged with the likely reason; one past the memory bandwidth
+    says the working set stays in the caches or less was read."""
+    from mha_harness.bench.metrics import over_roofs
+    decode = Shape(1, 1, 65536, 512, 8, "float32", True, False)
+    flagged = over_roofs(decode, 0.031, gemm_peak_gflops=91.0, memory_bandwidth_gbs=18.6)
+    assert "24.4x this machine's float32 GEMM peak" in flagged["over_compute_roof"]
+    assert "prepare()" in flagged["over_compute_roof"]
+    assert over_roofs(decode, 1.0, gemm_peak_gflops=91.0, memory_bandwidth_gbs=18.6) == {}
+    assert "over_compute_roof" not in over_roofs(dataclasses_replace(decode, dtype="bfloat16"), 0.031,
+                                                 gemm_peak_gflops=91.0)  # half precision: matrix units
+    small = Shape(1, 1, 1024, 512, 8, "float32", True, False)
+    assert "stays in the caches" in over_roofs(small, 1e-4, memory_bandwidth_gbs=18.6)["over_memory_bandwidth"]
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+    return dataclasses.replace(obj, **changes)
+
+
+def test_a_backend_that_does_no_work_in_its_timed_call_is_flagged_in_the_table_and_the_json(tmp_path):
+    from mha_harness.bench.sweep import roof_warnings
+    from tests.bench_plugins import DoesNothingWhenTimed
+    doc = run_bench([DoesNothingWhenTimed(), NumpyTiled()], tmp_path, seq_lens=[256], config=BenchConfig(**SMALL))
+    by = {p["backend"]: p for p in doc["points"]}
+    assert by["does-nothing-when-timed"]["over_compute_roof"] and not by["numpy-tiled"]["over_compute_roof"]
+    points = [BenchPoint(**p) for p in doc["points"]]
+    assert any(line.split()[:1] == ["does-nothing-when-timed"] and "!" in line for line in table(points).splitlines())
+    assert roof_warnings(points)[0].startswith("does-nothing-when-timed: 1 point(s) above the compute roof")

@@ -36,6 +36,7 @@ from mha_harness.bench.metrics import (
     gemm_peak_gflops,
     memory_bandwidth_gbs,
     metrics,
+    over_roofs,
 )
 from mha_harness.bench.threads import DEFAULT_THREADS, apply_threads, thread_report
 from mha_harness.bench.worker import CRASHED, OUT_OF_MEMORY, TIMEOUT, BackendWorker, WorkerLost, wait_until_idle
@@ -109,6 +110,8 @@ class BenchPoint:
     gbytes_per_s: float | None = None
     fraction_of_gemm_peak: float | None = None
     fraction_of_memory_bandwidth: float | None = None
+    over_compute_roof: str | None = None  # metrics.over_roofs: the figures cannot be the layer's work (CPU)
+    over_memory_bandwidth: str | None = None  # above the measured bandwidth: in the caches, or less read
 
     @property
     def key(self) -> str:
@@ -264,9 +267,11 @@ class Sweep:
             if point.status == MEASURED:
                 point.update(stats.summary(point.samples_s, point.calls_per_sample, point.budget_exhausted,
                                            config.ci_rel))
-                point.update(metrics(shape_of(point, config), point.median_s,
-                                     gemm_peak_gflops=self.doc["machine"]["gemm_peak_gflops_float32"],
-                                     memory_bandwidth_gbs=self.doc["machine"]["memory_bandwidth_gbs"]))
+                roofs = {"gemm_peak_gflops": self.doc["machine"]["gemm_peak_gflops_float32"],
+                         "memory_bandwidth_gbs": self.doc["machine"]["memory_bandwidth_gbs"]}
+                point.update(metrics(shape_of(point, config), point.median_s, **roofs))
+                if getattr(self.backends[point.backend], "device", "cpu") == "cpu":  # the roofs are this CPU's
+                    point.update(over_roofs(shape_of(point, config), point.median_s, **roofs))
             elif point.samples_s:  # lost mid-point: keep what was measured, but it is not a result
                 point.update({"n_samples": len(point.samples_s)})
 
@@ -390,7 +395,7 @@ def _fmt_memory(p: BenchPoint) -> str:
     if p.peak_extra_bytes is None:
         return "n/a"
     if p.memory_below_resolution:
-        return f"<{p.memory_resolution_bytes / 2 ** 20:.0f}"
+        return f"<{_mib(p.memory_resolution_bytes)}"
     return f"{p.peak_extra_bytes / 2 ** 20:.1f}"
 
 
@@ -401,22 +406,61 @@ def table(points: list[BenchPoint]) -> str:
         label = "T" if workload == "prefill" else f"decode Tq = {tq}, KV"
         lines.append(f"\n{label} = {tk}")
         lines.append(f"  {'backend':<24}{'mode':<9}{'mask':<13}{'median ms':>10}{'95% CI +-':>10}{'n':>4}"
-                     f"{'calls':>6}{'peak MiB':>9}{'GFLOP/s':>9}{'%GEMM':>7}{'GB/s':>7}{'%BW':>6}")
+                     f"{'calls':>7}{'peak MiB':>9}{'GFLOP/s':>9}{'%GEMM':>10}{'GB/s':>10}{'%BW':>9}")
         for p in (q for q in points if (q.workload, q.tq, q.tk) == key):
             mode = "fwd" if p.mode == "forward" else "fwd+bwd"
             if p.status != MEASURED:
-                lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}  {p.status}: {(p.skipped or '')[:70]}")
+                lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}  {p.status}: {(p.skipped or '')[:90]}")
                 continue
             ci = f"{100 * p.ci95_rel_halfwidth:.1f}%" if p.ci95_rel_halfwidth is not None else "n/a"
             flag = "*" if p.budget_exhausted else " "
+            compute = "!" if p.over_compute_roof else " "
+            bandwidth = "~" if p.over_memory_bandwidth else " "
             lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}{p.median_s * 1e3:>10.3f}{ci:>9}{flag}"
-                         f"{p.n_samples:>4}{p.calls_per_sample or 0:>6}{_fmt_memory(p):>9}{p.gflops or 0:>9.1f}"
-                         f"{100 * (p.fraction_of_gemm_peak or 0):>6.1f}%{p.gbytes_per_s or 0:>7.2f}"
-                         f"{100 * (p.fraction_of_memory_bandwidth or 0):>5.1f}%")
+                         f"{p.n_samples:>4}{p.calls_per_sample or 0:>7}{_fmt_memory(p):>9} {_num(p.gflops, 1):>8}"
+                         f"{compute} {_num(100 * (p.fraction_of_gemm_peak or 0), 1):>7}% {_num(p.gbytes_per_s, 2):>8}"
+                         f" {_num(100 * (p.fraction_of_memory_bandwidth or 0), 1):>7}%{bandwidth}")
     lines.append("\n  * the time budget ran out before the 95% CI reached the target; '<N' = below the memory "
                  "method's resolution of N MiB; mask: the causal mask the call carried (none for full attention, "
                  "and for the one-query decode step of a backend without bottom-right masking: the same attention)")
+    methods = {p.backend: (p.memory_method, p.memory_resolution_bytes) for p in points if p.memory_method}
+    if methods:
+        lines.append("  peak MiB: the call's peak extra memory, measured in the backend's own worker by "
+                     + ", ".join(f"{name}: {method} (resolution {_mib(res)} MiB)"
+                                 for name, (method, res) in methods.items())
+                     + "; memory the backend holds before the call (parameters, prepare()'s buffers such as a "
+                       "KV cache) is not counted")
+    if any(p.over_compute_roof for p in points):
+        lines.append("  ! faster than this machine's compute roof allows for the layer's work: not comparable "
+                     "(the reason under 'above a roof' below and in bench.json's over_compute_roof)")
+    if any(p.over_memory_bandwidth for p in points):
+        lines.append("  ~ above the measured memory bandwidth: the working set stays in the caches, or the call read "
+                     "less than counted (bench.json's over_memory_bandwidth)")
     return "\n".join(lines)
+
+
+def _mib(nbytes: int | None) -> str:
+    return f"{(nbytes or 0) / 2 ** 20:.3g}"
+
+
+def _num(x: float | None, decimals: int) -> str:
+    """A table figure with ``decimals`` decimals, or 4 significant digits when that would not fit its column (a
+    figure past a roof can be 10^5 times the others)."""
+    x = x or 0.0
+    fixed = f"{x:.{decimals}f}"
+    return fixed if len(fixed) <= 7 else f"{x:.3g}"
+
+
+def roof_warnings(points: list[BenchPoint]) -> list[str]:
+    """One line per backend whose measured points pass this machine's compute roof (their figures cannot be the
+    layer's work), with the first such point's reason."""
+    lines = []
+    for name in dict.fromkeys(p.backend for p in points):
+        over = [p for p in points if p.backend == name and p.over_compute_roof]
+        if over:
+            lines.append(f"{name}: {len(over)} point(s) above the compute roof (first: Tq={over[0].tq} "
+                         f"Tk={over[0].tk}: {over[0].over_compute_roof})")
+    return lines
 
 
 def _mask_label(p: BenchPoint) -> str:
@@ -556,6 +600,24 @@ def machine_info(threads: int) -> dict:
                      "best of 5, under the benchmark's thread count"}
 
 
+#: memory_error of a timed point whose memory was never measured: the memory pass runs after every timing
+NOT_MEASURED_INTERRUPTED = "not measured: the sweep was interrupted before its memory pass (it runs after the timings)"
+
+
+def _interrupted(sweep: Sweep, directory: Path | None, log) -> None:
+    """After Ctrl-C or SIGTERM: the timed points whose memory pass never came say so, and where the results are."""
+    try:
+        for point in sweep.points:
+            if point.status == MEASURED and point.peak_extra_bytes is None and not point.memory_error:
+                point.memory_error = NOT_MEASURED_INTERRUPTED
+        sweep.save(complete=False)
+        if directory is not None:
+            log(f"  interrupted: {sum(p.status == MEASURED for p in sweep.points)} finished point(s) in "
+                f"{directory / 'bench.json'} (complete: false; no plots)", flush=True)
+    except BaseException:  # noqa: BLE001 - a second interrupt: the file saved after the last point stays
+        pass
+
+
 def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal: str = "off",
               backward: bool = False, quick: bool = False, config: BenchConfig | None = None,
               query_lens=DECODE_QUERY_LENS, log=print) -> dict:
@@ -613,6 +675,7 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
         points = sweep.run(groups, progress)
     except BaseException:  # Ctrl-C, SIGTERM: every finished point is already on disk; kill the workers now
         sweep.close(interrupted=True)
+        _interrupted(sweep, directory, log)
         raise
     sweep.close()
     doc["seconds"] = round(time.perf_counter() - start, 1)
@@ -620,6 +683,8 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     log(table(points))
     log(f"\nroofs of this machine ({config.threads} threads): float32 GEMM {machine['gemm_peak_gflops_float32']:.1f} "
         f"GFLOP/s, memory bandwidth {machine['memory_bandwidth_gbs']:.1f} GB/s")
+    for line in roof_warnings(points):
+        log(f"  above a roof: {line}")
     lengths = {series_key(*key): len({p.seq_len for p in line}) for key, line in series(points).items()}
     for key, value in doc["fits"].items():
         log(f"  growth exponent {key}: time {_fmt_fit(value['time'], lengths.get(key))}; "
