@@ -312,7 +312,7 @@ def test_markdown_groups_skip_reasons_per_backend_with_counts_escaped():
     lines = [line for line in section.splitlines() if line.startswith("| evil")]
     assert lines[0] == ("| evil\\|name ## Mutation score | 4 | does not declare capability 'gradients' "
                         "| `check_a`, `check_b` |")
-    assert lines[1].startswith("| evil\\|name ## Mutation score | 1 | &lt;b&gt;only&lt;/b&gt; for one x \\| forged |")
+    assert lines[1].startswith("| evil\\|name ## Mutation score | 1 | &lt;b>only&lt;/b> for one x \\| forged |")
     assert md.count("## Mutation score") == 0 or "\n## Mutation score" not in md
 
 

@@ -69,9 +69,10 @@ def test_files_are_written_with_the_users_umask_not_0600(tmp_path):
 def test_markdown_escaping_keeps_plugin_text_on_one_literal_line():
     forged = "x |\n## Mutation score\n<script>alert(1)</script> `code` [link](http://e)"
     text = md_text(forged)
-    assert "\n" not in text and "<" not in text and ">" not in text
+    assert "\n" not in text and "<" not in text  # no tag can open ('>' alone opens none and stays readable)
+    assert md_text("Tq = 64 > Tk = 1") == "Tq = 64 > Tk = 1"
     assert "|" not in text.replace("\\|", "") and "`" not in text.replace("\\`", "")
-    assert md_text("# heading").startswith("\\#") and md_text("> quote").startswith("\\&gt;")
+    assert md_text("# heading").startswith("\\#") and md_text("> quote").startswith("\\>")
     assert md_code("a`b") == "`` a`b ``" and md_code("a|b", in_table=True) == "`a\\|b`"
 
 

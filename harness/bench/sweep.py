@@ -182,8 +182,10 @@ class Sweep:
         except WorkerLost as exc:
             self.losses[name] += 1
             if self.losses[name] >= MAX_CONSECUTIVE_LOSSES or exc.status == "timeout":  # a hang costs a timeout each
-                self.lost_reason[name] = f"not run: {name}'s worker was lost {self.losses[name]} times in a row " \
-                                         f"(last: {exc.status})"
+                lost = ("timed out" if exc.status == "timeout" and self.losses[name] == 1
+                        else f"was lost {self.losses[name]} times in a row (last: {exc.status})")
+                self.lost_reason[name] = f"{name}'s worker {lost} at Tq={point.tq} Tk={point.tk} {point.mode}: " \
+                                         "its later points are not run"
             point.status, point.skipped = exc.status, str(exc)
             self.log(f"  {name} {point.key}: {exc.status}: {exc}")
             return None
@@ -636,6 +638,10 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
         f"{f', Tq in {list(query_lens)}' if decode else ''}; batch {config.batch}, d_model {config.d_model}, "
         f"{config.num_heads} heads, {config.dtype}, {config.threads} threads; each backend in its own worker; "
         f"per point: 95% CI of the median within +-{100 * config.ci_rel:g}% or {config.budget_s:g} s", flush=True)
+    if decode:
+        dropped = [f"Tq={tq} KV={tk}" for tk in sorted(seq_lens) for tq in query_lens if tq > tk]
+        if dropped:
+            log(f"  left out (more new queries than KV length): {', '.join(dropped)}", flush=True)
     start = time.perf_counter()
     machine = machine_info(config.threads)
     doc = {"schema": "mha-harness/bench", "schema_version": SCHEMA_VERSION, "complete": False,

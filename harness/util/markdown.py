@@ -14,13 +14,15 @@ _SPECIAL = re.compile(r"([\\`*\[\]|])")
 
 
 def md_text(value) -> str:
-    """``value`` as literal one-line Markdown text: HTML-escaped, Markdown punctuation backslash-escaped,
-    line breaks turned into spaces, and a leading ``#``, ``>``, ``-``, ``+`` or ``=`` neutralised."""
+    """``value`` as literal one-line Markdown text: ``<`` and ``&`` HTML-escaped, Markdown punctuation
+    backslash-escaped, line breaks turned into spaces, and a leading ``#``, ``>``, ``-``, ``+`` or ``=`` neutralised."""
     text = " ".join(str(value).splitlines()) if value is not None else ""
-    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    # '<' and '&' are all raw HTML needs; a '>' alone opens nothing, and stays readable in the plain file
+    # ("Tq = 64 > Tk = 1"), except at the start, where it would open a quote
+    text = text.replace("&", "&amp;").replace("<", "&lt;")
     text = _SPECIAL.sub(r"\\\1", text)
     stripped = text.lstrip()
-    if stripped[:1] in ("#", "-", "+", "=") or stripped[:4] == "&gt;":
+    if stripped[:1] in ("#", "-", "+", "=", ">"):
         text = "\\" + stripped
     return text
 
