@@ -603,3 +603,26 @@ def test_a_backend_that_does_no_work_in_its_timed_call_is_flagged_in_the_table_a
     points = [BenchPoint(**p) for p in doc["points"]]
     assert any(line.split()[:1] == ["does-nothing-when-timed"] and "!" in line for line in table(points).splitlines())
     assert roof_warnings(points)[0].startswith("does-nothing-when-timed: 1 point(s) above the compute roof")
+
+
+def test_points_timed_next_to_other_work_say_how_loaded_the_machine_was(tmp_path):
+    """A stranger's sweep on a machine running a test suite printed CIs of +-2521 % and medians falling as T grew,
+    with nothing saying the machine was busy. Each point records the cores other processes kept busy while its
+    group was timed; above LOADED_CORES the table marks it 'L' and the sweep ends with a warning."""
+    from mha_harness.bench.load import LOADED_CORES
+    from mha_harness.bench.sweep import load_warning
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat on this platform")
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        doc = run_bench([NumpyTiled()], None, seq_lens=[64], config=BenchConfig(**SMALL))
+    finally:
+        hog.kill()
+        hog.wait()
+    [point] = doc["points"]
+    assert point["other_cores"] > LOADED_CORES, point
+    points = [BenchPoint(**p) for p in doc["points"]]
+    assert "cores busy" in load_warning(points)
+    [row] = [line for line in table(points).splitlines() if line.split()[:1] == ["numpy-tiled"]]
+    assert "%L " in row or "%*L " in row, row

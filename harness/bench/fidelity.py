@@ -24,17 +24,17 @@
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from mha_harness.bench.load import LoadMeter
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import ITEMSIZE, Shape
 from mha_harness.bench.stats import median_ci
 from mha_harness.bench.sweep import MEASURED, BenchConfig, BenchPoint, Sweep, rotated, run_bench
-from mha_harness.bench.worker import BackendWorker, WorkerLost, cpu_ns
+from mha_harness.bench.worker import BackendWorker, WorkerLost
 from mha_harness.util.atomic import write_json_atomic
 
 TIMING_SEQ_LENS = (512, 2048)
@@ -93,36 +93,6 @@ def _ask(worker: BackendWorker, message: tuple, timeout: float = 600):
 def _median_or_none(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
-
-
-def _box_cpu_s() -> tuple[float, float] | None:
-    """(busy, steal) CPU seconds of the whole machine so far (Linux /proc/stat), or None elsewhere."""
-    try:
-        with open("/proc/stat") as handle:
-            values = [int(v) for v in handle.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = values
-    tick = os.sysconf("SC_CLK_TCK")
-    return (user + nice + system + irq + softirq) / tick, steal / tick
-
-
-def _own_cpu_s(sweep: Sweep) -> float:
-    """CPU seconds used so far by this process, its finished children and the live benchmark workers."""
-    t = os.times()
-    workers = sum((cpu_ns(w.pid) or 0) for w in sweep.workers.values() if w.pid is not None) / 1e9
-    return t.user + t.system + t.children_user + t.children_system + workers
-
-
-def _conditions(box_before, own_before: float, sweep: Sweep, seconds: float) -> dict:
-    """How busy the rest of the machine was during a round: a ratio measured next to other work says so."""
-    box_after, own_after = _box_cpu_s(), _own_cpu_s(sweep)
-    out = {"seconds": round(seconds, 1), "other_cpu_s": None, "steal_s": None}
-    if box_before and box_after:
-        # workers restarted in the round lose their earlier CPU time: the figure can only err towards "busier"
-        out["other_cpu_s"] = round(max(0.0, (box_after[0] - box_before[0]) - (own_after - own_before)), 1)
-        out["steal_s"] = round(box_after[1] - box_before[1], 2)
-    return out
 
 
 def speed_stability(seconds: float = 10.0, window_s: float = 1.0) -> dict:
@@ -206,7 +176,7 @@ def _timing_rounds(sweep: Sweep, group: list[BenchPoint], call_s: dict, t: int, 
             break
         log(f"timing: T = {t}, round {r + 1}: {len(active)} backends, each a turn after another backend's, a turn "
             "after its own and adaptive_autorange ...", flush=True)
-        box, own = _box_cpu_s(), _own_cpu_s(sweep)
+        meter = LoadMeter(lambda: [w.pid for w in sweep.workers.values()])
         started = time.perf_counter()
         in_round = []
         for point in rotated(active, r):
@@ -220,7 +190,7 @@ def _timing_rounds(sweep: Sweep, group: list[BenchPoint], call_s: dict, t: int, 
             previous = point.backend
             figures[point.backend].append(figure)
             in_round.append(figure)
-        conditions = _conditions(box, own, sweep, time.perf_counter() - started)
+        conditions = meter.conditions(time.perf_counter() - started)
         for figure in in_round:
             figure["round_conditions"] = conditions
         log(f"  round {r + 1}: {conditions['seconds']} s; other processes used {conditions['other_cpu_s']} "

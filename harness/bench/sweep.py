@@ -28,6 +28,7 @@ from pathlib import Path
 
 from mha_harness.bench import stats
 from mha_harness.bench.calls import mask_in_call, unsupported
+from mha_harness.bench.load import LOADED_CORES, LoadMeter
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import (
     BYTES_FORMULA,
@@ -110,6 +111,7 @@ class BenchPoint:
     gbytes_per_s: float | None = None
     fraction_of_gemm_peak: float | None = None
     fraction_of_memory_bandwidth: float | None = None
+    other_cores: float | None = None  # CPU-s of other processes per second while this point's group was timed
     over_compute_roof: str | None = None  # metrics.over_roofs: the figures cannot be the layer's work (CPU)
     over_memory_bandwidth: str | None = None  # above the measured bandwidth: in the caches, or less read
 
@@ -247,6 +249,7 @@ class Sweep:
         reaches the target or its budget is spent."""
         config = self.config
         ready = self.prepare_group(group)
+        meter, started = LoadMeter(lambda: [w.pid for w in self.workers.values()]), time.perf_counter()
         spent = {p.backend: 0.0 for p, _ in ready}
         open_ = [p for p, _ in ready]
         call_s = {p.backend: c for p, c in ready}
@@ -265,8 +268,12 @@ class Sweep:
                     point.status = MEASURED
                     open_.remove(point)
             r += 1
+        load = meter.conditions(time.perf_counter() - started)
+        other = (round(load["other_cpu_s"] / load["seconds"], 2)
+                 if load["other_cpu_s"] is not None and load["seconds"] > 0 else None)
         for point in group:
             if point.status == MEASURED:
+                point.other_cores = other
                 point.update(stats.summary(point.samples_s, point.calls_per_sample, point.budget_exhausted,
                                            config.ci_rel))
                 roofs = {"gemm_peak_gflops": self.doc["machine"]["gemm_peak_gflops_float32"],
@@ -407,7 +414,7 @@ def table(points: list[BenchPoint]) -> str:
         workload, tq, tk = key
         label = "T" if workload == "prefill" else f"decode Tq = {tq}, KV"
         lines.append(f"\n{label} = {tk}")
-        lines.append(f"  {'backend':<24}{'mode':<9}{'mask':<13}{'median ms':>10}{'95% CI +-':>10}{'n':>4}"
+        lines.append(f"  {'backend':<24}{'mode':<9}{'mask':<13}{'median ms':>10}{'95% CI +-':>10}{'n':>5}"
                      f"{'calls':>7}{'peak MiB':>9}{'GFLOP/s':>9}{'%GEMM':>10}{'GB/s':>10}{'%BW':>9}")
         for p in (q for q in points if (q.workload, q.tq, q.tk) == key):
             mode = "fwd" if p.mode == "forward" else "fwd+bwd"
@@ -415,7 +422,7 @@ def table(points: list[BenchPoint]) -> str:
                 lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}  {p.status}: {(p.skipped or '')[:90]}")
                 continue
             ci = f"{100 * p.ci95_rel_halfwidth:.1f}%" if p.ci95_rel_halfwidth is not None else "n/a"
-            flag = "*" if p.budget_exhausted else " "
+            flag = f"{'*' if p.budget_exhausted else ''}{'L' if _loaded(p) else ''}".ljust(2)
             compute = "!" if p.over_compute_roof else " "
             bandwidth = "~" if p.over_memory_bandwidth else " "
             lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}{p.median_s * 1e3:>10.3f}{ci:>9}{flag}"
@@ -425,6 +432,9 @@ def table(points: list[BenchPoint]) -> str:
     lines.append("\n  * the time budget ran out before the 95% CI reached the target; '<N' = below the memory "
                  "method's resolution of N MiB; mask: the causal mask the call carried (none for full attention, "
                  "and for the one-query decode step of a backend without bottom-right masking: the same attention)")
+    if any(_loaded(p) for p in points):
+        lines.append(f"  L other processes kept more than {LOADED_CORES} cores busy while the point was timed "
+                     "(other_cores in bench.json): a loaded machine's figures, slower and noisier than alone")
     methods = {p.backend: (p.memory_method, p.memory_resolution_bytes) for p in points if p.memory_method}
     if methods:
         lines.append("  peak MiB: the call's peak extra memory, measured in the backend's own worker by "
@@ -439,6 +449,20 @@ def table(points: list[BenchPoint]) -> str:
         lines.append("  ~ above the measured memory bandwidth: the working set stays in the caches, or the call read "
                      "less than counted (bench.json's over_memory_bandwidth)")
     return "\n".join(lines)
+
+
+def _loaded(p: BenchPoint) -> bool:
+    return p.other_cores is not None and p.other_cores > LOADED_CORES
+
+
+def load_warning(points: list[BenchPoint]) -> str | None:
+    """One line when other processes kept more than LOADED_CORES cores busy while any point was timed."""
+    loaded = [p for p in points if _loaded(p)]
+    if not loaded:
+        return None
+    worst = max(p.other_cores for p in loaded)
+    return (f"{len(loaded)} of {sum(p.status == MEASURED for p in points)} point(s) were timed while other "
+            f"processes kept up to {worst:.2f} cores busy: compare them with care, or rerun on an idle machine")
 
 
 def _mib(nbytes: int | None) -> str:
@@ -691,6 +715,9 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
         f"GFLOP/s, memory bandwidth {machine['memory_bandwidth_gbs']:.1f} GB/s")
     for line in roof_warnings(points):
         log(f"  above a roof: {line}")
+    loaded = load_warning(points)
+    if loaded:
+        log(f"  loaded machine: {loaded}")
     lengths = {series_key(*key): len({p.seq_len for p in line}) for key, line in series(points).items()}
     for key, value in doc["fits"].items():
         log(f"  growth exponent {key}: time {_fmt_fit(value['time'], lengths.get(key))}; "

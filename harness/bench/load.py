@@ -1,0 +1,53 @@
+"""How busy the rest of the machine is while a benchmark times: CPU seconds of other processes.
+
+A figure measured next to other work is slower and noisier than the same call alone; the sweep and
+``mha-harness fidelity`` record, per group of points or round, how many cores other processes kept busy
+(the whole machine's busy time from /proc/stat, less this process, its finished children and the live
+benchmark workers) and the hypervisor's steal time. Linux only; elsewhere the figures are None.
+"""
+from __future__ import annotations
+
+import os
+
+from mha_harness.bench.worker import cpu_ns
+
+#: other processes keeping more than this many cores busy while a point was timed: its figures come from a
+#: loaded machine (the table marks them, bench prints a warning)
+LOADED_CORES = 0.25
+
+
+def box_cpu_s() -> tuple[float, float] | None:
+    """(busy, steal) CPU seconds of the whole machine so far (Linux /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat") as handle:
+            values = [int(v) for v in handle.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+def own_cpu_s(worker_pids) -> float:
+    """CPU seconds used so far by this process, its finished children and the live workers ``worker_pids``."""
+    t = os.times()
+    workers = sum((cpu_ns(pid) or 0) for pid in worker_pids if pid is not None) / 1e9
+    return t.user + t.system + t.children_user + t.children_system + workers
+
+
+class LoadMeter:
+    """Other processes' CPU between :meth:`start` and :meth:`conditions` (a worker restarted in between loses its
+    earlier CPU time, so the figure can only err towards "busier")."""
+
+    def __init__(self, worker_pids):
+        self.worker_pids = worker_pids  # a callable giving the live workers' pids
+        self.box, self.own = box_cpu_s(), own_cpu_s(worker_pids())
+
+    def conditions(self, seconds: float) -> dict:
+        """{seconds, other_cpu_s, steal_s}; the last two None where /proc/stat cannot be read."""
+        box, own = box_cpu_s(), own_cpu_s(self.worker_pids())
+        out = {"seconds": round(seconds, 1), "other_cpu_s": None, "steal_s": None}
+        if self.box and box:
+            out["other_cpu_s"] = round(max(0.0, (box[0] - self.box[0]) - (own - self.own)), 1)
+            out["steal_s"] = round(box[1] - self.box[1], 2)
+        return out
