@@ -176,7 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
                                         "alone vs in the sweep, memory methods against formulas, harness overhead")
     p.add_argument("--results", type=nonempty_path, default="results", metavar="DIR")
     p.add_argument("--backend", action="append", default=[], metavar="NAME",
-                   help="CPU backends to check (default: every available CPU backend except the opt-in ones)")
+                   help="CPU backends whose timing (and, where they offer direct_callable, overhead) is checked "
+                        "(default: every available CPU backend except the opt-in ones)")
+    p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT",
+                   help="also check the backends of a plugin that is not installed, as check and bench take it "
+                        "(with --backend-spec or --backend, only those)")
     p.add_argument("--opt-in", action="store_true", help="with no --backend: also the backends that run only when "
                                                           "named")
     p.add_argument("--threads", type=_positive_int, default=None, help="threads for every backend (default: "
@@ -518,16 +522,24 @@ def _bench_verdict(not_loaded: list[str], doc: dict, explicit: bool = False) -> 
 def cmd_fidelity(args) -> int:
     from mha_harness.bench.fidelity import run_fidelity
     from mha_harness.bench.threads import DEFAULT_THREADS
-    registry = _registry([])
+    registry = _registry(args.backend_spec)
     _usage(check_writable, Path(args.results) / "bench", "--results")
     _require("scipy", "bench")
-    names = args.backend or [e.name for e in registry.available()
-                             if e.backend.device == "cpu" and (args.opt_in or opt_in_reason(e) is None)]
-    if not args.backend and not args.opt_in:
+    named = bool(args.backend or args.backend_spec)
+    if named:
+        names = list(args.backend) + [e.name for e in registry.entries.values()
+                                      if e.spec in args.backend_spec and e.name not in args.backend]
+    else:
+        names = [e.name for e in registry.available()
+                 if e.backend.device == "cpu" and (args.opt_in or opt_in_reason(e) is None)]
+    if not named and not args.opt_in:
         _say_opted_out(registry)
     for name in names:
-        _usage(registry.get, name)
-    run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS)
+        entry = _usage(registry.get, name)
+        if entry.reason_unavailable:
+            raise UsageError(f"{name}: not available here: {entry.reason_unavailable}")
+    run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS,
+                 overhead_names=names if named else None)
     return EXIT_OK
 
 

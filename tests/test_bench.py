@@ -423,6 +423,24 @@ def test_fidelity_summary_counts_only_what_was_compared():
     assert (rss["within"], rss["compared"]) == (1, 1) and "below resolution" in rss["not_compared"][0]
     assert s["memory_vs_formula"]["methods"]["cuda"]["not_compared"] == ["g: no CUDA device"]
     assert s["memory_vs_xla"] == {"target": "+-10%", "within": 0, "compared": 1}
+    # a stranger saw "throughput ratio 0.38, target >= 1" with no OUTSIDE and nothing in the summary
+    doc["overhead"] = [{"backend": "t", "ratio": 1.01, "within_target": True},
+                       {"backend": "p", "not_runnable": "no direct_callable"}]
+    doc["tiled_vs_naive"] = {"targets": {"memory_ratio": "<= 0.1", "throughput_ratio": ">= 1"},
+                             "memory_ratio_tiled_over_naive": 0.05, "memory_within_target": True,
+                             "throughput_ratio_tiled_over_naive": 0.38, "throughput_within_target": False}
+    s = summary(doc)
+    assert s["overhead"] == {"target": "<= 1.03", "within": 1, "compared": 1, "not_compared": ["p: no direct_callable"]}
+    assert s["tiled_vs_naive"]["throughput_within"] is False and s["tiled_vs_naive"]["memory_within"] is True
+    lines = []
+    fidelity_log_summary(s, lambda line, **k: lines.append(line))
+    assert any("throughput ratio 0.38 (OUTSIDE >= 1)" in line for line in lines), lines
+    assert any("1/1 within <= 1.03; not compared: p: no direct_callable" in line for line in lines), lines
+
+
+def fidelity_log_summary(s, log):
+    from mha_harness.bench.fidelity import _log_summary
+    _log_summary(s, log)
 
 
 def test_fits_report_an_impossible_memory_exponent_as_a_measurement_error_in_the_json():

@@ -211,3 +211,22 @@ def test_help_documents_backend_spec_and_the_timeout_default(capsys):
             main(argv)
         text = " ".join(capsys.readouterr().out.split())
         assert all(" ".join(w.split()) in text for w in words), text
+
+
+def test_fidelity_takes_a_plugin_spec_and_checks_only_the_named_backends_overhead(tmp_path, monkeypatch):
+    """A stranger could not validate their own backend's timing (fidelity refused --backend-spec), and --backend
+    did not narrow the overhead section (it still ran jax-dpa)."""
+    from mha_harness.bench import fidelity
+    from mha_harness.cli import main
+    seen = {}
+
+    def fake_run_fidelity(registry, names, results_dir, threads=2, *, log=print, overhead_names=None):
+        seen.update(names=names, overhead=overhead_names, registry=registry)
+        return {}
+    monkeypatch.setattr(fidelity, "run_fidelity", fake_run_fidelity)
+    assert main(["fidelity", "--backend-spec", "tests.plugin_objects:RenamedNaive", "--results", str(tmp_path)]) == 0
+    assert seen["names"] == seen["overhead"] and len(seen["names"]) >= 1
+    assert all(seen["registry"].get(n).spec == "tests.plugin_objects:RenamedNaive" for n in seen["names"])
+    rows = fidelity.harness_overhead(seen["registry"], fidelity.BenchConfig(), names=seen["names"],
+                                     log=lambda *a, **k: None)
+    assert rows and all("no direct_callable" in r["not_runnable"] for r in rows)
