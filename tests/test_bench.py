@@ -644,3 +644,27 @@ def test_points_timed_next_to_other_work_say_how_loaded_the_machine_was(tmp_path
     assert "cores busy" in load_warning(points)
     [row] = [line for line in table(points).splitlines() if line.split()[:1] == ["numpy-tiled"]]
     assert "%L " in row or "%*L " in row, row
+
+
+def test_the_time_plot_says_why_a_line_ends_and_why_a_legend_has_no_exponent(tmp_path, monkeypatch):
+    """A stranger's time plot ended a hung backend's line with no word, and a legend entry without an exponent gave
+    no reason; the plot's note names the points lost (with their status) and those past the compute roof, and each
+    legend entry without an exponent says why."""
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from mha_harness.bench.sweep import plot
+    texts, labels = [], []
+    original_text, original_errorbar = Figure.text, Axes.errorbar
+    monkeypatch.setattr(Figure, "text", lambda self, x, y, s, *a, **k: (texts.append(s),
+                                                                         original_text(self, x, y, s, *a, **k))[1])
+    monkeypatch.setattr(Axes, "errorbar", lambda self, *a, **k: (labels.append(k.get("label")),
+                                                                 original_errorbar(self, *a, **k))[1])
+    hung = [_point("hangs", 128, 2 ** 22, False), _point("hangs", 256, None, None, status="timeout"),
+            _point("hangs", 512, None, None, status="not-run")]
+    fast = [_point("fast", t, 2 ** 22, False) for t in (128, 256, 512)]
+    fast[2].over_compute_roof = "layer 1e6 GFLOP/s ..."
+    plot(hung + fast, tmp_path, {"memory_bandwidth_gbs": 10.0})
+    note = " ".join(texts)
+    assert "hangs: 256 timeout, 512 not-run" in note and "compute roof" in note and "fast: 512" in note, note
+    assert "hangs (no exp: too few points)" in labels and any(str(lab).startswith("fast (exp ") for lab in labels)

@@ -526,22 +526,36 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     fig, ax = plt.subplots(figsize=(8.5, 5.8))
     exps = fits(points)
     memory = metric == "peak_extra_bytes"
-    drawn, below_notes, empty_notes, all_xs = False, [], [], []
+    drawn, below_notes, empty_notes, roof_notes, all_xs = False, [], [], [], []
     styles = _backend_styles(points)
+    lost: dict[str, list[str]] = {}  # a line that ends early says why: timeout, crash, out of memory, not run
+    for p in points:
+        if p.status not in (MEASURED, SKIPPED):
+            label = p.backend + (f" Tq={p.tq}" if p.workload == "decode" else "")
+            lost.setdefault(label, []).append(f"{p.seq_len} {p.status}")
+    lost_notes = [f"{label}: {', '.join(items)}" for label, items in lost.items()]
     for key, line in series(points).items():
         backend, workload, tq, causal, mode = key
         name = backend + (f" Tq={tq}" if workload == "decode" else "") + (" causal" if causal and workload ==
                                                                            "prefill" else "") \
             + (" fwd+bwd" if mode != "forward" else "")
         all_xs += [p.seq_len for p in line]
+        over = [p for p in line if p.over_compute_roof]
+        if over:
+            roof_notes.append(f"{name}: " + ", ".join(str(p.seq_len) for p in over))
         below = [p for p in line if memory and p.memory_below_resolution and _positive(p.memory_resolution_bytes)]
         shown = [(p, getattr(p, metric)) for p in line if p not in below and _positive(getattr(p, metric))]
         if not shown and not below:
             empty_notes.append(name)
             continue
         fit = exps.get(series_key(*key), {}).get("memory" if memory else "time")
-        if fit and "exponent" in fit and metric in ("median_s", "peak_extra_bytes"):
-            name += f" (exp {fit['exponent']:.2f}±{fit['stderr']:.2f})"
+        if metric in ("median_s", "peak_extra_bytes"):
+            if fit and "exponent" in fit:
+                name += f" (exp {fit['exponent']:.2f}±{fit['stderr']:.2f})"
+            elif fit and "measurement_error" in fit:
+                name += " (no exp: measurement error)"
+            else:
+                name += " (no exp: too few points)"
         style = "--" if (causal and workload == "prefill") or mode != "forward" or tq == 16 else "-"
         color, marker = styles[backend]
         if shown:
@@ -569,6 +583,11 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
                      + "; ".join(below_notes))
     if empty_notes:
         notes.append("no reading: " + ", ".join(empty_notes))
+    if lost_notes:
+        notes.append("not measured (bench.json says why): " + "; ".join(lost_notes))
+    if roof_notes and not memory:
+        notes.append("above this machine's compute roof, not comparable (over_compute_roof in bench.json): "
+                     + "; ".join(roof_notes))
     if all_xs:
         ax.set_xscale("log", base=2)
         ax.set_xlim(min(all_xs) / 1.3, max(all_xs) * 1.3)
