@@ -48,7 +48,7 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.1"  # 2.1: points record call_mask
+SCHEMA_VERSION = "2.1"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth
 MAX_CONSECUTIVE_LOSSES = 2  # crashes or out-of-memory in a row before a backend's remaining points are not run
 MEASURED, SKIPPED, NOT_RUN = "measured", "skipped", "not-run"
 
@@ -692,8 +692,13 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
            "threads": thread_report(config.threads), "config": asdict(config), "workload": config.workload,
            "seq_lens": seq_lens, "query_lens": list(query_lens) if decode else None, "quick": quick,
            "flops_formula": FLOPS_FORMULA, "bytes_formula": BYTES_FORMULA,
-           "statistics": {"sample": f"the call repeated until a sample lasts >= {config.min_sample_s} s; "
-                                    "value = sample time / calls",
+           "statistics": {"sample": f"the call repeated until a sample lasts >= {config.min_sample_s} s (calls "
+                                    "per sample from the fastest warm-up call); value = sample time / calls",
+                          "load": f"other_cores: CPU-s of other processes per second while the point's group was "
+                                  f"timed (/proc/stat less the harness and its workers); above {LOADED_CORES}: 'L'",
+                          "roofs": "over_compute_roof: layer GFLOP/s above 1.5x the float32 GEMM peak (a CPU call "
+                                   "cannot do the layer's work that fast); over_memory_bandwidth: compulsory bytes "
+                                   "per second above the measured bandwidth (in the caches, or less read)",
                           "settle": "before each turn the parent waits until the other backends' workers use under "
                                     "10% of a core over 20 ms (thread pools that spin-wait after a call have "
                                     "stopped; at most 2 s): settle_s per point, unsettled_turns when the limit hit",
