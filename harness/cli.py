@@ -526,18 +526,17 @@ def cmd_fidelity(args) -> int:
     _usage(check_writable, Path(args.results) / "bench", "--results")
     _require("scipy", "bench")
     named = bool(args.backend or args.backend_spec)
-    if named:
-        names = list(args.backend) + [e.name for e in registry.entries.values()
-                                      if e.spec in args.backend_spec and e.name not in args.backend]
-    else:
+    if named:  # the --backend names and the specs' backends, as the other commands take them
+        names = _targets(args, registry)
+        for name in names:
+            reason = registry.get(name).reason_unavailable
+            if reason:
+                raise UsageError(f"{name}: not available here: {reason}")
+    else:  # every available CPU backend
         names = [e.name for e in registry.available()
                  if e.backend.device == "cpu" and (args.opt_in or opt_in_reason(e) is None)]
-    if not named and not args.opt_in:
-        _say_opted_out(registry)
-    for name in names:
-        entry = _usage(registry.get, name)
-        if entry.reason_unavailable:
-            raise UsageError(f"{name}: not available here: {entry.reason_unavailable}")
+        if not args.opt_in:
+            _say_opted_out(registry)
     run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS,
                  overhead_names=names if named else None)
     return EXIT_OK

@@ -59,22 +59,20 @@ def unsupported(backend, shape: Shape) -> str | None:
     return None
 
 
-def call_arguments(shape: Shape, unmasked: bool = False, alignment: str | None = None):
-    """(params, inputs) of the benchmarked call for ``shape``: seeded, the same in every process. ``unmasked``:
-    without the causal mask (:func:`one_query_sees_every_key`: the same attention); ``alignment``: the causal
-    alignment when the shape's own is not the one to use (:func:`alignment_for`)."""
+def call_arguments(shape: Shape, causal: str | None):
+    """(params, inputs) of the benchmarked call for ``shape`` with the causal mask ``causal`` (an alignment, or None
+    for no mask): seeded, the same in every process."""
     from mha_harness.contract.api import AttentionConfig
     from mha_harness.contract.params import make_inputs, make_params
     attn = AttentionConfig(shape.d_model, shape.num_heads)
-    inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk,
-                         causal=None if unmasked else alignment or causal_alignment(shape))
+    inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal)
     return make_params(attn, seed=0), inputs
 
 
 def backend_arguments(backend, shape: Shape):
-    """:func:`call_arguments` as ``backend`` is called for ``shape``."""
-    return call_arguments(shape, unmasked=one_query_sees_every_key(backend, shape),
-                          alignment=alignment_for(backend, shape))
+    """:func:`call_arguments` as ``backend`` is called for ``shape``: with the mask :func:`mask_in_call` records."""
+    mask = mask_in_call(backend, shape)
+    return call_arguments(shape, None if mask == "none" else mask)
 
 
 def prepared_call(backend, shape: Shape):

@@ -53,6 +53,8 @@ MEMORY_KERNELS = (
     ("torch-eager-cuda", "cuda", 3, 6),
     ("jax-explicit-gpu", "jax-device", 2, 3),
 )
+#: the targets: prepared callable / direct library call, numpy-tiled's memory and throughput against numpy-naive's
+OVERHEAD_MAX, TILED_MEMORY_MAX, TILED_THROUGHPUT_MIN = 1.03, 0.1, 1.0
 OVERHEAD_BACKENDS = ("torch-sdpa-flash-cpu", "jax-dpa", "torch-sdpa-flash-cuda", "jax-dpa-xla-gpu")
 
 
@@ -177,7 +179,7 @@ def _timing_rounds(sweep: Sweep, group: list[BenchPoint], call_s: dict, t: int, 
             break
         log(f"timing: T = {t}, round {r + 1}: {len(active)} backends, each a turn after another backend's, a turn "
             "after its own and adaptive_autorange ...", flush=True)
-        meter = LoadMeter(lambda: [w.pid for w in sweep.workers.values()])
+        meter = LoadMeter(sweep.worker_pids)
         started = time.perf_counter()
         in_round = []
         for point in rotated(active, r):
@@ -394,8 +396,8 @@ def harness_overhead(registry, config: BenchConfig, seq_len: int = 1024, rounds:
             medians = _ask(worker, ("overhead", "o", shape, rounds))
             value = ratio(medians["harness"], medians["direct"])
             row = {"backend": name, "seq_len": seq_len, "rounds": rounds, "harness_median_s": medians["harness"],
-                   "direct_median_s": medians["direct"], "ratio": value, "target": "<= 1.03",
-                   "within_target": None if value is None else value <= 1.03}
+                   "direct_median_s": medians["direct"], "ratio": value, "target": f"<= {OVERHEAD_MAX:g}",
+                   "within_target": None if value is None else value <= OVERHEAD_MAX}
         except (RuntimeError, WorkerLost) as exc:
             row = {"backend": name, "error": str(exc)}
         finally:
@@ -404,7 +406,7 @@ def harness_overhead(registry, config: BenchConfig, seq_len: int = 1024, rounds:
         if row.get("ratio") is not None:
             log(f"  overhead {name} at T={seq_len}: prepared {row['harness_median_s'] * 1e3:.2f} ms vs direct "
                 f"{row['direct_median_s'] * 1e3:.2f} ms, ratio {row['ratio']:.3f} "
-                f"({_verdict(row['within_target'], '<= 1.03')})")
+                f"({_verdict(row['within_target'], row['target'])})")
         else:
             log(f"  overhead {name}: {row.get('error')}")
     return rows
@@ -430,7 +432,8 @@ def tiled_vs_naive(registry, config: BenchConfig, seq_len: int = 4096, log=print
     missing = {n: (registry.entries[n].reason_unavailable if n in registry.entries else "not registered")
                for n in names}
     missing = {n: why for n, why in missing.items() if why}
-    row = {"seq_len": seq_len, "targets": {"memory_ratio": "<= 0.1", "throughput_ratio": ">= 1"}}
+    row = {"seq_len": seq_len, "targets": {"memory_ratio": f"<= {TILED_MEMORY_MAX:g}",
+                                           "throughput_ratio": f">= {TILED_THROUGHPUT_MIN:g}"}}
     if missing:
         row["not_runnable"] = "; ".join(f"{n}: {why}" for n, why in missing.items())
         log(f"  numpy-tiled vs numpy-naive: not runnable here: {row['not_runnable']}")
@@ -454,12 +457,14 @@ def tiled_vs_naive(registry, config: BenchConfig, seq_len: int = 4096, log=print
                    if "memory_ratio_tiled_over_naive_at_most" in row else "n/a")
     throughput = row["throughput_ratio_tiled_over_naive"]
     bound = memory if memory is not None else row.get("memory_ratio_tiled_over_naive_at_most")
-    row["memory_within_target"] = None if bound is None else bound <= 0.1
-    row["throughput_within_target"] = None if throughput is None else throughput >= 1
+    row["memory_within_target"] = None if bound is None else bound <= TILED_MEMORY_MAX
+    row["throughput_within_target"] = None if throughput is None else throughput >= TILED_THROUGHPUT_MIN
+    targets = row["targets"]
     log(f"  numpy-tiled vs numpy-naive at T={seq_len}: memory {tiled_text} vs {naive_text} (ratio {memory_text}, "
-        f"{_verdict(row['memory_within_target'], '<= 0.1')}); time {_ms((tiled or {}).get('median_s')).strip()} vs "
-        f"{_ms((naive or {}).get('median_s')).strip()} ms (throughput ratio "
-        f"{'n/a' if throughput is None else f'{throughput:.2f}'}, {_verdict(row['throughput_within_target'], '>= 1')})")
+        f"{_verdict(row['memory_within_target'], targets['memory_ratio'])}); time "
+        f"{_ms((tiled or {}).get('median_s')).strip()} vs {_ms((naive or {}).get('median_s')).strip()} ms "
+        f"(throughput ratio {'n/a' if throughput is None else f'{throughput:.2f}'}, "
+        f"{_verdict(row['throughput_within_target'], targets['throughput_ratio'])})")
     return row
 
 
@@ -527,7 +532,7 @@ def summary(doc: dict) -> dict:
     overhead = doc.get("overhead")
     if isinstance(overhead, list):
         ok, n, missing = _count(overhead, "within_target")
-        out["overhead"] = {"target": "<= 1.03", "within": ok, "compared": n,
+        out["overhead"] = {"target": f"<= {OVERHEAD_MAX:g}", "within": ok, "compared": n,
                            "not_compared": [f"{r['backend']}: {r.get('not_runnable') or r.get('error')}"
                                             for r in missing]}
     pair = doc.get("tiled_vs_naive")
@@ -543,8 +548,8 @@ def summary(doc: dict) -> dict:
 
 def _log_summary(s: dict, log) -> None:
     log("summary (targets: sweep within +-10% of adaptive_autorange, sweep within +-5% of alone, memory within "
-        "+-10% of the formula and of XLA's memory_analysis, overhead <= 1.03, numpy-tiled's memory <= 0.1x and "
-        "throughput >= 1x numpy-naive's):")
+        f"+-10% of the formula and of XLA's memory_analysis, overhead <= {OVERHEAD_MAX:g}, numpy-tiled's memory "
+        f"<= {TILED_MEMORY_MAX:g}x and throughput >= {TILED_THROUGHPUT_MIN:g}x numpy-naive's):")
     for key, label in (("sweep_over_autorange", "sweep median / adaptive_autorange alone"),
                        ("sweep_over_alone", "sweep median / same engine alone")):
         if key not in s:

@@ -36,11 +36,12 @@ def own_cpu_s(worker_pids) -> float:
 
 
 class LoadMeter:
-    """Other processes' CPU between :meth:`start` and :meth:`conditions` (a worker restarted in between loses its
-    earlier CPU time, so the figure can only err towards "busier")."""
+    """Other processes' CPU between the meter's creation and :meth:`conditions` (a worker restarted in between
+    loses its earlier CPU time, so the figure can only err towards "busier"). ``worker_pids``: a callable giving
+    the live workers' pids, read at both ends."""
 
     def __init__(self, worker_pids):
-        self.worker_pids = worker_pids  # a callable giving the live workers' pids
+        self.worker_pids = worker_pids
         self.box, self.own = box_cpu_s(), own_cpu_s(worker_pids())
 
     def conditions(self, seconds: float) -> dict:

@@ -32,6 +32,7 @@ from mha_harness.bench.load import LOADED_CORES, LoadMeter
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import (
     BYTES_FORMULA,
+    COMPUTE_ROOF_SLACK,
     FLOPS_FORMULA,
     Shape,
     gemm_peak_gflops,
@@ -249,7 +250,7 @@ class Sweep:
         reaches the target or its budget is spent."""
         config = self.config
         ready = self.prepare_group(group)
-        meter, started = LoadMeter(lambda: [w.pid for w in self.workers.values()]), time.perf_counter()
+        meter, started = LoadMeter(self.worker_pids), time.perf_counter()
         spent = {p.backend: 0.0 for p, _ in ready}
         open_ = [p for p, _ in ready]
         call_s = {p.backend: c for p, c in ready}
@@ -271,18 +272,23 @@ class Sweep:
         load = meter.conditions(time.perf_counter() - started)
         other = (round(load["other_cpu_s"] / load["seconds"], 2)
                  if load["other_cpu_s"] is not None and load["seconds"] > 0 else None)
+        roofs = {"gemm_peak_gflops": self.doc["machine"]["gemm_peak_gflops_float32"],
+                 "memory_bandwidth_gbs": self.doc["machine"]["memory_bandwidth_gbs"]}
         for point in group:
             if point.status == MEASURED:
                 point.other_cores = other
                 point.update(stats.summary(point.samples_s, point.calls_per_sample, point.budget_exhausted,
                                            config.ci_rel))
-                roofs = {"gemm_peak_gflops": self.doc["machine"]["gemm_peak_gflops_float32"],
-                         "memory_bandwidth_gbs": self.doc["machine"]["memory_bandwidth_gbs"]}
-                point.update(metrics(shape_of(point, config), point.median_s, **roofs))
+                shape = shape_of(point, config)
+                point.update(metrics(shape, point.median_s, **roofs))
                 if getattr(self.backends[point.backend], "device", "cpu") == "cpu":  # the roofs are this CPU's
-                    point.update(over_roofs(shape_of(point, config), point.median_s, **roofs))
+                    point.update(over_roofs(shape, point.median_s, **roofs))
             elif point.samples_s:  # lost mid-point: keep what was measured, but it is not a result
                 point.update({"n_samples": len(point.samples_s)})
+
+    def worker_pids(self) -> list[int]:
+        """The live workers' process ids (what a LoadMeter counts as the harness's own CPU)."""
+        return [w.pid for w in self.workers.values() if w.pid is not None]
 
     def settle(self, point: BenchPoint) -> None:
         """Before ``point``'s turn, wait until every other backend's worker is idle: thread pools that spin-wait
@@ -696,9 +702,10 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
                                     "per sample from the fastest warm-up call); value = sample time / calls",
                           "load": f"other_cores: CPU-s of other processes per second while the point's group was "
                                   f"timed (/proc/stat less the harness and its workers); above {LOADED_CORES}: 'L'",
-                          "roofs": "over_compute_roof: layer GFLOP/s above 1.5x the float32 GEMM peak (a CPU call "
-                                   "cannot do the layer's work that fast); over_memory_bandwidth: compulsory bytes "
-                                   "per second above the measured bandwidth (in the caches, or less read)",
+                          "roofs": f"over_compute_roof: layer GFLOP/s above {COMPUTE_ROOF_SLACK:g}x the float32 GEMM "
+                                   "peak (a CPU call cannot do the layer's work that fast); over_memory_bandwidth: "
+                                   "compulsory bytes per second above the measured bandwidth (in the caches, or less "
+                                   "read)",
                           "settle": "before each turn the parent waits until the other backends' workers use under "
                                     "10% of a core over 20 ms (thread pools that spin-wait after a call have "
                                     "stopped; at most 2 s): settle_s per point, unsettled_turns when the limit hit",
