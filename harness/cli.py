@@ -185,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "named")
     p.add_argument("--threads", type=_positive_int, default=None, help="threads for every backend (default: "
                                                                      "the bench default)")
+    p.add_argument("--section", action="append", default=None, metavar="NAME",
+                   help="run only this section (repeatable; default: all, in this order): memory (the memory "
+                        "methods against formulas and XLA), overhead (prepared callable vs the library called "
+                        "directly), tiled-vs-naive, timing (the sweep against adaptive_autorange and alone: the "
+                        "one that covers a plugin's own backend)")
 
     p = sub.add_parser("run", help="the main job: conformance of every available backend, mutation score and a "
                                    "quick benchmark sweep, written under results/")
@@ -520,7 +525,10 @@ def _bench_verdict(not_loaded: list[str], doc: dict, explicit: bool = False) -> 
 
 
 def cmd_fidelity(args) -> int:
-    from mha_harness.bench.fidelity import run_fidelity
+    from mha_harness.bench.fidelity import SECTIONS, run_fidelity
+    for name in args.section or ():
+        if name not in SECTIONS:
+            raise UsageError(f"--section: got {name!r}; accepted: {', '.join(SECTIONS)}")
     from mha_harness.bench.threads import DEFAULT_THREADS
     registry = _registry(args.backend_spec)
     _usage(check_writable, Path(args.results) / "bench", "--results")
@@ -538,7 +546,7 @@ def cmd_fidelity(args) -> int:
         if not args.opt_in:
             _say_opted_out(registry)
     run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS,
-                 overhead_names=names if named else None)
+                 overhead_names=names if named else None, sections=args.section)
     return EXIT_OK
 
 

@@ -438,6 +438,32 @@ def test_fidelity_summary_counts_only_what_was_compared():
     assert any("1/1 within <= 1.03; not compared: p: no direct_callable" in line for line in lines), lines
 
 
+def test_fidelity_runs_only_the_chosen_sections_and_says_which_were_left_out(tmp_path, monkeypatch):
+    """A stranger waited 10 minutes for fidelity's every section to learn one plugin's timing agreement."""
+    import json
+
+    from mha_harness.bench import fidelity
+    from mha_harness.registry import load_registry
+    ran = []
+    for name in ("memory_validation", "harness_overhead", "timing_agreement", "speed_stability"):
+        monkeypatch.setattr(fidelity, name, lambda *a, _n=name, **k: ran.append(_n) or [])
+    monkeypatch.setattr(fidelity, "tiled_vs_naive", lambda *a, **k: ran.append("tiled_vs_naive") or {
+        "targets": {"memory_ratio": "<= 0.1", "throughput_ratio": ">= 1"}, "memory_ratio_tiled_over_naive": 0.05,
+        "memory_within_target": True, "throughput_ratio_tiled_over_naive": 2.0, "throughput_within_target": True})
+    lines = []
+    doc = fidelity.run_fidelity(load_registry(), ["numpy-naive"], tmp_path, sections=["tiled-vs-naive"],
+                                log=lambda *a, **k: lines.append(a[0] if a else ""))
+    assert ran == ["tiled_vs_naive"]
+    on_disk = json.loads((tmp_path / "bench" / "fidelity.json").read_text())
+    assert on_disk["complete"] and on_disk["sections"] == ["tiled-vs-naive"]
+    for key in ("memory", "overhead", "timing"):
+        assert doc[key].startswith("not run: not among the chosen sections (--section tiled-vs-naive)"), doc[key]
+        assert any(line.startswith(f"  {key}: not run") for line in lines), lines
+    assert doc["summary"]["tiled_vs_naive"]["throughput_within"] is True
+    with pytest.raises(ValueError, match="accepted: memory, overhead, tiled-vs-naive, timing"):
+        fidelity.run_fidelity(load_registry(), [], tmp_path, sections=["speed"])
+
+
 def fidelity_log_summary(s, log):
     from mha_harness.bench.fidelity import _log_summary
     _log_summary(s, log)

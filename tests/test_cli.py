@@ -69,6 +69,8 @@ def test_check_one_backend_writes_json_and_markdown(tmp_path):
     (["run", "--ci", "inf"], ["--ci", "got 'inf'", "accepted: a finite number > 0"]),
     (["fidelity", "--threads", "0"], ["--threads", "accepted: an integer >= 1"]),
     (["fidelity", "--results", ""], ["--results", "accepted: a directory path"]),
+    (["fidelity", "--section", "speed"], ["--section", "got 'speed'",
+                                          "accepted: memory, overhead, tiled-vs-naive, timing"]),
     (["check", "--results", ""], ["--results", "accepted: a directory path"]),
     (["bench", "--results", " "], ["--results", "accepted: a directory path"]),
     (["bench", "--backend", "numpy-naive", "--seq-lens", "1000000000"], ["--seq-lens", "T=1000000000", "GiB",
@@ -220,12 +222,15 @@ def test_fidelity_takes_a_plugin_spec_and_checks_only_the_named_backends_overhea
     from mha_harness.cli import main
     seen = {}
 
-    def fake_run_fidelity(registry, names, results_dir, threads=2, *, log=print, overhead_names=None):
-        seen.update(names=names, overhead=overhead_names, registry=registry)
+    def fake_run_fidelity(registry, names, results_dir, threads=2, *, log=print, overhead_names=None, sections=None):
+        seen.update(names=names, overhead=overhead_names, registry=registry, sections=sections)
         return {}
     monkeypatch.setattr(fidelity, "run_fidelity", fake_run_fidelity)
     assert main(["fidelity", "--backend-spec", "tests.plugin_objects:RenamedNaive", "--results", str(tmp_path)]) == 0
-    assert seen["names"] == seen["overhead"] and len(seen["names"]) >= 1
+    assert seen["names"] == seen["overhead"] and len(seen["names"]) >= 1 and seen["sections"] is None
+    assert main(["fidelity", "--backend-spec", "tests.plugin_objects:RenamedNaive", "--section", "timing",
+                 "--section", "overhead", "--results", str(tmp_path)]) == 0
+    assert seen["sections"] == ["timing", "overhead"]
     assert all(seen["registry"].get(n).spec == "tests.plugin_objects:RenamedNaive" for n in seen["names"])
     rows = fidelity.harness_overhead(seen["registry"], fidelity.BenchConfig(), names=seen["names"],
                                      log=lambda *a, **k: None)

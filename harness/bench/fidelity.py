@@ -56,6 +56,8 @@ MEMORY_KERNELS = (
 #: the targets: prepared callable / direct library call, numpy-tiled's memory and throughput against numpy-naive's
 OVERHEAD_MAX, TILED_MEMORY_MAX, TILED_THROUGHPUT_MIN = 1.03, 0.1, 1.0
 OVERHEAD_BACKENDS = ("torch-sdpa-flash-cpu", "jax-dpa", "torch-sdpa-flash-cuda", "jax-dpa-xla-gpu")
+#: the sections of a fidelity run, in the order they run: ``--section`` name -> the JSON key that holds its figures
+SECTIONS = {"memory": "memory", "overhead": "overhead", "tiled-vs-naive": "tiled_vs_naive", "timing": "timing"}
 
 
 def _quiet(*args, **kwargs):
@@ -511,6 +513,9 @@ def summary(doc: dict) -> dict:
                                         "steal_s": round(sum(c["steal_s"] for c in rounds.values()), 2)}
     else:
         out["timing"] = timing
+    for key in ("memory", "overhead", "tiled_vs_naive"):  # a section not run, or not runnable here: its reason
+        if isinstance(doc.get(key), str):
+            out[key] = doc[key]
     stability = doc.get("speed_stability")
     if isinstance(stability, dict) and "max_over_min" in stability:
         out["speed_stability_max_over_min"] = stability["max_over_min"]
@@ -567,20 +572,21 @@ def _log_summary(s: dict, log) -> None:
             f"({c['rounds']} rounds), steal {c['steal_s']} s in all")
     if "speed_stability_max_over_min" in s:
         log(f"  machine speed: 1-s windows of a fixed CPU loop differed by up to {s['speed_stability_max_over_min']}x")
-    if "timing" in s:
-        log(f"  timing: {s['timing']}")
+    for key in ("timing", "memory", "overhead", "tiled_vs_naive"):
+        if isinstance(s.get(key), str):
+            log(f"  {key}: {s[key]}")
     for method, v in s.get("memory_vs_formula", {}).get("methods", {}).items():
         missing = f"; not compared: {'; '.join(v['not_compared'])}" if v["not_compared"] else ""
         log(f"  memory {method}: {v['within']}/{v['compared']} within +-10% of the formula{missing}")
     if "memory_vs_xla" in s:
         v = s["memory_vs_xla"]
         log(f"  memory vs XLA memory_analysis: {v['within']}/{v['compared']} within +-10%")
-    if "overhead" in s:
+    if isinstance(s.get("overhead"), dict):
         v = s["overhead"]
         missing = f"; not compared: {'; '.join(v['not_compared'])}" if v["not_compared"] else ""
         log(f"  harness overhead (prepared / direct library call): {v['within']}/{v['compared']} within "
             f"{v['target']}{missing}")
-    if "tiled_vs_naive" in s:
+    if isinstance(s.get("tiled_vs_naive"), dict):
         v = s["tiled_vs_naive"]
         if v.get("not_runnable"):
             log(f"  numpy-tiled vs numpy-naive: not runnable: {v['not_runnable']}")
@@ -590,23 +596,41 @@ def _log_summary(s: dict, log) -> None:
                 f"{v['throughput_ratio']} ({_verdict(v['throughput_within'], v['targets']['throughput_ratio'])})")
 
 
-def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=print, overhead_names=None) -> dict:
-    """All four figures and their summary; written to ``<results>/bench/fidelity.json`` after every section."""
+def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=print, overhead_names=None,
+                 sections=None) -> dict:
+    """The figures of the chosen ``sections`` (names of :data:`SECTIONS`; None: all four) and their summary;
+    written to ``<results>/bench/fidelity.json`` after every section. A section left out holds a "not run" text
+    saying so, and the summary names it: a run of some sections validates only what they measure."""
     import importlib.util
+    chosen = list(SECTIONS) if sections is None else [n for n in SECTIONS if n in sections]
+    unknown = sorted(set(sections or ()) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"sections: got {unknown}; accepted: {', '.join(SECTIONS)}")
     config = BenchConfig(threads=threads)
-    doc = {"schema": "mha-harness/fidelity", "schema_version": "3.0", "complete": False, "threads": threads,
+    doc = {"schema": "mha-harness/fidelity", "schema_version": "3.1", "complete": False, "threads": threads,
+           "sections": chosen,
            "config": {"batch": config.batch, "d_model": config.d_model, "num_heads": config.num_heads,
                       "dtype": config.dtype, "turn_s": config.turn_s, "timing_rounds": TIMING_ROUNDS,
                       "timing_max_rounds": TIMING_MAX_ROUNDS, "ratio_ci_target": RATIO_CI_TARGET,
                       "autorange_max_run_time_s": AUTORANGE_MAX_RUN_S}}
     path = Path(results_dir) / "bench" / "fidelity.json"
-    log("memory methods against analytical figures (each kernel in its own worker):", flush=True)
-    _section(doc, "memory", path, log, lambda: memory_validation(registry, config, log=log))
-    log("harness overhead (prepared callable vs the backend's direct library call):", flush=True)
-    _section(doc, "overhead", path, log, lambda: harness_overhead(registry, config, log=log, names=overhead_names))
-    log("numpy-tiled vs numpy-naive:", flush=True)
-    _section(doc, "tiled_vs_naive", path, log, lambda: tiled_vs_naive(registry, config, log=log))
-    if importlib.util.find_spec("torch") is None:
+    left_out = f"not run: not among the chosen sections (--section {' --section '.join(chosen)})"
+    for name, key in SECTIONS.items():
+        if name not in chosen:
+            doc[key] = left_out
+    if "memory" in chosen:
+        log("memory methods against analytical figures (each kernel in its own worker):", flush=True)
+        _section(doc, "memory", path, log, lambda: memory_validation(registry, config, log=log))
+    if "overhead" in chosen:
+        log("harness overhead (prepared callable vs the backend's direct library call):", flush=True)
+        _section(doc, "overhead", path, log,
+                 lambda: harness_overhead(registry, config, log=log, names=overhead_names))
+    if "tiled-vs-naive" in chosen:
+        log("numpy-tiled vs numpy-naive:", flush=True)
+        _section(doc, "tiled_vs_naive", path, log, lambda: tiled_vs_naive(registry, config, log=log))
+    if "timing" not in chosen:
+        pass
+    elif importlib.util.find_spec("torch") is None:
         doc["timing"] = "not runnable: torch (torch.utils.benchmark) is not installed"
         log(f"timing: {doc['timing']}")
     else:
