@@ -174,3 +174,17 @@ def test_tiled_kernel_bugs_are_caught_only_by_variants_whose_keys_cross_a_block(
     passing = mha_harness.check(MutantBackend(mutant, weights=False), include_slow=False)
     assert not passing.failures() and not [r for r in passing.results if r.status == "error"], \
         [f.message[:120] for f in passing.failures()]
+
+
+def test_every_variant_of_the_causal_jacobian_case_catches_a_backward_that_ignores_the_mask():
+    """Each alignment and shape on its own, not only the case as a whole: the bottom-right 5 x 65 variant checked
+    no query at all (its queries see keys 60..64, the fixed cuts were 0 and 32) and passed a stranger's Flax
+    backward that dropped the causal mask."""
+    report = mha_harness.check(MutantBackend(BY_NAME["mutant-gradient-flows-to-future"]),
+                               cases=["check_causal_jacobian_zero_for_future_inputs"], include_slow=False)
+    shapes = {(r.params["alignment"], r.params["variant"]): r for r in report.results}
+    assert ("bottom-right", "more_keys") in shapes and len(shapes) >= 4, sorted(shapes)
+    for (alignment, variant), result in shapes.items():
+        assert result.status == "failed" and "causal leak in gradients" in result.message, (alignment, variant,
+                                                                                            result.message)
+    assert "d(output row 0, which may see keys <= 60)" in shapes[("bottom-right", "more_keys")].message
