@@ -14,6 +14,7 @@ from mha_harness.cases._fixtures import (
 )
 from mha_harness.conformance.casekit import (
     CaseFailure,
+    FormRefusal,
     Measurement,
     assert_close,
     case,
@@ -48,7 +49,7 @@ def _grid_row_refusal(backend, tq, tk, bias, kv) -> str | None:
     """Why the backend cannot run a GRID row, from its declarations (the skip reason), or None."""
     caps = backend.capabilities
     if tq != tk and not cross_ok(backend):
-        return (f"declares inputs='self' (one x): Tq = {tq} != Tk = {tk} is not defined for that form"
+        return (FormRefusal(f"declares inputs='self' (one x): Tq = {tq} != Tk = {tk} is not defined for that form")
                 if caps.inputs == "self"
                 else f"does not declare capability 'cross_attention' (Tq = {tq} != Tk = {tk})")
     if tq > tk and not caps.more_queries_than_keys:

@@ -124,7 +124,10 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
     ``backends``: a backend instance or class, a registered name, a ``module:object`` spec, or a list
     of these. ``isolate=True`` runs each backend's plugin code in its own worker process with a per-case
     ``timeout``, out of reach of the verdict; ``isolate=False`` runs it in this process, where a plugin that
-    patches NumPy or the harness can change the verdict (use it only for code you trust).
+    patches NumPy or the harness can change the verdict (use it only for code you trust). ``progress(result)`` is
+    called as each variant finishes, and again for a variant whose status changes once its backend's run is
+    complete (a pass under a precision declaration that no variant needed becomes an unexpected pass);
+    ``on_backend_done(name, results)`` as each backend finishes.
     """
     start = time.perf_counter()
     cases = _check_arguments(cases, timeout, jobs, isolate)

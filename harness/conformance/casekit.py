@@ -61,6 +61,11 @@ class FormSkipped(CaseSkipped):
 FORM_SKIP = "skipped for its input form"
 
 
+class FormRefusal(str):
+    """A variant generator's skip reason (the ``unsupported`` parameter) saying the variant is not defined for the
+    backend's input form (a self-attention layer has no Tq != Tk): skipped and counted like :class:`FormSkipped`."""
+
+
 @dataclass(frozen=True)
 class Case:
     name: str

@@ -401,7 +401,7 @@ def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, th
                 progress(result)
     finally:
         transport.stop()
-    settle_precision_declarations(target.backend, results)
+    settle_precision_declarations(target.backend, results, progress)
     return results
 
 

@@ -15,6 +15,7 @@ from mha_harness.conformance.casekit import (
     Case,
     CaseFailure,
     CaseSkipped,
+    FormRefusal,
     FormSkipped,
     Measurement,
     all_cases,
@@ -98,7 +99,8 @@ def declared_skip(backend, case: Case, params: dict) -> tuple[str, str | None] |
     if reason:
         return reason, None
     if params.get("unsupported"):
-        return unsupported_reason(backend, params), None
+        form_refusal = isinstance(params["unsupported"], FormRefusal)
+        return unsupported_reason(backend, params), FORM_SKIP if form_refusal else None
     reason = form_skip_reason(case.name, case.forms, backend, params.get("form") or backend.capabilities.inputs)
     return (reason, FORM_SKIP) if reason else None
 
@@ -111,7 +113,8 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
         if reason:
             raise CaseSkipped(reason)
         if params.get("unsupported"):
-            raise CaseSkipped(unsupported_reason(backend, params))
+            refusal = FormSkipped if isinstance(params["unsupported"], FormRefusal) else CaseSkipped
+            raise refusal(unsupported_reason(backend, params))
         measurement = case.func(backend, **{k: v for k, v in params.items() if k != "unsupported"})
         if isinstance(measurement, Measurement):
             return Status.PASSED, "", measurement.max_error, measurement.observed
@@ -194,19 +197,25 @@ def _did_not_happen(backend: str, d: Divergence) -> str:
             "but passed; remove or narrow the declaration")
 
 
-def settle_precision_declarations(backend, results: list[CaseResult]) -> None:
+def settle_precision_declarations(backend, results: list[CaseResult], progress=None) -> list[CaseResult]:
     """A ``precision:`` declaration must be needed by at least one variant it matches in the run; the others may
     pass at the strict tolerance, since a result at a lower precision can be exact (one key: the softmax weight is
-    exactly 1). A declaration that no variant needed is stale: its strict passes become unexpected passes."""
+    exactly 1). A declaration that no variant needed is stale: its strict passes become unexpected passes, handed to
+    ``progress`` (each was reported to it as passed when it ran) and returned."""
     declarations = as_proxy(backend).divergences
     first = {id(r): next((d for d in declarations if d.matches(r.case, r.params)), None) for r in results}
     needed = {id(first[id(r)]) for r in results
               if first[id(r)] is not None and r.status in (Status.EXPECTED_DIVERGENCE, Status.FAILED)}
+    changed = []
     for r in results:
         d = first[id(r)]
         if r.observed == PRECISION_NOT_NEEDED and r.status == Status.PASSED and id(d) not in needed:
             r.status, r.message = Status.UNEXPECTED_PASS, _did_not_happen(r.backend, d) + (
                 "; no variant it matches needed it")
+            changed.append(r)
+            if progress:
+                progress(r)
+    return changed
 
 
 def lost_result(backend: str, case: Case, params: dict, status: Status, message: str,
@@ -225,5 +234,5 @@ def run_backend(backend: AttentionBackend, cases: list[Case], progress=None,
         results.append(run_case(proxy, case, params, spec=spec))
         if progress:
             progress(results[-1])
-    settle_precision_declarations(backend, results)
+    settle_precision_declarations(backend, results, progress)
     return results
