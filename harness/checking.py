@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 from collections.abc import Iterable
 
@@ -34,6 +35,29 @@ def _backend_items(backends) -> list:
     if isinstance(backends, (list, tuple, set, frozenset)) or hasattr(backends, "__next__"):
         return list(backends)
     raise TypeError(f"backends: got {type(backends).__name__} {backends!r:.60}; accepted: {_ACCEPTED_BACKENDS}")
+
+
+def importable_name(obj) -> str | None:
+    """``module:qualname`` of a class or function, or of an instance's class, that another process can import (its
+    module is not ``__main__`` and it is not defined inside a function); None otherwise. An instance's repro line
+    names its class, which rebuilds the same backend when the class needs no arguments."""
+    import sys
+    named = obj if isinstance(obj, type) or inspect.isfunction(obj) else type(obj)
+    module = sys.modules.get(getattr(named, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__":
+        return None
+    qualname = getattr(named, "__qualname__", "")
+    found = module
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if found is not named:  # made by type() or a factory under another name: the name the module holds it by
+        qualname = next((k for k, v in vars(module).items() if v is named), "")
+    spec = f"{module.__name__}:{qualname}"
+    try:
+        parse_spec(spec)
+    except ValueError:
+        return None
+    return spec
 
 
 def target_of(entry: BackendEntry) -> Target:
@@ -77,6 +101,8 @@ def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Ta
             for b in found:
                 reason, error = availability_of(b)
                 add_entry(BackendEntry(b.name, "python object", "python object", b, error=error, reason=reason))
+                if targets and targets[-1].backend is b:
+                    targets[-1].importable_as = importable_name(item)
         else:
             raise TypeError(f"backends: got an item of type {type(item).__name__} ({item!r:.60}); "
                             f"accepted: {_ACCEPTED_BACKENDS}")

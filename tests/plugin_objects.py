@@ -38,3 +38,17 @@ def two_backends():
     """A factory registering several backends from one entry point."""
     return [type("OtherNaive", (NumpyNaive,), {"name": "other-naive"})(),
             mha_harness.function_backend(lesson_mha, name="lesson-function-2")]
+
+
+class _OffsetLoaded(NumpyNaive.loaded_class):
+    """Every output one too large: a backend that fails the reference comparisons."""
+
+    def compute(self, inputs, *, need_weights=False):
+        out = super().compute(inputs, need_weights=need_weights)
+        return mha_harness.AttentionOutput(out.output + 1.0, out.weights)
+
+
+class OffsetOutput(NumpyNaive):
+    """A failing backend that pickles (a worker can receive it as an object)."""
+    name = "offset-output"
+    loaded_class = _OffsetLoaded

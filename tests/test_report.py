@@ -20,6 +20,7 @@ from mha_harness.toolkit.divergences import (
     uniform_fully_masked_divergences,
 )
 from tests.conftest import ROOT
+from tests.hostile_plugins import WrongShape as WrongShapeBase
 
 FULLY = "check_fully_masked_rows_output_zeros"
 
@@ -296,6 +297,32 @@ def test_the_repro_line_of_a_failing_spec_backend_fails_the_same_way_in_bash():
     assert out.returncode == 1
     assert f"failed: {result.message}" in out.stdout
     assert "Traceback" not in out.stderr  # the printed line is the whole story
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_the_repro_line_of_a_failing_backend_given_as_an_object_names_its_class_and_runs(isolate):
+    """A stranger's mha_harness.check(TheirBackend()) printed repro(\"their-name\", ...), which no registry knows
+    (RegistryError when pasted): an object's line names its importable class and the backend's name."""
+    from tests.plugin_objects import OffsetOutput
+    for given in (OffsetOutput(), OffsetOutput):
+        report = mha_harness.check(given, cases=["check_output_projection_mixes_heads"], isolate=isolate)
+        result = report.failures()[0]
+        assert "mha_harness.repro(\"tests.plugin_objects:OffsetOutput\", " in result.repro
+        assert "backend_name=\"offset-output\"" in result.repro
+    out = subprocess.run(["bash", "-c", result.repro], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=_env())
+    assert out.returncode == 1 and f"failed: {result.message}" in out.stdout, (out.stdout, out.stderr[-500:])
+
+
+def test_an_object_without_an_importable_class_keeps_its_name_in_the_repro_line():
+    from mha_harness.checking import importable_name
+
+    class Local(WrongShapeBase):
+        name = "local-wrong-shape"
+    assert importable_name(Local()) is None and importable_name(Local) is None
+    assert importable_name(lambda: []) is None
+    # a class made by type() under another name: the name its module holds it by
+    assert importable_name(WrongShapeBase()) == "tests.hostile_plugins:WrongShape"
 
 
 def test_markdown_groups_skip_reasons_per_backend_with_counts_escaped():

@@ -99,6 +99,9 @@ class Target:
     #: turns ``spec`` into backends in the worker (a module-level function, e.g. mha_harness.registry's
     #: backends_from_spec, given by the front end: the engine does not import the registry above it)
     load_spec: Callable[[str], list[AttentionBackend]] | None = None
+    #: for a backend given as a Python object: the ``module:object`` of its class or factory, when a new process can
+    #: import it (repro lines name it: only registered backends are found by name)
+    importable_as: str | None = None
 
     @property
     def name(self) -> str:
@@ -106,8 +109,9 @@ class Target:
 
     @property
     def repro_spec(self) -> str | None:
-        """The spec a repro line must name: backends given as module:object are not found by name."""
-        return self.spec if self.source.startswith(("--backend-spec", "spec ")) else None
+        """The spec a repro line must name: backends given as module:object, or as objects whose class or factory
+        is importable, are not found by name."""
+        return self.spec if self.source.startswith(("--backend-spec", "spec ")) else self.importable_as
 
     def payload(self):
         if self.spec and self.load_spec is not None:
