@@ -74,6 +74,8 @@ def _grid_variants(backend):
                  "tk": tk, "bias": bias}
             if kv:
                 v["kv_heads"] = kv
+            if caps.inputs == "separate" and tq == tk:  # called as a self-attention model calls it: labelled so
+                v["one_x"] = True
             refusal = _grid_row_refusal(backend, tq, tk, bias, kv)
             if refusal is None:
                 out.append(v)
@@ -82,21 +84,24 @@ def _grid_variants(backend):
     return out + refused
 
 
-def _inputs(form, config, batch, tq, tk=None, seed=1, **masks):
-    """Separate backends: one x at Tq == Tk and separate arrays otherwise (as make_inputs); others: their form."""
+def _inputs(form, config, batch, tq, tk=None, seed=1, one_x=False, **masks):
+    """Separate backends: one x (query is key is value) where the variant says ``one_x`` (the grid's and the long
+    case's Tq == Tk rows), separate arrays otherwise; others: their form."""
     if form == "separate":
-        return make_inputs(config, batch, tq, tk, seed=seed, **masks)
+        return make_inputs(config, batch, tq, tk, seed=seed, self_attention=one_x, **masks)
     return form_inputs(form, config, batch, tq, tk, seed=seed, **masks)
 
 
 @case(variants=_grid_variants, forms=ALL_FORMS)
 def check_output_matches_reference(backend, *, form, dtype, variant, batch, heads, d_head, seq, tk, bias,
-                                   kv_heads=None):
+                                   kv_heads=None, one_x=False):
     """Over a grid of batch sizes, sequence lengths (self and cross), head counts and widths, with and without
-    biases, in every declared dtype, the output equals the float64 reference within the tolerance rule."""
+    biases, in every declared dtype, the output equals the float64 reference within the tolerance rule. A
+    separate-form backend gets one x at Tq == Tk (``one_x``: how a self-attention model calls it; the other cases
+    give it separate arrays) and separate arrays at Tq != Tk."""
     config = AttentionConfig(heads * d_head, heads, kv_heads, bias=bias)
     params = make_params(config, seed=seq + tk)
-    inputs = _inputs(form, config, batch, seq, tk, seed=batch + heads)
+    inputs = _inputs(form, config, batch, seq, tk, seed=batch + heads, one_x=one_x)
     # an always-causal backend's grid runs causal: a failure names the causal-mask mistake it matches (as every
     # whole-output comparison does)
     return Measurement(max_error=check_against_reference(backend, params, inputs, dtype))
@@ -110,17 +115,17 @@ def _long_variants(backend):
     out = [] if caps.always_causal else [{"dtype": primary_dtype(backend), "seq": 8192, "causal": False}]
     if "top-left" in caps.causal_alignments:
         out.append({"dtype": primary_dtype(backend), "seq": 8192, "causal": True})
-    return out
+    return [v | {"one_x": True} for v in out] if caps.inputs == "separate" else out
 
 
 @case(variants=_long_variants, slow=True, forms=ALL_FORMS)
-def check_long_sequence_sampled_rows_match_reference(backend, *, form, dtype, seq, causal):
+def check_long_sequence_sampled_rows_match_reference(backend, *, form, dtype, seq, causal, one_x=False):
     """At T = 8192 a seeded sample of query rows (first, last and random) equals the row-subset reference,
     which costs O(rows * T) instead of O(T^2). Two heads of width 8 (the FLOPs of one of width 16), so a head
     split or a scale by sqrt(d_model) is wrong here too."""
     config = AttentionConfig(16, 2)
     params = make_params(config, seed=8)
-    inputs = _inputs(form, config, 1, seq, seed=8, causal="top-left" if causal else None)
+    inputs = _inputs(form, config, 1, seq, seed=8, one_x=one_x, causal="top-left" if causal else None)
     rows = np.unique(np.concatenate([[0, 1, seq // 2, seq - 1], np.random.default_rng(8).integers(0, seq, 12)]))
     err = check_against_reference(backend, params, inputs, dtype, "long-sequence rows", rows=rows)
     return Measurement(max_error=err)
