@@ -23,6 +23,7 @@ from mha_harness.conformance.casekit import (
     primary_dtype,
     run,
 )
+from mha_harness.conformance.diagnoses import polarity_hint
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention
@@ -165,7 +166,7 @@ def check_attention_weights_match_reference(backend, *, form, dtype, masked):
         if np.any(got[must_be_zero] != 0):
             idx = tuple(int(i) for i in np.argwhere(must_be_zero & (got != 0))[0])
             raise CaseFailure(f"weights: masked entry at {dict(zip(labels, idx))} is {got[idx]:.3g}; "
-                              "expected exactly 0")
+                              "expected exactly 0" + polarity_hint(got, params, inputs, weights=True))
     sums = np.where(live[..., 0], got.sum(axis=-1), 1.0)
     assert_close(sums, np.ones_like(sums), tol, "weight row sums", labels=labels[:3])
     return Measurement(max_error=assert_close(np.where(live, got, 0), np.where(live, ref, 0), tol, "attention weights",

@@ -6,9 +6,19 @@ import numpy as np
 import pytest
 
 import mha_harness
+from mha_harness.conformance.diagnoses import layer_mistake, polarity_hint, wrong_layer_output
+from mha_harness.conformance.results import Status
+from mha_harness.contract.api import AttentionConfig, AttentionInputs
+from mha_harness.contract.params import make_params
+from mha_harness.contract.reference import reference_attention
 from mha_harness.implementations.mutants import MUTANTS
-from mha_harness.implementations.mutants.zoo import MutantBackend
+from mha_harness.implementations.mutants.zoo import FullyMaskedRowsNaN, MutantBackend
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+from mha_harness.toolkit.divergences import (
+    FULLY_MASKED_CASE,
+    nan_fully_masked_divergences,
+    uniform_fully_masked_divergences,
+)
 
 
 class _SoftmaxOverQueries(NumpyNaiveLoaded):
@@ -24,8 +34,20 @@ class _PaddingReadInverted(NumpyNaiveLoaded):
         return super().masks(inputs.replace(key_padding_mask=flipped))
 
 
-def _backend(name, loaded):
-    return type(name, (NumpyNaive,), {"name": name, "loaded_class": loaded})()
+class _FiniteMaskValue(NumpyNaiveLoaded):
+    """Masks with the dtype's most negative finite value, as flax and jax.nn.dot_product_attention do: a row with
+    every key masked softmaxes to uniform weights (the uniform average of V)."""
+
+    def masked_softmax(self, scores, allowed, additive):
+        if additive is not None:
+            scores += additive.astype(self.dtype)
+        if allowed is not None:
+            np.copyto(scores, np.finfo(self.dtype).min, where=~allowed)
+        return self.softmax(scores)
+
+
+def _backend(name, loaded, divergences=()):
+    return type(name, (NumpyNaive,), {"name": name, "loaded_class": loaded, "divergences": divergences})()
 
 
 def _messages(backend, case):
@@ -41,7 +63,73 @@ def _messages(backend, case):
      "check_output_matches_reference", "'split tokens instead of features'"),
     (_backend("padding-inverted", _PaddingReadInverted), "check_padding_mask_output_matches_reference",
      "key_padding_mask read with the opposite polarity"),
-], ids=["softmax-axis", "no-w-o", "split-tokens", "padding-polarity"])
+    (MutantBackend(next(m for m in MUTANTS if m.name == "mutant-heads-merged-feature-major"), weights=False),
+     "check_output_matches_reference", "heads concatenated in the wrong order: feature j of head h at j * heads + h"),
+], ids=["softmax-axis", "no-w-o", "split-tokens", "padding-polarity", "heads-feature-major"])
 def test_the_failure_names_the_wrong_layer_it_matches(backend, case, named):
     messages = _messages(backend, case)
     assert messages and all(named in m for m in messages), [m for m in messages if named not in m][:2]
+
+
+#: a layer whose rows with every key masked give the declared convention, and the same layer reading the harness's
+#: key_padding_mask (True = padding) as True = attend
+_CONVENTIONS = {
+    "uniform_average": (_FiniteMaskValue, uniform_fully_masked_divergences("masks with the most negative finite "
+                                                                            "value, as flax does")),
+    "nan": (FullyMaskedRowsNaN, nan_fully_masked_divergences("softmax of a row of -inf: 0 / 0")),
+}
+
+
+@pytest.mark.parametrize("convention", list(_CONVENTIONS))
+def test_an_inverted_padding_mask_is_named_under_the_empty_row_convention_the_backend_declares(convention):
+    """A Flax NNX plugin (declaring fully_masked_rows:uniform_average) passed the key_padding_mask to flax (True =
+    attend) without inverting it: in batch item 0, which has no padding, the inverted mask hides every key and the
+    backend outputs its declared convention there, so the opposite-polarity hypothesis must give those rows the same
+    (with zeros there it never matched: 2 of 13 failures named the bug). Every failing padded comparison names it."""
+    rows, divergences = _CONVENTIONS[convention]
+    honest = _backend(f"{convention}-rows", rows, divergences)
+    verified = mha_harness.check(honest, cases=[FULLY_MASKED_CASE]).results
+    assert verified and all(r.status == Status.EXPECTED_DIVERGENCE for r in verified), [r.message for r in verified]
+    inverted = _backend(f"{convention}-rows-padding-inverted", type("Inverted", (_PaddingReadInverted, rows), {}),
+                        divergences)
+    report = mha_harness.check(inverted, cases=["check_padding_mask_output_matches_reference",
+                                                "check_mask_compositions_match_reference"], include_slow=False)
+    failures = report.failures()
+    named = "the key_padding_mask read with the opposite polarity"
+    assert "check_padding_mask_output_matches_reference" in {f.case for f in failures}
+    assert all(named in f.message for f in failures), [f.message for f in failures if named not in f.message][:2]
+
+
+@pytest.mark.parametrize("convention", ["zeros", *_CONVENTIONS])
+def test_weights_under_an_inverted_padding_mask_are_named_with_weights_true(convention):
+    """The same plugin's first failure was check_attention_weights_match_reference's "masked entry ... is 0.111;
+    expected exactly 0": the uniform 1/9 of a row the inverted mask empties. polarity_hint(..., weights=True) names
+    the inverted mask from those weights, under each empty-row convention, for that case to append."""
+    rows = () if convention == "zeros" else (_CONVENTIONS[convention][0],)
+    backend = _backend("weights", type("Inverted", (_PaddingReadInverted, *rows), {}))
+    params = make_params(AttentionConfig(32, 4), seed=6)
+    q, k, v = np.random.default_rng(6).standard_normal((3, 2, 9, 32))
+    inputs = AttentionInputs(q, k, v, key_padding_mask=np.arange(9)[None, :] >= np.array([9, 5])[:, None],
+                             causal="top-left")
+    got = backend.load(params, dtype="float64").forward(inputs, need_weights=True).weights
+    assert not np.allclose(np.nan_to_num(got), reference_attention(params, inputs, need_weights=True).weights)
+    assert polarity_hint(got, params, inputs, weights=True) == ("; the weights match the key_padding_mask read with "
+                                                                "the opposite polarity (the harness's True = "
+                                                                "padding, ignore)")
+    # and the weights case appends it to its failure
+    weights_case = "check_attention_weights_match_reference"
+    failures = mha_harness.check(backend, cases=[weights_case], include_slow=False).failures()
+    padded = [f for f in failures if f.params.get("masked")]
+    assert padded and all("the weights match the key_padding_mask read with the opposite polarity" in f.message
+                          for f in padded), [f.message for f in failures]
+
+
+@pytest.mark.parametrize("d_model, heads", [(6, 1), (4, 4)], ids=["one-head", "one-feature-per-head"])
+def test_a_right_output_is_never_named_heads_concatenated_in_the_wrong_order(d_model, heads):
+    """With one head, or one feature per head, the feature-major merge is the right layer: not a candidate there."""
+    params = make_params(AttentionConfig(d_model, heads), seed=3)
+    x = np.random.default_rng(3).standard_normal((2, 5, d_model))
+    inputs = AttentionInputs(x, x, x)
+    right = reference_attention(params, inputs).output
+    assert np.allclose(wrong_layer_output(params, inputs, heads_feature_major=True), right)
+    assert layer_mistake(right, params, inputs, bound=1e-6) == ""

@@ -431,8 +431,10 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     """The known mistake a failing output ``got`` matches, as a sentence to append to the failure ('' when none):
     biases added by a bias-free layer (the layer called again with every input zero), an output off by one
     constant vector, and on whole outputs (``rows`` None) a wrong score scale, a known wrong layer
-    (:func:`~mha_harness.conformance.diagnoses.layer_mistake`: heads split by tokens, a softmax over the queries, no
-    W_o) or a mask mistake (:func:`~mha_harness.conformance.diagnoses.mask_mistake`)."""
+    (:func:`~mha_harness.conformance.diagnoses.layer_mistake`: heads split by tokens, heads concatenated
+    feature-major, a softmax over the queries, no W_o) or a mask mistake
+    (:func:`~mha_harness.conformance.diagnoses.mask_mistake`, its wrong calls' rows without a key under the empty-row
+    convention the backend follows)."""
     stray = "" if params.config.bias else zero_input_hint(backend, params, inputs, dtype)
     offset = stray or constant_offset_hint(got, expected, params.config.bias)
     if offset or rows is not None:  # the others cost reference calls: only when no bias diagnosis came first, on

@@ -1,24 +1,30 @@
 """Known wrong algorithms, computed in NumPy, so a failed comparison can name the mistake its output matches: a
 reversed, misaligned, missing or one-off causal mask, a mask read with the opposite polarity, one of two masks
-dropped, masks applied after the softmax, heads split by tokens instead of features, a softmax over the queries, no
-output projection."""
+dropped, masks applied after the softmax, heads split by tokens instead of features, heads concatenated
+feature-major, a softmax over the queries, no output projection. The rows a wrong call leaves without a key are
+compared under the empty-row convention the backend's output follows there (zeros, or the uniform average of V or
+NaN that a ``fully_masked_rows`` divergence declares)."""
 from __future__ import annotations
 
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
 from mha_harness.contract.conventions import causal_offset, other_alignment
-from mha_harness.contract.reference import allowed_and_bias, reference_attention
+from mha_harness.contract.reference import allowed_and_bias, empty_rows_convention, reference_attention
 
 
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool = False,
-                       softmax_axis: int = -1, mask_after_softmax: bool = False) -> np.ndarray:
+                       heads_feature_major: bool = False, softmax_axis: int = -1,
+                       mask_after_softmax: bool = False) -> np.ndarray:
     """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``,
     the lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
     block of tokens instead of its own features of every token, merged back the same way; a module masks its score
-    matrix by index); ``softmax_axis=-2``, the softmax over the queries instead of the keys; ``mask_after_softmax``,
-    the masks applied after the softmax without renormalising (masked keys get weight 0 but stay in every row's
-    normaliser). Masked values never reach it (a NaN stored there is read as 0)."""
+    matrix by index); ``heads_feature_major``, the heads merged feature-major before W_o (feature j of head h at
+    j * h_count + h instead of h * d_head + j: (B, h, T, d_head) transposed to (B, T, d_head, h) before the reshape,
+    as W_o read per head as reshape(d_head, h, d_model).transpose(1, 0, 2) does); ``softmax_axis=-2``, the softmax
+    over the queries instead of the keys; ``mask_after_softmax``, the masks applied after the softmax without
+    renormalising (masked keys get weight 0 but stay in every row's normaliser). Masked values never reach it (a NaN
+    stored there is read as 0)."""
     c = params.config
 
     def heads(x, w, bias, n):
@@ -39,8 +45,40 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
         weights = np.where(allowed, weights, 0.0)
     out = weights @ np.where(np.isfinite(v), v, 0.0)
     b, h, t, dh = out.shape
-    merged = out.reshape(b, t, h * dh) if split_tokens else out.transpose(0, 2, 1, 3).reshape(b, t, h * dh)
+    order = (0, 2, 3, 1) if heads_feature_major else (0, 2, 1, 3)  # (B, T, d_head, h) or (B, T, h, d_head)
+    merged = out.reshape(b, t, h * dh) if split_tokens else out.transpose(order).reshape(b, t, h * dh)
     return merged @ params.W_o + (0.0 if params.b_o is None else params.b_o)
+
+
+def _matches(got: np.ndarray, params: AttentionParams, call: AttentionInputs, rows=None, atol: float = 1e-3,
+             weights: bool = False) -> bool:
+    """Whether ``got`` (on ``rows`` of (batch, Tq) if given) is, within ``atol``, the reference output of the wrong
+    ``call`` (with ``weights``: its per-head weights (batch, heads, Tq, Tk), on whole arrays), with the rows that
+    ``call``'s masks leave without a key under the empty-row convention the backend follows there: the reference's
+    (zeros; the declared one while a ``fully_masked_rows`` divergence is verified) first, else the one ``got`` shows,
+    NaN where it has NaN, the uniform average of V where it is finite. So a backend that declares
+    ``fully_masked_rows:uniform_average`` (flax, jax.nn.dot_product_attention) or ``:nan`` is diagnosed like one that
+    gives zeros: a wrong mask that hides every key of a row shows its convention there, not zeros. NaN outside those
+    rows, or inf, matches nothing and costs no reference."""
+    def pick(a: np.ndarray) -> np.ndarray:
+        return a if rows is None else a[rows]
+    compared = pick(np.asarray(got, np.float64))
+    allowed, _ = allowed_and_bias(params, call)
+    empty = np.broadcast_to(~allowed.any(axis=-1), (call.batch, params.config.num_heads, call.tq))  # per head
+    empty = pick(empty if weights else empty.any(axis=1))  # an output row: some head sees no key
+    nan_rows = ~np.isfinite(compared).all(axis=-1)
+    if np.isinf(compared).any() or (nan_rows & ~empty).any():
+        return False
+    if nan_rows.any():
+        conventions = ["nan"]
+    else:  # finite: the convention in force first, the other finite one only where a row is left without a key
+        in_force = empty_rows_convention()
+        conventions = sorted(("zeros", "uniform_average"), key=lambda c: c != in_force)[:2 if empty.any() else 1]
+    for convention in conventions:
+        wrong = reference_attention(params, call, need_weights=weights, empty_rows=convention)
+        if np.allclose(compared, pick(wrong.weights if weights else wrong.output), atol=atol, equal_nan=True):
+            return True
+    return False
 
 
 def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
@@ -61,13 +99,14 @@ def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionI
 def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs) -> str:
     """A message suffix naming the causal-mask mistake a causal call's output ``got`` matches: the other alignment
     (Tq != Tk), a mask without the diagonal, no mask at all, a reversed mask (the future instead of the past), or a
-    mask one key too wide; "" when none."""
+    mask one key too wide; "" when none. Rows a candidate leaves without a key are compared under the backend's
+    empty-row convention (:func:`_matches`)."""
     alignment, tq, tk = inputs.causal, inputs.tq, inputs.tk
     if alignment is None:
         return ""
 
     def matches(other: AttentionInputs) -> bool:
-        return bool(np.allclose(got, reference_attention(params, other).output, atol=1e-3, equal_nan=True))
+        return _matches(got, params, other)
     offset = causal_offset(alignment, tq, tk)
     with implicitly_causal(None):  # the unmasked call, also for a backend that declares always_causal
         unmasked = inputs.replace(causal=None)
@@ -91,7 +130,8 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
 
 def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
     """A message suffix naming the one mask that a call with several masks behaves as if it had dropped: ``got``
-    matches the reference of the same call without that mask (on ``rows`` of (batch, Tq) if given); "" when none."""
+    matches the reference of the same call without that mask (on ``rows`` of (batch, Tq) if given; rows left without
+    a key under the backend's empty-row convention, :func:`_matches`); "" when none."""
     candidates = []
     with implicitly_causal(None):  # the call without its causal mask, also for a backend that declares always_causal
         if inputs.causal is not None:
@@ -101,12 +141,10 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
         if inputs.attn_mask is not None:
             kind = "bool" if inputs.attn_mask.dtype == np.bool_ else "additive"
             candidates.append((f"the {kind} attn_mask", inputs.replace(attn_mask=None)))
-    def compared(output: np.ndarray) -> np.ndarray:
-        return output if rows is None else output[rows]
-    if len(candidates) < 2 or not np.all(np.isfinite(compared(got))):
+    if len(candidates) < 2:
         return ""
     for label, other in candidates:
-        if np.allclose(compared(got), compared(reference_attention(params, other).output), atol=1e-3):
+        if _matches(got, params, other, rows):
             return f"; the output matches the same call without {label}: that mask is dropped when combined"
     return ""
 
@@ -115,7 +153,8 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
 
 def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
     """The diagnosis of a whole output that matches, within ``max(10 * bound, 1e-4)``, the layer with its heads
-    split by tokens, its softmax over the queries, or no output projection; "" when none."""
+    split by tokens, its heads concatenated feature-major, its softmax over the queries, or no output projection; ""
+    when none. A candidate is tried only where it differs from the correct layer."""
     if not np.all(np.isfinite(got)):
         return ""
     c = params.config
@@ -123,6 +162,11 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     if c.num_heads > 1 and inputs.tq > 1:  # one head or one token: the token split is the identity
         candidates.append(("the 'split tokens instead of features' mistake (reshape(h, T, d_head))",
                            lambda: wrong_layer_output(params, inputs, split_tokens=True)))
+    if c.num_heads > 1 and c.d_head > 1:  # one head, or one feature per head: both layouts are the same
+        candidates.append(("heads concatenated in the wrong order: feature j of head h at j * heads + h instead of "
+                           "h * d_head + j (a transpose missing or swapped before the merge reshape, or W_o read per "
+                           "head as reshape(d_head, heads, d_model))",
+                           lambda: wrong_layer_output(params, inputs, heads_feature_major=True)))
     candidates.append(("a softmax over the queries (axis -2: each key's weights sum to 1) instead of over the keys",
                        lambda: wrong_layer_output(params, inputs, softmax_axis=-2)))
     no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
@@ -134,9 +178,13 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     return ""
 
 
-def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
+def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
+                  weights: bool = False) -> str:
     """A message suffix when ``got`` matches the call with its key_padding_mask or bool attn_mask inverted (read as
-    the opposite convention); on ``rows`` of (batch, Tq) if given; "" when neither."""
+    the opposite convention); on ``rows`` of (batch, Tq) if given; with ``weights``, ``got`` is the per-head
+    weights (batch, heads, Tq, Tk) (a masked entry that is not 0); "" when neither. The inverted mask hides every key
+    of the rows the true one leaves whole (an unpadded batch item): those are compared under the backend's
+    empty-row convention (:func:`_matches`), so a backend that declares the uniform average of V there is named too."""
     candidates = []
     if inputs.key_padding_mask is not None:
         candidates.append(("key_padding_mask read with the opposite polarity (the harness's True = padding, ignore)",
@@ -144,19 +192,17 @@ def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     if inputs.attn_mask is not None and inputs.attn_mask.dtype == np.bool_:
         candidates.append(("INVERTED mask (True read as 'masked out'): mask polarity is reversed",
                            inputs.replace(attn_mask=~inputs.attn_mask)))
-    pick = (lambda a: a) if rows is None else (lambda a: a[rows])  # noqa: E731
-    if not np.all(np.isfinite(pick(got))):
-        return ""
     for label, inverted in candidates:
-        if np.allclose(pick(got), pick(reference_attention(params, inverted).output), atol=1e-3):
-            return f"; the output matches the {label}"
+        if _matches(got, params, inverted, rows, weights=weights):
+            return f"; the {'weights match' if weights else 'output matches'} the {label}"
     return ""
 
 
 def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
     """The mask mistake a failing output ``got`` of a masked call matches (on ``rows`` if given; the causal
     diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, one of two
-    masks dropped, the masks applied after the softmax; "" when none or when the call has no mask."""
+    masks dropped, the masks applied after the softmax; "" when none or when the call has no mask. The wrong calls'
+    rows without a key follow the backend's empty-row convention (:func:`_matches`)."""
     if inputs.causal is None and inputs.key_padding_mask is None and inputs.attn_mask is None:
         return ""
     return ((causal_hint(got, params, inputs) if rows is None else "") or polarity_hint(got, params, inputs, rows)

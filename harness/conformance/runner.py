@@ -152,7 +152,7 @@ def _verify(backend, case: Case, params: dict, d: Divergence, result: CaseResult
                           f"the strict case said: {result.message}")
         result.observed = result.observed or d.observed
     elif status == Status.FAILED:
-        result.message = f"declared {d.observed}; not what happens: {message}"
+        result.message = f"fails even under its declared divergence ({d.observed}): {message}"
         result.max_error = max_error
     else:
         result.status, result.message = status, f"while verifying the declared {d.observed}: {message}"

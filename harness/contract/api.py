@@ -209,9 +209,9 @@ class Divergence:
       output must be right once those are finite, and the finite-value variant of the case must pass.
 
     When the case fails, it is rerun under the declaration: passing there is an *expected divergence*; failing
-    there is a failure ("declared ...; not what happens: ..."). A declaration whose case passes anyway is an
-    *unexpected pass* and fails the run, so declarations cannot rot. Unknown case names or ``when`` keys are
-    refused when the backend is checked.
+    there is a failure ("fails even under its declared divergence (...): ..."). A declaration whose case passes
+    anyway is an *unexpected pass* and fails the run, so declarations cannot rot. Unknown case names or ``when``
+    keys are refused when the backend is checked.
     """
 
     case: str

@@ -259,6 +259,20 @@ class HeadsConcatenatedReversed(NumpyNaiveLoaded):
         return super().merge_heads(heads[:, ::-1])
 
 
+class OutputKernelHeadsSwapped(NumpyNaiveLoaded):
+    """W_o read per head as reshape(d_head, heads, d_model).transpose(1, 0, 2) where reshape(heads, d_head, d_model)
+    belongs (an einsum port of a per-head output kernel): feature j of head h meets row j * heads + h of W_o instead
+    of row h * d_head + j, as if the heads were concatenated feature-major."""
+
+    def output_projection(self, concat):
+        c = self.config
+        b, t, _ = concat.shape
+        kernel = self.weights["W_o"].reshape(c.d_head, c.num_heads, c.d_model).transpose(1, 0, 2)
+        out = np.einsum("bthj,hjd->btd", concat.reshape(b, t, c.num_heads, c.d_head), kernel)
+        bias = self.weights.get("b_o")
+        return out if bias is None else out + bias
+
+
 class BatchNormalisedTogether(NumpyNaiveLoaded):
     def softmax(self, scores):
         e = np.exp(scores - scores.max(axis=(0, -1), keepdims=True))
@@ -419,6 +433,9 @@ MUTANTS = (
     Mutant("mutant-additive-masked-row-nan", "a row of -inf float-mask biases divides 0 by 0 (NaN); rows the bool and "
            "padding masks empty are zeros", AdditiveMaskedRowNaN, "fully masked rows"),
     Mutant("mutant-heads-reversed", "concatenates heads in reverse order", HeadsConcatenatedReversed, "head"),
+    Mutant("mutant-heads-merged-feature-major", "reads W_o per head as reshape(d_head, heads, d_model) transposed: "
+           "feature j of head h meets row j * heads + h of W_o (the heads concatenated feature-major)",
+           OutputKernelHeadsSwapped, "heads concatenated in the wrong order"),
     Mutant("mutant-batch-normalised-together", "softmax normaliser shared across batch items",
            BatchNormalisedTogether, "batch"),
     Mutant("mutant-value-bias-dropped", "drops the bias of the V projection", ValueBiasDropped, "output"),
