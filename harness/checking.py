@@ -37,6 +37,10 @@ def _backend_items(backends) -> list:
     raise TypeError(f"backends: got {type(backends).__name__} {backends!r:.60}; accepted: {_ACCEPTED_BACKENDS}")
 
 
+#: why a slow case is not in a run with ``include_slow=False`` (``--quick``)
+QUICK_LEAVES_OUT = "slow, T = 8192: left out by --quick (include_slow=False)"
+
+
 def importable_name(obj) -> str | None:
     """``module:qualname`` of a class or function, or of an instance's class, that another process can import (its
     module is not ``__main__`` and it is not defined inside a function); None otherwise. An instance's repro line
@@ -160,7 +164,7 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
     chosen = select_cases(cases, include_slow)
     targets, unavailable = resolve_targets(backends, registry)
     targets, refused = _declaration_errors(targets)
-    report = Report()
+    report = Report(left_out={c.name: QUICK_LEAVES_OUT for c in select_cases(cases) if c not in chosen})
     for t in targets:
         report.backends[t.name] = backend_info(t.backend, t.source, None)
     for info in unavailable + refused:
@@ -216,7 +220,7 @@ def repro(backend, case: str, *, backend_name: str | None = None, **params) -> N
     if refused:
         raise CaseFailure(refused[0].reason)
     result = run_case(targets[0].backend, chosen, params, spec=targets[0].repro_spec)
-    print(f"{result.status}: {result.message}")
+    print(f"{result.status}: {result.message}" if result.message else f"{result.status}")
     if result.status not in HOLDS:
         import sys
         if _called_from_the_repro_line():  # its message is the whole story

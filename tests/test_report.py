@@ -255,8 +255,9 @@ def test_failure_messages_say_expected_got_where_and_by_how_much():
         assert words in message
 
 
-def test_repro_reruns_one_variant():
+def test_repro_reruns_one_variant(capsys):
     mha_harness.repro("numpy-naive", "check_scores_scaled_by_sqrt_d_head", dtype="float32")
+    assert capsys.readouterr().out == "passed\n"  # a stranger read "passed: " as a message cut off
     with pytest.raises(AssertionError):
         mha_harness.repro("tests.plugin_objects:LessonFunction", "check_causal_mask_blocks_future_keys",
                           dtype="float32", alignment="top-left", seq=9, tk=9, poison="nan")
@@ -654,3 +655,17 @@ def test_a_declared_divergence_whose_case_did_not_run_is_shown_as_not_verified()
     md = mha_harness.check(NoPadding(), cases=["check_padding_mask_blocks_padded_keys"]).to_markdown()
     row = next(line for line in md.splitlines() if "| no-padding | check_padding_mask_blocks_padded_keys |" in line)
     assert row.endswith("| none: the case did not diverge or run here |")
+
+
+def test_a_quick_run_lists_the_slow_cases_it_left_out():
+    """A stranger found the T = 8192 case missing from a --quick report, not listed as left out."""
+    report = mha_harness.check("numpy-naive", cases=["check_scores_scaled_by_sqrt_d_head",
+                                                     "check_long_sequence_sampled_rows_match_reference"],
+                               include_slow=False)
+    why = "slow, T = 8192: left out by --quick (include_slow=False)"
+    assert report.left_out == {"check_long_sequence_sampled_rows_match_reference": why}
+    assert report.to_json()["left_out"] == report.left_out and report.ok
+    assert f"  not run: check_long_sequence_sampled_rows_match_reference ({why})" in report.summary_lines()
+    assert "Not run in this run: `check_long_sequence_sampled_rows_match_reference`" in report.to_markdown()
+    assert not mha_harness.check("numpy-naive", cases=["check_scores_scaled_by_sqrt_d_head"],
+                                 include_slow=False).left_out

@@ -19,7 +19,7 @@ from mha_harness.conformance.results import BAD, SEVERITY, STATUSES, CaseResult,
 from mha_harness.util.atomic import results_lock, write_json_atomic, write_text_atomic
 from mha_harness.util.markdown import md_code, md_text
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 _SYMBOL = {Status.PASSED: "pass", Status.FAILED: "FAIL", Status.SKIPPED: "skip", Status.EXPECTED_DIVERGENCE: "diverges",
            Status.UNEXPECTED_PASS: "UNEXPECTED PASS", Status.ERROR: "ERROR", Status.TIMEOUT: "TIMEOUT",
            Status.CRASHED: "CRASHED"}
@@ -62,6 +62,8 @@ class Report:
     tampered: list = field(default_factory=list)
     #: case plugin module -> why it could not be imported (its cases did not run)
     case_plugin_errors: dict = field(default_factory=dict)
+    #: case -> why this run left it out (--quick leaves out the slow cases): listed, so a reader knows it did not run
+    left_out: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -169,6 +171,7 @@ class Report:
             "backends": {name: vars(info) for name, info in self.backends.items()},
             "missing_results": self.missing_results(), "nothing_ran": self.nothing_ran(), "tampered": self.tampered,
             "case_plugin_errors": dict(self.case_plugin_errors), "earlier_runs": list(self.earlier),
+            "left_out": dict(self.left_out),
             "policies": self.policies(), "mutation": self.mutation,
             "results": [r.to_dict() for r in self.results],
         }
@@ -188,6 +191,9 @@ class Report:
             lines += [f"**Case plugin {md_code(module)} was not loaded** (its cases did not run): {e(reason)}", ""]
         if self.earlier:
             lines += [f"Kept from earlier runs into this folder: {', '.join(e(n) for n in self.earlier)}.", ""]
+        if self.left_out:
+            left = "; ".join(f"{md_code(case)} ({e(why)})" for case, why in self.left_out.items())
+            lines += [f"Not run in this run: {left}.", ""]
         lines += ["| case | " + " | ".join(e(n) for n in names) + " |", "|---|" + "---|" * len(names)]
         for case in cases:
             lines.append(f"| {e(case)} | " + " | ".join(_SYMBOL.get(self.cell(n, case), "") for n in names) + " |")
@@ -336,6 +342,8 @@ class Report:
             if c and name in self.nothing_ran():
                 bad, text = 1, text + "; no case ran"
             out.append(f"  {name:<28} {'OK  ' if c and not bad else 'FAIL'} {text}")
+        for case, why in self.left_out.items():
+            out.append(f"  not run: {case} ({why})")
         return out
 
 
