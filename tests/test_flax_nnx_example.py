@@ -1,0 +1,48 @@
+"""examples/flax_nnx_plugin: a Flax NNX layer wrapped from the README alone by an outside user passes every case it
+declares (its divergences verified), and the bug that user planted in a copy (the harness's key_padding_mask handed
+to nnx without inverting it) fails with the diagnosis naming it, under the uniform-average rows flax declares."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+import mha_harness
+
+pytest.importorskip("flax.nnx")
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "flax_nnx_plugin" / "flax_nnx_attention" / "__init__.py"
+
+
+@pytest.fixture(scope="module")
+def example():
+    name = "flax_nnx_attention"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_the_flax_nnx_layer_passes_every_case_it_declares_with_its_divergences_verified(example):
+    report = mha_harness.check(example.NNXMultiHeadAttention(), include_slow=False, isolate=False)
+    assert report.ok, "\n".join(report.summary_lines())
+    statuses = [r.status.value for r in report.results]
+    assert statuses.count("passed") >= 80 and statuses.count("expected-divergence") >= 20, report.summary_lines()
+
+
+def test_the_key_padding_mask_handed_over_uninverted_is_named(example):
+    def padding_read_as_attend(inputs):  # the harness's True = padding passed where nnx wants True = attend
+        import jax.numpy as jnp
+        return None if inputs.key_padding_mask is None else jnp.asarray(inputs.key_padding_mask[:, None, None, :])
+
+    broken = type("PaddingPolarityBug", (example.NNXMultiHeadAttention,),
+                  {"name": "nnx-mha-padding-polarity-bug", "to_mask": staticmethod(padding_read_as_attend)})()
+    report = mha_harness.check(broken, cases=["check_padding_mask_output_matches_reference"], include_slow=False,
+                               isolate=False)
+    failures = report.failures()
+    assert failures and all("the key_padding_mask read with the opposite polarity" in f.message for f in failures), \
+        [f.message for f in failures]
