@@ -28,6 +28,7 @@ from pathlib import Path
 
 from mha_harness.bench import stats
 from mha_harness.bench.calls import mask_in_call, unsupported
+from mha_harness.bench.gemm_roof import gemm_roofs
 from mha_harness.bench.load import LOADED_CORES, LoadMeter
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import (
@@ -274,6 +275,8 @@ class Sweep:
                  if load["other_cpu_s"] is not None and load["seconds"] > 0 else None)
         roofs = {"gemm_peak_gflops": self.doc["machine"]["gemm_peak_gflops_float32"],
                  "memory_bandwidth_gbs": self.doc["machine"]["memory_bandwidth_gbs"]}
+        beyond = {"compute_roof_gflops": self.doc["machine"].get("compute_roof_gflops_float32"),
+                  "memory_bandwidth_gbs": roofs["memory_bandwidth_gbs"]}
         for point in group:
             if point.status == MEASURED:
                 point.other_cores = other
@@ -282,7 +285,7 @@ class Sweep:
                 shape = shape_of(point, config)
                 point.update(metrics(shape, point.median_s, **roofs))
                 if getattr(self.backends[point.backend], "device", "cpu") == "cpu":  # the roofs are this CPU's
-                    point.update(over_roofs(shape, point.median_s, **roofs))
+                    point.update(over_roofs(shape, point.median_s, **beyond))
             elif point.samples_s:  # lost mid-point: keep what was measured, but it is not a result
                 point.update({"n_samples": len(point.samples_s)})
 
@@ -643,12 +646,17 @@ def plot(points: list[BenchPoint], directory: Path, machine: dict) -> list[Path]
 
 def machine_info(threads: int) -> dict:
     apply_threads(threads)
+    roof = gemm_roofs(threads)
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "cpu_count": __import__("os").cpu_count(),
             "gemm_peak_gflops_float32": round(gemm_peak_gflops(), 2),
             "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2),
+            "compute_roof_gflops_float32": roof["gflops"], "compute_roof_library": roof["library"],
+            "gemm_gflops_float32_by_library": roof["by_library"],
             "roofs": "GEMM: float32 2048^3 matmul; bandwidth: float32 GEMV over a 256 MiB matrix; NumPy BLAS, "
-                     "best of 5, under the benchmark's thread count"}
+                     "best of 5, under the benchmark's thread count (fraction_of_gemm_peak is of NumPy's); the "
+                     "compute roof that over_compute_roof compares with is the fastest of the same GEMM in NumPy, "
+                     "torch, JAX and onnxruntime, those installed, in a child process pinned to the thread count"}
 
 
 #: memory_error of a timed point whose memory was never measured: the memory pass runs after every timing
@@ -742,8 +750,10 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     doc["seconds"] = round(time.perf_counter() - start, 1)
     sweep.save(complete=True)
     log(table(points))
+    roof = machine.get("compute_roof_gflops_float32")
     log(f"\nroofs of this machine ({config.threads} threads): float32 GEMM {machine['gemm_peak_gflops_float32']:.1f} "
-        f"GFLOP/s, memory bandwidth {machine['memory_bandwidth_gbs']:.1f} GB/s")
+        f"GFLOP/s (NumPy)" + (f", {roof:.1f} ({machine['compute_roof_library']}, the compute roof)" if roof else "")
+        + f", memory bandwidth {machine['memory_bandwidth_gbs']:.1f} GB/s")
     for line in roof_warnings(points):
         log(f"  above a roof: {line}")
     loaded = load_warning(points)
