@@ -16,9 +16,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
+
+from mha_harness.bench.metrics import best_time
 
 #: the GEMM timed: float32, N x N times N x N, best of REPEATS after one warm-up
 N, REPEATS = 2048, 5
@@ -26,13 +27,7 @@ LIBRARIES = ("numpy", "torch", "jax", "onnxruntime")
 
 
 def _gflops(fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * N ** 3 / best / 1e9
+    return 2.0 * N ** 3 / best_time(fn, REPEATS) / 1e9
 
 
 def _numpy(a, b, threads):

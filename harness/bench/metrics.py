@@ -121,7 +121,8 @@ def over_roofs(s: Shape, seconds: float | None, *, compute_roof_gflops: float | 
     return out
 
 
-def _best(fn, repeats: int) -> float:
+def best_time(fn, repeats: int) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn``, after one untimed warm-up call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -135,7 +136,7 @@ def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     """This machine's float32 GEMM throughput (NumPy's BLAS, best of ``repeats``), the compute roof."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
-    return 2.0 * n ** 3 / _best(lambda: a @ b, repeats) / 1e9
+    return 2.0 * n ** 3 / best_time(lambda: a @ b, repeats) / 1e9
 
 
 def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
@@ -143,4 +144,4 @@ def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
     n = int((mib * 2 ** 20 / 4) ** 0.5)
     a = np.ones((n, n), np.float32)
     x = np.ones(n, np.float32)
-    return a.nbytes / _best(lambda: a @ x, repeats) / 1e9
+    return a.nbytes / best_time(lambda: a @ x, repeats) / 1e9
