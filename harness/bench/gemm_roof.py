@@ -85,7 +85,7 @@ def gemm_roofs(threads: int, timeout: float = 180.0) -> dict:
     child process pinned to ``threads`` CPUs with every library's thread count set to ``threads``; the NumPy figure
     of this process when the child fails."""
     from mha_harness.bench.threads import thread_env
-    env = {**os.environ, **thread_env(threads)}
+    env = {**os.environ, **thread_env(threads), "JAX_PLATFORMS": "cpu"}  # a CPU roof: JAX leaves any GPU alone
     try:
         done = subprocess.run([sys.executable, "-m", "mha_harness.bench.gemm_roof", str(threads)], env=env,
                               capture_output=True, text=True, timeout=timeout, check=True)
