@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import time
 from collections.abc import Iterable
 
@@ -45,7 +46,6 @@ def importable_name(obj) -> str | None:
     """``module:qualname`` of a class or function, or of an instance's class, that another process can import (its
     module is not ``__main__`` and it is not defined inside a function); None otherwise. An instance's repro line
     names its class, which rebuilds the same backend when the class needs no arguments."""
-    import sys
     named = obj if isinstance(obj, type) or inspect.isfunction(obj) else type(obj)
     module = sys.modules.get(getattr(named, "__module__", None) or "")
     if module is None or module.__name__ == "__main__":
@@ -64,12 +64,12 @@ def importable_name(obj) -> str | None:
     return spec
 
 
-def target_of(entry: BackendEntry) -> Target:
+def target_of(entry: BackendEntry, importable_as: str | None = None) -> Target:
     """The target for a registry entry: a worker process rebuilds it from its ``module:object`` spec (a class made
     with ``type()`` under another name, or one holding a module, need not pickle), an object given as such is
     pickled."""
     return Target(entry.backend, entry.spec if entry.spec != "python object" else None, entry.source,
-                  backends_from_spec)
+                  backends_from_spec, importable_as)
 
 
 def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Target], list[BackendInfo]]:
@@ -79,9 +79,9 @@ def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Ta
     object whose plugin code fails (any exception, or a hang) is described as a load error, never raised."""
     targets, unavailable = [], []
 
-    def add_entry(entry):
+    def add_entry(entry, importable_as=None):
         if entry.backend is not None and entry.available:
-            targets.append(target_of(entry))
+            targets.append(target_of(entry, importable_as))
         else:
             unavailable.append(entry_info(entry))
 
@@ -104,9 +104,8 @@ def resolve_targets(backends, registry: Registry | None = None) -> tuple[list[Ta
                 continue
             for b in found:
                 reason, error = availability_of(b)
-                add_entry(BackendEntry(b.name, "python object", "python object", b, error=error, reason=reason))
-                if targets and targets[-1].backend is b:
-                    targets[-1].importable_as = importable_name(item)
+                add_entry(BackendEntry(b.name, "python object", "python object", b, error=error, reason=reason),
+                          importable_name(item))
         else:
             raise TypeError(f"backends: got an item of type {type(item).__name__} ({item!r:.60}); "
                             f"accepted: {_ACCEPTED_BACKENDS}")
@@ -222,7 +221,6 @@ def repro(backend, case: str, *, backend_name: str | None = None, **params) -> N
     result = run_case(targets[0].backend, chosen, params, spec=targets[0].repro_spec)
     print(f"{result.status}: {result.message}" if result.message else f"{result.status}")
     if result.status not in HOLDS:
-        import sys
         if _called_from_the_repro_line():  # its message is the whole story
             sys.stdout.flush()
             raise SystemExit(1)
@@ -232,7 +230,6 @@ def repro(backend, case: str, *, backend_name: str | None = None, **params) -> N
 def _called_from_the_repro_line() -> bool:
     """True when :func:`repro` or :func:`replay` was called by the top level of ``python -c '...'`` itself (the
     one-line repro), not by other code running in a ``-c`` process (pytest-xdist's workers are ``python -c`` too)."""
-    import sys
     caller = sys._getframe(2)  # repro's or replay's caller
     return (sys.argv[:1] == ["-c"] and not sys.flags.interactive and caller.f_back is None
             and caller.f_code.co_filename == "<string>")
@@ -268,7 +265,6 @@ def replay(backend, example, *, name: str | None = None) -> float:
     except CaseFailure as failure:
         print(f"failed: {failure}")
         if _called_from_the_repro_line():  # its message is the whole story
-            import sys
             sys.stdout.flush()
             raise SystemExit(1) from None
         raise

@@ -628,12 +628,10 @@ def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=pr
     if "tiled-vs-naive" in chosen:
         log("numpy-tiled vs numpy-naive:", flush=True)
         _section(doc, "tiled_vs_naive", path, log, lambda: tiled_vs_naive(registry, config, log=log))
-    if "timing" not in chosen:
-        pass
-    elif importlib.util.find_spec("torch") is None:
+    if "timing" in chosen and importlib.util.find_spec("torch") is None:
         doc["timing"] = "not runnable: torch (torch.utils.benchmark) is not installed"
         log(f"timing: {doc['timing']}")
-    else:
+    elif "timing" in chosen:
         log("machine speed (a fixed CPU loop in 1-s windows):", flush=True)
         _section(doc, "speed_stability", path, log, speed_stability)
         log(_stability_line(doc["speed_stability"]), flush=True)

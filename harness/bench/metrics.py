@@ -133,7 +133,8 @@ def best_time(fn, repeats: int) -> float:
 
 
 def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
-    """This machine's float32 GEMM throughput (NumPy's BLAS, best of ``repeats``), the compute roof."""
+    """NumPy's float32 GEMM throughput (best of ``repeats``), what ``fraction_of_gemm_peak`` is of; the compute roof
+    is the fastest installed library's (:mod:`~mha_harness.bench.gemm_roof`)."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
     return 2.0 * n ** 3 / best_time(lambda: a @ b, repeats) / 1e9

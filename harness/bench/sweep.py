@@ -36,7 +36,6 @@ from mha_harness.bench.metrics import (
     COMPUTE_ROOF_SLACK,
     FLOPS_FORMULA,
     Shape,
-    gemm_peak_gflops,
     memory_bandwidth_gbs,
     metrics,
     over_roofs,
@@ -649,7 +648,7 @@ def machine_info(threads: int) -> dict:
     roof = gemm_roofs(threads)
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "cpu_count": __import__("os").cpu_count(),
-            "gemm_peak_gflops_float32": round(gemm_peak_gflops(), 2),
+            "gemm_peak_gflops_float32": roof["by_library"]["numpy"],
             "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2),
             "compute_roof_gflops_float32": roof["gflops"], "compute_roof_library": roof["library"],
             "gemm_gflops_float32_by_library": roof["by_library"],
@@ -710,8 +709,9 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
                                     "per sample from the fastest warm-up call); value = sample time / calls",
                           "load": f"other_cores: CPU-s of other processes per second while the point's group was "
                                   f"timed (/proc/stat less the harness and its workers); above {LOADED_CORES}: 'L'",
-                          "roofs": f"over_compute_roof: layer GFLOP/s above {COMPUTE_ROOF_SLACK:g}x the float32 GEMM "
-                                   "peak (a CPU call cannot do the layer's work that fast); over_memory_bandwidth: "
+                          "roofs": f"over_compute_roof: layer GFLOP/s above {COMPUTE_ROOF_SLACK:g}x the compute roof "
+                                   "(machine.compute_roof_gflops_float32: a CPU call cannot do the layer's work that "
+                                   "fast); over_memory_bandwidth: "
                                    "compulsory bytes per second above the measured bandwidth (in the caches, or less "
                                    "read)",
                           "settle": "before each turn the parent waits until the other backends' workers use under "

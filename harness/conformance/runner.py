@@ -92,6 +92,11 @@ def unsupported_reason(backend, params: dict) -> str:
         f"{backend.name} declares no parameters this case can run with"
 
 
+def _unsupported_skip(backend, params: dict) -> tuple[str, str | None]:
+    """(reason, observed) of a variant marked ``unsupported``: a :class:`FormRefusal` is a skip for the form."""
+    return unsupported_reason(backend, params), FORM_SKIP if isinstance(params["unsupported"], FormRefusal) else None
+
+
 def declared_skip(backend, case: Case, params: dict) -> tuple[str, str | None] | None:
     """(reason, observed) when the variant skips on the backend's declarations alone (no plugin call is needed:
     a capability not declared, no runnable parameters, a case not defined for its input form); else None."""
@@ -99,8 +104,7 @@ def declared_skip(backend, case: Case, params: dict) -> tuple[str, str | None] |
     if reason:
         return reason, None
     if params.get("unsupported"):
-        form_refusal = isinstance(params["unsupported"], FormRefusal)
-        return unsupported_reason(backend, params), FORM_SKIP if form_refusal else None
+        return _unsupported_skip(backend, params)
     reason = form_skip_reason(case.name, case.forms, backend, params.get("form") or backend.capabilities.inputs)
     return (reason, FORM_SKIP) if reason else None
 
@@ -113,8 +117,8 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
         if reason:
             raise CaseSkipped(reason)
         if params.get("unsupported"):
-            refusal = FormSkipped if isinstance(params["unsupported"], FormRefusal) else CaseSkipped
-            raise refusal(unsupported_reason(backend, params))
+            reason, observed = _unsupported_skip(backend, params)
+            return Status.SKIPPED, reason, None, observed
         measurement = case.func(backend, **{k: v for k, v in params.items() if k != "unsupported"})
         if isinstance(measurement, Measurement):
             return Status.PASSED, "", measurement.max_error, measurement.observed
@@ -197,25 +201,22 @@ def _did_not_happen(backend: str, d: Divergence) -> str:
             "but passed; remove or narrow the declaration")
 
 
-def settle_precision_declarations(backend, results: list[CaseResult], progress=None) -> list[CaseResult]:
+def settle_precision_declarations(backend, results: list[CaseResult], progress=None) -> None:
     """A ``precision:`` declaration must be needed by at least one variant it matches in the run; the others may
     pass at the strict tolerance, since a result at a lower precision can be exact (one key: the softmax weight is
     exactly 1). A declaration that no variant needed is stale: its strict passes become unexpected passes, handed to
-    ``progress`` (each was reported to it as passed when it ran) and returned."""
+    ``progress`` (each was reported to it as passed when it ran)."""
     declarations = as_proxy(backend).divergences
     first = {id(r): next((d for d in declarations if d.matches(r.case, r.params)), None) for r in results}
     needed = {id(first[id(r)]) for r in results
               if first[id(r)] is not None and r.status in (Status.EXPECTED_DIVERGENCE, Status.FAILED)}
-    changed = []
     for r in results:
         d = first[id(r)]
         if r.observed == PRECISION_NOT_NEEDED and r.status == Status.PASSED and id(d) not in needed:
             r.status, r.message = Status.UNEXPECTED_PASS, _did_not_happen(r.backend, d) + (
                 "; no variant it matches needed it")
-            changed.append(r)
             if progress:
                 progress(r)
-    return changed
 
 
 def lost_result(backend: str, case: Case, params: dict, status: Status, message: str,
