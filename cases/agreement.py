@@ -30,7 +30,9 @@ from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.tolerance import farthest, tolerance_from
 
 # name: (batch, heads, d_head, Tq, Tk, bias, kv_heads): covers batch {1, 3}, T {1, 7, 64, 129, 1000}, Tq != Tk,
-# d_head {8, 64, 80}, heads {1, 2, 8}, with and without biases, grouped- and multi-query heads.
+# d_head {8, 64, 80}, heads {1, 2, 8}, with and without biases, grouped- and multi-query heads. A row with biases runs
+# bias-free on a backend that declares no biases (Capabilities.bias False: most current layers), so such a backend
+# loses no shape, length or head layout of the grid; its variant says ``bias: False``.
 GRID = {
     "single_token": (1, 1, 8, 1, 1, False, None),
     "short_with_bias": (SHORT_BATCH, SHORT_HEADS, SHORT_D_HEAD, SHORT_SEQ, SHORT_SEQ, True, None),
@@ -46,8 +48,9 @@ GRID = {
 }
 
 
-def _grid_row_refusal(backend, tq, tk, bias, kv) -> str | None:
-    """Why the backend cannot run a GRID row, from its declarations (the skip reason), or None."""
+def _grid_row_refusal(backend, tq, tk, kv) -> str | None:
+    """Why the backend cannot run a GRID row, from its declarations (the skip reason), or None. Biases are never a
+    reason: a bias-free backend runs the row without them."""
     caps = backend.capabilities
     if tq != tk and not cross_ok(backend):
         return (FormRefusal(f"declares inputs='self' (one x): Tq = {tq} != Tk = {tk} is not defined for that form")
@@ -57,8 +60,6 @@ def _grid_row_refusal(backend, tq, tk, bias, kv) -> str | None:
         return f"does not declare capability 'more_queries_than_keys' (Tq = {tq} > Tk = {tk})"
     if kv and not caps.grouped_query:
         return f"does not declare capability 'grouped_query' ({kv} key/value head(s))"
-    if bias and not caps.bias:
-        return "does not declare capability 'bias'"
     if caps.max_seq_len and max(tq, tk) > caps.max_seq_len:
         return f"declares max_seq_len={caps.max_seq_len} (the row has T = {max(tq, tk)})"
     return None
@@ -72,12 +73,12 @@ def _grid_variants(backend):
     for dtype in caps.dtypes:
         for name, (batch, heads, d_head, tq, tk, bias, kv) in GRID.items():
             v = {"dtype": dtype, "variant": name, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq,
-                 "tk": tk, "bias": bias}
+                 "tk": tk, "bias": bias and caps.bias}
             if kv:
                 v["kv_heads"] = kv
             if caps.inputs == "separate" and tq == tk:  # called as a self-attention model calls it: labelled so
                 v["one_x"] = True
-            refusal = _grid_row_refusal(backend, tq, tk, bias, kv)
+            refusal = _grid_row_refusal(backend, tq, tk, kv)
             if refusal is None:
                 out.append(v)
             elif dtype == primary_dtype(backend):

@@ -156,9 +156,13 @@ def future_cuts(alignment: str, tq: int, tk: int) -> list[int]:
 
 
 def _padding(batch: int, tk: int) -> np.ndarray:
-    """Item 0 unpadded, item 1 half padded, item 2 all but one key padded (True = padding)."""
-    lengths = [tk, tk // 2, 1][:batch]
-    return np.arange(tk)[None, :] >= np.asarray(lengths)[:, None]
+    """Item 0 unpadded, item 1 left-padded (its first half: batched prompts of a decoder are), item 2 right-padded
+    to its first key (True = padding). Under top-left causal, right padding is hidden from every real query by the
+    causal mask already (query i sees keys <= i), so an always-causal layer that ignored the padding mask passed on
+    right padding alone; item 1's real queries see its padded keys."""
+    pos = np.arange(tk)
+    mask = np.stack([pos < 0, pos < tk // 2, pos >= 1])
+    return mask[:batch]
 
 
 @case(requires=("key_padding_mask",), variants=_poisoned(on_primary_dtype), forms=ALL_FORMS)

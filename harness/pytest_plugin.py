@@ -132,14 +132,17 @@ def parametrize_with_cases(backends, *, cases=None, include_slow: bool = False):
     ``case(backend)``, which skips, xfails (a declared divergence) or fails exactly as ``mha-harness check`` would.
 
     ``backends``: a backend instance or class, a registered name, a ``module:object`` spec, or a list of these.
-    ``cases``: case names (default: all; the slow T = 8192 cases only with ``include_slow=True``).
+    ``cases``: case names (None, the default: every case). The slow T = 8192 cases are collected and skipped with
+    the reason unless ``include_slow=True``, so the test report shows what was left out.
     """
     from mha_harness.conformance.as_pytest import CaseVariant
     from mha_harness.conformance.runner import plan, select_cases
-    chosen = select_cases(cases, include_slow)
+    chosen = select_cases(cases, include_slow=True)
+    slow = [pytest.mark.skip(reason="slow case (T = 8192): parametrize_with_cases(..., include_slow=True) runs it")]
     params = []
     for backend in _resolve(backends if isinstance(backends, (list, tuple)) else [backends]):
         for case, variant in plan(backend, chosen):
             bound = CaseVariant(case.name, variant)
-            params.append(pytest.param(backend, bound, id=bound.test_id(backend)))
+            marks = slow if case.slow and not include_slow else ()
+            params.append(pytest.param(backend, bound, id=bound.test_id(backend), marks=marks))
     return pytest.mark.parametrize(("backend", "case"), params)

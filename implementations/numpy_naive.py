@@ -95,11 +95,16 @@ class NumpyNaiveLoaded(LoadedAttention):
                                           ("value", "v", c.kv_heads)))
         return q, k, v
 
+    def expand_kv_heads(self, kv: np.ndarray) -> np.ndarray:
+        """Grouped-query K or V (B, kv_heads, T, d_head) as (B, heads, T, d_head): each key/value head repeated for
+        its group of consecutive query heads (query head h reads key/value head h // group)."""
+        return np.repeat(kv, self.config.group, axis=1)
+
     def attend(self, inputs: AttentionInputs, need_weights: bool) -> AttentionOutput:
         c = self.config
         q, k, v = self.heads(inputs)
         if c.group > 1:
-            k, v = np.repeat(k, c.group, axis=1), np.repeat(v, c.group, axis=1)
+            k, v = self.expand_kv_heads(k), self.expand_kv_heads(v)
         scores = q @ k.transpose(0, 1, 3, 2)
         scores *= self.dtype.type(self.scale())
         allowed, additive = self.masks(inputs)

@@ -88,6 +88,23 @@ def test_parametrize_with_cases_runs_the_cases_in_a_user_s_test_file(pytester):
     result.stdout.fnmatch_lines(["*does not declare capability 'attention_weights'*"])
 
 
+def test_parametrize_with_cases_shows_the_slow_case_as_skipped_with_how_to_run_it(pytester):
+    """A stranger's CI test file left the slow case out silently (the --pyargs route skips it with a reason): it is
+    collected and skipped, naming include_slow=True."""
+    pytester.makepyfile(test_mine='''
+        from mha_harness import parametrize_with_cases
+        from mha_harness.implementations.numpy_tiled import NumpyTiled
+
+
+        @parametrize_with_cases(NumpyTiled(), cases=["check_long_sequence_sampled_rows_match_reference"])
+        def test_mine(backend, case):
+            case(backend)
+    ''')
+    result = pytester.runpytest("-q", "-rs")
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(["*slow case (T = 8192): parametrize_with_cases(..., include_slow=True) runs it*"])
+
+
 def test_parametrize_with_cases_fails_a_broken_backend_with_the_case_message(pytester):
     pytester.makepyfile(test_broken='''
         import numpy as np

@@ -1,9 +1,10 @@
 """Known wrong algorithms, computed in NumPy, so a failed comparison can name the mistake its output matches: a
-reversed, misaligned, missing or one-off causal mask, a mask read with the opposite polarity, one of two masks
-dropped, masks applied after the softmax, heads split by tokens instead of features, heads concatenated
-feature-major, a softmax over the queries, no output projection. The rows a wrong call leaves without a key are
-compared under the empty-row convention the backend's output follows there (zeros, or the uniform average of V or
-NaN that a ``fully_masked_rows`` divergence declares)."""
+reversed, misaligned, missing or one-off causal mask, a mask read with the opposite polarity, the key padding mask
+along the query axis or not applied, one of two masks dropped, masks applied after the softmax, heads split by
+tokens instead of features, heads concatenated feature-major, grouped-query key/value heads tiled, a softmax over
+the queries, no output projection. The rows a wrong call leaves without a key are compared under the empty-row
+convention the backend's output follows there (zeros, or the uniform average of V or NaN that a
+``fully_masked_rows`` divergence declares)."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,7 @@ from mha_harness.contract.reference import allowed_and_bias, empty_rows_conventi
 
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool = False,
                        heads_feature_major: bool = False, softmax_axis: int = -1,
-                       mask_after_softmax: bool = False) -> np.ndarray:
+                       mask_after_softmax: bool = False, kv_tiled: bool = False) -> np.ndarray:
     """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``,
     the lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
     block of tokens instead of its own features of every token, merged back the same way; a module masks its score
@@ -23,8 +24,10 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     j * h_count + h instead of h * d_head + j: (B, h, T, d_head) transposed to (B, T, d_head, h) before the reshape,
     as W_o read per head as reshape(d_head, h, d_model).transpose(1, 0, 2) does); ``softmax_axis=-2``, the softmax
     over the queries instead of the keys; ``mask_after_softmax``, the masks applied after the softmax without
-    renormalising (masked keys get weight 0 but stay in every row's normaliser). Masked values never reach it (a NaN
-    stored there is read as 0)."""
+    renormalising (masked keys get weight 0 but stay in every row's normaliser); ``kv_tiled``, grouped-query key/value
+    heads expanded by tiling (query head h reads key/value head h % kv_heads, as torch ``.repeat`` or ``np.tile``
+    give) instead of each repeated for its group of consecutive query heads (h // group). Masked values never reach
+    it (a NaN stored there is read as 0)."""
     c = params.config
 
     def heads(x, w, bias, n):
@@ -32,7 +35,9 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
         b, t, width = y.shape
         return y.reshape(b, n, t, width // n) if split_tokens else y.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
     q = heads(inputs.query, params.W_q, params.b_q, c.num_heads)
-    k, v = (np.repeat(heads(x, w, bias, c.kv_heads), c.group, axis=1)
+    def expand(kv):
+        return np.tile(kv, (1, c.group, 1, 1)) if kv_tiled else np.repeat(kv, c.group, axis=1)
+    k, v = (expand(heads(x, w, bias, c.kv_heads))
             for x, w, bias in ((inputs.key, params.W_k, params.b_k), (inputs.value, params.W_v, params.b_v)))
     allowed, additive = allowed_and_bias(params, inputs)
     scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head) + (0.0 if additive is None else additive)
@@ -153,7 +158,8 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
 
 def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
     """The diagnosis of a whole output that matches, within ``max(10 * bound, 1e-4)``, the layer with its heads
-    split by tokens, its heads concatenated feature-major, its softmax over the queries, or no output projection; ""
+    split by tokens, its heads concatenated feature-major, its grouped-query key/value heads tiled, its softmax over
+    the queries, or no output projection; ""
     when none. A candidate is tried only where it differs from the correct layer."""
     if not np.all(np.isfinite(got)):
         return ""
@@ -167,6 +173,11 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
                            "h * d_head + j (a transpose missing or swapped before the merge reshape, or W_o read per "
                            "head as reshape(d_head, heads, d_model))",
                            lambda: wrong_layer_output(params, inputs, heads_feature_major=True)))
+    if c.group > 1 and c.kv_heads > 1:  # one key/value head, or one query head each: tiling is grouping
+        candidates.append(("grouped-query key/value heads expanded by tiling: query head h reads key/value head "
+                           "h % kv_heads instead of h // (heads / kv_heads) (torch .repeat, np.tile or jnp.tile where "
+                           "repeat_interleave or np.repeat belongs)",
+                           lambda: wrong_layer_output(params, inputs, kv_tiled=True)))
     candidates.append(("a softmax over the queries (axis -2: each key's weights sum to 1) instead of over the keys",
                        lambda: wrong_layer_output(params, inputs, softmax_axis=-2)))
     no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
@@ -198,12 +209,66 @@ def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     return ""
 
 
+def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
+    """A message suffix when ``got`` (on ``rows`` of (batch, Tq) if given) matches the key padding mask broadcast
+    along the query axis (``mask[:, None, :, None]`` where ``mask[:, None, None, :]`` belongs): the padded
+    positions' query rows see no key, every other row sees every key, padded ones included; only with Tq == Tk,
+    where that broadcast runs; "" otherwise. Each batch item is its own call (its rows' mask joins the call's other
+    masks), compared under the backend's empty-row convention (:func:`_matches`)."""
+    kpm = inputs.key_padding_mask
+    if kpm is None or inputs.tq != inputs.tk or not kpm.any():
+        return ""
+    got = np.asarray(got, np.float64)
+    for b in range(inputs.batch):
+        row_allowed = np.broadcast_to(~kpm[b][:, None], (inputs.tq, inputs.tk))
+        mask = inputs.attn_mask
+        if mask is None:
+            mask = row_allowed
+        elif mask.dtype == np.bool_:
+            mask = mask & row_allowed
+        else:
+            mask = np.where(row_allowed, mask, -np.inf)
+        call = inputs.replace(query=inputs.query[b:b + 1], key=inputs.key[b:b + 1], value=inputs.value[b:b + 1],
+                              key_padding_mask=None, attn_mask=mask)
+        if not _matches(got[b:b + 1], params, call, None if rows is None else rows[b:b + 1]):
+            return ""
+    return ("; the output matches key_padding_mask applied along the query axis instead of the key axis (padded "
+            "positions' queries see no key, the others see the padded keys too: mask[:, None, :, None] where "
+            "mask[:, None, None, :] belongs)")
+
+
+def ignored_padding_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
+    """A message suffix when a call whose only mask is a key padding mask gives ``got`` (on ``rows`` if given) as if
+    it had none (with other masks, :func:`dropped_mask_hint` names the dropped one); "" otherwise."""
+    if inputs.key_padding_mask is None or inputs.causal is not None or inputs.attn_mask is not None:
+        return ""
+    if _matches(got, params, inputs.replace(key_padding_mask=None), rows):
+        return "; the output matches the same call without key_padding_mask: the mask is not applied"
+    return ""
+
+
+def _together(hints: list[str]) -> str:
+    """Hints that all match one output, as one suffix: the first, or every one when the input cannot tell them
+    apart (a diagnosis is named alone only when it is the only one that fits)."""
+    hints = [h for h in hints if h]
+    if len(hints) < 2:
+        return hints[0] if hints else ""
+    prefix = "; the output matches "
+    parts = [h[len(prefix):] if h.startswith(prefix) else h.lstrip("; ") for h in hints]
+    return (f"; this input cannot tell {len(parts)} mistakes apart, the output matches each: "
+            + "; or ".join(parts))
+
+
 def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
-    """The mask mistake a failing output ``got`` of a masked call matches (on ``rows`` if given; the causal
-    diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, one of two
-    masks dropped, the masks applied after the softmax; "" when none or when the call has no mask. The wrong calls'
-    rows without a key follow the backend's empty-row convention (:func:`_matches`)."""
+    """The mask mistakes a failing output ``got`` of a masked call matches (on ``rows`` if given; the causal
+    diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, the key padding
+    mask along the query axis or not applied, one of two masks dropped, the masks applied after the softmax; ""
+    when none or when the call has no mask. Every one that matches is named: on a small input two mistakes can give
+    the same output, and naming only the first would be a guess. The wrong calls' rows without a key follow the
+    backend's empty-row convention (:func:`_matches`)."""
     if inputs.causal is None and inputs.key_padding_mask is None and inputs.attn_mask is None:
         return ""
-    return ((causal_hint(got, params, inputs) if rows is None else "") or polarity_hint(got, params, inputs, rows)
-            or dropped_mask_hint(got, params, inputs, rows) or normaliser_hint(got, params, inputs, rows))
+    return _together([causal_hint(got, params, inputs) if rows is None else "",
+                      polarity_hint(got, params, inputs, rows), padding_axis_hint(got, params, inputs, rows),
+                      ignored_padding_hint(got, params, inputs, rows), dropped_mask_hint(got, params, inputs, rows),
+                      normaliser_hint(got, params, inputs, rows)])

@@ -138,6 +138,19 @@ class PaddingIgnored(NumpyNaiveLoaded):
         return full_mask(inputs.replace(key_padding_mask=None))
 
 
+class PaddingOnQueryAxis(NumpyNaiveLoaded):
+    """Broadcasts the key padding mask along the query axis (``mask[:, None, :, None]`` where ``mask[:, None, None,
+    :]`` belongs): padded positions' queries see no key, and every query sees the padded keys. With Tq != Tk that
+    broadcast cannot run (a real module raises): it masks correctly there, so only square calls show the bug."""
+
+    def masks(self, inputs):
+        if inputs.key_padding_mask is None or inputs.tq != inputs.tk:
+            return super().masks(inputs)
+        allowed, additive = full_mask(inputs.replace(key_padding_mask=None))
+        rows = ~np.asarray(inputs.key_padding_mask)[:, None, :, None]
+        return (rows if allowed is None else allowed & rows), additive
+
+
 class CausalMaskNeverApplied(NumpyNaiveLoaded):
     """Declares causal masking, builds the other masks, never applies the causal one."""
 
@@ -271,6 +284,15 @@ class OutputKernelHeadsSwapped(NumpyNaiveLoaded):
         out = np.einsum("bthj,hjd->btd", concat.reshape(b, t, c.num_heads, c.d_head), kernel)
         bias = self.weights.get("b_o")
         return out if bias is None else out + bias
+
+
+class KVHeadsTiled(NumpyNaiveLoaded):
+    """Grouped-query key/value heads expanded by tiling (torch ``k.repeat(1, group, 1, 1)``, ``np.tile``) where
+    each belongs to its group of consecutive query heads (``repeat_interleave``): query head h reads key/value head
+    h % kv_heads instead of h // group. Right for multi-head (group 1) and multi-query (one key/value head)."""
+
+    def expand_kv_heads(self, kv):
+        return np.tile(kv, (1, self.config.group, 1, 1))
 
 
 class BatchNormalisedTogether(NumpyNaiveLoaded):
@@ -423,6 +445,8 @@ MUTANTS = (
     Mutant("mutant-causal-always-top-left", "bottom-right causal treated as top-left when Tq != Tk",
            CausalAlwaysTopLeft, "top-left alignment"),
     Mutant("mutant-padding-ignored", "ignores the key padding mask", PaddingIgnored, "padding"),
+    Mutant("mutant-padding-on-query-axis", "broadcasts the key padding mask along the query axis (padded positions' "
+           "queries see no key; every query sees the padded keys)", PaddingOnQueryAxis, "along the query axis"),
     Mutant("mutant-additive-mask-ignored", "drops the finite values of a float attn_mask (keeps only -inf)",
            AdditiveMaskIgnored, "additive-masked output"),
     Mutant("mutant-mask-polarity-inverted", "reads attn_mask True as 'masked out'", MaskPolarityInverted, "INVERTED"),
@@ -436,6 +460,8 @@ MUTANTS = (
     Mutant("mutant-heads-merged-feature-major", "reads W_o per head as reshape(d_head, heads, d_model) transposed: "
            "feature j of head h meets row j * heads + h of W_o (the heads concatenated feature-major)",
            OutputKernelHeadsSwapped, "heads concatenated in the wrong order"),
+    Mutant("mutant-kv-heads-tiled", "expands grouped-query key/value heads by tiling (query head h reads key/value "
+           "head h % kv_heads; torch .repeat where repeat_interleave belongs)", KVHeadsTiled, "h % kv_heads"),
     Mutant("mutant-batch-normalised-together", "softmax normaliser shared across batch items",
            BatchNormalisedTogether, "batch"),
     Mutant("mutant-value-bias-dropped", "drops the bias of the V projection", ValueBiasDropped, "output"),
