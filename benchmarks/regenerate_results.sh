@@ -18,6 +18,13 @@
 #   fidelity     mha-harness fidelity                                                  17 min  DIR/bench/fidelity.json
 #   asv          asv run --quick, time/decode/peak memory (T 256,1024; KV 1024,16384) 28 min  DIR/asv/, DIR/html/
 #   search       mha-harness search --mutants --seed 0 --time-budget 60               ~5 min  DIR/search/
+# The asv step's lengths are MHA_ASV_SEQ_LENS and MHA_ASV_DECODE_KV_LENS when set in the environment (default
+# 256,1024 and 1024,16384); ASV_BENCH=all records every asv benchmark, ASV_BENCH=REGEX those asv's -b REGEX matches
+# (e.g. ASV_BENCH=TimeForward.time_forward); MHA_ASV_BACKENDS, MHA_ASV_BACKEND_SPECS and ASV_PYTHONPATH pass
+# through to asv, so
+#   ASV_PYTHONPATH=$PWD MHA_ASV_BACKEND_SPECS=my_attention:MyAttention benchmarks/regenerate_results.sh \
+#       --steps asv --results "$(mktemp -d)"
+# benchmarks a plugin into its own asv results and dashboard, leaving the committed results/asv/ alone.
 # Run it on a quiet machine: the timings describe the load they ran under (bench.json records the roofs).
 # A failed step is reported and the next one runs; the exit code is 1 when any step failed.
 # Not covered: results/asv_dashboard_time_forward.png (a headless-Chromium screenshot of the served dashboard)
@@ -71,6 +78,15 @@ pathlib.Path(out).write_text(text)
 EOF
 fi
 
+# the asv benchmarks: the dashboard's headline ones; ASV_BENCH=all: every one; ASV_BENCH=REGEX: those asv's -b matches
+asv_benchmarks() {
+    case "${ASV_BENCH:-}" in
+        all) ;;
+        "") echo " -b TimeForward.time_forward -b Decode.time_decode -b PeakMemory -b ThreadSettings" ;;
+        *) echo " -b ${ASV_BENCH}" ;;
+    esac
+}
+
 command_of() {
     case "$1" in
         conformance) echo "mha-harness check --mutants --results '$results' &&" \
@@ -84,8 +100,9 @@ command_of() {
         fidelity) echo "mha-harness fidelity --results '$results'" ;;
         # the dashboard's headline benchmarks (time, decode time, peak memory; 28 min on 2 cores): the others add
         # 55 min (each parameter of the two compiled backends compiles in asv's setup); ASV_BENCH=all: all
-        asv) echo "MHA_ASV_SEQ_LENS=256,1024 MHA_ASV_DECODE_KV_LENS=1024,16384" \
-                  "ASV_ARGS='--quick$( [ "${ASV_BENCH:-}" = all ] || echo " -b TimeForward.time_forward -b Decode.time_decode -b PeakMemory -b ThreadSettings")'" \
+        asv) echo "MHA_ASV_SEQ_LENS='${MHA_ASV_SEQ_LENS:-256,1024}'" \
+                  "MHA_ASV_DECODE_KV_LENS='${MHA_ASV_DECODE_KV_LENS:-1024,16384}'" \
+                  "ASV_ARGS='--quick$(asv_benchmarks)'" \
                   "ASV_CONFIG='$asv_config' ASV_HTML_DIR='$results/html' benchmarks/asv_record.sh '$machine'" ;;
         search) echo "mha-harness search --mutants --seed 0 --time-budget 60 --results '$results'" ;;
     esac

@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--d-model", type=_positive_int, default=512)
     p.add_argument("--heads", type=_positive_int, default=8)
+    p.add_argument("--kv-heads", type=_positive_int, default=None, metavar="N",
+                   help="key/value heads (grouped-query attention): N divides --heads, 1 <= N <= --heads; default: "
+                        "as many as --heads (multi-head). Backends that do not declare grouped_query are skipped")
 
     p = sub.add_parser("fidelity", help="figures proving the benchmarks: timing against torch.utils.benchmark, "
                                         "alone vs in the sweep, memory methods against formulas, harness overhead")
@@ -343,7 +346,8 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
         report.mutation = mutation_score(mutant_backends())
     report.seconds = time.perf_counter() - start
     paths = report.write(results_dir / "conformance")
-    print(f"\nconformance ({report.seconds:.1f} s):")
+    print(f"\nconformance ({report.seconds:.1f} s checking, {time.perf_counter() - _COMMAND_START[0]:.1f} s since "
+          "the command started):")
     print("\n".join(report.summary_lines()))
     if report.mutation:
         m = report.mutation
@@ -453,7 +457,10 @@ def cmd_search(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from mha_harness.bench.sweep import DECODE_QUERY_LENS, run_bench
+    from mha_harness.bench.sweep import DECODE_QUERY_LENS, kv_heads_error, run_bench
+    kv_error = kv_heads_error(args.kv_heads, args.heads, "--kv-heads", "--heads")
+    if kv_error:  # before anything loads: a usage error, naming the option and the values it accepts
+        raise UsageError(kv_error)
     _check_inputs_fit(args.seq_lens, args.batch, args.d_model)
     registry = _registry(args.backend_spec)
     names = _targets(args, registry)
@@ -461,7 +468,7 @@ def cmd_bench(args) -> int:
     _require("matplotlib", "bench")
     _require("scipy", "bench")
     config = _usage(_bench_config, args, dtype=args.dtype, workload=args.workload, batch=args.batch,
-                    d_model=args.d_model, num_heads=args.heads)
+                    d_model=args.d_model, num_heads=args.heads, num_kv_heads=args.kv_heads)
     if args.d_model % args.heads:
         raise UsageError(f"--d-model: got {args.d_model}, not divisible by --heads {args.heads}; accepted: a multiple")
     backends = _available_backends(registry, names)
@@ -498,15 +505,27 @@ def _bench_problems(doc: dict) -> list[str]:
     return lines
 
 
+def _skip_hint(why: str) -> str:
+    """What to do about a backend whose every point was skipped for ``why``, where the command line can help."""
+    if "always causal" in why:
+        return "; pass --causal on (or both)"
+    if "inputs='self'" in why:
+        return ("; a layer called as module(x) runs the prefill workload (Tq = Tk; --causal on for a causal layer); "
+                "for decode, wrap it as a second backend that takes x_q and x_kv (inputs='shared_kv')")
+    if "grouped_query" in why:
+        return "; leave out --kv-heads (multi-head), or declare grouped_query if the backend supports it"
+    return ""
+
+
 def _nothing_measured(doc: dict) -> list[str]:
     """One line per backend none of whose points was measured, every one skipped as unsupported, with the first
-    reason (an always-causal layer at the default --causal off, a backend without gradients under --backward)."""
+    reason and what to do about it where the command line can help (an always-causal layer at the default --causal
+    off, a one-x layer under --workload decode, a multi-head-only backend under --kv-heads)."""
     lines = []
     for name, mine in _points_by_backend(doc).items():
         if all(p.get("status") == "skipped" for p in mine):
             why = mine[0].get("skipped") or "unsupported"
-            hint = "; pass --causal on (or both)" if "always causal" in why else ""
-            lines.append(f"{name}: no point measured, all {len(mine)} skipped (first: {why[:200]}){hint}")
+            lines.append(f"{name}: no point measured, all {len(mine)} skipped (first: {why[:300]}){_skip_hint(why)}")
     return lines
 
 
@@ -545,8 +564,24 @@ def cmd_fidelity(args) -> int:
                  if e.backend.device == "cpu" and (args.opt_in or opt_in_reason(e) is None)]
         if not args.opt_in:
             _say_opted_out(registry)
-    run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS,
-                 overhead_names=names if named else None, sections=args.section)
+    doc = run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS,
+                       overhead_names=names if named else None, sections=args.section)
+    return _fidelity_verdict(doc, names, args.section, named)
+
+
+def _fidelity_verdict(doc: dict, names, sections, named: bool) -> int:
+    """Exit 1 when a section the user asked for (``--section``; without it, timing for backends named by --backend
+    or --backend-spec: the section that covers them) compared nothing for a requested backend, saying so on stderr;
+    else 0 (comparisons outside their targets are figures, not failures)."""
+    from mha_harness.bench.fidelity import SECTIONS, nothing_compared
+    asked = [n for n in SECTIONS if n in (sections or (["timing"] if named else []))]
+    lines = nothing_compared(doc, names, asked, overhead_names=names if named else None)
+    if lines:
+        print("\nmha-harness fidelity: a section you asked for compared nothing for a requested backend:",
+              file=sys.stderr)
+        for line in lines:
+            print(f"  {line}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -603,7 +638,12 @@ def main(argv=None) -> int:
                   f"(pid {', '.join(map(str, left))})", file=sys.stderr)
 
 
+#: when this command started (perf_counter): the wall time printed includes loading the registry and the workers
+_COMMAND_START = [time.perf_counter()]
+
+
 def _main(argv) -> int:
+    _COMMAND_START[0] = time.perf_counter()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

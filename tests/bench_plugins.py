@@ -1,5 +1,5 @@
 """Plugins that break the benchmark sweep in one way each: hang in prepare(), crash in the call, hog memory, time
-nothing."""
+nothing; and a layer shaped like an outside user's Llama attention (one x, always causal, grouped-query heads)."""
 from __future__ import annotations
 
 import signal
@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from mha_harness.contract.api import Capabilities
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
 
 
@@ -67,3 +68,26 @@ class _DoesNothingWhenTimed(NumpyNaiveLoaded):
 
 class DoesNothingWhenTimed(NumpyNaive):
     name, loaded_class = "does-nothing-when-timed", _DoesNothingWhenTimed
+
+
+class _LlamaLikeLoaded(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):
+        if not inputs.is_self_attention:
+            raise AssertionError(f"a module(x) layer got the {inputs.form} form")
+        return super().prepare(inputs, backward=backward)
+
+    def compute(self, inputs, *, need_weights=False):
+        if inputs.causal != "top-left":
+            raise AssertionError(f"an always-causal top-left layer got causal={inputs.causal!r}")
+        return super().compute(inputs, need_weights=need_weights)
+
+
+class LlamaLikeGQA(NumpyNaive):
+    """An outside user's Llama-style grouped-query self-attention, as declared: called as module(x) (inputs="self"),
+    always causal top-left, grouped-query heads, no biases; it raises on any call that is not one x, top-left causal
+    (the dense NumPy layer underneath, which repeats each key/value head for its group of query heads)."""
+
+    name, loaded_class = "llama-like-gqa", _LlamaLikeLoaded
+    capabilities = Capabilities(inputs="self", always_causal=True, causal_alignments=("top-left",),
+                                grouped_query=True, bias=False, key_padding_mask=False, bool_attn_mask=False,
+                                additive_attn_mask=False)

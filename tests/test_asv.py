@@ -113,3 +113,48 @@ def test_a_plugin_given_as_a_spec_is_benchmarked_without_installing_it(tmp_path)
     assert grid[("'my-asv-attention'", "64", "False")] > 0
     skipped = grid[("'no_such_module:thing'", "64", "False")]
     assert skipped is None or skipped != skipped  # asv's n/a: null, or NaN for a skip in setup
+
+
+def _regenerate_asv(results, env, *extra):
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "regenerate_results.sh"), "--steps", "asv", "--results",
+                           str(results), *extra], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **env})
+
+
+def test_the_regenerate_scripts_asv_step_keeps_the_lengths_the_user_set(tmp_path):
+    """``regenerate_results.sh --steps asv`` set MHA_ASV_SEQ_LENS=256,1024 and MHA_ASV_DECODE_KV_LENS=1024,16384 over
+    the user's own values; they are now only the defaults."""
+    unset = {k: v for k, v in os.environ.items() if k not in ("MHA_ASV_SEQ_LENS", "MHA_ASV_DECODE_KV_LENS")}
+    default = subprocess.run(["bash", str(ROOT / "benchmarks" / "regenerate_results.sh"), "--steps", "asv",
+                              "--results", str(tmp_path), "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                             env=unset)
+    assert "MHA_ASV_SEQ_LENS='256,1024' MHA_ASV_DECODE_KV_LENS='1024,16384'" in default.stdout, default.stdout
+    mine = _regenerate_asv(tmp_path, {"MHA_ASV_SEQ_LENS": "64,128", "MHA_ASV_DECODE_KV_LENS": "512",
+                                      "ASV_BENCH": "TimeForward.time_forward"}, "--dry-run")
+    assert "MHA_ASV_SEQ_LENS='64,128' MHA_ASV_DECODE_KV_LENS='512'" in mine.stdout, mine.stdout
+    assert "ASV_ARGS='--quick -b TimeForward.time_forward'" in mine.stdout, mine.stdout
+
+
+def test_the_readmes_plugin_route_into_asv_leaves_the_committed_results_alone(tmp_path):
+    """The README's route for a plugin that is not installed (MHA_ASV_BACKEND_SPECS, ASV_PYTHONPATH) run with asv
+    directly rewrote the committed results/asv/benchmarks.json with the plugin's backend alone; the documented route,
+    ``regenerate_results.sh --steps asv --results DIR``, writes its own asv config, results and dashboard under DIR."""
+    plugin_dir = tmp_path / "plugin"
+    plugin_dir.mkdir()
+    (plugin_dir / "my_asv_attn.py").write_text(PLUGIN)
+    committed = {p: p.read_bytes() for p in (ROOT / "results" / "asv").rglob("*") if p.is_file()}
+    home = tmp_path / "home"  # asv machine writes ~/.asv-machine.json: not the user's
+    home.mkdir()
+    out = _regenerate_asv(tmp_path / "out", {"HOME": str(home), "ASV_PYTHONPATH": str(plugin_dir),
+                                             "MHA_ASV_BACKEND_SPECS": "my_asv_attn:MyAttention",
+                                             "MHA_ASV_SEQ_LENS": "64", "ASV_BENCH": "TimeForward.time_forward"},
+                          "--machine", "plugin-box")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert {p: p.read_bytes() for p in (ROOT / "results" / "asv").rglob("*") if p.is_file()} == committed
+    benchmarks = json.loads((tmp_path / "out" / "asv" / "benchmarks.json").read_text())
+    assert benchmarks["bench_time.TimeForward.time_forward"]["params"][:2] == [["'my-asv-attention'"], ["64"]]
+    [result_file] = [p for p in (tmp_path / "out" / "asv" / "plugin-box").glob("*.json") if p.name != "machine.json"]
+    doc = json.loads(result_file.read_text())
+    entry = doc["results"]["bench_time.TimeForward.time_forward"]
+    assert any(isinstance(v, float) and v > 0 for v in entry[doc["result_columns"].index("result")])
+    assert (tmp_path / "out" / "html" / "index.html").exists()

@@ -40,10 +40,23 @@ def mask_in_call(backend, shape: Shape) -> str:
     return alignment_for(backend, shape) or "none"
 
 
+def one_x_reason(shape: Shape) -> str:
+    """Why a backend that declares ``inputs="self"`` cannot run ``shape`` (Tq != Tk, e.g. any decode point)."""
+    return (f"declares inputs='self' (one x): Tq = {shape.tq} != Tk = {shape.tk} cannot be expressed with one x, "
+            "so decode (new queries against a longer key/value input) is not defined for it; decode runs layers that "
+            "take key/value inputs (inputs='separate' or 'shared_kv')")
+
+
 def unsupported(backend, shape: Shape) -> str | None:
-    """Why ``backend`` cannot run ``shape``, from its declared capabilities; None when it can."""
+    """Why ``backend`` cannot run ``shape``, from its declared capabilities; None when it can. A structural reason
+    comes first: a one-x layer (``inputs="self"``) asked for Tq != Tk is told so, not that it lacks a mask."""
     caps = backend.capabilities
     alignment = alignment_for(backend, shape)
+    if shape.tq != shape.tk and caps.inputs == "self":
+        return one_x_reason(shape)
+    if shape.kv_heads != shape.num_heads and not caps.grouped_query:
+        return (f"num_kv_heads {shape.kv_heads} < num_heads {shape.num_heads} (grouped-query) needs capability "
+                "grouped_query, which the backend does not declare")
     if shape.dtype not in caps.dtypes:
         return f"dtype {shape.dtype} not declared"
     if alignment and alignment not in caps.causal_alignments and not one_query_sees_every_key(backend, shape):
@@ -64,7 +77,7 @@ def call_arguments(shape: Shape, causal: str | None):
     for no mask): seeded, the same in every process."""
     from mha_harness.contract.api import AttentionConfig
     from mha_harness.contract.params import make_inputs, make_params
-    attn = AttentionConfig(shape.d_model, shape.num_heads)
+    attn = AttentionConfig(shape.d_model, shape.num_heads, shape.num_kv_heads)
     inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal)
     return make_params(attn, seed=0), inputs
 

@@ -8,6 +8,9 @@
    1-s windows shows how much this machine's speed changes between seconds (a shared host switches between
    regimes: up to 2x here), which is why no ratio is taken between figures seconds apart. Targets: sweep within
    +-10% of adaptive_autorange; sweep within +-5% of alone (the interleaving does not slow a backend down).
+   A backend that declares ``always_causal`` (it has no full-attention call) is timed with causal calls, in the
+   alignment ``bench --causal on`` gives it (top-left, or bottom-right when that is all it declares), and its rows
+   say so (``call_mask``).
 2. **Memory methods against analytical figures.** Each method the benchmarks use measures a dense kernel whose
    allocations can be counted, at T = 1024 and 2048, in the backend's own worker; target within +-10% of
    a*B*H*T^2*s + b*B*T*d_model*s (score-sized and projection-sized buffers live at the peak, s the itemsize):
@@ -29,11 +32,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from mha_harness.bench.calls import mask_in_call
 from mha_harness.bench.load import LoadMeter
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import ITEMSIZE, Shape
 from mha_harness.bench.stats import median_ci
-from mha_harness.bench.sweep import MEASURED, BenchConfig, BenchPoint, Sweep, rotated, run_bench
+from mha_harness.bench.sweep import MEASURED, BenchConfig, BenchPoint, Sweep, rotated, run_bench, shape_of
 from mha_harness.bench.worker import BackendWorker, WorkerLost
 from mha_harness.contract.api import AttentionBackend
 from mha_harness.util.atomic import write_json_atomic
@@ -168,6 +172,12 @@ def _ratios_unsure(per_round: list[dict]) -> bool:
     return False
 
 
+def timing_shape_causal(backend) -> bool:
+    """Whether ``backend``'s calls in the timing and overhead comparisons are causal: only for an always-causal
+    backend, which has no call without its mask (the alignment is then what ``bench --causal on`` gives it)."""
+    return bool(backend.capabilities.always_causal)
+
+
 def _timing_rounds(sweep: Sweep, group: list[BenchPoint], call_s: dict, t: int, rounds: int, max_rounds: int,
                    autorange_s: float, log) -> dict[str, list[dict]]:
     """The rounds of :func:`timing_agreement` at one T: {backend: [figures of each of its rounds]}."""
@@ -226,10 +236,11 @@ def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LE
     """
     sweep = Sweep(backends, replace(config), None, {"machine": {"gemm_peak_gflops_float32": None,
                                                                 "memory_bandwidth_gbs": None}}, log=_quiet)
+    by_name = {b.name: b for b in backends}
     rows = []
     try:
         for t in seq_lens:
-            group = [BenchPoint(b.name, "prefill", t, t, t, False, "forward") for b in backends]
+            group = [BenchPoint(b.name, "prefill", t, t, t, timing_shape_causal(b), "forward") for b in backends]
             log(f"timing: T = {t}: preparing {len(backends)} backends ...", flush=True)
             call_s = {p.backend: c for p, c in sweep.prepare_group(group)}
             figures = _timing_rounds(sweep, group, call_s, t, rounds, max(rounds, max_rounds), autorange_s, log)
@@ -238,17 +249,20 @@ def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LE
                     figures[point.backend] = [{"error": f"prepare: {point.skipped}"}]
                 elif point.backend not in sweep.lost_reason:
                     sweep.ask(point, ("drop", point.key))
+            masks = {p.backend: p.call_mask or mask_in_call(by_name[p.backend], shape_of(p, config))
+                     for p in group}
             for backend in backends:
-                rows.append(_timing_row(backend.name, t, figures[backend.name]))
+                rows.append(_timing_row(backend.name, t, figures[backend.name], masks[backend.name]))
                 log(_timing_line(rows[-1]), flush=True)
     finally:
         sweep.close()
     return rows
 
 
-def _timing_row(name: str, t: int, per_round: list[dict]) -> dict:
-    """One backend and T: the per-round figures, their medians, and the medians of the per-round ratios."""
-    row = {"backend": name, "seq_len": t, "rounds": per_round,
+def _timing_row(name: str, t: int, per_round: list[dict], call_mask: str = "none") -> dict:
+    """One backend and T: the mask its calls carried (``call_mask``: none, or the causal alignment of an
+    always-causal backend), the per-round figures, their medians, and the medians of the per-round ratios."""
+    row = {"backend": name, "seq_len": t, "call_mask": call_mask, "causal": call_mask != "none", "rounds": per_round,
            "sweep_median_s": _median_or_none(f.get("sweep_s") for f in per_round),
            "alone_median_s": _median_or_none(f.get("alone_s") for f in per_round),
            "autorange_median_s": _median_or_none(f.get("autorange_s") for f in per_round)}
@@ -286,7 +300,9 @@ def _ratio_text(row: dict, key: str) -> str:
 
 
 def _timing_line(row: dict) -> str:
-    line = (f"  {row['backend']:<24} T={row['seq_len']:<5} sweep {_ms(row.get('sweep_median_s'))} ms  alone "
+    mask = row.get("call_mask") or "none"
+    label = f"T={row['seq_len']}" + (f" causal {mask}" if mask != "none" else "")
+    line = (f"  {row['backend']:<24} {label:<7} sweep {_ms(row.get('sweep_median_s'))} ms  alone "
             f"{_ms(row.get('alone_median_s'))} ms  adaptive_autorange {_ms(row.get('autorange_median_s'))} ms  "
             f"sweep/autorange {_ratio_text(row, 'sweep_over_autorange')} "
             f"{_verdict(row.get('within_10pct'), '+-10%')}  "
@@ -392,12 +408,14 @@ def harness_overhead(registry, config: BenchConfig, seq_len: int = 1024, rounds:
             log(f"  overhead {name}: not runnable: it offers no direct_callable")
             continue
         worker = BackendWorker(entry.backend, config.threads, max_bytes=config.max_memory_bytes)
-        shape = Shape(config.batch, seq_len, seq_len, config.d_model, config.num_heads, config.dtype)
+        shape = Shape(config.batch, seq_len, seq_len, config.d_model, config.num_heads, config.dtype,
+                      timing_shape_causal(entry.backend))
         try:
             _ask(worker, ("prepare", "o", shape, config.warm_up_s, config.min_sample_s))
             medians = _ask(worker, ("overhead", "o", shape, rounds))
             value = ratio(medians["harness"], medians["direct"])
-            row = {"backend": name, "seq_len": seq_len, "rounds": rounds, "harness_median_s": medians["harness"],
+            row = {"backend": name, "seq_len": seq_len, "call_mask": mask_in_call(entry.backend, shape),
+                   "rounds": rounds, "harness_median_s": medians["harness"],
                    "direct_median_s": medians["direct"], "ratio": value, "target": f"<= {OVERHEAD_MAX:g}",
                    "within_target": None if value is None else value <= OVERHEAD_MAX}
         except (RuntimeError, WorkerLost) as exc:
@@ -406,7 +424,8 @@ def harness_overhead(registry, config: BenchConfig, seq_len: int = 1024, rounds:
             worker.close()
         rows.append(row)
         if row.get("ratio") is not None:
-            log(f"  overhead {name} at T={seq_len}: prepared {row['harness_median_s'] * 1e3:.2f} ms vs direct "
+            causal = f" causal {row['call_mask']}" if row.get("call_mask", "none") != "none" else ""
+            log(f"  overhead {name} at T={seq_len}{causal}: prepared {row['harness_median_s'] * 1e3:.2f} ms vs direct "
                 f"{row['direct_median_s'] * 1e3:.2f} ms, ratio {row['ratio']:.3f} "
                 f"({_verdict(row['within_target'], row['target'])})")
         else:
@@ -551,6 +570,56 @@ def summary(doc: dict) -> dict:
     return out
 
 
+def _why_not(rows: list[dict]) -> str:
+    """The first reason a list of rows holds for having no figure."""
+    for r in rows:
+        for key in ("not_runnable", "error"):
+            if r.get(key):
+                return str(r[key])[:300]
+        if r.get("errors"):
+            return str(r["errors"][0])[:300]
+        if r.get("below_resolution"):
+            return "below resolution"
+    return "no figure"
+
+
+def nothing_compared(doc: dict, names, sections, overhead_names=None) -> list[str]:
+    """One line per section of ``sections`` (``--section`` names the user asked for) that compared nothing: for
+    ``timing``, per requested backend of ``names`` without one comparison (every T without a ratio); for
+    ``overhead``, per backend of ``overhead_names`` (when backends were named) without its ratio, or the whole section
+    when no row has one; for ``memory`` and ``tiled-vs-naive``, the section when none of its figures was compared.
+    A section that did not run (not runnable here, or its error) compared nothing. Empty: each compared something."""
+    lines = []
+    for name in sections:
+        key = SECTIONS[name]
+        value = doc.get(key)
+        if not isinstance(value, (list, dict)) or (isinstance(value, dict) and "error" in value):
+            text = value if isinstance(value, str) else (value or {}).get("error", "no result")
+            lines.append(f"{name}: compared nothing ({text})")
+            continue
+        if name == "timing":
+            for backend in names:
+                mine = [r for r in value if r.get("backend") == backend]
+                if not any(r.get("within_10pct") is not None or r.get("within_5pct") is not None for r in mine):
+                    lines.append(f"timing: compared nothing for {backend} ({_why_not(mine)})")
+        elif name == "overhead":
+            if overhead_names:
+                for backend in overhead_names:
+                    mine = [r for r in value if r.get("backend") == backend]
+                    if not any(r.get("within_target") is not None for r in mine):
+                        why = _why_not(mine) if mine else "no row"
+                        lines.append(f"overhead: compared nothing for {backend} ({why})")
+            elif not any(r.get("within_target") is not None for r in value):
+                why = _why_not(value) if value else "no backend offering direct_callable is available here"
+                lines.append(f"overhead: compared nothing ({why})")
+        elif name == "memory":
+            if not any(r.get("within_10pct") is not None for r in value):
+                lines.append(f"memory: compared nothing ({_why_not(value)})")
+        elif value.get("memory_within_target") is None and value.get("throughput_within_target") is None:
+            lines.append(f"tiled-vs-naive: compared nothing ({value.get('not_runnable') or 'no figure'})")
+    return lines
+
+
 def _log_summary(s: dict, log) -> None:
     log("summary (targets: sweep within +-10% of adaptive_autorange, sweep within +-5% of alone, memory within "
         f"+-10% of the formula and of XLA's memory_analysis, overhead <= {OVERHEAD_MAX:g}, numpy-tiled's memory "
@@ -607,12 +676,16 @@ def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=pr
     if unknown:
         raise ValueError(f"sections: got {unknown}; accepted: {', '.join(SECTIONS)}")
     config = BenchConfig(threads=threads)
-    doc = {"schema": "mha-harness/fidelity", "schema_version": "3.1", "complete": False, "threads": threads,
+    # 3.2: timing and overhead rows carry call_mask (an always-causal backend is timed with causal calls)
+    doc = {"schema": "mha-harness/fidelity", "schema_version": "3.2", "complete": False, "threads": threads,
            "sections": chosen,
            "config": {"batch": config.batch, "d_model": config.d_model, "num_heads": config.num_heads,
                       "dtype": config.dtype, "turn_s": config.turn_s, "timing_rounds": TIMING_ROUNDS,
                       "timing_max_rounds": TIMING_MAX_ROUNDS, "ratio_ci_target": RATIO_CI_TARGET,
-                      "autorange_max_run_time_s": AUTORANGE_MAX_RUN_S}}
+                      "autorange_max_run_time_s": AUTORANGE_MAX_RUN_S,
+                      "timing_calls": "full attention (call_mask none); a backend that declares always_causal is "
+                                      "timed with causal calls in the alignment bench --causal on gives it "
+                                      "(call_mask top-left or bottom-right)"}}
     path = Path(results_dir) / "bench" / "fidelity.json"
     left_out = f"not run: not among the chosen sections (--section {' --section '.join(chosen)})"
     for name, key in SECTIONS.items():

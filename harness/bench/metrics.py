@@ -4,15 +4,21 @@ For one call of an attention layer of shape :class:`Shape` taking ``seconds``, :
 
 * ``gflops``: the attention core with the flash-attention formula 4*B*h*Tq*Tk*d_head (x0.5 causal;
   forward+backward counts 3.5x forward, backward being 2.5x), and ``fraction_of_gemm_peak``;
-* ``layer_gflops``: the core plus the four projections (2*B*d_model*(Tq*d_model + 2*Tk*kv_width + Tq*d_model)),
-  which dominate the decode shape because the harness's layer projects its Tk key/value inputs on every call;
-* ``gbytes_per_s``: the compulsory traffic of one call (query, key and value inputs, the four weight matrices
-  and the output, each read or written once, in the benchmark's dtype) per second, and
-  ``fraction_of_memory_bandwidth``.
+* ``layer_gflops``: the core plus the four projections (2*B*d_model*(Tq*d_model + 2*Tk*kv_width + Tq*d_model),
+  kv_width = num_kv_heads*d_head: d_model for multi-head, less for grouped-query), which dominate the decode shape
+  because the harness's layer projects its Tk key/value inputs on every call;
+* ``gbytes_per_s``: the compulsory traffic of one call (query, key and value inputs, the four weight matrices --
+  W_k and W_v of d_model x kv_width -- and the output, each read or written once, in the benchmark's dtype) per
+  second, and ``fraction_of_memory_bandwidth``.
+
+The core count is the same for grouped-query heads: every query head still scores every key it sees.
 
 The machine's roofs are measured the same way: :func:`gemm_peak_gflops` times a float32 GEMM and
 :func:`memory_bandwidth_gbs` a float32 GEMV over a 256 MiB matrix (each byte of the matrix read once),
-both with NumPy's BLAS under the benchmark's thread count, best of a few runs.
+both with NumPy's BLAS under the benchmark's thread count, the best of several timed calls (:func:`best_time`;
+the bandwidth's calls spread over at least a second, :func:`bandwidth_roof`). A roof is what this machine reached
+in that moment: it moves with the load of the box from run to run, so a fraction of it compares backends within
+one run only.
 """
 from __future__ import annotations
 
@@ -22,13 +28,16 @@ from dataclasses import dataclass
 import numpy as np
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-FLOPS_FORMULA = "core: 4*B*h*Tq*Tk*d_head (x0.5 causal; x3.5 forward+backward); layer: core + projections"
-BYTES_FORMULA = "compulsory traffic: query + key + value + 4 weight matrices + output, once each, in dtype"
+FLOPS_FORMULA = ("core: 4*B*h*Tq*Tk*d_head (x0.5 causal; x3.5 forward+backward); layer: core + projections "
+                 "2*B*d_model*(2*Tq*d_model + 2*Tk*kv_width), kv_width = num_kv_heads*d_head (x3 forward+backward)")
+BYTES_FORMULA = ("compulsory traffic: query + key + value + 4 weight matrices (W_k, W_v: d_model x kv_width) + "
+                 "output, once each, in dtype")
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One benchmarked call: batch, query and key lengths, layer size, dtype, causal, backward."""
+    """One benchmarked call: batch, query and key lengths, layer size, dtype, causal, backward, and the number of
+    key/value heads (None: as many as query heads, multi-head; fewer: grouped-query)."""
 
     batch: int
     tq: int
@@ -38,10 +47,20 @@ class Shape:
     dtype: str = "float32"
     causal: bool = False
     backward: bool = False
+    num_kv_heads: int | None = None
 
     @property
     def d_head(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def kv_width(self) -> int:
+        """Columns of W_k and W_v: num_kv_heads * d_head (d_model for multi-head)."""
+        return self.kv_heads * self.d_head
 
 
 def core_flops(s: Shape) -> float:
@@ -53,16 +72,19 @@ def core_flops(s: Shape) -> float:
 
 
 def projection_flops(s: Shape) -> float:
-    """The four x @ W projections (W_k, W_v of width d_model here: the benchmarks use full heads)."""
-    flops = 2.0 * s.batch * s.d_model * (2 * s.tq * s.d_model + 2 * s.tk * s.d_model)
+    """The four x @ W projections: W_q and W_o of d_model columns over Tq rows, W_k and W_v of ``kv_width`` columns
+    (num_kv_heads * d_head: smaller for grouped-query heads) over Tk rows; forward+backward is 3x."""
+    flops = 2.0 * s.batch * s.d_model * (2 * s.tq * s.d_model + 2 * s.tk * s.kv_width)
     return flops * (3.0 if s.backward else 1.0)
 
 
 def compulsory_bytes(s: Shape) -> float:
-    """query + key + value + output + 4 weight matrices, each moved once, in the dtype (self-attention reads x once)."""
+    """query + key + value + output + 4 weight matrices, each moved once, in the dtype (self-attention reads x once;
+    W_k and W_v are d_model x kv_width, smaller for grouped-query heads)."""
     size = ITEMSIZE.get(s.dtype, 4)
     inputs = s.batch * s.tq * s.d_model if s.tq == s.tk else s.batch * (s.tq + 2 * s.tk) * s.d_model
-    moved = (inputs + s.batch * s.tq * s.d_model + 4 * s.d_model * s.d_model) * size
+    weights = 2 * s.d_model * s.d_model + 2 * s.d_model * s.kv_width
+    moved = (inputs + s.batch * s.tq * s.d_model + weights) * size
     return moved * (3.0 if s.backward else 1.0)
 
 
@@ -121,15 +143,23 @@ def over_roofs(s: Shape, seconds: float | None, *, compute_roof_gflops: float | 
     return out
 
 
-def best_time(fn, repeats: int) -> float:
-    """The shortest of ``repeats`` timed calls of ``fn``, after one untimed warm-up call."""
+def timed_calls(fn, repeats: int, min_seconds: float = 0.0, clock=time.perf_counter) -> list[float]:
+    """The times of timed calls of ``fn`` after one untimed warm-up call: at least ``repeats`` of them, and more
+    until they span ``min_seconds`` (``clock`` reads the time)."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    times: list[float] = []
+    began = clock()
+    while len(times) < repeats or clock() - began < min_seconds:
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(clock() - start)
+    return times
+
+
+def best_time(fn, repeats: int, min_seconds: float = 0.0, clock=time.perf_counter) -> float:
+    """The shortest of the timed calls of :func:`timed_calls`: the estimator of a roof (what the machine can reach),
+    since noise, other processes and a slow moment only ever add time to a call."""
+    return min(timed_calls(fn, repeats, min_seconds, clock))
 
 
 def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
@@ -140,9 +170,26 @@ def gemm_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / best_time(lambda: a @ b, repeats) / 1e9
 
 
-def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
-    """This machine's read bandwidth: a float32 GEMV over a ``mib`` MiB matrix (NumPy's BLAS), the memory roof."""
+#: the bandwidth roof's timed GEMV calls span at least this long: one call takes ~5-10 ms, and on a shared box the
+#: speed switches between regimes lasting about a second (mha-harness fidelity's speed_stability), so the best of 5
+#: calls back to back (40 ms) gave 22 to 57 GB/s from one minute to the next here, the best over a second 28 to 60
+#: (mostly 44-51)
+BANDWIDTH_MIN_SECONDS = 1.0
+
+
+def bandwidth_roof(mib: int = 256, repeats: int = 5, min_seconds: float = BANDWIDTH_MIN_SECONDS) -> dict:
+    """This machine's read bandwidth: a float32 GEMV over a ``mib`` MiB matrix (NumPy's BLAS), each byte read once.
+    ``gbs`` is the best call (the roof: :func:`best_time`'s estimator) over at least ``repeats`` calls spanning
+    ``min_seconds``; ``median_gbs`` and ``calls`` show how much this run's own calls varied."""
     n = int((mib * 2 ** 20 / 4) ** 0.5)
     a = np.ones((n, n), np.float32)
     x = np.ones(n, np.float32)
-    return a.nbytes / best_time(lambda: a @ x, repeats) / 1e9
+    times = timed_calls(lambda: a @ x, repeats, min_seconds)
+    ordered = sorted(times)
+    return {"gbs": a.nbytes / ordered[0] / 1e9, "median_gbs": a.nbytes / ordered[len(ordered) // 2] / 1e9,
+            "calls": len(times)}
+
+
+def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5, min_seconds: float = BANDWIDTH_MIN_SECONDS) -> float:
+    """This machine's read bandwidth in GB/s, the memory roof: :func:`bandwidth_roof`'s best call."""
+    return bandwidth_roof(mib, repeats, min_seconds)["gbs"]

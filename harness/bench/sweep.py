@@ -11,7 +11,10 @@ After the timings, each worker measures the peak extra memory of one call of eac
 backend's own method, in its own process. Throughput comes from mha_harness.bench.metrics.
 
 Workloads: ``prefill`` (Tq = Tk = T, self-attention; causal top-left) and ``decode`` (Tq in ``query_lens``,
-e.g. 1 and 16 new queries, against Tk = KV length, bottom-right causal, the KV-cache alignment).
+e.g. 1 and 16 new queries, against Tk = KV length, bottom-right causal, the KV-cache alignment; only for layers
+that take key/value inputs: one x cannot have Tq != Tk). Both take ``BenchConfig.num_kv_heads`` (grouped-query
+heads; backends without the ``grouped_query`` capability are skipped). A run in which no backend can run any point
+stops before the machine's roofs are measured.
 
 The JSON is written atomically after every point with ``"complete": false`` until the end: an interrupted sweep
 (Ctrl-C, SIGTERM) keeps every finished point. A backend that hangs, crashes or passes the memory limit is
@@ -27,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mha_harness.bench import stats
-from mha_harness.bench.calls import mask_in_call, unsupported
+from mha_harness.bench.calls import causal_alignment, mask_in_call, unsupported
 from mha_harness.bench.gemm_roof import gemm_roofs
 from mha_harness.bench.load import LOADED_CORES, LoadMeter
 from mha_harness.bench.memory import resolution_bytes
@@ -36,7 +39,7 @@ from mha_harness.bench.metrics import (
     COMPUTE_ROOF_SLACK,
     FLOPS_FORMULA,
     Shape,
-    memory_bandwidth_gbs,
+    bandwidth_roof,
     metrics,
     over_roofs,
 )
@@ -49,7 +52,8 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.1"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth
+SCHEMA_VERSION = "2.2"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
+# 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured
 MAX_CONSECUTIVE_LOSSES = 2  # crashes or out-of-memory in a row before a backend's remaining points are not run
 MEASURED, SKIPPED, NOT_RUN = "measured", "skipped", "not-run"
 
@@ -61,6 +65,7 @@ class BenchConfig:
     batch: int = 1
     d_model: int = 512
     num_heads: int = 8
+    num_kv_heads: int | None = None  # key/value heads; None: num_heads (multi-head); fewer: grouped-query
     dtype: str = "float32"
     workload: str = "prefill"
     threads: int = DEFAULT_THREADS
@@ -75,6 +80,33 @@ class BenchConfig:
     @property
     def d_head(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    def layer_text(self) -> str:
+        """The layer's shape in words, for the printed header and the plots' titles."""
+        kind = "multi-head" if self.kv_heads == self.num_heads else "grouped-query"
+        return (f"batch {self.batch}, d_model {self.d_model}, {self.num_heads} heads, num_kv_heads {self.kv_heads} "
+                f"({kind}), {self.dtype}, {self.threads} threads")
+
+
+def kv_heads_error(num_kv_heads, num_heads: int, name: str = "num_kv_heads",
+                   heads_name: str = "num_heads") -> str | None:
+    """Why ``num_kv_heads`` is not a valid number of key/value heads for ``num_heads`` query heads (None: it is):
+    an integer 1 <= N <= num_heads that divides num_heads."""
+    divisors = ", ".join(str(k) for k in range(1, num_heads + 1) if num_heads % k == 0)
+    accepted = f"accepted: an integer 1 <= N <= {heads_name} ({num_heads}) that divides it: {divisors}"
+    if num_kv_heads is None:
+        return None
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int):
+        return f"{name}: got {num_kv_heads!r}; {accepted}"
+    if not 1 <= num_kv_heads <= num_heads:
+        return f"{name}: got {num_kv_heads}, outside 1..{num_heads}; {accepted}"
+    if num_heads % num_kv_heads:
+        return f"{name}: got {num_kv_heads}, which does not divide {heads_name} {num_heads}; {accepted}"
+    return None
 
 
 @dataclass
@@ -129,7 +161,7 @@ class BenchPoint:
 
 def shape_of(point: BenchPoint, config: BenchConfig) -> Shape:
     return Shape(config.batch, point.tq, point.tk, config.d_model, config.num_heads, config.dtype, point.causal,
-                 point.mode != "forward")
+                 point.mode != "forward", config.num_kv_heads)
 
 
 def plan_points(names, config: BenchConfig, seq_lens, *, causal_modes=(False,), backward=False,
@@ -423,7 +455,7 @@ def table(points: list[BenchPoint]) -> str:
         label = "T" if workload == "prefill" else f"decode Tq = {tq}, KV"
         lines.append(f"\n{label} = {tk}")
         lines.append(f"  {'backend':<24}{'mode':<9}{'mask':<13}{'median ms':>10}{'95% CI +-':>10}{'n':>5}"
-                     f"{'calls':>7}{'peak MiB':>9}{'GFLOP/s':>9}{'%GEMM':>10}{'GB/s':>10}{'%BW':>9}")
+                     f"{'calls':>7}{'peak MiB':>9}{'core GFLOP/s':>13} {'core %GEMM':>11}{'GB/s':>9}{'%BW':>9}")
         for p in (q for q in points if (q.workload, q.tq, q.tk) == key):
             mode = "fwd" if p.mode == "forward" else "fwd+bwd"
             if p.status != MEASURED:
@@ -434,12 +466,17 @@ def table(points: list[BenchPoint]) -> str:
             compute = "!" if p.over_compute_roof else " "
             bandwidth = "~" if p.over_memory_bandwidth else " "
             lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}{p.median_s * 1e3:>10.3f}{ci:>9}{flag}"
-                         f"{p.n_samples:>4}{p.calls_per_sample or 0:>7}{_fmt_memory(p):>9} {_num(p.gflops, 1):>8}"
-                         f"{compute} {_num(100 * (p.fraction_of_gemm_peak or 0), 1):>7}% {_num(p.gbytes_per_s, 2):>8}"
+                         f"{p.n_samples:>4}{p.calls_per_sample or 0:>7}{_fmt_memory(p):>9} {_num(p.gflops, 1):>12}"
+                         f"{compute} {_num(100 * (p.fraction_of_gemm_peak or 0), 1):>9}% {_num(p.gbytes_per_s, 2):>8}"
                          f" {_num(100 * (p.fraction_of_memory_bandwidth or 0), 1):>7}%{bandwidth}")
     lines.append("\n  * the time budget ran out before the 95% CI reached the target; '<N' = below the memory "
-                 "method's resolution of N MiB; mask: the causal mask the call carried (none for full attention, "
-                 "and for the one-query decode step of a backend without bottom-right masking: the same attention)")
+                 "method's resolution of N MiB; mask: the causal mask the call carried, top-left, bottom-right or "
+                 "none (none for full attention, and for the one-query decode step of a backend without bottom-right "
+                 "masking: the same attention); for a point not run, the mask its workload asks for")
+    lines.append("  core GFLOP/s, core %GEMM: the attention core alone (4*B*h*Tq*Tk*d_head, half for causal; "
+                 "bench.json's gflops and fraction_of_gemm_peak, of NumPy's float32 GEMM); the whole layer, its four "
+                 "projections included, is bench.json's layer_gflops; GB/s, %BW: the layer's compulsory traffic "
+                 "(gbytes_per_s, fraction_of_memory_bandwidth, of the bandwidth measured in this run)")
     if any(_loaded(p) for p in points):
         lines.append(f"  L other processes kept more than {LOADED_CORES} cores busy while the point was timed "
                      "(other_cores in bench.json): a loaded machine's figures, slower and noisier than alone")
@@ -498,8 +535,12 @@ def roof_warnings(points: list[BenchPoint]) -> list[str]:
 
 
 def _mask_label(p: BenchPoint) -> str:
-    """The mask column: what the call carried, or for a point never prepared the shape's ("causal" or "none")."""
-    return p.call_mask or ("causal" if p.causal else "none")
+    """The mask column, always one of top-left, bottom-right, none: what the call carried, or for a point never
+    prepared (skipped, not run) the mask its workload asks for (prefill causal top-left, decode bottom-right)."""
+    if p.call_mask:
+        return p.call_mask
+    shape = Shape(1, p.tq, p.tk, 1, 1, causal=p.causal)
+    return causal_alignment(shape) or "none"
 
 
 def _positive(y) -> bool:
@@ -542,6 +583,9 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
             label = p.backend + (f" Tq={p.tq}" if p.workload == "decode" else "")
             lost.setdefault(label, []).append(f"{p.seq_len} {p.status}")
     lost_notes = [f"{label}: {', '.join(items)}" for label, items in lost.items()]
+    measured_backends = {p.backend for p in points if p.status == MEASURED}
+    unsupported_only = list(dict.fromkeys(p.backend for p in points if p.status == SKIPPED
+                                          and p.backend not in measured_backends))
     for key, line in series(points).items():
         backend, workload, tq, causal, mode = key
         name = backend + (f" Tq={tq}" if workload == "decode" else "") + (" causal" if causal and workload ==
@@ -591,6 +635,9 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
                      + "; ".join(below_notes))
     if empty_notes:
         notes.append("no reading: " + ", ".join(empty_notes))
+    if unsupported_only:
+        notes.append("every point skipped as unsupported (bench.json and the table say why): "
+                     + ", ".join(unsupported_only))
     if lost_notes:
         notes.append("not measured (bench.json says why): " + "; ".join(lost_notes))
     if roof_notes and not memory:
@@ -621,41 +668,62 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     return write_bytes_atomic(Path(directory) / filename, buffer.getvalue())
 
 
-def plot(points: list[BenchPoint], directory: Path, machine: dict) -> list[Path]:
+def plot(points: list[BenchPoint], directory: Path, machine: dict, config: BenchConfig | None = None) -> list[Path]:
     """Log-log plots; times carry their 95% CI as error bars; memory below resolution is drawn as an open triangle at
-    the resolution (left out of the fit); a figure with nothing drawable is still written, saying so."""
+    the resolution (left out of the fit); a figure with nothing drawable is still written, saying so. Each title
+    ends with the layer's shape (``config``: heads and num_kv_heads, dtype, threads)."""
+    layer = f"\n{config.layer_text()}" if config is not None else ""
     if points and points[0].workload == "decode":
         bw = machine.get("memory_bandwidth_gbs")
         return [_figure(points, "median_s", "time per call (s), 95% CI", "decode: time vs KV length "
-                        "(solid Tq = 1, dashed Tq = 16; bottom-right causal)", directory, "decode_time_vs_kv_len.png",
-                        ci=True),
+                        f"(solid Tq = 1, dashed Tq = 16; bottom-right causal){layer}", directory,
+                        "decode_time_vs_kv_len.png", ci=True),
                 _figure(points, "gbytes_per_s", "compulsory bytes moved per second (GB/s)",
-                        "decode: memory throughput vs KV length", directory, "decode_bandwidth_vs_kv_len.png",
-                        roof=(bw, f"measured memory bandwidth {bw:.1f} GB/s") if bw else None)]
+                        f"decode: memory throughput vs KV length{layer}", directory, "decode_bandwidth_vs_kv_len.png",
+                        roof=(bw, f"memory bandwidth measured in this run {bw:.1f} GB/s") if bw else None)]
     return [_figure(points, "median_s", "time per call (s), 95% CI of the median",
-                    "time vs sequence length (log-log; fitted exponent ± stderr)", directory, "time_vs_seq_len.png",
-                    ci=True),
+                    f"time vs sequence length (log-log; fitted exponent ± stderr){layer}", directory,
+                    "time_vs_seq_len.png", ci=True),
             _figure(points, "peak_extra_bytes", "peak extra memory (bytes)",
-                    "peak extra memory vs T (below the method's resolution: open triangle at the resolution)",
+                    f"peak extra memory vs T (below the method's resolution: open triangle at the resolution){layer}",
                     directory,
                     "memory_vs_seq_len.png")]
 
 
 # ---------------------------------------------------------------- entry point
 
-def machine_info(threads: int) -> dict:
+#: machine["roofs_note"]: what a roof fraction compares
+ROOFS_NOTE = ("the roofs are measured in each run and move with the load of the box (the bandwidth most: tens of "
+              "percent between runs minutes apart on a shared box): fraction_of_gemm_peak and "
+              "fraction_of_memory_bandwidth compare backends within one run, not between runs")
+
+
+def machine_info(threads: int, roofs: bool = True) -> dict:
+    """The machine and its roofs, measured now under ``threads`` (``roofs=False``: not measured, the roof fields
+    None: a run in which no point can run does not wait for them)."""
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "cpu_count": __import__("os").cpu_count(),
+            "roofs_measured": roofs}
+    if not roofs:
+        return {**info, "gemm_peak_gflops_float32": None, "memory_bandwidth_gbs": None,
+                "compute_roof_gflops_float32": None, "compute_roof_library": None,
+                "roofs": "not measured: no backend can run any point of this run"}
     apply_threads(threads)
     roof = gemm_roofs(threads)
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "cpu_count": __import__("os").cpu_count(),
+    bandwidth = bandwidth_roof()
+    return {**info,
             "gemm_peak_gflops_float32": roof["by_library"]["numpy"],
-            "memory_bandwidth_gbs": round(memory_bandwidth_gbs(), 2),
+            "memory_bandwidth_gbs": round(bandwidth["gbs"], 2),
+            "memory_bandwidth_median_gbs": round(bandwidth["median_gbs"], 2),
+            "memory_bandwidth_calls": bandwidth["calls"],
             "compute_roof_gflops_float32": roof["gflops"], "compute_roof_library": roof["library"],
             "gemm_gflops_float32_by_library": roof["by_library"],
-            "roofs": "GEMM: float32 2048^3 matmul; bandwidth: float32 GEMV over a 256 MiB matrix; NumPy BLAS, "
-                     "best of 5, under the benchmark's thread count (fraction_of_gemm_peak is of NumPy's); the "
+            "roofs": "GEMM: float32 2048^3 matmul, best of 5; bandwidth: float32 GEMV over a 256 MiB matrix, the best "
+                     "of its calls over at least 1 s (memory_bandwidth_median_gbs: their median); NumPy BLAS, "
+                     "under the benchmark's thread count (fraction_of_gemm_peak is of NumPy's); the "
                      "compute roof that over_compute_roof compares with is the fastest of the same GEMM in NumPy, "
-                     "torch, JAX and onnxruntime, those installed, in a child process pinned to the thread count"}
+                     "torch, JAX and onnxruntime, those installed, in a child process pinned to the thread count",
+            "roofs_note": ROOFS_NOTE}
 
 
 #: memory_error of a timed point whose memory was never measured: the memory pass runs after every timing
@@ -679,10 +747,17 @@ def _interrupted(sweep: Sweep, directory: Path | None, log) -> None:
 def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal: str = "off",
               backward: bool = False, quick: bool = False, config: BenchConfig | None = None,
               query_lens=DECODE_QUERY_LENS, log=print) -> dict:
-    """Sweep ``backends``, print the table, write ``<results>/bench[-decode]/bench.json`` and the plots."""
+    """Sweep ``backends``, print the table, write ``<results>/bench[-decode]/bench.json`` and the plots.
+
+    What can run is checked first: when no backend can run any planned point (each skipped for a declared
+    capability, e.g. an always-causal layer at ``causal="off"``), the sweep stops there, with the table of reasons and
+    a complete bench.json, without measuring the machine's roofs or starting a worker."""
     config = config or BenchConfig()
     if config.workload not in WORKLOADS:
         raise ValueError(f"workload: got {config.workload!r}; accepted: {', '.join(WORKLOADS)}")
+    kv_error = kv_heads_error(config.num_kv_heads, config.num_heads)
+    if kv_error:
+        raise ValueError(kv_error)
     decode = config.workload == "decode"
     directory = None
     if results_dir is not None:
@@ -691,15 +766,19 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     seq_lens = list(seq_lens or (DECODE_KV_LENS if decode else DEFAULT_SEQ_LENS))
     names = [b.name for b in backends]
     log(f"benchmark ({config.workload}): {len(names)} backends x {'KV lengths' if decode else 'T'} in {seq_lens}"
-        f"{f', Tq in {list(query_lens)}' if decode else ''}; batch {config.batch}, d_model {config.d_model}, "
-        f"{config.num_heads} heads, {config.dtype}, {config.threads} threads; each backend in its own worker; "
-        f"per point: 95% CI of the median within +-{100 * config.ci_rel:g}% or {config.budget_s:g} s", flush=True)
+        f"{f', Tq in {list(query_lens)}' if decode else ''}; {config.layer_text()}; each backend in its own "
+        f"worker; per point: 95% CI of the median within +-{100 * config.ci_rel:g}% or {config.budget_s:g} s",
+        flush=True)
     if decode:
         dropped = [f"Tq={tq} KV={tk}" for tk in sorted(seq_lens) for tq in query_lens if tq > tk]
         if dropped:
             log(f"  left out (more new queries than KV length): {', '.join(dropped)}", flush=True)
     start = time.perf_counter()
-    machine = machine_info(config.threads)
+    groups = plan_points(names, config, seq_lens, causal_modes=(True,) if decode else causal_modes,
+                         backward=backward, query_lens=query_lens)
+    by_name = {b.name: b for b in backends}
+    runnable = any(unsupported(by_name[p.backend], shape_of(p, config)) is None for group in groups for p in group)
+    machine = machine_info(config.threads, roofs=runnable)
     doc = {"schema": "mha-harness/bench", "schema_version": SCHEMA_VERSION, "complete": False,
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine,
            "threads": thread_report(config.threads), "config": asdict(config), "workload": config.workload,
@@ -730,9 +809,18 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
                           "time_exponent_guard": "a time exponent outside this range by more than two stderr, or "
                                                  f"with a stderr above {stats.TIME_EXPONENT_MAX_STDERR}, is noise: "
                                                  "fits[...]['time'] is then {'measurement_error': ...}"}}
-    groups = plan_points(names, config, seq_lens, causal_modes=(True,) if decode else causal_modes,
-                         backward=backward, query_lens=query_lens)
     sweep = Sweep(backends, config, directory / "bench.json" if directory else None, doc, log=log)
+    if not runnable:  # fail fast: every point is skipped from the declarations alone, no worker, no roofs
+        for group in groups:
+            sweep.prepare_group(group)
+            sweep.points += group
+        doc["seconds"] = round(time.perf_counter() - start, 1)
+        sweep.save(complete=True)
+        log(table(sweep.points))
+        log("\n  nothing to measure: no backend can run any point of this run (each one's reason above); the "
+            "roofs were not measured")
+        _write_plots(sweep.points, directory, machine, config, doc, log)
+        return doc
 
     def progress(i, group):
         p = group[0]
@@ -751,9 +839,12 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     sweep.save(complete=True)
     log(table(points))
     roof = machine.get("compute_roof_gflops_float32")
-    log(f"\nroofs of this machine ({config.threads} threads): float32 GEMM {machine['gemm_peak_gflops_float32']:.1f} "
-        f"GFLOP/s (NumPy)" + (f", {roof:.1f} ({machine['compute_roof_library']}, the compute roof)" if roof else "")
-        + f", memory bandwidth {machine['memory_bandwidth_gbs']:.1f} GB/s")
+    log(f"\nroofs of this machine ({config.threads} threads), measured in this run: float32 GEMM "
+        f"{machine['gemm_peak_gflops_float32']:.1f} GFLOP/s (NumPy)"
+        + (f", {roof:.1f} ({machine['compute_roof_library']}, the compute roof)" if roof else "")
+        + f", memory bandwidth {machine['memory_bandwidth_gbs']:.1f} GB/s (best of {machine['memory_bandwidth_calls']} "
+          f"calls, median {machine['memory_bandwidth_median_gbs']:.1f}); they move with the box's load from run to "
+          "run: %GEMM and %BW compare backends within this run only")
     for line in roof_warnings(points):
         log(f"  above a roof: {line}")
     loaded = load_warning(points)
@@ -763,11 +854,17 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     for key, value in doc["fits"].items():
         log(f"  growth exponent {key}: time {_fmt_fit(value['time'], lengths.get(key))}; "
             f"memory {_fmt_fit(value['memory'], lengths.get(key))}")
-    if directory is not None:
-        try:
-            paths = plot(points, directory, machine)
-            log(f"  plots: {', '.join(str(p) for p in paths)}")
-        except ImportError:
-            log(f"  plots skipped: matplotlib is not installed ({install_hint('bench')})")
-        log(f"  json: {directory / 'bench.json'}  ({doc['seconds']} s)")
+    _write_plots(points, directory, machine, config, doc, log)
     return doc
+
+
+def _write_plots(points, directory, machine, config, doc, log) -> None:
+    """The plots next to bench.json (each run redraws them, so none is left from an earlier run), and where."""
+    if directory is None:
+        return
+    try:
+        paths = plot(points, directory, machine, config)
+        log(f"  plots: {', '.join(str(p) for p in paths)}")
+    except ImportError:
+        log(f"  plots skipped: matplotlib is not installed ({install_hint('bench')})")
+    log(f"  json: {directory / 'bench.json'}  ({doc['seconds']} s)")

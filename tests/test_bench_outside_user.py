@@ -1,0 +1,295 @@
+"""What an outside user met benchmarking a Llama-style grouped-query self-attention module (called as module(x),
+always causal top-left, grouped_query=True, no biases) from the README alone: no way to time it with fewer key/value
+heads, a fidelity timing run that compared nothing and exited 0, a decode skip that gave the wrong reason and an
+undocumented mask value, FLOP columns that did not say they count the core only, roofs measured before learning that
+nothing could run, and a memory-bandwidth roof that moved between runs."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mha_harness.bench.metrics import Shape, best_time, compulsory_bytes, core_flops, metrics, projection_flops
+from mha_harness.bench.sweep import BenchConfig, BenchPoint, run_bench, table
+from mha_harness.implementations.numpy_naive import NumpyNaive
+from mha_harness.implementations.numpy_tiled import NumpyTiled
+from tests.always_causal_objects import NaiveAlwaysBottomRight, NaiveAlwaysTopLeft
+from tests.bench_plugins import LlamaLikeGQA
+
+SMALL = dict(d_model=64, num_heads=4, budget_s=0.2, warm_up_s=0.05, min_sample_s=0.005, turn_s=0.02)
+
+
+def _quiet(*args, **kwargs):
+    pass
+
+
+def _multi_head_only() -> NumpyNaive:
+    backend = NumpyNaive()
+    backend.name = "numpy-naive-multi-head-only"
+    backend.capabilities = dataclasses.replace(backend.capabilities, grouped_query=False)
+    return backend
+
+
+# ---------------------------------------------------------------- 1. --kv-heads
+
+def test_grouped_query_heads_shrink_the_projection_flops_and_the_weight_bytes_not_the_core():
+    """With num_kv_heads < num_heads, W_k and W_v are d_model x (num_kv_heads * d_head): the layer's FLOPs and its
+    compulsory bytes count those smaller matrices; the attention core is the same (every query head scores its
+    keys)."""
+    mha, gqa = Shape(1, 1024, 1024, 512, 8), Shape(1, 1024, 1024, 512, 8, num_kv_heads=2)
+    kv_width = 2 * 64
+    assert gqa.kv_width == kv_width and mha.kv_width == 512
+    assert core_flops(gqa) == core_flops(mha)
+    assert projection_flops(mha) == 2 * 512 * (2 * 1024 * 512 + 2 * 1024 * 512)
+    assert projection_flops(gqa) == 2 * 512 * (2 * 1024 * 512 + 2 * 1024 * kv_width)
+    assert compulsory_bytes(gqa) == (1024 * 512 + 1024 * 512 + 2 * 512 * 512 + 2 * 512 * kv_width) * 4
+    decode = Shape(1, 1, 65536, 512, 8, "float32", True, False, 1)
+    assert projection_flops(decode) == 2 * 512 * (2 * 1 * 512 + 2 * 65536 * 64)
+    assert metrics(gqa, 0.01)["layer_gflops"] < metrics(mha, 0.01)["layer_gflops"]
+    assert metrics(gqa, 0.01)["gflops"] == metrics(mha, 0.01)["gflops"]
+
+
+def test_bench_kv_heads_times_the_grouped_query_layer_and_skips_a_backend_without_grouped_query(tmp_path, capsys):
+    """``BenchConfig(num_kv_heads=2)`` (``bench --kv-heads 2``): the call is made with two key/value heads, bench.json's
+    config and the header say so, GFLOP/s and GB/s count the smaller K/V projections, and a backend that does not
+    declare grouped_query is skipped at every point naming the capability."""
+    from mha_harness.bench.calls import backend_arguments
+    from mha_harness.bench.sweep import shape_of
+    config = BenchConfig(num_kv_heads=2, **SMALL)
+    run_bench([NumpyTiled(), _multi_head_only()], tmp_path, seq_lens=[64, 128], config=config)
+    out = capsys.readouterr().out
+    assert "4 heads, num_kv_heads 2 (grouped-query)" in out.splitlines()[0], out.splitlines()[0]
+    saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert saved["config"]["num_kv_heads"] == 2
+    tiled = [p for p in saved["points"] if p["backend"] == "numpy-tiled"]
+    assert tiled and all(p["status"] == "measured" for p in tiled)
+    for p in tiled:
+        shape = shape_of(BenchPoint(**p), config)
+        assert shape.kv_heads == 2 and backend_arguments(NumpyTiled(), shape)[0].W_k.shape == (64, 2 * 16)
+        layer = (core_flops(shape) + projection_flops(shape)) / p["median_s"] / 1e9
+        full_kv = dataclasses.replace(shape, num_kv_heads=None)
+        assert p["layer_gflops"] == pytest.approx(layer, rel=1e-3)
+        assert p["layer_gflops"] < (core_flops(full_kv) + projection_flops(full_kv)) / p["median_s"] / 1e9
+        assert p["gbytes_per_s"] == pytest.approx(compulsory_bytes(shape) / p["median_s"] / 1e9, rel=1e-3)
+    skipped = [p for p in saved["points"] if p["backend"] == "numpy-naive-multi-head-only"]
+    assert skipped and all(p["status"] == "skipped" and "grouped_query" in p["skipped"] for p in skipped)
+    # decode takes it too
+    decode = run_bench([NumpyTiled()], None, seq_lens=[64], config=BenchConfig(workload="decode", num_kv_heads=1,
+                                                                                **SMALL), query_lens=(1,), log=_quiet)
+    assert decode["config"]["num_kv_heads"] == 1 and decode["points"][0]["status"] == "measured"
+    refused = r"num_kv_heads: got 3, which does not divide num_heads 4; accepted: .*1, 2, 4"
+    with pytest.raises(ValueError, match=refused):
+        run_bench([NumpyTiled()], None, seq_lens=[64], config=BenchConfig(num_kv_heads=3, **SMALL), log=_quiet)
+
+
+def test_kv_heads_is_validated_naming_the_option_and_the_accepted_values(tmp_path, capsys):
+    from mha_harness.cli import main
+    for bad, said in (("3", "--kv-heads: got 3, which does not divide --heads 8"),
+                      ("16", "--kv-heads: got 16, outside 1..8"), ("0", "--kv-heads: got '0'")):
+        assert main(["bench", "--heads", "8", "--kv-heads", bad, "--results", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert said in err, err
+        if bad != "0":
+            assert "accepted: an integer 1 <= N <= --heads (8) that divides it: 1, 2, 4, 8" in err, err
+
+
+def test_the_plots_titles_name_the_heads_and_the_key_value_heads(tmp_path, monkeypatch):
+    from mha_harness.bench import sweep
+    titles = []
+    monkeypatch.setattr(sweep, "_figure", lambda points, metric, ylabel, title, *a, **k: titles.append(title))
+    point = BenchPoint("a", "prefill", 64, 64, 64, False, "forward")
+    sweep.plot([point], tmp_path, {}, BenchConfig(num_kv_heads=2, **SMALL))
+    decode = BenchPoint("a", "decode", 64, 1, 64, True, "forward")
+    sweep.plot([decode], tmp_path, {"memory_bandwidth_gbs": 10.0}, BenchConfig(workload="decode", **SMALL))
+    assert len(titles) == 4
+    assert all("4 heads, num_kv_heads 2 (grouped-query)" in t for t in titles[:2]), titles
+    assert all("4 heads, num_kv_heads 4 (multi-head)" in t for t in titles[2:]), titles
+
+
+def test_the_outside_users_grouped_query_module_x_layer_benchmarks_from_the_command_line(tmp_path):
+    """The user's command: a module(x), always-causal, grouped-query layer with --causal on --kv-heads: measured with
+    top-left calls of one x and two key/value heads, exit 0."""
+    done = subprocess.run([sys.executable, "-m", "mha_harness", "bench", "--backend-spec",
+                           "tests.bench_plugins:LlamaLikeGQA", "--causal", "on", "--heads", "4", "--kv-heads", "2",
+                           "--d-model", "64", "--seq-lens", "32,64", "--budget", "0.1", "--results", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert saved["config"]["num_kv_heads"] == 2
+    assert {(p["status"], p["call_mask"]) for p in saved["points"]} == {("measured", "top-left")}
+
+
+# ---------------------------------------------------------------- 2. fidelity of an always-causal backend
+
+def test_fidelity_times_an_always_causal_backend_with_causal_calls_and_says_so():
+    """An always-causal backend has no full-attention call: fidelity's timing now times it causal, in the alignment
+    bench --causal on gives it (the test backends raise on any other call), labelled in the row and the line."""
+    pytest.importorskip("torch")
+    from mha_harness.bench.fidelity import timing_agreement
+    lines = []
+    rows = timing_agreement([NaiveAlwaysTopLeft(), NaiveAlwaysBottomRight(), NumpyTiled()], BenchConfig(**SMALL),
+                            seq_lens=(64,), rounds=1, max_rounds=1, autorange_s=0.1,
+                            log=lambda *a, **k: lines.append(a[0]))
+    by = {r["backend"]: r for r in rows}
+    for name, mask in (("numpy-naive-always-top-left", "top-left"),
+                       ("numpy-naive-always-bottom-right", "bottom-right")):
+        row = by[name]
+        assert row["call_mask"] == mask and row["causal"] is True, row
+        assert not row.get("errors") and row["sweep_over_autorange"] is not None and row["within_10pct"] is not None
+        assert any(line.split()[:4] == [name, "T=64", "causal", mask] for line in lines), lines
+    assert by["numpy-tiled"]["call_mask"] == "none" and by["numpy-tiled"]["causal"] is False
+
+
+def test_a_fidelity_section_asked_for_that_compared_nothing_for_a_requested_backend_exits_1(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """``fidelity --backend-spec mod:Obj --section timing`` printed n/a and "0/0 within +-10%" and exited 0; a section
+    the user asked for that compares nothing for a requested backend now says so on stderr and exits 1."""
+    pytest.importorskip("torch")
+    from mha_harness.bench import fidelity
+    from mha_harness.cli import main
+    monkeypatch.setattr(fidelity, "speed_stability", lambda: {"error": "not measured in this test"})
+    code = main(["fidelity", "--backend-spec", "tests.always_causal_objects:GPTCausalSelfAttention", "--section",
+                 "timing", "--results", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "a section you asked for compared nothing" in err
+    assert "timing: compared nothing for gpt-causal-self-attention (prepare: " in err and "prepared callable" in err
+
+
+def test_nothing_compared_names_each_section_asked_for_that_compared_nothing():
+    from mha_harness.bench.fidelity import nothing_compared
+    doc = {"timing": [{"backend": "a", "seq_len": 512, "within_10pct": True, "within_5pct": False},
+                      {"backend": "b", "seq_len": 512, "within_10pct": None, "within_5pct": None,
+                       "errors": ["prepare: no prepared callable"]}],
+           "overhead": [{"backend": "a", "not_runnable": "no direct_callable (the library call written by hand)"}],
+           "memory": "not run: not among the chosen sections (--section timing)",
+           "tiled_vs_naive": {"not_runnable": "numpy-tiled: not registered"}}
+    assert nothing_compared(doc, ["a", "b"], ["timing"]) == [
+        "timing: compared nothing for b (prepare: no prepared callable)"]
+    assert nothing_compared(doc, ["a"], ["timing"]) == []
+    assert nothing_compared(doc, ["a"], ["overhead"], overhead_names=["a"]) == [
+        "overhead: compared nothing for a (no direct_callable (the library call written by hand))"]
+    assert nothing_compared(doc, ["a"], ["tiled-vs-naive"]) == [
+        "tiled-vs-naive: compared nothing (numpy-tiled: not registered)"]
+    assert nothing_compared({"timing": "not runnable: torch (torch.utils.benchmark) is not installed"}, ["a"],
+                            ["timing"]) == ["timing: compared nothing (not runnable: torch (torch.utils.benchmark) is "
+                                            "not installed)"]
+
+
+# ---------------------------------------------------------------- 3. decode of a one-x layer
+
+def test_decode_of_a_one_x_layer_gives_the_real_reason_first_and_a_documented_mask_value(tmp_path, capsys):
+    """A self-form layer (inputs="self") cannot take Tq != Tk: every decode point says that, not "no bottom-right
+    causal mask"; the table's mask column shows the mask the workload asks for (bottom-right), one of the README's
+    values, not "causal"; the exit message says what to run instead."""
+    from mha_harness.cli import _nothing_measured
+    doc = run_bench([LlamaLikeGQA()], tmp_path, seq_lens=[64, 128], query_lens=(1, 16),
+                    config=BenchConfig(workload="decode", **SMALL))
+    out = capsys.readouterr().out
+    assert doc["points"] and all(p["status"] == "skipped" for p in doc["points"])
+    assert all(p["skipped"].startswith("declares inputs='self' (one x): Tq = ") and "decode" in p["skipped"]
+               for p in doc["points"]), doc["points"][0]["skipped"]
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["llama-like-gqa"]]
+    assert rows and {r[2] for r in rows} == {"bottom-right"}, rows
+    [line] = _nothing_measured(doc)
+    assert "prefill workload" in line and "inputs='shared_kv'" in line, line
+
+
+def test_the_mask_column_of_a_point_never_prepared_is_one_of_the_documented_values():
+    points = [BenchPoint("b", "prefill", 64, 64, 64, True, "forward", status="skipped", skipped="x"),
+              BenchPoint("b", "prefill", 64, 64, 64, False, "forward", status="skipped", skipped="x"),
+              BenchPoint("b", "decode", 64, 1, 64, True, "forward", status="not-run", skipped="x")]
+    masks = {line.split()[2] for line in table(points).splitlines() if line.split()[:1] == ["b"]}
+    assert masks == {"top-left", "none", "bottom-right"}
+
+
+# ---------------------------------------------------------------- 4. core GFLOP/s
+
+def test_the_table_labels_its_flop_columns_as_the_attention_core():
+    """The table's GFLOP/s and %GEMM count the attention core only (bench.json's layer_gflops the whole layer): the
+    header says "core", the numbers sit under it, and the note names the JSON fields."""
+    point = BenchPoint("a", "prefill", 64, 64, 64, False, "forward", status="measured", median_s=1e-3, n_samples=6,
+                       ci95_rel_halfwidth=0.01, calls_per_sample=3, peak_extra_bytes=2 ** 22,
+                       memory_below_resolution=False, gflops=123.4, fraction_of_gemm_peak=0.456, gbytes_per_s=7.25,
+                       fraction_of_memory_bandwidth=0.321)
+    lines = table([point]).splitlines()
+    [header] = [line for line in lines if "backend" in line and "median ms" in line]
+    [row] = [line for line in lines if line.split()[:1] == ["a"]]
+    assert "core GFLOP/s" in header and "core %GEMM" in header
+    assert header.index("core GFLOP/s") + len("core GFLOP/s") == row.index("123.4") + len("123.4")
+    assert header.index("core %GEMM") + len("core %GEMM") == row.index("45.6%") + len("45.6%")
+    assert header.index("GB/s") + len("GB/s") == row.index("7.25") + len("7.25")
+    note = " ".join(lines)
+    assert "the attention core alone" in note and "layer_gflops" in note and "fraction_of_gemm_peak" in note
+
+
+# ---------------------------------------------------------------- 5. fail fast
+
+def test_a_bench_in_which_nothing_can_run_stops_before_measuring_the_roofs(tmp_path, monkeypatch):
+    """An always-causal layer at the default causal off: every point is unsupported from the declarations alone, so
+    the run reports it (table, complete bench.json, the exit message's hint) without the roofs (seconds) or a
+    worker."""
+    from mha_harness.bench import sweep
+    from mha_harness.cli import _nothing_measured
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the roofs were measured although nothing can run")
+    monkeypatch.setattr(sweep, "gemm_roofs", measured)
+    monkeypatch.setattr(sweep, "bandwidth_roof", measured, raising=False)
+    monkeypatch.setattr(sweep, "memory_bandwidth_gbs", measured, raising=False)
+    monkeypatch.setattr(sweep, "BackendWorker", measured)
+    doc = run_bench([NaiveAlwaysTopLeft()], tmp_path, seq_lens=[32, 64], config=BenchConfig(**SMALL), log=_quiet)
+    assert [p["status"] for p in doc["points"]] == ["skipped", "skipped"]
+    assert doc["machine"]["roofs_measured"] is False and doc["machine"]["memory_bandwidth_gbs"] is None
+    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["complete"] is True
+    [line] = _nothing_measured(doc)
+    assert "always causal" in line and line.endswith("; pass --causal on (or both)")
+
+
+def test_a_plot_of_a_run_whose_every_point_was_unsupported_says_so(tmp_path, monkeypatch):
+    """A run that measured nothing still redraws its plots (none is left from an earlier run in the folder); their
+    "nothing to plot ... see the note below" had no note when every point was skipped as unsupported."""
+    from matplotlib.figure import Figure
+
+    from mha_harness.bench.sweep import plot
+    texts = []
+    original = Figure.text
+    monkeypatch.setattr(Figure, "text", lambda self, x, y, s, *a, **k: (texts.append(s),
+                                                                         original(self, x, y, s, *a, **k))[1])
+    skipped = [BenchPoint("llama-like-gqa", "prefill", t, t, t, False, "forward", status="skipped",
+                          skipped="always causal (declares always_causal): no full-attention call") for t in (64, 128)]
+    plot(skipped, tmp_path, {})
+    assert any("every point skipped as unsupported" in t and "llama-like-gqa" in t for t in texts), texts
+
+
+# ---------------------------------------------------------------- 7. the bandwidth roof's estimator
+
+def test_a_roof_is_the_best_call_over_at_least_a_span_of_time_not_of_the_first_few_calls():
+    """A roof is what the machine can reach: the fastest call (noise only adds time). The bandwidth's calls last a few
+    ms each, and a shared box's speed moves in regimes lasting about a second, so its calls span at least
+    min_seconds: a fast moment after the first five calls is still found."""
+    from mha_harness.bench.metrics import BANDWIDTH_MIN_SECONDS, timed_calls
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def scripted(durations):
+        durations = iter(durations)
+
+        def call():
+            now[0] += next(durations)
+        return call
+    # the warm-up call (first) is not counted; the fastest of the five timed calls is
+    assert best_time(scripted([0.010, 0.009, 0.008, 0.009, 0.010, 0.009]), 5, clock=clock) == pytest.approx(0.008)
+    later_fast_moment = [0.010] + [0.009] * 6 + [0.004] + [0.009] * 100
+    assert best_time(scripted(later_fast_moment), 5, clock=clock) == pytest.approx(0.009)  # five calls miss it
+    times = timed_calls(scripted(later_fast_moment), 5, min_seconds=0.08, clock=clock)
+    assert len(times) == 10 and sum(times) >= 0.08 > sum(times[:-1]) and min(times) == pytest.approx(0.004)
+    assert best_time(scripted(later_fast_moment), 5, min_seconds=0.08, clock=clock) == pytest.approx(0.004)
+    assert BANDWIDTH_MIN_SECONDS >= 1.0
