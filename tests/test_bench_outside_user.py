@@ -293,3 +293,17 @@ def test_a_roof_is_the_best_call_over_at_least_a_span_of_time_not_of_the_first_f
     assert len(times) == 10 and sum(times) >= 0.08 > sum(times[:-1]) and min(times) == pytest.approx(0.004)
     assert best_time(scripted(later_fast_moment), 5, min_seconds=0.08, clock=clock) == pytest.approx(0.004)
     assert BANDWIDTH_MIN_SECONDS >= 1.0
+
+
+def test_fidelity_with_one_backend_does_not_compare_sweep_against_alone():
+    """A stranger checked only their own backend: every sweep turn followed its own, so sweep/alone was ~1 and printed
+    'ok' while testing nothing. It is 'not compared' (naming how to compare), and it asks for no extra rounds."""
+    from mha_harness.bench.fidelity import _ratios_unsure, _timing_line, _timing_row
+    own = [{"after": "mine", "sweep_s": 1.0 + 0.001 * i, "alone_s": 1.0, "autorange_s": 1.0} for i in range(12)]
+    row = _timing_row("mine", 512, own)
+    assert row["sweep_over_alone"] is None and row["within_5pct"] is None and row["within_10pct"] is True
+    assert "not compared" in _timing_line(row) and "--backend" in _timing_line(row)
+    noisy_alone = [dict(f, alone_s=0.5 + (i % 3) * 0.5) for i, f in enumerate(own)]
+    assert not _ratios_unsure(noisy_alone, "mine") and _ratios_unsure(noisy_alone)
+    other = [dict(f, after="numpy-tiled") for f in own]
+    assert _timing_row("mine", 512, other)["within_5pct"] is True

@@ -163,9 +163,14 @@ def _per_round_ratio(per_round: list[dict], a: str, b: str) -> tuple[list, float
     return ratios, _median_or_none(present), median_ci(present)
 
 
-def _ratios_unsure(per_round: list[dict]) -> bool:
-    """True while the 95% CI of a median ratio (sweep/alone, sweep/autorange) is wider than +-RATIO_CI_TARGET."""
-    for a, b in (("sweep_s", "alone_s"), ("sweep_s", "autorange_s")):
+def _ratios_unsure(per_round: list[dict], backend: str | None = None) -> bool:
+    """True while the 95% CI of a median ratio (sweep/alone, sweep/autorange) is wider than +-RATIO_CI_TARGET;
+    sweep/alone only where a sweep turn followed another backend's (with one backend it compares nothing)."""
+    followed = {f["after"] for f in per_round if f.get("after")}
+    pairs = (("sweep_s", "alone_s"), ("sweep_s", "autorange_s"))
+    if backend is not None and followed == {backend}:
+        pairs = pairs[1:]
+    for a, b in pairs:
         _, centre, ci = _per_round_ratio(per_round, a, b)
         if ci is None or max(centre - ci[0], ci[1] - centre) > RATIO_CI_TARGET * centre:
             return True
@@ -186,11 +191,11 @@ def _timing_rounds(sweep: Sweep, group: list[BenchPoint], call_s: dict, t: int, 
     previous = ready[-1].backend if ready else None  # the last worker to run (its prepare)
     for r in range(max_rounds):
         active = [p for p in ready if p.backend not in sweep.lost_reason
-                  and (r < rounds or _ratios_unsure(figures[p.backend]))]
+                  and (r < rounds or _ratios_unsure(figures[p.backend], p.backend))]
         if not active:
             break
-        log(f"timing: T = {t}, round {r + 1}: {len(active)} backends, each a turn after another backend's, a turn "
-            "after its own and adaptive_autorange ...", flush=True)
+        log(f"timing: T = {t}, round {r + 1}: {len(active)} backends, each a turn after another backend's (where "
+            "there is another), a turn after its own and adaptive_autorange ...", flush=True)
         meter = LoadMeter(sweep.worker_pids)
         started = time.perf_counter()
         in_round = []
@@ -277,7 +282,16 @@ def _timing_row(name: str, t: int, per_round: list[dict], call_mask: str = "none
         row[f"{key}_ci95"] = None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
     row["within_10pct"] = within(row["sweep_over_autorange"], 0.10)
     row["within_5pct"] = within(row["sweep_over_alone"], 0.05)
+    followed = {f["after"] for f in per_round if f.get("after")}
+    if followed and followed <= {name}:  # every sweep turn followed its own: the ratio would test nothing
+        row["sweep_over_alone"] = row["sweep_over_alone_ci95"] = row["within_5pct"] = None
+        row["sweep_over_alone_not_compared"] = ONE_BACKEND
     return row
+
+
+#: why sweep/alone is not compared when the timing section has one backend (a plugin's check of itself)
+ONE_BACKEND = ("not compared: every sweep turn followed this backend's own (no other backend to interleave with); "
+               "name another, e.g. --backend numpy-tiled, to see whether the interleaving slows it")
 
 
 def _stability_line(s: dict) -> str:
@@ -306,7 +320,8 @@ def _timing_line(row: dict) -> str:
             f"{_ms(row.get('alone_median_s'))} ms  adaptive_autorange {_ms(row.get('autorange_median_s'))} ms  "
             f"sweep/autorange {_ratio_text(row, 'sweep_over_autorange')} "
             f"{_verdict(row.get('within_10pct'), '+-10%')}  "
-            f"sweep/alone {_ratio_text(row, 'sweep_over_alone')} {_verdict(row.get('within_5pct'), '+-5%')}")
+            + (f"sweep/alone {row['sweep_over_alone_not_compared']}" if row.get("sweep_over_alone_not_compared")
+               else f"sweep/alone {_ratio_text(row, 'sweep_over_alone')} {_verdict(row.get('within_5pct'), '+-5%')}"))
     if row.get("errors"):
         line += f"  ({'; '.join(dict.fromkeys(row['errors']))})"
     return line

@@ -476,7 +476,9 @@ def table(points: list[BenchPoint]) -> str:
     lines.append("  core GFLOP/s, core %GEMM: the attention core alone (4*B*h*Tq*Tk*d_head, half for causal; "
                  "bench.json's gflops and fraction_of_gemm_peak, of NumPy's float32 GEMM); the whole layer, its four "
                  "projections included, is bench.json's layer_gflops; GB/s, %BW: the layer's compulsory traffic "
-                 "(gbytes_per_s, fraction_of_memory_bandwidth, of the bandwidth measured in this run)")
+                 "(gbytes_per_s, fraction_of_memory_bandwidth, of the bandwidth measured in this run); the '!' flag "
+                 "compares the layer's FLOPs with the compute roof (the fastest float32 GEMM of the installed "
+                 "libraries), not with NumPy's")
     if any(_loaded(p) for p in points):
         lines.append(f"  L other processes kept more than {LOADED_CORES} cores busy while the point was timed "
                      "(other_cores in bench.json): a loaded machine's figures, slower and noisier than alone")
