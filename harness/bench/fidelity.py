@@ -163,12 +163,18 @@ def _per_round_ratio(per_round: list[dict], a: str, b: str) -> tuple[list, float
     return ratios, _median_or_none(present), median_ci(present)
 
 
+def _followed_only_itself(per_round: list[dict], backend: str | None) -> bool:
+    """Whether every recorded sweep turn of ``backend`` followed its own turn (one backend timed: no other to
+    interleave with), so sweep/alone compares nothing."""
+    followed = {f["after"] for f in per_round if f.get("after")}
+    return backend is not None and followed == {backend}
+
+
 def _ratios_unsure(per_round: list[dict], backend: str | None = None) -> bool:
     """True while the 95% CI of a median ratio (sweep/alone, sweep/autorange) is wider than +-RATIO_CI_TARGET;
     sweep/alone only where a sweep turn followed another backend's (with one backend it compares nothing)."""
-    followed = {f["after"] for f in per_round if f.get("after")}
     pairs = (("sweep_s", "alone_s"), ("sweep_s", "autorange_s"))
-    if backend is not None and followed == {backend}:
+    if _followed_only_itself(per_round, backend):
         pairs = pairs[1:]
     for a, b in pairs:
         _, centre, ci = _per_round_ratio(per_round, a, b)
@@ -282,8 +288,7 @@ def _timing_row(name: str, t: int, per_round: list[dict], call_mask: str = "none
         row[f"{key}_ci95"] = None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
     row["within_10pct"] = within(row["sweep_over_autorange"], 0.10)
     row["within_5pct"] = within(row["sweep_over_alone"], 0.05)
-    followed = {f["after"] for f in per_round if f.get("after")}
-    if followed and followed <= {name}:  # every sweep turn followed its own: the ratio would test nothing
+    if _followed_only_itself(per_round, name):  # every sweep turn followed its own: the ratio would test nothing
         row["sweep_over_alone"] = row["sweep_over_alone_ci95"] = row["within_5pct"] = None
         row["sweep_over_alone_not_compared"] = ONE_BACKEND
     return row

@@ -134,9 +134,11 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
 
 
 def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
-    """A message suffix naming the one mask that a call with several masks behaves as if it had dropped: ``got``
-    matches the reference of the same call without that mask (on ``rows`` of (batch, Tq) if given; rows left without
-    a key under the backend's empty-row convention, :func:`_matches`); "" when none."""
+    """A message suffix naming the one mask that a call with several masks behaves as if it had dropped, or a lone
+    key padding mask as not applied: ``got`` matches the reference of the same call without that mask (on ``rows`` of
+    (batch, Tq) if given; rows left without a key under the backend's empty-row convention, :func:`_matches`); ""
+    when none. A lone causal mask or attn_mask is left to :func:`causal_hint` and the polarity and normaliser
+    hints."""
     candidates = []
     with implicitly_causal(None):  # the call without its causal mask, also for a backend that declares always_causal
         if inputs.causal is not None:
@@ -146,11 +148,12 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
         if inputs.attn_mask is not None:
             kind = "bool" if inputs.attn_mask.dtype == np.bool_ else "additive"
             candidates.append((f"the {kind} attn_mask", inputs.replace(attn_mask=None)))
-    if len(candidates) < 2:
+    if not candidates or (len(candidates) == 1 and inputs.key_padding_mask is None):
         return ""
+    ending = "that mask is dropped when combined" if len(candidates) > 1 else "the mask is not applied"
     for label, other in candidates:
         if _matches(got, params, other, rows):
-            return f"; the output matches the same call without {label}: that mask is dropped when combined"
+            return f"; the output matches the same call without {label}: {ending}"
     return ""
 
 
@@ -237,16 +240,6 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
             "mask[:, None, None, :] belongs)")
 
 
-def ignored_padding_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
-    """A message suffix when a call whose only mask is a key padding mask gives ``got`` (on ``rows`` if given) as if
-    it had none (with other masks, :func:`dropped_mask_hint` names the dropped one); "" otherwise."""
-    if inputs.key_padding_mask is None or inputs.causal is not None or inputs.attn_mask is not None:
-        return ""
-    if _matches(got, params, inputs.replace(key_padding_mask=None), rows):
-        return "; the output matches the same call without key_padding_mask: the mask is not applied"
-    return ""
-
-
 def _together(hints: list[str]) -> str:
     """Hints that all match one output, as one suffix: the first, or every one when the input cannot tell them
     apart (a diagnosis is named alone only when it is the only one that fits)."""
@@ -270,5 +263,4 @@ def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
         return ""
     return _together([causal_hint(got, params, inputs) if rows is None else "",
                       polarity_hint(got, params, inputs, rows), padding_axis_hint(got, params, inputs, rows),
-                      ignored_padding_hint(got, params, inputs, rows), dropped_mask_hint(got, params, inputs, rows),
-                      normaliser_hint(got, params, inputs, rows)])
+                      dropped_mask_hint(got, params, inputs, rows), normaliser_hint(got, params, inputs, rows)])
