@@ -654,7 +654,31 @@ def test_a_declared_divergence_whose_case_did_not_run_is_shown_as_not_verified()
 
     md = mha_harness.check(NoPadding(), cases=["check_padding_mask_blocks_padded_keys"]).to_markdown()
     row = next(line for line in md.splitlines() if "| no-padding | check_padding_mask_blocks_padded_keys |" in line)
-    assert row.endswith("| none: the case did not diverge or run here |")
+    assert row.endswith("| none: every variant of the case was skipped (no-padding does not declare capability "
+                        "'key_padding_mask') |"), row
+
+
+def test_a_masked_poison_declaration_on_a_self_form_layer_says_why_nothing_verified_it():
+    """With one x there is no NaN/inf variant of the causal leak case (the poisoned future position is also a
+    query); a stranger's self-form layer declaring masked_poison read "verified on: none" and could not tell why."""
+    import dataclasses
+
+    import mha_harness
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    from mha_harness.toolkit.divergences import masked_poison_divergences
+
+    class OneX(NumpyNaive):
+        name = "one-x"
+        capabilities = dataclasses.replace(NumpyNaive.capabilities, inputs="self", cross_attention=False,
+                                           more_queries_than_keys=False)
+        divergences = masked_poison_divergences("declared for the test")
+
+    report = mha_harness.check(OneX(), cases=["check_causal_mask_blocks_future_keys"])
+    assert report.ok, report.summary_lines()
+    row = next(line for line in report.to_markdown().splitlines()
+               if "| one-x | check_causal_mask_blocks_future_keys |" in line)
+    assert row.replace("\\", "").endswith("| none: no variant of the case here has poison in ['nan', 'inf'] (its "
+                                          "variants in the self form have poison: 'random') |"), row
 
 
 def test_a_quick_run_lists_the_slow_cases_it_left_out():

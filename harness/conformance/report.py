@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mha_harness.conformance.casekit import FORM_SKIP
 from mha_harness.conformance.results import BAD, SEVERITY, STATUSES, CaseResult, Status
+from mha_harness.contract.api import Divergence
 from mha_harness.util.atomic import results_lock, write_json_atomic, write_text_atomic
 from mha_harness.util.markdown import md_code, md_text
 
@@ -227,7 +228,7 @@ class Report:
             for n, d in divergent:
                 verified = sum(r.backend == n and r.case == d["case"] and r.status == Status.EXPECTED_DIVERGENCE
                                for r in self.results)
-                shown = f"{verified} variant(s)" if verified else "none: the case did not diverge or run here"
+                shown = f"{verified} variant(s)" if verified else "none: " + self.why_unverified(n, d)
                 lines.append(f"| {e(n)} | {e(d['case'])} | {e(d.get('when') or 'always')} "
                              f"| {md_code(str(d.get('behaviour', '')), in_table=True)} | {e(d['observed'])} "
                              f"| {e(d['reason'])} | {e(shown)} |")
@@ -268,6 +269,29 @@ class Report:
                     lines.append(f"| {e(n)} | {count} | {e(reason)} | "
                                  f"{', '.join(md_code(c, in_table=True) for c in in_cases)} |")
         return "\n".join(lines) + "\n"
+
+    def why_unverified(self, backend: str, declared: dict) -> str:
+        """Why a declared divergence was verified on no variant here: its case did not run, no variant of the case
+        fits its ``when`` (the backend's input form or capabilities give the case none), or every variant it covers
+        was skipped (the first skip reason) or held without it."""
+        case, when = declared["case"], declared.get("when") or {}
+        ran = [r for r in self.for_backend(backend) if r.case == case]
+        if not ran:
+            return "the case did not run here"
+        if all(r.status == Status.SKIPPED for r in ran):
+            return f"every variant of the case was skipped ({ran[0].message})"
+        fits = Divergence(case, declared["behaviour"], declared.get("reason") or "-", when)
+        covered = [r for r in ran if fits.matches(case, r.params)]
+        if not covered:
+            condition = ", ".join(f"{k} in {list(v)}" if isinstance(v, (list, tuple)) else f"{k} = {v!r}"
+                                  for k, v in when.items())
+            have = "; ".join(f"{k}: " + ", ".join(sorted({repr(r.params.get(k)) for r in ran})) for k in when)
+            return (f"no variant of the case here has {condition} (its variants in the {self.form_of(backend)} "
+                    f"form have {have})")
+        skipped = [r for r in covered if r.status == Status.SKIPPED]
+        if len(skipped) == len(covered):
+            return f"every variant it covers was skipped ({skipped[0].message})"
+        return "the case did not diverge here"
 
     def skip_reasons(self) -> dict[str, dict[str, tuple[int, list[str]]]]:
         """backend -> skip reason -> (how many variants skipped with it, the cases they belong to), most first."""
