@@ -29,14 +29,14 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _seq_lens(text: str) -> list[int]:
+def _lengths(text: str) -> list[int]:
+    """Comma-separated lengths (--seq-lens, --query-lens, --timing-seq-lens): argparse names the option."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"--seq-lens: got {text!r}; accepted: comma-separated positive integers, "
-                                         "e.g. 128,256,512")
+        raise argparse.ArgumentTypeError(f"got {text!r}; accepted: comma-separated positive integers, e.g. 128,256,512")
     return values
 
 
@@ -44,6 +44,7 @@ def _seq_lens(text: str) -> list[int]:
 TIMEOUT = float_range(0.0, 7 * 24 * 3600.0)
 JOBS = int_range(1, 1024)
 REPEATS = int_range(1, 1_000_000)
+TIMING_ROUNDS = int_range(1, 1000)
 
 
 def _check_inputs_fit(seq_lens, batch: int = 1, d_model: int = 512) -> None:
@@ -157,13 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      "tables, JSON with confidence intervals, plots")
     _add_selection(p)
     _add_bench_options(p)
-    p.add_argument("--seq-lens", type=_seq_lens, default=None, metavar="N,N,...",
+    p.add_argument("--seq-lens", type=_lengths, default=None, metavar="N,N,...",
                    help="prefill: sequence lengths (default 128,256,512,1024,2048); decode: KV lengths "
                         "(default 1024,4096,16384,65536)")
     p.add_argument("--workload", choices=("prefill", "decode"), default="prefill",
                    help="prefill: Tq = Tk = T (default); decode: Tq in --query-lens against KV lengths --seq-lens, "
                         "bottom-right causal (results in <results>/bench-decode)")
-    p.add_argument("--query-lens", type=_seq_lens, default=None, metavar="N,N,...",
+    p.add_argument("--query-lens", type=_lengths, default=None, metavar="N,N,...",
                    help="decode only: new queries per call (default 1,16)")
     p.add_argument("--causal", choices=("off", "on", "both"), default="off", help="prefill only (decode is causal)")
     p.add_argument("--backward", action="store_true", help="also time forward + backward where gradients exist")
@@ -188,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "named")
     p.add_argument("--threads", type=_positive_int, default=None, help="threads for every backend (default: "
                                                                      "the bench default)")
+    p.add_argument("--timing-seq-lens", type=_lengths, default=None,
+                   metavar="N,N,...", help="the timing section's lengths (default: 512,2048, as issue 11's target "
+                                           "names them)")
+    p.add_argument("--timing-rounds", type=TIMING_ROUNDS, default=None, metavar="N",
+                   help="the timing section's rounds at each length (default: 12; a backend whose ratio's 95%% CI "
+                        "is wider than +-5%% gets more, up to 3N). Fewer rounds: a shorter run, wider CIs")
     p.add_argument("--section", action="append", default=None, metavar="NAME",
                    help="run only this section (repeatable; default: all, in this order): memory (the memory "
                         "methods against formulas and XLA), overhead (prepared callable vs the library called "
@@ -200,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=TIMEOUT, default=120.0, metavar="S",
                    help="seconds per conformance case before the worker is killed (default 120)")
     p.add_argument("--jobs", type=JOBS, default=None, help="backends checked at once (default: CPU count)")
-    p.add_argument("--seq-lens", type=_seq_lens, default=None, metavar="N,N,...")
+    p.add_argument("--seq-lens", type=_lengths, default=None, metavar="N,N,...")
     p.add_argument("--skip-bench", action="store_true", help="conformance and mutation score only")
     _add_bench_options(p, budget=QUICK_BUDGET_S)
     return parser
@@ -565,7 +572,8 @@ def cmd_fidelity(args) -> int:
         if not args.opt_in:
             _say_opted_out(registry)
     doc = run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS,
-                       overhead_names=names if named else None, sections=args.section)
+                       overhead_names=names if named else None, sections=args.section,
+                       timing_seq_lens=args.timing_seq_lens, timing_rounds=args.timing_rounds)
     return _fidelity_verdict(doc, names, args.section, named)
 
 

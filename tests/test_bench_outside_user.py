@@ -307,3 +307,29 @@ def test_fidelity_with_one_backend_does_not_compare_sweep_against_alone():
     assert not _ratios_unsure(noisy_alone, "mine") and _ratios_unsure(noisy_alone)
     other = [dict(f, after="numpy-tiled") for f in own]
     assert _timing_row("mine", 512, other)["within_5pct"] is True
+
+
+def test_fidelity_timing_lengths_and_rounds_are_options(tmp_path, monkeypatch):
+    """A stranger checking only their own backend waited through 12-36 rounds at T = 512 and 2048: the timing
+    section's lengths and rounds are options (defaults unchanged), recorded in fidelity.json's config."""
+    import json
+
+    from mha_harness import cli
+    from mha_harness.bench import fidelity
+
+    asked = {}
+
+    def fake_timing(backends, config, seq_lens=fidelity.TIMING_SEQ_LENS, *, rounds=fidelity.TIMING_ROUNDS,
+                    max_rounds=fidelity.TIMING_MAX_ROUNDS, **_):
+        asked.update(names=[b.name for b in backends], seq_lens=tuple(seq_lens), rounds=rounds, max_rounds=max_rounds)
+        return []
+
+    monkeypatch.setattr(fidelity, "timing_agreement", fake_timing)
+    monkeypatch.setattr(fidelity, "speed_stability", lambda: {"error": "not measured in this test"})
+    argv = ["fidelity", "--backend", "numpy-naive", "--section", "timing", "--results", str(tmp_path)]
+    cli.main(argv + ["--timing-seq-lens", "64,128", "--timing-rounds", "2"])
+    assert asked == {"names": ["numpy-naive"], "seq_lens": (64, 128), "rounds": 2, "max_rounds": 6}
+    config = json.loads((tmp_path / "bench" / "fidelity.json").read_text())["config"]
+    assert (config["timing_seq_lens"], config["timing_rounds"], config["timing_max_rounds"]) == ([64, 128], 2, 6)
+    cli.main(argv)
+    assert (asked["seq_lens"], asked["rounds"], asked["max_rounds"]) == ((512, 2048), 12, 36)

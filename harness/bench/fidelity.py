@@ -686,22 +686,27 @@ def _log_summary(s: dict, log) -> None:
 
 
 def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=print, overhead_names=None,
-                 sections=None) -> dict:
+                 sections=None, timing_seq_lens=None, timing_rounds=None) -> dict:
     """The figures of the chosen ``sections`` (names of :data:`SECTIONS`; None: all four) and their summary;
     written to ``<results>/bench/fidelity.json`` after every section. A section left out holds a "not run" text
-    saying so, and the summary names it: a run of some sections validates only what they measure."""
+    saying so, and the summary names it: a run of some sections validates only what they measure.
+    ``timing_seq_lens`` and ``timing_rounds`` (None: :data:`TIMING_SEQ_LENS`, :data:`TIMING_ROUNDS`) shape the
+    timing section: ``timing_rounds`` rounds at each length, up to three times as many for an unsure ratio."""
     import importlib.util
     chosen = list(SECTIONS) if sections is None else [n for n in SECTIONS if n in sections]
     unknown = sorted(set(sections or ()) - set(SECTIONS))
     if unknown:
         raise ValueError(f"sections: got {unknown}; accepted: {', '.join(SECTIONS)}")
     config = BenchConfig(threads=threads)
+    seq_lens = tuple(timing_seq_lens or TIMING_SEQ_LENS)
+    rounds = timing_rounds or TIMING_ROUNDS
+    max_rounds = rounds * TIMING_MAX_ROUNDS // TIMING_ROUNDS
     # 3.2: timing and overhead rows carry call_mask (an always-causal backend is timed with causal calls)
     doc = {"schema": "mha-harness/fidelity", "schema_version": "3.2", "complete": False, "threads": threads,
            "sections": chosen,
            "config": {"batch": config.batch, "d_model": config.d_model, "num_heads": config.num_heads,
-                      "dtype": config.dtype, "turn_s": config.turn_s, "timing_rounds": TIMING_ROUNDS,
-                      "timing_max_rounds": TIMING_MAX_ROUNDS, "ratio_ci_target": RATIO_CI_TARGET,
+                      "dtype": config.dtype, "turn_s": config.turn_s, "timing_seq_lens": list(seq_lens),
+                      "timing_rounds": rounds, "timing_max_rounds": max_rounds, "ratio_ci_target": RATIO_CI_TARGET,
                       "autorange_max_run_time_s": AUTORANGE_MAX_RUN_S,
                       "timing_calls": "full attention (call_mask none); a backend that declares always_causal is "
                                       "timed with causal calls in the alignment bench --causal on gives it "
@@ -729,7 +734,8 @@ def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=pr
         _section(doc, "speed_stability", path, log, speed_stability)
         log(_stability_line(doc["speed_stability"]), flush=True)
         _section(doc, "timing", path, log,
-                 lambda: timing_agreement([registry.get(n).backend for n in names], config, log=log))
+                 lambda: timing_agreement([registry.get(n).backend for n in names], config, seq_lens, rounds=rounds,
+                                          max_rounds=max_rounds, log=log))
     doc["summary"] = summary(doc)
     doc["complete"] = True
     write_json_atomic(path, doc)
