@@ -225,7 +225,8 @@ def test_fidelity_takes_a_plugin_spec_and_checks_only_the_named_backends_overhea
     from mha_harness.cli import main
     seen = {}
 
-    def fake_run_fidelity(registry, names, results_dir, threads=2, *, log=print, overhead_names=None, sections=None):
+    def fake_run_fidelity(registry, names, results_dir, threads=2, *, log=print, overhead_names=None, sections=None,
+                          **_timing_shape):
         seen.update(names=names, overhead=overhead_names, registry=registry, sections=sections)
         # every named backend compared (a section asked for that compares nothing for one exits 1)
         return {"timing": [{"backend": n, "within_10pct": True, "within_5pct": True} for n in names],

@@ -693,3 +693,20 @@ def test_a_quick_run_lists_the_slow_cases_it_left_out():
     assert "Not run in this run: `check_long_sequence_sampled_rows_match_reference`" in report.to_markdown()
     assert not mha_harness.check("numpy-naive", cases=["check_scores_scaled_by_sqrt_d_head"],
                                  include_slow=False).left_out
+
+
+def test_the_summary_names_a_failing_backends_cases_under_its_fail_line():
+    """Failures print in case order, so a mask bug's first printed failure can be the gradient case's numbers (a
+    stranger's finding); the summary lists the failing cases by name, with their variant counts."""
+    from mha_harness.implementations.mutants import mutant_backends
+
+    mutant = next(b for b in mutant_backends() if b.name == "mutant-causal-one-future-token")
+    report = mha_harness.check(mutant, cases=["check_output_matches_reference", "check_causal_output_matches_reference",
+                                              "check_causal_mask_blocks_future_keys"])
+    lines = report.summary_lines()
+    fail = next(i for i, line in enumerate(lines) if "mutant-causal-one-future-token" in line)
+    assert " FAIL " in lines[fail]
+    listed = lines[fail + 1].strip()
+    assert listed.startswith("failing cases: check_causal_output_matches_reference (")
+    assert "check_causal_mask_blocks_future_keys (" in listed and "failed)" in listed
+    assert "check_output_matches_reference" not in listed.replace("check_causal_output_matches_reference", "")

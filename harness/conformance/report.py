@@ -270,6 +270,18 @@ class Report:
                                  f"{', '.join(md_code(c, in_table=True) for c in in_cases)} |")
         return "\n".join(lines) + "\n"
 
+    def failed_cases_line(self, backend: str) -> str:
+        """The cases that failed on ``backend``, by name (a name says what the case proves), with how many variants
+        of each and their status, in case order: the line under a FAIL in the summary, since the failures printed
+        while the run goes come in case order and the first is not always the one whose message names the bug."""
+        by_case: dict[str, Counter] = {}
+        for r in self.for_backend(backend):
+            if r.status in BAD:
+                by_case.setdefault(r.case, Counter())[r.status.value] += 1
+        return "failing cases: " + ", ".join(
+            f"{case} ({', '.join(f'{n} {status}' for status, n in counts.items())})"
+            for case, counts in by_case.items())
+
     def why_unverified(self, backend: str, declared: dict) -> str:
         """Why a declared divergence was verified on no variant here: its case did not run, no variant of the case
         fits its ``when`` (the backend's input form or capabilities give the case none), or every variant it covers
@@ -366,6 +378,8 @@ class Report:
             if c and name in self.nothing_ran():
                 bad, text = 1, text + "; no case ran"
             out.append(f"  {name:<28} {'OK  ' if c and not bad else 'FAIL'} {text}")
+            if bad:
+                out.append(f"  {'':<28}      {self.failed_cases_line(name)}")
         for case, why in self.left_out.items():
             out.append(f"  not run: {case} ({why})")
         return out
