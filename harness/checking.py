@@ -24,6 +24,7 @@ from mha_harness.registry import (
 )
 from mha_harness.util import integrity
 from mha_harness.util.guard import PluginFault, call_guarded, plugin_timeout
+from mha_harness.util.options import did_you_mean
 
 _ACCEPTED_BACKENDS = ("a registered backend name, a 'module:object' spec, an AttentionBackend instance or "
                       "subclass, a factory returning backends, or a list of these")
@@ -187,15 +188,12 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
 
 def _case_named(case) -> Case:
     """The case called ``case``; a misspelt name is a ValueError naming the parameter and the closest names."""
-    import difflib
     cases = all_cases()
     if not isinstance(case, str):
         raise TypeError(f"case: got {type(case).__name__} {case!r:.60}; accepted: a case name such as "
                         f"{next(iter(cases))!r}")
     if case not in cases:
-        close = difflib.get_close_matches(case, list(cases), n=3, cutoff=0.5)
-        hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-        raise ValueError(f"case: got {case!r}; {hint}accepted: one of {', '.join(cases)}")
+        raise ValueError(f"case: got {case!r}; {did_you_mean(case, cases)}accepted: one of {', '.join(cases)}")
     return cases[case]
 
 

@@ -62,15 +62,30 @@ def _resolve_targets(specs) -> list:
         registry = load_registry()
         opted_out = {e.name for e in registry.opted_out()}  # opt-in backends run only when named
         specs = [e.name for e in registry.available() if e.name not in opted_out]
-    targets, unavailable = resolve_targets(specs)
+    from mha_harness.registry import RegistryError
+    try:
+        targets, unavailable = resolve_targets(specs)
+    except (ValueError, RegistryError) as exc:  # a malformed spec or an unknown name: the message, no traceback
+        several = any("," in str(s) for s in specs)
+        hint = ("\none backend per option: repeat --mha-backend for several, e.g. --mha-backend "
+                "my_pkg.attn:MyAttention --mha-backend jax-dpa" if several else "")
+        raise pytest.Collector.CollectError(f"--mha-backend: {exc}{hint}") from None
     failed = [info for info in unavailable if info.load_error]
     if failed:  # a collection error naming the option, the spec and the error; never an empty parameter set
         raise pytest.Collector.CollectError(
             "\n".join(f"--mha-backend {info.name}: {info.reason}" for info in failed)
-            + "\nthe module of a 'module:object' spec must be importable from this pytest process: run pytest from "
-              "the folder that holds it as 'python -m pytest ...' (which puts that folder on sys.path), set "
-              "PYTHONPATH, or install it")
+            + ("\nthe module of a 'module:object' spec must be importable from this pytest process: run pytest from "
+               "the folder that holds it as 'python -m pytest ...' (which puts that folder on sys.path), set "
+               "PYTHONPATH, or install it" if any(_spec_module_not_found(info) for info in failed) else ""))
     return targets
+
+
+def _spec_module_not_found(info) -> bool:
+    """True when a spec failed because its own module (or a package above it) is not importable from here, not
+    because of an import inside the plugin (a dependency it lacks): only then does the sys.path advice apply."""
+    module = str(info.name).split(":")[0]
+    parts = module.split(".")
+    return any(f"No module named '{'.'.join(parts[:i])}'" in str(info.reason) for i in range(1, len(parts) + 1))
 
 
 def _resolve(specs) -> list:

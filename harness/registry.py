@@ -27,6 +27,7 @@ from importlib import metadata
 
 from mha_harness.contract.api import AttentionBackend
 from mha_harness.util.guard import PluginFault, call_guarded, plugin_timeout, run_python_isolated
+from mha_harness.util.options import did_you_mean
 
 ENTRY_POINT_GROUP = "mha_harness.backends"
 
@@ -268,7 +269,8 @@ class Registry:
 
     def get(self, name: str) -> BackendEntry:
         if name not in self.entries:
-            raise RegistryError(f"backend: got {name!r}; accepted: one of {', '.join(self.entries)}")
+            raise RegistryError(f"backend: got {name!r}; {did_you_mean(name, self.entries)}accepted: one of "
+                                f"{', '.join(self.entries)}")
         return self.entries[name]
 
     def available(self) -> list[BackendEntry]:

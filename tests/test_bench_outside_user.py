@@ -333,3 +333,29 @@ def test_fidelity_timing_lengths_and_rounds_are_options(tmp_path, monkeypatch):
     assert (config["timing_seq_lens"], config["timing_rounds"], config["timing_max_rounds"]) == ([64, 128], 2, 6)
     cli.main(argv)
     assert (asked["seq_lens"], asked["rounds"], asked["max_rounds"]) == ((512, 2048), 12, 36)
+
+
+def test_the_roofs_line_names_every_librarys_gemm_figure():
+    """A stranger read 'float32 GEMM 196.6 GFLOP/s (NumPy), 196.6 (numpy, the compute roof)' in a run with JAX
+    backends and could not tell whether JAX's GEMM was measured; the line lists each library's figure."""
+    from mha_harness.bench.sweep import _gemm_by_library
+    machine = {"gemm_gflops_float32_by_library": {"numpy": 196.6, "jax": 190.2, "torch": 150.0,
+                                                  "onnxruntime": "not installed"}}
+    assert _gemm_by_library(machine) == "numpy 196.6, jax 190.2, torch 150.0, onnxruntime: not installed"
+    assert _gemm_by_library({}) == ""
+
+
+def test_a_long_skip_reason_is_printed_whole_once_and_no_legend_when_nothing_ran():
+    """A stranger's module(x) layer in decode: every row cut its reason at 90 characters ('...so dec'), the same
+    reason on every point, and the whole legend followed though no figure was printed."""
+    from mha_harness.bench.sweep import SKIPPED, BenchPoint, table
+    why = ("declares inputs='self' (one x): Tq = {tq} != Tk = {tk} cannot be expressed with one x, so decode is not "
+           "defined for it; wrap it a second time as layer(x_q, x_kv)")
+    points = [BenchPoint("mine", "decode", tk, tq, tk, True, "forward", status=SKIPPED,
+                         skipped=why.format(tq=tq, tk=tk)) for tk in (256, 512) for tq in (1, 16)]
+    out = table(points)
+    rows = [line for line in out.splitlines() if line.split()[:2] == ["mine", "fwd"]]
+    assert len(rows) == 4 and all("(in full below)" in row for row in rows)
+    whole = [line for line in out.splitlines() if line.startswith("  - mine (skipped")]
+    assert whole == ["  - mine (skipped, 4 point(s)): " + why.format(tq=1, tk=256)]
+    assert "time budget ran out" not in out and "core GFLOP/s, core %GEMM" not in out

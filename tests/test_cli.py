@@ -51,6 +51,7 @@ def test_check_one_backend_writes_json_and_markdown(tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["check", "--backend", "no-such-backend"], ["backend: got 'no-such-backend'", "accepted"]),
+    (["check", "--backend", "jax_dpa"], ["backend: got 'jax_dpa'; did you mean 'jax-dpa'", "accepted: one of"]),
     (["check", "--case", "check_nothing"], ["case: got 'check_nothing'", "accepted"]),
     (["bench", "--seq-lens", "12,abc"], ["--seq-lens", "accepted: comma-separated positive integers"]),
     (["bench", "--seq-lens", "0"], ["--seq-lens", "accepted"]),

@@ -95,6 +95,36 @@ def test_pytest_plugin_refuses_an_unimportable_backend_spec_as_a_collection_erro
     assert "skipped" not in out
 
 
+def test_pytest_plugin_leaves_out_the_sys_path_advice_when_the_plugin_lacks_a_dependency(pytester):
+    """A stranger's plugin imported fine but needed a package not installed: the error named the missing package and
+    the plugin's line, then advised about sys.path, which did not apply. The advice comes only when the spec's own
+    module is what cannot be found."""
+    pytester.makepyfile(needs_dep_h9a="import mylab_not_installed_h9a  # noqa: F401\n")
+    pytester.syspathinsert()
+    result = pytester.runpytest("--pyargs", "mha_harness.cases", "--mha-backend", "needs_dep_h9a:X", "-q",
+                                "-p", "no:cacheprovider")
+    assert result.ret != 0
+    out = result.stdout.str()
+    assert "No module named 'mylab_not_installed_h9a'" in out and "needs_dep_h9a.py:1" in out, out
+    assert "must be importable" not in out
+
+
+@pytest.mark.parametrize("option, words", [
+    ("my_pkg.attn:MyAttention,jax-dpa", ["--mha-backend: backend spec: got 'my_pkg.attn:MyAttention,jax-dpa'",
+                                         "repeat --mha-backend for several"]),
+    ("jax_dpa", ["--mha-backend: backend: got 'jax_dpa'; did you mean 'jax-dpa'", "accepted: one of"]),
+])
+def test_pytest_plugin_names_a_malformed_or_unknown_backend_without_a_traceback(pytester, option, words):
+    """A comma-separated --mha-backend gave a traceback from the registry's internals (a stranger's finding)."""
+    result = pytester.runpytest("--pyargs", "mha_harness.cases", "--mha-backend", option, "-q",
+                                "-p", "no:cacheprovider")
+    assert result.ret != 0
+    out = result.stdout.str()
+    for word in words:
+        assert word in out, out
+    assert "Traceback" not in out and "registry.py" not in out and "checking.py" not in out, out
+
+
 def test_pytest_plugin_reports_a_broken_backend_as_failures_with_readable_ids(pytester):
     pytester.makepyfile(broken="""
         from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend

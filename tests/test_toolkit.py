@@ -93,3 +93,57 @@ def test_named_variants_replace_shape_numbers_in_builtin_divergences():
         if named is not None:
             names = named if isinstance(named, (list, tuple)) else [named]
             assert set(names) <= set(catalogue[d.case]["variants"]), d
+
+
+def _own_causal_flag_layer(mask_with_causal: bool):
+    """A self-form layer that masks causally through its own flag, with the classic bug (triu where tril belongs),
+    building its padding mask with combined_mask, the causal mask included or left out."""
+    class Loaded(mha_harness.LoadedAttention):
+        def __init__(self, params):
+            self.p = params
+
+        def compute(self, inputs, *, need_weights=False):
+            p, x = self.p, inputs.query
+            b, t, d = x.shape
+            h = p.config.num_heads
+            split = lambda m: m.reshape(b, t, h, d // h).transpose(0, 2, 1, 3)  # noqa: E731
+            q, k, v = split(x @ p.W_q), split(x @ p.W_k), split(x @ p.W_v)
+            scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(d // h)
+            if inputs.causal:  # the layer's own causal flag: the bug
+                scores = np.where(np.triu(np.ones((t, t), bool)), scores, -np.inf)
+            allowed = masks.combined_mask(inputs, causal=mask_with_causal)
+            if allowed is not None:
+                scores = np.where(allowed, scores, -np.inf)
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            w = np.nan_to_num(w / w.sum(-1, keepdims=True))
+            return mha_harness.AttentionOutput((w @ v).transpose(0, 2, 1, 3).reshape(b, t, d) @ p.W_o)
+
+    class Layer(mha_harness.AttentionBackend):
+        name = "own-causal-flag"
+        capabilities = mha_harness.Capabilities(inputs="self", causal_alignments=("top-left",), key_padding_mask=True,
+                                                bias=False, dtypes=("float64",))
+
+        def load_native(self, params, dtype):
+            return Loaded(params)
+    return Layer()
+
+
+def test_combined_mask_can_leave_the_causal_mask_out_for_a_layer_with_its_own_causal_flag():
+    """A stranger's Flax layer took ``causal=True`` and ``combined_mask(inputs)`` (which includes the causal mask):
+    the harness's mask then hid a reversed causal mask in the layer's own path, and the leak case passed.
+    ``combined_mask(inputs, causal=False)`` leaves it out, and the same bug is caught and named."""
+    leak = "check_causal_mask_blocks_future_keys"
+    hidden = mha_harness.check(_own_causal_flag_layer(mask_with_causal=True), cases=[leak])
+    assert hidden.ok  # what the README now warns about: the harness's causal mask did the masking
+    caught = mha_harness.check(_own_causal_flag_layer(mask_with_causal=False),
+                               cases=[leak, "check_causal_output_matches_reference"])
+    failed = [r for r in caught.results if r.status == "failed"]
+    assert {r.case for r in failed} == {leak, "check_causal_output_matches_reference"}
+    assert any("reversed causal mask" in r.message for r in failed), [r.message for r in failed]
+    inputs = mha_harness.AttentionInputs(*(np.zeros((1, 3, 4)),) * 3, causal="top-left",
+                                         key_padding_mask=masks.padding_mask([2], 3))
+    assert masks.combined_mask(inputs, causal=False).tolist() == [[[[True, True, False]] * 3]]
+    assert masks.additive_mask(inputs, causal=False)[0, 0, 0].tolist() == [0.0, 0.0, -np.inf]
+    assert masks.combined_mask(inputs.replace(key_padding_mask=None), causal=False) is None
+    with pytest.raises(TypeError, match="causal: got 'no'; accepted: True"):
+        masks.combined_mask(inputs, causal="no")

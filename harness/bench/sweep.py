@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import platform
+import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
@@ -459,7 +460,9 @@ def table(points: list[BenchPoint]) -> str:
         for p in (q for q in points if (q.workload, q.tq, q.tk) == key):
             mode = "fwd" if p.mode == "forward" else "fwd+bwd"
             if p.status != MEASURED:
-                lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}  {p.status}: {(p.skipped or '')[:90]}")
+                reason = p.skipped or ""
+                shown = reason if len(reason) <= 90 else reason[:80].rstrip() + " ... (in full below)"
+                lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}  {p.status}: {shown}")
                 continue
             ci = f"{100 * p.ci95_rel_halfwidth:.1f}%" if p.ci95_rel_halfwidth is not None else "n/a"
             flag = f"{'*' if p.budget_exhausted else ''}{'L' if _loaded(p) else ''}".ljust(2)
@@ -469,6 +472,16 @@ def table(points: list[BenchPoint]) -> str:
                          f"{p.n_samples:>4}{p.calls_per_sample or 0:>7}{_fmt_memory(p):>9} {_num(p.gflops, 1):>12}"
                          f"{compute} {_num(100 * (p.fraction_of_gemm_peak or 0), 1):>9}% {_num(p.gbytes_per_s, 2):>8}"
                          f" {_num(100 * (p.fraction_of_memory_bandwidth or 0), 1):>7}%{bandwidth}")
+    cut: dict[tuple, list[str]] = {}  # reasons too long for a row, grouped when they differ only in their numbers
+    for p in points:
+        if p.status != MEASURED and len(p.skipped or "") > 90:
+            cut.setdefault((p.backend, p.status, re.sub(r"\d+", "N", p.skipped)), []).append(p.skipped)
+    if cut:  # each once, whole: a row has room for its start only
+        lines.append("\nnot run, the reasons in full (one per backend and reason; each point's lengths in its row):")
+        lines += [f"  - {backend} ({status}, {len(reasons)} point(s)): {reasons[0]}"
+                  for (backend, status, _), reasons in cut.items()]
+    if not any(p.status == MEASURED for p in points):  # no figure to explain
+        return "\n".join(lines)
     lines.append("\n  * the time budget ran out before the 95% CI reached the target; '<N' = below the memory "
                  "method's resolution of N MiB; mask: the causal mask the call carried, top-left, bottom-right or "
                  "none (none for full attention, and for the one-query decode step of a backend without bottom-right "
@@ -700,6 +713,15 @@ ROOFS_NOTE = ("the roofs are measured in each run and move with the load of the 
               "fraction_of_memory_bandwidth compare backends within one run, not between runs")
 
 
+def _gemm_by_library(machine: dict) -> str:
+    """Each library's float32 GEMM figure of the run, fastest first ('jax 304.6, numpy 198.9, torch: not installed'),
+    so a roof held by NumPy reads as measured against the others, not as the others left out."""
+    by = machine.get("gemm_gflops_float32_by_library") or {}
+    measured = sorted(((k, v) for k, v in by.items() if isinstance(v, (int, float))), key=lambda kv: -kv[1])
+    return ", ".join([f"{k} {v:.1f}" for k, v in measured] + [f"{k}: {v}" for k, v in by.items()
+                                                                if not isinstance(v, (int, float))])
+
+
 def machine_info(threads: int, roofs: bool = True) -> dict:
     """The machine and its roofs, measured now under ``threads`` (``roofs=False``: not measured, the roof fields
     None: a run in which no point can run does not wait for them)."""
@@ -843,7 +865,7 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     roof = machine.get("compute_roof_gflops_float32")
     log(f"\nroofs of this machine ({config.threads} threads), measured in this run: float32 GEMM "
         f"{machine['gemm_peak_gflops_float32']:.1f} GFLOP/s (NumPy)"
-        + (f", {roof:.1f} ({machine['compute_roof_library']}, the compute roof)" if roof else "")
+        + (f", compute roof {roof:.1f} (the fastest library's: {_gemm_by_library(machine)})" if roof else "")
         + f", memory bandwidth {machine['memory_bandwidth_gbs']:.1f} GB/s (best of {machine['memory_bandwidth_calls']} "
           f"calls, median {machine['memory_bandwidth_median_gbs']:.1f}); they move with the box's load from run to "
           "run: %GEMM and %BW compare backends within this run only")

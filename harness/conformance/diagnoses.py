@@ -121,7 +121,7 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
         return "; the output matches attention without a causal mask: the mask is not applied"
     if unmasked.attn_mask is None and matches(reversed_mask):
         return ("; the output matches a reversed causal mask: query i sees key i and every later key (the future) "
-                "instead of the keys up to i (torch.triu where torch.tril belongs)")
+                "instead of the keys up to i (triu where tril belongs: torch.triu, np.triu or jnp.triu)")
     if unmasked.attn_mask is None and matches(next_key):
         return "; the output matches a causal mask one key too wide (query i also sees key i + 1)"
     no_diagonal = ~np.eye(tq, tk, k=offset, dtype=bool)

@@ -81,20 +81,32 @@ def full_mask(inputs: AttentionInputs):
     return block_mask(inputs, 0, inputs.tq, 0, inputs.tk)
 
 
-def combined_mask(inputs: AttentionInputs, *, polarity: str = "attend") -> np.ndarray | None:
+def _without_causal(inputs: AttentionInputs, causal: bool) -> AttentionInputs:
+    """``inputs`` as the mask helpers read them: ``causal=False`` leaves the call's causal mask out, for a layer that
+    applies causal masking itself (its own flag); passing it in the mask too would hide a bug in the layer's own
+    causal path, since the harness's mask would then do the masking the leak cases check."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: got {causal!r}; accepted: True (the call's causal mask included) or False (left "
+                        "out, for a layer that masks causally through its own flag)")
+    return inputs if causal or not inputs.causal else inputs.replace(causal=None)
+
+
+def combined_mask(inputs: AttentionInputs, *, polarity: str = "attend", causal: bool = True) -> np.ndarray | None:
     """Every mask of the call (causal, key padding, attn_mask) as ONE bool array (batch|1, heads|1, Tq, Tk), or
     None when nothing is masked. ``polarity="attend"``: True = may attend (SDPA, jax); ``"ignore"``: True = masked
-    out (``nn.MultiheadAttention``). The finite values of a float attn_mask are not in it: see
-    :func:`additive_mask`."""
-    allowed, _ = full_mask(inputs)
+    out (``nn.MultiheadAttention``). ``causal=False``: without the causal mask, for a layer given ``inputs.causal``
+    through its own causal flag. The finite values of a float attn_mask are not in it: see :func:`additive_mask`."""
+    allowed, _ = full_mask(_without_causal(inputs, causal))
     return None if allowed is None else _polarity(allowed, polarity)
 
 
-def additive_mask(inputs: AttentionInputs, *, masked_value: float = -np.inf, dtype=np.float64) -> np.ndarray | None:
+def additive_mask(inputs: AttentionInputs, *, masked_value: float = -np.inf, dtype=np.float64,
+                  causal: bool = True) -> np.ndarray | None:
     """Every mask of the call as ONE float array (batch|1, heads|1, Tq, Tk) to add to the scaled scores: the
     finite values of a float attn_mask where allowed, ``masked_value`` where not (a library that cannot take
-    -inf may pass a large finite negative value; rows with every key masked then differ). None when unmasked."""
-    allowed, additive = full_mask(inputs)
+    -inf may pass a large finite negative value; rows with every key masked then differ). None when unmasked.
+    ``causal=False`` leaves the causal mask out, as in :func:`combined_mask`."""
+    allowed, additive = full_mask(_without_causal(inputs, causal))
     if allowed is None:
         return None
     base = np.zeros(allowed.shape) if additive is None else np.broadcast_to(additive, np.broadcast_shapes(

@@ -78,3 +78,11 @@ def available_memory_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def did_you_mean(got: str, accepted) -> str:
+    """``"did you mean 'jax-dpa'? "`` for a misspelt name (the closest of ``accepted``, at most three), else ``""``:
+    put before the "accepted: one of ..." of a message naming an unknown backend or case."""
+    import difflib
+    close = difflib.get_close_matches(str(got), list(accepted), n=3, cutoff=0.5)
+    return f"did you mean {', '.join(map(repr, close))}? " if close else ""
