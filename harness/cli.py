@@ -190,8 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int, default=None, help="threads for every backend (default: "
                                                                      "the bench default)")
     p.add_argument("--timing-seq-lens", type=_lengths, default=None,
-                   metavar="N,N,...", help="the timing section's lengths (default: 512,2048, as issue 11's target "
-                                           "names them)")
+                   metavar="N,N,...", help="the timing section's lengths (default: 512,2048)")
     p.add_argument("--timing-rounds", type=TIMING_ROUNDS, default=None, metavar="N",
                    help="the timing section's rounds at each length (default: 12; a backend whose ratio's 95%% CI "
                         "is wider than +-5%% gets more, up to 3N). Fewer rounds: a shorter run, wider CIs")
