@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mha_harness.conformance.casekit import FORM_SKIP
-from mha_harness.conformance.results import BAD, SEVERITY, STATUSES, CaseResult, Status
+from mha_harness.conformance.results import ABANDONED, BAD, SEVERITY, STATUSES, CaseResult, Status
 from mha_harness.contract.api import Divergence
 from mha_harness.util.atomic import results_lock, write_json_atomic, write_text_atomic
 from mha_harness.util.markdown import md_code, md_text
@@ -275,12 +275,16 @@ class Report:
         of each and their status, in case order: the line under a FAIL in the summary, since the failures printed
         while the run goes come in case order and the first is not always the one whose message names the bug."""
         by_case: dict[str, Counter] = {}
+        abandoned = 0
         for r in self.for_backend(backend):
-            if r.status in BAD:
+            if r.status in BAD and r.observed == ABANDONED:  # never ran: one count, as the run printed one line
+                abandoned += 1
+            elif r.status in BAD:
                 by_case.setdefault(r.case, Counter())[r.status.value] += 1
         return "failing cases: " + ", ".join(
             f"{case} ({', '.join(f'{n} {status}' for status, n in counts.items())})"
-            for case, counts in by_case.items())
+            for case, counts in by_case.items()) + (
+            f"; {abandoned} variant(s) not run: the worker was lost too often" if abandoned else "")
 
     def why_unverified(self, backend: str, declared: dict) -> str:
         """Why a declared divergence was verified on no variant here: its case did not run, no variant of the case
