@@ -62,10 +62,9 @@ def _resolve_targets(specs) -> list:
         registry = load_registry()
         opted_out = {e.name for e in registry.opted_out()}  # opt-in backends run only when named
         specs = [e.name for e in registry.available() if e.name not in opted_out]
-    from mha_harness.registry import RegistryError
     try:
         targets, unavailable = resolve_targets(specs)
-    except (ValueError, RegistryError) as exc:  # a malformed spec or an unknown name: the message, no traceback
+    except ValueError as exc:  # a malformed spec or an unknown name (RegistryError is one): the message, no traceback
         several = any("," in str(s) for s in specs)
         hint = ("\none backend per option: repeat --mha-backend for several, e.g. --mha-backend "
                 "my_pkg.attn:MyAttention --mha-backend jax-dpa" if several else "")

@@ -449,6 +449,10 @@ def _fmt_memory(p: BenchPoint) -> str:
     return f"{p.peak_extra_bytes / 2 ** 20:.1f}"
 
 
+#: the longest skip reason a table row shows whole; a longer one is cut there and printed whole after the table
+_ROW_REASON = 90
+
+
 def table(points: list[BenchPoint]) -> str:
     lines = []
     for key in sorted({(p.workload, p.tq, p.tk) for p in points}, key=lambda k: (k[2], k[1])):
@@ -461,7 +465,7 @@ def table(points: list[BenchPoint]) -> str:
             mode = "fwd" if p.mode == "forward" else "fwd+bwd"
             if p.status != MEASURED:
                 reason = p.skipped or ""
-                shown = reason if len(reason) <= 90 else reason[:80].rstrip() + " ... (in full below)"
+                shown = reason if len(reason) <= _ROW_REASON else reason[:80].rstrip() + " ... (in full below)"
                 lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}  {p.status}: {shown}")
                 continue
             ci = f"{100 * p.ci95_rel_halfwidth:.1f}%" if p.ci95_rel_halfwidth is not None else "n/a"
@@ -474,7 +478,7 @@ def table(points: list[BenchPoint]) -> str:
                          f" {_num(100 * (p.fraction_of_memory_bandwidth or 0), 1):>7}%{bandwidth}")
     cut: dict[tuple, list[str]] = {}  # reasons too long for a row, grouped when they differ only in their numbers
     for p in points:
-        if p.status != MEASURED and len(p.skipped or "") > 90:
+        if p.status != MEASURED and len(p.skipped or "") > _ROW_REASON:
             cut.setdefault((p.backend, p.status, re.sub(r"\d+", "N", p.skipped)), []).append(p.skipped)
     if cut:  # each once, whole: a row has room for its start only
         lines.append("\nnot run, the reasons in full (one per backend and reason; each point's lengths in its row):")
