@@ -687,6 +687,20 @@ def test_points_timed_next_to_other_work_say_how_loaded_the_machine_was(tmp_path
     assert "%L " in row or "%*L " in row, row
 
 
+def test_a_group_timed_in_hundredths_of_a_second_still_says_how_loaded_the_machine_was(monkeypatch):
+    """CI went red once: a fast group's window (0.04 s) rounded to 0.0 s and 0.0 CPU-s, and the point's
+    other_cores became None next to a process keeping a core busy. The cores figure comes from the unrounded
+    window: one other core busy over 0.04 s is 1.0, whatever the rounded seconds say."""
+    from mha_harness.bench import load
+    box = iter([(100.0, 0.0), (100.04 + 0.04, 0.0)])  # the whole box: our 0.04 CPU-s and another core's 0.04
+    own = iter([5.0, 5.04])
+    monkeypatch.setattr(load, "box_cpu_s", lambda: next(box))
+    monkeypatch.setattr(load, "own_cpu_s", lambda pids: next(own))
+    conditions = load.LoadMeter(lambda: []).conditions(0.04)
+    assert conditions["seconds"] == 0.0 and conditions["other_cpu_s"] == 0.0  # what is shown, rounded
+    assert conditions["other_cores"] == pytest.approx(1.0, abs=0.01)
+
+
 def test_the_time_plot_says_why_a_line_ends_and_why_a_legend_has_no_exponent(tmp_path, monkeypatch):
     """A stranger's time plot ended a hung backend's line with no word, and a legend entry without an exponent gave
     no reason; the plot's note names the points lost (with their status) and those past the compute roof, and each

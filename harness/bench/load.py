@@ -45,10 +45,15 @@ class LoadMeter:
         self.box, self.own = box_cpu_s(), own_cpu_s(worker_pids())
 
     def conditions(self, seconds: float) -> dict:
-        """{seconds, other_cpu_s, steal_s}; the last two None where /proc/stat cannot be read."""
+        """{seconds, other_cpu_s, steal_s, other_cores}; the last three None where /proc/stat cannot be read.
+
+        ``other_cores`` (other processes' CPU-s per second) is taken from the unrounded figures: a window of a few
+        hundredths of a second rounds to 0.0 s and 0.0 CPU-s, and its ratio must not be lost with them."""
         box, own = box_cpu_s(), own_cpu_s(self.worker_pids())
-        out = {"seconds": round(seconds, 1), "other_cpu_s": None, "steal_s": None}
+        out = {"seconds": round(seconds, 1), "other_cpu_s": None, "steal_s": None, "other_cores": None}
         if self.box and box:
-            out["other_cpu_s"] = round(max(0.0, (box[0] - self.box[0]) - (own - self.own)), 1)
+            other = max(0.0, (box[0] - self.box[0]) - (own - self.own))
+            out["other_cpu_s"] = round(other, 1)
             out["steal_s"] = round(box[1] - self.box[1], 2)
+            out["other_cores"] = round(other / seconds, 2) if seconds > 0 else None
         return out

@@ -302,9 +302,7 @@ class Sweep:
                     point.status = MEASURED
                     open_.remove(point)
             r += 1
-        load = meter.conditions(time.perf_counter() - started)
-        other = (round(load["other_cpu_s"] / load["seconds"], 2)
-                 if load["other_cpu_s"] is not None and load["seconds"] > 0 else None)
+        other = meter.conditions(time.perf_counter() - started)["other_cores"]
         roofs = {"gemm_peak_gflops": self.doc["machine"]["gemm_peak_gflops_float32"],
                  "memory_bandwidth_gbs": self.doc["machine"]["memory_bandwidth_gbs"]}
         beyond = {"compute_roof_gflops": self.doc["machine"].get("compute_roof_gflops_float32"),
