@@ -713,3 +713,22 @@ def test_the_summary_names_a_failing_backends_cases_under_its_fail_line():
     assert listed.startswith("failing cases: check_causal_output_matches_reference (")
     assert "check_causal_mask_blocks_future_keys (" in listed and "failed)" in listed
     assert "check_output_matches_reference" not in listed.replace("check_causal_output_matches_reference", "")
+
+
+def test_the_summary_names_the_mistake_the_failed_outputs_match():
+    """A ninth stranger: the summary named the failing cases, but the diagnosis ("the output matches a causal mask
+    one key too wide") was only in one failure's message among many with numbers only. The line after the failing
+    cases names each known mistake matched, with the cases it was found in; a failure with no diagnosis adds none."""
+    from mha_harness.implementations.mutants import mutant_backends
+
+    mutant = next(b for b in mutant_backends() if b.name == "mutant-causal-one-future-token")
+    report = mha_harness.check(mutant, cases=["check_causal_output_matches_reference",
+                                              "check_causal_mask_blocks_future_keys"])
+    lines = report.summary_lines()
+    fail = next(i for i, line in enumerate(lines) if "mutant-causal-one-future-token" in line)
+    assert lines[fail + 2].strip().startswith("diagnosed: the output matches a causal mask one key too wide"), lines
+    assert lines[fail + 2].rstrip().endswith(" variant(s) of check_causal_output_matches_reference"), lines
+    [row] = [r for r in report.to_json()["results"] if r["status"] == "failed" and r["extra"].get("diagnosis")][:1]
+    assert row["case"] == "check_causal_output_matches_reference"
+    leak_only = mha_harness.check(mutant, cases=["check_causal_mask_blocks_future_keys"])
+    assert not leak_only.ok and not any("diagnosed:" in line for line in leak_only.summary_lines())

@@ -43,10 +43,12 @@ from mha_harness.contract.tolerance import Tolerance, farthest, naive_dtype, sco
 class CaseFailure(AssertionError):
     """The backend violates the property the case proves."""
 
-    def __init__(self, message: str, max_error: float | None = None, observed: str | None = None):
+    def __init__(self, message: str, max_error: float | None = None, observed: str | None = None,
+                 diagnosis: str = ""):
         super().__init__(message)
         self.max_error = max_error
         self.observed = observed
+        self.diagnosis = diagnosis  # the known mistake the output matches, when one does (also in the message)
 
 
 class CaseSkipped(Exception):
@@ -423,7 +425,8 @@ def assert_output_close(backend: AttentionBackend, params: AttentionParams, inpu
         extra = common_mistake(backend, params, inputs, dtype, got, expected, tol, rows) + (hint(got) if hint else "")
         if not extra:
             raise
-        raise CaseFailure(str(failure) + extra, failure.max_error, failure.observed) from None
+        raise CaseFailure(str(failure) + extra, failure.max_error, failure.observed,
+                          diagnosis=extra.removeprefix("; ").strip()) from None
 
 
 def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str,

@@ -286,6 +286,24 @@ class Report:
             for case, counts in by_case.items()) + (
             f"; {abandoned} variant(s) not run: the worker was lost too often" if abandoned else "")
 
+    def diagnoses_line(self, backend: str) -> str:
+        """The known mistakes the failed outputs of ``backend`` match (the diagnoses the failures printed), the most
+        often matched first, each with the cases it was found in; "" when no failure matched one. The line under
+        the failing cases in the summary: the first failure printed can be a case whose message has numbers only."""
+        found: dict[str, dict[str, int]] = {}
+        for r in self.for_backend(backend):
+            diagnosis = r.extra.get("diagnosis") if r.status == Status.FAILED else None
+            if diagnosis:
+                cases = found.setdefault(diagnosis, {})
+                cases[r.case] = cases.get(r.case, 0) + 1
+        if not found:
+            return ""
+        ranked = sorted(found.items(), key=lambda item: -sum(item[1].values()))
+        shown = [f"{_clipped(text, DIAGNOSIS_CHARS)} - in {sum(cases.values())} variant(s) of {', '.join(cases)}"
+                 for text, cases in ranked[:DIAGNOSES_SHOWN]]
+        more = len(ranked) - DIAGNOSES_SHOWN
+        return "diagnosed: " + "; ".join(shown) + (f"; {more} more in the failures above" if more > 0 else "")
+
     def why_unverified(self, backend: str, declared: dict) -> str:
         """Why a declared divergence was verified on no variant here: its case did not run, no variant of the case
         fits its ``when`` (the backend's input form or capabilities give the case none), or every variant it covers
@@ -384,9 +402,21 @@ class Report:
             out.append(f"  {name:<28} {'OK  ' if c and not bad else 'FAIL'} {text}")
             if bad:
                 out.append(f"  {'':<28}      {self.failed_cases_line(name)}")
+                if self.diagnoses_line(name):
+                    out.append(f"  {'':<28}      {self.diagnoses_line(name)}")
         for case, why in self.left_out.items():
             out.append(f"  not run: {case} ({why})")
         return out
+
+
+#: the summary's diagnoses line shows this many distinct diagnoses, each cut to this many characters (every one is
+#: printed whole with its failure)
+DIAGNOSES_SHOWN, DIAGNOSIS_CHARS = 3, 160
+
+
+def _clipped(text: str, limit: int) -> str:
+    """``text`` whole up to ``limit`` characters, else cut at the last space before it, with " ..." after."""
+    return text if len(text) <= limit else text[:limit - 4].rsplit(" ", 1)[0] + " ..."
 
 
 def _not_run_reason(info: BackendInfo) -> str:

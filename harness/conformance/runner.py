@@ -109,8 +109,9 @@ def declared_skip(backend, case: Case, params: dict) -> tuple[str, str | None] |
     return (reason, FORM_SKIP) if reason else None
 
 
-def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | None, str | None]:
-    """Run the case once: (status, message, max_error, observed). Plugin faults become errors, never raise;
+def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | None, str | None, str]:
+    """Run the case once: (status, message, max_error, observed, diagnosis: the known mistake a failed output
+    matches, or ""). Plugin faults become errors, never raise;
     :class:`~mha_harness.conformance.isolation.WorkerLost` (a lost worker) propagates."""
     try:
         reason = supported(backend, case.requires)
@@ -118,36 +119,36 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
             raise CaseSkipped(reason)
         if params.get("unsupported"):
             reason, observed = _unsupported_skip(backend, params)
-            return Status.SKIPPED, reason, None, observed
+            return Status.SKIPPED, reason, None, observed, ""
         measurement = case.func(backend, **{k: v for k, v in params.items() if k != "unsupported"})
         if isinstance(measurement, Measurement):
-            return Status.PASSED, "", measurement.max_error, measurement.observed
-        return Status.PASSED, "", None, None
+            return Status.PASSED, "", measurement.max_error, measurement.observed, ""
+        return Status.PASSED, "", None, None, ""
     except FormSkipped as skip:
-        return Status.SKIPPED, str(skip), None, FORM_SKIP
+        return Status.SKIPPED, str(skip), None, FORM_SKIP, ""
     except (CaseSkipped, Unsupported) as skip:
-        return Status.SKIPPED, str(skip), None, None
+        return Status.SKIPPED, str(skip), None, None, ""
     except CaseFailure as failure:
-        return Status.FAILED, str(failure), failure.max_error, failure.observed
+        return Status.FAILED, str(failure), failure.max_error, failure.observed, failure.diagnosis
     except PluginError as exc:
         where = f" at {exc.where}" if exc.where else ""
-        return Status.ERROR, f"{exc}{where}", None, None
+        return Status.ERROR, f"{exc}{where}", None, None, ""
     except Exception as exc:  # noqa: BLE001 - the backend's fault, reported not raised
         where = getattr(exc, "where", "")
         if not where:
             import traceback
             tb = traceback.extract_tb(exc.__traceback__)
             where = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-        return Status.ERROR, f"{type(exc).__name__}: {exc}" + (f" at {where}" if where else ""), None, None
+        return Status.ERROR, f"{type(exc).__name__}: {exc}" + (f" at {where}" if where else ""), None, None, ""
 
 
 def _verify(backend, case: Case, params: dict, d: Divergence, result: CaseResult) -> None:
     """The strict run failed and ``d`` is declared: rerun under its behaviour; only a pass there is expected."""
     with verifying(d.behaviour):
-        status, message, max_error, observed = _execute(backend, case, params)
+        status, message, max_error, observed, diagnosis = _execute(backend, case, params)
     if status == Status.PASSED and d.behaviour == "masked_poison" and params.get("poison") not in (None, "random"):
         finite = {**params, "poison": "random"}
-        status, message, max_error, _ = _execute(backend, case, finite)
+        status, message, max_error, _, diagnosis = _execute(backend, case, finite)
         if status == Status.FAILED:
             message = f"the finite-value variant ({variant_id(backend.name, finite)}) fails too: {message}"
     if status == Status.PASSED:
@@ -158,6 +159,7 @@ def _verify(backend, case: Case, params: dict, d: Divergence, result: CaseResult
     elif status == Status.FAILED:
         result.message = f"fails even under its declared divergence ({d.observed}): {message}"
         result.max_error = max_error
+        _diagnosed(result, diagnosis)
     else:
         result.status, result.message = status, f"while verifying the declared {d.observed}: {message}"
 
@@ -172,10 +174,13 @@ def run_case(backend, case: Case, params: dict, *, spec: str | None = None,
     start = time.perf_counter()
     proxy.transport.begin_case(timeout)
     try:
-        result.status, result.message, result.max_error, result.observed = _execute(proxy, case, params)
+        result.status, result.message, result.max_error, result.observed, diagnosis = _execute(proxy, case, params)
+        _diagnosed(result, diagnosis)
         declared = [d for d in proxy.divergences if d.matches(case.name, params)]
         if declared and result.status == Status.FAILED:
             _verify(proxy, case, params, declared[0], result)
+            if result.status != Status.FAILED:  # a verified divergence (or an error while verifying) is no mistake
+                result.extra.pop("diagnosis", None)
         elif declared and result.status == Status.PASSED:
             d = declared[0]
             if d.behaviour.startswith("precision:"):  # settled over the whole run: settle_precision_declarations
@@ -190,6 +195,15 @@ def run_case(backend, case: Case, params: dict, *, spec: str | None = None,
         proxy.transport.end_case()
     result.seconds = round(time.perf_counter() - start, 4)
     return result
+
+
+def _diagnosed(result: CaseResult, diagnosis: str) -> None:
+    """Keep the known mistake a failed output matches in ``result.extra["diagnosis"]`` (the summary names it),
+    or drop an earlier one when this run of the variant had none."""
+    if diagnosis:
+        result.extra["diagnosis"] = diagnosis
+    else:
+        result.extra.pop("diagnosis", None)
 
 
 #: ``observed`` of a variant that passed strictly although a ``precision:`` declaration matches it
