@@ -40,6 +40,21 @@ def _lengths(text: str) -> list[int]:
     return values
 
 
+def _one_per_option(option: str, example: str):
+    """An option type taking one backend (a name or a spec): a comma-joined list is refused with the fix, since
+    argparse would pass it whole and the registry would only say it is no name it knows."""
+    def one(text: str) -> str:
+        if "," in text and all(part.strip() for part in text.split(",")):
+            raise argparse.ArgumentTypeError(f"got {text!r}; one backend per option: repeat {option} for several, "
+                                             f"e.g. {example}")
+        return text
+    return one
+
+
+BACKEND_NAME = _one_per_option("--backend", "--backend numpy-naive --backend jax-dpa")
+BACKEND_SPEC = _one_per_option("--backend-spec", "--backend-spec my_pkg.attn:MyAttention --backend-spec "
+                                                 "my_pkg.attn:Other (with --backend for registered names)")
+
 #: range-checked option types (mha_harness.util.options): a bad value is one line naming the option, exit 2
 TIMEOUT = float_range(0.0, 7 * 24 * 3600.0)
 JOBS = int_range(1, 1024)
@@ -97,13 +112,14 @@ def _bench_config(args, **overrides):
 
 
 def _add_selection(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", action="append", default=[], metavar="NAME",
+    p.add_argument("--backend", action="append", default=[], metavar="NAME", type=BACKEND_NAME,
                    help="a registered backend name (repeatable); default: every available backend except "
                         "those that run only when named (see list), unless --opt-in")
     p.add_argument("--opt-in", action="store_true",
                    help="with no --backend: also run the backends that run only when named (the compiled ones: "
                         "minutes of compilation on a small machine)")
     p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT",
+                   type=BACKEND_SPEC,
                    help="load backends from 'package.module:object' (an instance, class or factory; repeatable; the "
                         "module is imported from the current folder or sys.path). With --backend-spec or --backend, "
                         "only those backends run: the spec's plus the --backend names, not the other registered ones")
@@ -117,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="every backend: available or why not, and its capabilities")
     p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT",
+                   type=BACKEND_SPEC,
                    help="list only the backends of 'package.module:object' (an instance, class or factory; "
                         "repeatable), with the reason when it fails to load; the registered ones are not listed, "
                         "as check runs only these")
@@ -179,10 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fidelity", help="figures proving the benchmarks: timing against torch.utils.benchmark, "
                                         "alone vs in the sweep, memory methods against formulas, harness overhead")
     p.add_argument("--results", type=nonempty_path, default="results", metavar="DIR")
-    p.add_argument("--backend", action="append", default=[], metavar="NAME",
+    p.add_argument("--backend", action="append", default=[], metavar="NAME", type=BACKEND_NAME,
                    help="CPU backends whose timing (and, where they offer direct_callable, overhead) is checked "
                         "(default: every available CPU backend except the opt-in ones)")
     p.add_argument("--backend-spec", action="append", default=[], metavar="MODULE:OBJECT",
+                   type=BACKEND_SPEC,
                    help="also check the backends of a plugin that is not installed, as check and bench take it "
                         "(with --backend-spec or --backend, only those)")
     p.add_argument("--opt-in", action="store_true", help="with no --backend: also the backends that run only when "

@@ -60,6 +60,10 @@ def test_check_one_backend_writes_json_and_markdown(tmp_path):
     (["fidelity", "--timing-rounds", "0"], ["--timing-rounds", "got '0'", "accepted: an integer >= 1"]),
     (["check", "--backend-spec", "not a spec"], ["backend spec: got 'not a spec'", "accepted"]),
     (["check", "--no-such-flag"], ["unrecognized arguments"]),
+    (["check", "--backend-spec", "my_pkg.attn:A,numpy-naive"],  # a ninth stranger: no hint how to name two
+     ["argument --backend-spec: got 'my_pkg.attn:A,numpy-naive'", "repeat --backend-spec for several"]),
+    (["bench", "--backend", "numpy-naive,jax-dpa"], ["argument --backend: got", "repeat --backend for several"]),
+    (["list", "--backend-spec", "a.b:C,d.e:F"], ["repeat --backend-spec"]),
     (["check", "--timeout", "0"], ["--timeout", "got '0'", "accepted: a finite number > 0"]),
     (["check", "--timeout", "nan"], ["--timeout", "got 'nan'", "accepted"]),
     (["check", "--timeout", "-1"], ["--timeout", "got '-1'", "accepted"]),
