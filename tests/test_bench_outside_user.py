@@ -309,6 +309,19 @@ def test_fidelity_with_one_backend_does_not_compare_sweep_against_alone():
     assert _timing_row("mine", 512, other)["within_5pct"] is True
 
 
+def test_fidelity_says_a_ratio_outside_its_target_with_a_ci_including_1_is_undetermined():
+    """A ninth stranger on a loaded box read 'OUTSIDE +-10%' on a ratio whose 95 % CI was [0.26, 8.4]: the rounds
+    established no difference. The verdict stays OUTSIDE (the target is not met), and the row says it is
+    undetermined; an OUTSIDE whose CI excludes 1.0 says nothing more."""
+    from mha_harness.bench.fidelity import _timing_line
+    row = {"backend": "mine", "seq_len": 512, "sweep_median_s": 0.01, "alone_median_s": 0.01,
+           "autorange_median_s": 0.004, "sweep_over_autorange": 2.5, "sweep_over_autorange_ci95": [0.26, 8.4],
+           "within_10pct": False, "sweep_over_alone": 1.2, "sweep_over_alone_ci95": [1.1, 1.3], "within_5pct": False}
+    line = _timing_line(row)
+    assert "sweep/autorange 2.500 [0.260-8.400] OUTSIDE +-10% (undetermined: the CI includes 1.0)" in line, line
+    assert line.endswith("sweep/alone 1.200 [1.100-1.300] OUTSIDE +-5%"), line
+
+
 def test_fidelity_timing_lengths_and_rounds_are_options(tmp_path, monkeypatch):
     """A stranger checking only their own backend waited through 12-36 rounds at T = 512 and 2048: the timing
     section's lengths and rounds are options (defaults unchanged), recorded in fidelity.json's config."""

@@ -84,8 +84,15 @@ def within(value: float | None, tolerance: float, centre: float = 1.0) -> bool |
     return None if value is None else abs(value - centre) <= tolerance
 
 
-def _verdict(ok: bool | None, target: str) -> str:
-    return "n/a" if ok is None else ("ok" if ok else f"OUTSIDE {target}")
+def _verdict(ok: bool | None, target: str, ci=None) -> str:
+    """ok, OUTSIDE or n/a; an OUTSIDE whose 95 % CI includes 1.0 says so: the rounds did not establish a
+    difference (too few or too noisy), which is not the same as a difference they establish."""
+    if ok is None:
+        return "n/a"
+    if ok:
+        return "ok"
+    undetermined = ci is not None and ci[0] <= 1.0 <= ci[1]
+    return f"OUTSIDE {target}" + (" (undetermined: the CI includes 1.0)" if undetermined else "")
 
 
 def _medians(doc) -> dict:
@@ -324,9 +331,10 @@ def _timing_line(row: dict) -> str:
     line = (f"  {row['backend']:<24} {label:<7} sweep {_ms(row.get('sweep_median_s'))} ms  alone "
             f"{_ms(row.get('alone_median_s'))} ms  adaptive_autorange {_ms(row.get('autorange_median_s'))} ms  "
             f"sweep/autorange {_ratio_text(row, 'sweep_over_autorange')} "
-            f"{_verdict(row.get('within_10pct'), '+-10%')}  "
+            f"{_verdict(row.get('within_10pct'), '+-10%', row.get('sweep_over_autorange_ci95'))}  "
             + (f"sweep/alone {row['sweep_over_alone_not_compared']}" if row.get("sweep_over_alone_not_compared")
-               else f"sweep/alone {_ratio_text(row, 'sweep_over_alone')} {_verdict(row.get('within_5pct'), '+-5%')}"))
+               else f"sweep/alone {_ratio_text(row, 'sweep_over_alone')} "
+                    f"{_verdict(row.get('within_5pct'), '+-5%', row.get('sweep_over_alone_ci95'))}"))
     if row.get("errors"):
         line += f"  ({'; '.join(dict.fromkeys(row['errors']))})"
     return line
