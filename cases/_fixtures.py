@@ -2,8 +2,9 @@
 import torch or jax).
 
 Forms (``Capabilities.inputs``): ``separate`` gives three distinct arrays, ``shared_kv`` an ``x_q`` and one
-``x_kv`` (``key is value``), ``self`` one ``x`` (``query is key is value``). Perturbing "keys" perturbs what
-makes them: the key and value arrays, ``x_kv``, or ``x`` itself (which moves the queries there too).
+``x_kv`` (``key is value``), ``self`` one ``x`` (``query is key is value``), ``kv_cache`` an ``x_new`` equal to the
+last Tq rows of one ``x_kv``. Perturbing "keys" perturbs what makes them: the key and value arrays, ``x_kv``, or
+``x`` itself (which moves the queries there too, as the last Tq rows of a KV-cache call's ``x_kv`` do).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from mha_harness.conformance.casekit import CaseSkipped, input_gradients, primary_dtype  # noqa: F401 - re-exported
 from mha_harness.contract.api import AttentionConfig, AttentionInputs
-from mha_harness.contract.conventions import TOP_LEFT, causal_offset
+from mha_harness.contract.conventions import COUPLED_FORMS, TOP_LEFT, causal_offset
 from mha_harness.contract.params import make_inputs, make_params
 
 SMALL = dict(d_model=32, num_heads=4)
@@ -25,7 +26,7 @@ KEYS_ACROSS_BLOCKS = 65
 #: programs with them)
 CAUSAL_SQUARE = KEYS_ACROSS_BLOCKS
 #: every input form: most properties are defined whatever the form
-ALL_FORMS = ("separate", "shared_kv", "self")
+ALL_FORMS = ("separate", "shared_kv", "self", "kv_cache")
 #: properties that need Tq != Tk or keys independent of queries
 CROSS_FORMS = ("separate", "shared_kv")
 
@@ -51,24 +52,32 @@ def separate_inputs(config: AttentionConfig, batch: int, tq: int, tk: int | None
 
 def form_inputs(form: str, config: AttentionConfig, batch: int, tq: int, tk: int | None = None, seed: int = 1,
                 **masks) -> AttentionInputs:
-    """Standard-normal inputs in ``form``: separate arrays, (x_q, x_kv, x_kv) or (x, x, x).
+    """Standard-normal inputs in ``form``: separate arrays, (x_q, x_kv, x_kv), (x, x, x), or a KV-cache call
+    (x_new, x_kv, x_kv) with x_new a copy of x_kv's last Tq rows (Tq = Tk: one x, nothing cached).
 
-    One x cannot have Tq != Tk: asking for it is a skip naming the form (variant generators avoid it)."""
+    One x cannot have Tq != Tk, nor a KV-cache call Tq > Tk: asking for it is a skip naming the form (variant
+    generators avoid it)."""
     tk = tq if tk is None else tk
     if form == "separate":
         return separate_inputs(config, batch, tq, tk, seed=seed, **masks)
     rng = np.random.default_rng(seed)
     x_q = rng.standard_normal((batch, tq, config.d_model))
-    if form == "self":
+    if form == "self" or (form == "kv_cache" and tk == tq):
         if tk != tq:
             raise CaseSkipped(f"Tq = {tq} != Tk = {tk} cannot be expressed with one x (inputs='self')")
         return AttentionInputs(x_q, x_q, x_q, **masks)
+    if form == "kv_cache" and tq > tk:
+        raise CaseSkipped(f"Tq = {tq} > Tk = {tk} cannot be expressed as a KV-cache step (inputs='kv_cache': the "
+                          "new queries are the last Tq of the Tk positions)")
     x_kv = rng.standard_normal((batch, tk, config.d_model))
+    if form == "kv_cache":
+        x_kv[:, tk - tq:] = x_q  # the new positions' input: x_kv's last Tq rows
     return AttentionInputs(x_q, x_kv, x_kv, **masks)
 
 
 def cross_ok(backend) -> bool:
-    """Whether variants with Tq != Tk apply: cross-attention declared (never for one x)."""
+    """Whether variants with Tq != Tk apply: cross-attention declared (never for one x; for a KV-cache step
+    Tq < Tk only, ``more_queries_than_keys`` being off)."""
     return backend.capabilities.cross_attention and backend.capabilities.inputs != "self"
 
 
@@ -118,15 +127,17 @@ def poison(rng: np.random.Generator, shape, kind: str) -> np.ndarray:
 
 
 def poison_kinds(form: str) -> tuple[str, ...]:
-    """NaN/inf poison needs keys apart from queries: in one x it would be a non-finite query, which is invalid."""
-    return ("random",) if form == "self" else ("random", "nan", "inf")
+    """NaN/inf poison needs keys apart from queries: in one x (or a KV-cache call's new rows) it would be a
+    non-finite query, which is invalid."""
+    return ("random",) if form in COUPLED_FORMS else ("random", "nan", "inf")
 
 
 def with_keys_replaced(inputs: AttentionInputs, where, kind: str, seed: int = 11) -> AttentionInputs:
     """Copy of ``inputs`` whose keys at ``where`` are poisoned, in the inputs' own form.
 
     ``where`` indexes (batch, Tk) (a boolean array or a tuple such as ``(slice(None), slice(5, None))``).
-    Separate: key and value are replaced independently; shared_kv: x_kv; self: x (queries there move too)."""
+    Separate: key and value are replaced independently; shared_kv: x_kv; self: x (queries there move too);
+    kv_cache: x_kv, and x_new with its last Tq rows (the queries there move too)."""
     rng = np.random.default_rng(seed)
     form = inputs.form
     key = inputs.key.copy()
@@ -134,6 +145,8 @@ def with_keys_replaced(inputs: AttentionInputs, where, kind: str, seed: int = 11
     key[where] = poison(rng, block, kind)
     if form == "self":
         return inputs.replace(query=key, key=key, value=key)
+    if form == "kv_cache":
+        return inputs.replace(query=key[:, inputs.tk - inputs.tq:].copy(), key=key, value=key)
     if form == "shared_kv":
         return inputs.replace(key=key, value=key)
     value = inputs.value.copy()
@@ -141,8 +154,14 @@ def with_keys_replaced(inputs: AttentionInputs, where, kind: str, seed: int = 11
     return inputs.replace(key=key, value=value)
 
 
-def key_input_names(form: str) -> tuple[str, ...]:
-    """The gradient entries through which keys/values are reached in ``form``."""
-    return {"separate": ("key", "value"), "shared_kv": ("key",), "self": ("query",)}[form]
+def key_position_gradients(grads: dict, form: str) -> dict[str, np.ndarray]:
+    """The gradients through which keys/values are reached in ``form``, each indexed by key position (batch, Tk,
+    d_model): the key and value entries, x_kv's, x's, or for a KV-cache call the cached rows' then x_new's
+    (``sequence``: x_new's rows are the last Tq key positions)."""
+    if form == "kv_cache":
+        parts = ([grads["key"]] if "key" in grads else []) + [grads["query"]]
+        return {"sequence": np.concatenate([np.asarray(g, np.float64) for g in parts], axis=1)}
+    names = {"separate": ("key", "value"), "shared_kv": ("key",), "self": ("query",)}[form]
+    return {name: np.asarray(grads[name], np.float64) for name in names}
 
 

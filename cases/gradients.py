@@ -77,11 +77,12 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     """Gradients of sum(output * cotangent) with respect to query, key, value and every parameter equal the
     reference's, within the tolerance rule applied to the naive backward in the same dtype. The input gradients
     follow the backend's declared form: one x (``inputs='self'``) gives d/dx, the sum over its three uses; shared
-    K/V gives d/dx_kv, the sum of the key and value parts; a separate-form backend gives d/dquery, d/dkey and
-    d/dvalue, also when it is called with one x (``one_x``, as the grid and search call it). With ``mask``
-    (padding and the attn_mask kind declared, in one call) the backward applies them as the forward does: padded
-    and masked keys get exactly the reference's gradient (zero where nothing reaches them); the cotangent is zero
-    at padded query positions (Tq = Tk), whose outputs are unspecified."""
+    K/V gives d/dx_kv, the sum of the key and value parts; a KV-cache step (``inputs='kv_cache'``) gives d/dx_new,
+    the sum over its three uses, and d/dx_cached (``key``, absent when nothing is cached); a separate-form backend
+    gives d/dquery, d/dkey and d/dvalue, also when it is called with one x (``one_x``, as the grid and search call
+    it). With ``mask`` (padding and the attn_mask kind declared, in one call) the backward applies them as the
+    forward does: padded and masked keys get exactly the reference's gradient (zero where nothing reaches them);
+    the cotangent is zero at padded query positions (Tq = Tk), whose outputs are unspecified."""
     config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias)
     params = make_params(config, seed=21)
     form = "self" if one_x else form
@@ -107,12 +108,19 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
         worst = assert_gradients_match_reference(got, params, inputs, cotangent, dtype, declared)
     except CaseFailure as failure:
         separate = reference_vjp(params, inputs, cotangent)
-        raise CaseFailure(str(failure) + _gradient_form_hint(got, separate, declared), failure.max_error) from None
+        hint = _gradient_form_hint(got, separate, declared)
+        raise CaseFailure(str(failure) + hint, failure.max_error,
+                          diagnosis=hint.removeprefix("; ") or failure.diagnosis) from None
     return Measurement(max_error=worst)
 
 
 def _gradient_form_hint(got: dict, separate: dict, declared: str) -> str:
     """A message suffix when the input gradients match another form's convention than the declared one."""
+    if declared == "kv_cache" and "query" in got and np.shape(got["query"]) == separate["query"].shape \
+            and np.allclose(got["query"], separate["query"], atol=1e-4):
+        return ("; the x_new gradient is through its queries alone: x_new also makes the new keys and values (the "
+                "last Tq rows of x_kv), so with inputs='kv_cache' return d/dx_new, the sum of its query, key and "
+                "value parts (a cache that stores the new keys and values detached drops the last two)")
     if separate["query"].shape != separate["key"].shape:  # Tq != Tk: no one-x call, no mix-up to name
         return ""
     total = input_gradients(separate, "self")["query"]  # d/dx: the query, key and value parts summed

@@ -9,8 +9,8 @@ from mha_harness.cases._fixtures import (
     causal_variants,
     cross_ok,
     form_inputs,
-    key_input_names,
     key_limit,
+    key_position_gradients,
     poison_kinds,
     random_allowed_mask,
     small_layer,
@@ -41,13 +41,15 @@ def _unchanged(before, after, rows, tol, what):
 
 
 #: how each gradient entry's input is called in each form (a self-form ``query`` entry is d/dx)
-INPUT_NAMES = {"separate": {"key": "key", "value": "value"}, "shared_kv": {"key": "x_kv"}, "self": {"query": "x"}}
+INPUT_NAMES = {"separate": {"key": "key", "value": "value"}, "shared_kv": {"key": "x_kv"}, "self": {"query": "x"},
+               "kv_cache": {"sequence": "the sequence's input (x_kv's cached rows, then x_new)"}}
 
 
 def _what_changed(form: str) -> str:
     """What a leakage case perturbs in each input form."""
     return {"separate": "keys/values", "shared_kv": "x_kv rows (keys and values)",
-            "self": "x rows (their queries, keys and values)"}[form]
+            "self": "x rows (their queries, keys and values)",
+            "kv_cache": "x_kv rows (keys and values; in the new rows, x_new and their queries too)"}[form]
 
 
 def _poison_verdict(failure: CaseFailure, poison: str, finite_unchanged) -> CaseFailure:
@@ -131,8 +133,8 @@ def check_causal_jacobian_zero_for_future_inputs(backend, *, form, dtype, alignm
         cotangent = np.zeros((2, seq, params.config.d_model))
         cotangent[:, rows] = np.random.default_rng(5).standard_normal((2, len(rows), params.config.d_model))
         grads = loaded.vjp(inputs, cotangent)
-        for name in key_input_names(form):
-            future = np.asarray(grads[name], np.float64)[:, cut + 1:]
+        for name, by_key in key_position_gradients(grads, form).items():
+            future = by_key[:, cut + 1:]
             if np.any(future != 0):
                 b, t, f = np.argwhere(future != 0)[0]
                 shown = INPUT_NAMES[form][name]

@@ -732,3 +732,31 @@ def test_the_summary_names_the_mistake_the_failed_outputs_match():
     assert row["case"] == "check_causal_output_matches_reference"
     leak_only = mha_harness.check(mutant, cases=["check_causal_mask_blocks_future_keys"])
     assert not leak_only.ok and not any("diagnosed:" in line for line in leak_only.summary_lines())
+
+
+def test_the_summary_warns_when_no_output_was_compared_with_the_reference():
+    """A tenth stranger's KV-cache wrapper refused every call that was not its own kind: 'OK 3 passed, 66 skipped',
+    the passes being bad input, head split and parameter count. When every variant of the grid skipped, the summary
+    says the output was never compared with the reference, with the first reason."""
+    import dataclasses
+
+    from mha_harness.contract.api import Unsupported
+    from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+    class RefusesAll(NumpyNaiveLoaded):
+        def compute(self, inputs, *, need_weights=False):
+            raise Unsupported("only my own calls")
+
+    class Picky(NumpyNaive):
+        name = "picky"
+        capabilities = dataclasses.replace(NumpyNaive.capabilities)
+
+        def load_native(self, params, dtype):
+            return RefusesAll(params, dtype)
+
+    report = mha_harness.check(Picky(), cases=["check_output_matches_reference", "check_bad_input_raises_clear_error"])
+    lines = report.summary_lines()
+    assert any("warning: its output was never compared with the reference: every variant of "
+               "check_output_matches_reference skipped (first: only my own calls" in line for line in lines), lines
+    ok = mha_harness.check("numpy-naive", cases=["check_output_matches_reference"])
+    assert not any("never compared" in line for line in ok.summary_lines())

@@ -44,7 +44,7 @@ def one_x_reason(shape: Shape) -> str:
     """Why a backend that declares ``inputs="self"`` cannot run ``shape`` (Tq != Tk, e.g. any decode point)."""
     return (f"declares inputs='self' (one x): Tq = {shape.tq} != Tk = {shape.tk} cannot be expressed with one x, "
             "so decode (new queries against a longer key/value input) is not defined for it; decode runs layers that "
-            "take key/value inputs (inputs='separate' or 'shared_kv')")
+            "take key/value inputs (inputs='separate', 'shared_kv' or 'kv_cache')")
 
 
 def unsupported(backend, shape: Shape) -> str | None:
@@ -54,6 +54,9 @@ def unsupported(backend, shape: Shape) -> str | None:
     alignment = alignment_for(backend, shape)
     if shape.tq != shape.tk and caps.inputs == "self":
         return one_x_reason(shape)
+    if shape.tq > shape.tk and caps.inputs == "kv_cache":
+        return (f"declares inputs='kv_cache': Tq = {shape.tq} > Tk = {shape.tk} cannot be a KV-cache step (its new "
+                "queries are the last Tq of the Tk positions)")
     if shape.kv_heads != shape.num_heads and not caps.grouped_query:
         return (f"num_kv_heads {shape.kv_heads} < num_heads {shape.num_heads} (grouped-query) needs capability "
                 "grouped_query, which the backend does not declare")
@@ -72,20 +75,27 @@ def unsupported(backend, shape: Shape) -> str | None:
     return None
 
 
-def call_arguments(shape: Shape, causal: str | None):
+def call_arguments(shape: Shape, causal: str | None, *, kv_cache: bool = False):
     """(params, inputs) of the benchmarked call for ``shape`` with the causal mask ``causal`` (an alignment, or None
-    for no mask): seeded, the same in every process."""
+    for no mask): seeded, the same in every process. ``kv_cache``: a KV-cache step's inputs (the same query, and
+    one x_kv whose last Tq rows are it: see ``Capabilities(inputs="kv_cache")``)."""
     from mha_harness.contract.api import AttentionConfig
     from mha_harness.contract.params import make_inputs, make_params
     attn = AttentionConfig(shape.d_model, shape.num_heads, shape.num_kv_heads)
     inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal)
+    if kv_cache and not inputs.is_self_attention:
+        x_kv = inputs.key.copy()
+        x_kv[:, shape.tk - shape.tq:] = inputs.query
+        inputs = inputs.replace(key=x_kv, value=x_kv)
     return make_params(attn, seed=0), inputs
 
 
 def backend_arguments(backend, shape: Shape):
-    """:func:`call_arguments` as ``backend`` is called for ``shape``: with the mask :func:`mask_in_call` records."""
+    """:func:`call_arguments` as ``backend`` is called for ``shape``: with the mask :func:`mask_in_call` records,
+    in a KV-cache step's form for a backend that declares it."""
     mask = mask_in_call(backend, shape)
-    return call_arguments(shape, None if mask == "none" else mask)
+    return call_arguments(shape, None if mask == "none" else mask,
+                          kv_cache=backend.capabilities.inputs == "kv_cache")
 
 
 def prepared_call(backend, shape: Shape):

@@ -104,7 +104,8 @@ def on_primary_dtype(backend: AttentionBackend) -> list[dict]:
     return [{"dtype": primary_dtype(backend)}]
 
 
-FORM_WORDS = {"separate": "separate query/key/value", "shared_kv": "one x_q and one x_kv", "self": "one x"}
+FORM_WORDS = {"separate": "separate query/key/value", "shared_kv": "one x_q and one x_kv", "self": "one x",
+              "kv_cache": "a KV-cache step (x_new, the last Tq rows of x_kv)"}
 
 
 def _in_form(func: Callable[..., Any], forms: tuple[str, ...]) -> Callable[..., Any]:
@@ -488,7 +489,7 @@ def zero_input_hint(backend: AttentionBackend, params: AttentionParams, inputs: 
     zeroed = _with_query(inputs, np.zeros_like(inputs.query))  # with one x, also the keys and values
     if inputs.form != "self":
         zk = np.zeros_like(inputs.key)
-        zeroed = zeroed.replace(key=zk, value=zk if inputs.form == "shared_kv" else np.zeros_like(inputs.value))
+        zeroed = zeroed.replace(key=zk, value=zk if inputs.key is inputs.value else np.zeros_like(inputs.value))
     try:
         out = np.asarray(run(backend, params, zeroed, dtype).output, np.float64)
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
@@ -532,9 +533,15 @@ class Measurement:
 
 
 def _with_query(inputs, query):
-    """``inputs`` with a new query, keeping the form: with one x the same array is also key and value."""
+    """``inputs`` with a new query, keeping the form: with one x the same array is also key and value; in a
+    KV-cache call x_kv's last Tq rows take a query of the same shape (one of another shape is malformed on its
+    own, which validation names)."""
     if inputs.form == "self":
         return inputs.replace(query=query, key=query, value=query)
+    if inputs.form == "kv_cache" and np.shape(query) == np.shape(inputs.query):
+        x_kv = inputs.key.copy()
+        x_kv[:, inputs.tk - inputs.tq:] = query
+        return inputs.replace(query=query, key=x_kv, value=x_kv)
     return inputs.replace(query=query)
 
 
@@ -665,7 +672,10 @@ def gradient_reduction_length(params: AttentionParams, inputs: AttentionInputs) 
 
 def input_gradients(grads: dict, form: str) -> dict:
     """The reference's per-array gradients (query, key, value) summed per distinct input of ``form``:
-    ``self`` -> ``query`` = d/dx; ``shared_kv`` -> ``query`` and ``key`` = d/dx_kv; parameters unchanged."""
+    ``self`` -> ``query`` = d/dx; ``shared_kv`` -> ``query`` and ``key`` = d/dx_kv; ``kv_cache`` -> ``query`` =
+    d/dx_new (its query, key and value uses: x_new is also x_kv's last Tq rows) and ``key`` = d/dx_cached, the
+    gradient of the cached positions' input (batch, Tk - Tq, d_model), absent when nothing is cached; parameters
+    unchanged."""
     out = dict(grads)
     if form == "self":
         out["query"] = grads["query"] + grads["key"] + grads["value"]
@@ -673,4 +683,12 @@ def input_gradients(grads: dict, form: str) -> dict:
     elif form == "shared_kv":
         out["key"] = grads["key"] + grads["value"]
         del out["value"]
+    elif form == "kv_cache":
+        kv = grads["key"] + grads["value"]
+        tq, tk = grads["query"].shape[1], kv.shape[1]
+        out["query"] = grads["query"] + kv[:, tk - tq:]
+        out["key"] = kv[:, :tk - tq]
+        del out["value"]
+        if tk == tq:
+            del out["key"]
     return out

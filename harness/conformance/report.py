@@ -83,6 +83,15 @@ class Report:
         have = {r.backend for r in self.results}
         return [n for n, info in self.backends.items() if info.available and n in have and n not in ran]
 
+    def grid_never_ran(self, backend: str) -> str:
+        """Why ``backend``'s output was never compared with the reference on the grid, when the grid case was in
+        the run and every variant of it skipped (the first reason); "" otherwise. A backend that refuses every
+        grid call can pass the few cases that do not compare outputs, which is no verdict on its attention."""
+        grid = [r for r in self.for_backend(backend) if r.case == GRID_CASE]
+        if grid and all(r.status == Status.SKIPPED for r in grid):
+            return grid[0].message
+        return ""
+
     def counts(self, backend: str | None = None) -> Counter:
         return Counter(r.status for r in self.results if backend is None or r.backend == backend)
 
@@ -400,6 +409,9 @@ class Report:
             if c and name in self.nothing_ran():
                 bad, text = 1, text + "; no case ran"
             out.append(f"  {name:<28} {'OK  ' if c and not bad else 'FAIL'} {text}")
+            if self.grid_never_ran(name):
+                out.append(f"  {'':<28}      warning: its output was never compared with the reference: every "
+                           f"variant of {GRID_CASE} skipped (first: {_clipped(self.grid_never_ran(name), 200)})")
             if bad:
                 out.append(f"  {'':<28}      {self.failed_cases_line(name)}")
                 if self.diagnoses_line(name):
@@ -408,6 +420,9 @@ class Report:
             out.append(f"  not run: {case} ({why})")
         return out
 
+
+#: the reference grid: the case whose variants compare a backend's outputs with the reference across shapes
+GRID_CASE = "check_output_matches_reference"
 
 #: the summary's diagnoses line shows this many distinct diagnoses, each cut to this many characters (every one is
 #: printed whole with its failure)

@@ -56,6 +56,8 @@ class SearchOutcome:
                      f"{self.first_rejection[:120]})")
         if self.passed:
             return [f"{head}: no failure"]
+        if self.example is None:  # nothing to shrink or replay: the message says why
+            return [f"{head}: FAILED", f"  {self.message[:600]}"]
         return [f"{head}: FAILED", f"  {self.message[:600]}", f"  minimal example: {describe(self.example)}",
                 f"  repro: {self.repro}"] + ([f"  saved: {self.saved}"] if self.saved else [])
 
@@ -152,8 +154,14 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
     outcome = SearchOutcome(target.name, passed=True)
     home = vars(configuration).get("__hypothesis_home_directory")
     configuration.set_hypothesis_home_dir(folder / ".hypothesis")  # its caches too, not ./.hypothesis in the cwd
+    from hypothesis.errors import Unsatisfiable
     try:
         test()
+    except Unsatisfiable:  # every draw rejected as unsupported: nothing was checked, which fails the search
+        outcome.passed = False
+        outcome.message = (f"no example ran: all {state['rejected']} drawn were rejected as unsupported (first: "
+                           f"{state.get('first_rejection', '')[:300]}); the backend refuses every call its "
+                           "capabilities declare: narrow the declaration to what it runs")
     except Exception:  # the failure (a Flaky one too) is reported below
         if state["failing"] is None:
             raise

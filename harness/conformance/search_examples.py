@@ -37,7 +37,7 @@ from mha_harness.conformance.casekit import (
     run,
     tolerance_for,
 )
-from mha_harness.contract.api import AttentionBackend, AttentionConfig, AttentionInputs, AttentionParams
+from mha_harness.contract.api import AttentionBackend, AttentionConfig, AttentionInputs, AttentionParams, Unsupported
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import allowed_and_bias
 
@@ -48,7 +48,7 @@ SEARCH_DIR_ENV = "MHA_HARNESS_SEARCH_DIR"
 POISONS = ("random", "nan", "inf")
 
 
-# --- input forms: the one place a new form (shared_kv, self) is added ----------------------------------------------
+# --- input forms: the one place a new form (shared_kv, self, kv_cache) is added ---------------------------------
 def _separate_form(config: AttentionConfig, batch: int, tq: int, tk: int, seed: int, **masks) -> AttentionInputs:
     return make_inputs(config, batch, tq, tk, seed=seed, self_attention=False, **masks)
 
@@ -64,9 +64,19 @@ def _self_form(config: AttentionConfig, batch: int, tq: int, tk: int, seed: int,
     return make_inputs(config, batch, tq, tq, seed=seed, self_attention=True, **masks)
 
 
+def _kv_cache_form(config: AttentionConfig, batch: int, tq: int, tk: int, seed: int, **masks) -> AttentionInputs:
+    if tq > tk:
+        raise ValueError(f"form: 'kv_cache' needs Tq <= Tk; got tq={tq}, tk={tk}")
+    shared = _shared_kv_form(config, batch, tq, tk, seed, **masks)
+    x_kv = shared.key.copy()
+    x_kv[:, tk - tq:] = shared.query  # the new positions' input: x_kv's last Tq rows
+    return shared.replace(key=x_kv, value=x_kv)
+
+
 #: form name -> builder of the inputs (the names of ``Capabilities.inputs``): separate
-#: query/key/value; key is value (encoder-decoder memory); query is key is value (self-attention, Tq == Tk)
-FORMS = {"separate": _separate_form, "shared_kv": _shared_kv_form, "self": _self_form}
+#: query/key/value; key is value (encoder-decoder memory); query is key is value (self-attention, Tq == Tk);
+#: a KV-cache step (x_new is x_kv's last Tq rows, Tq <= Tk)
+FORMS = {"separate": _separate_form, "shared_kv": _shared_kv_form, "self": _self_form, "kv_cache": _kv_cache_form}
 
 
 # --- what declared divergences cover --------------------------------------------------------------------------------
@@ -187,7 +197,10 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
     if backend.capabilities.native_parameters:
         key = (backend.name, config)
         if key not in _COUNTED:
-            _COUNTED[key] = parameter_count_problem(backend.native_parameter_shapes(config), config)
+            try:
+                _COUNTED[key] = parameter_count_problem(backend.native_parameter_shapes(config), config)
+            except Unsupported:  # no native parameters reported (the base class's answer): not counted, as the
+                _COUNTED[key] = None  # parameter-count case skips it; the example's other properties still run
         if _COUNTED[key]:
             raise CaseFailure(_COUNTED[key])
     loaded = backend.load(params, dtype=dtype)
@@ -221,13 +234,18 @@ def _check_leakage(backend, params, inputs, example, loaded, allowed, empty, bas
     row that may attend to none of them keeps its output (within the tolerance; NaN counts as a change)."""
     if inputs.query is inputs.key or inputs.query is inputs.value:
         return  # poisoning keys would change the queries too
+    coupled = inputs.form == "kv_cache"  # x_kv's last Tq rows are the queries: poisoning one moves its query
+    start = inputs.tk - inputs.tq
     never = ~allowed.any(axis=(1, 2))  # (batch, Tk)
     poisoned = never | (np.arange(inputs.tk) > int(example.get("cut", inputs.tk)))[None, :]
-    clean = ~(allowed & poisoned[:, None, None, :]).any(axis=(1, 3))  # (batch, Tq)
     kind = example.get("poison", "random")
     if kind != "random":  # NaN/inf may only sit at keys every query's mask hides (validate_inputs)
         poisoned &= never
-        clean = ~(allowed & poisoned[:, None, None, :]).any(axis=(1, 3))
+        if coupled:  # ... and never at a query's own row
+            poisoned[:, start:] = False
+    clean = ~(allowed & poisoned[:, None, None, :]).any(axis=(1, 3))  # (batch, Tq)
+    if coupled:
+        clean &= ~poisoned[:, start:]  # a row whose own query was poisoned may change
     if empty is not None:
         clean &= ~empty
     if not poisoned.any() or not clean.any():
@@ -239,7 +257,8 @@ def _check_leakage(backend, params, inputs, example, loaded, allowed, empty, bas
         n = int(poisoned.sum())
         arr[poisoned] = {"nan": np.full((n, arr.shape[-1]), np.nan), "inf": np.full((n, arr.shape[-1]), np.inf)}.get(
             kind, rng.standard_normal((n, arr.shape[-1])) * 100.0)
-    after = run(backend, params, inputs.replace(key=key, value=value), example["dtype"], loaded=loaded).output
+    moved = inputs.replace(key=key, value=value, query=key[:, start:].copy() if coupled else inputs.query)
+    after = run(backend, params, moved, example["dtype"], loaded=loaded).output
     keys = [f"b{b}:k{k}" for b, k in zip(*np.nonzero(poisoned))][:6]
     assert_close(_ignoring(after, base, ~clean), base, tol,
                  f"leak: keys/values no unchanged row may attend to ({', '.join(keys)}"

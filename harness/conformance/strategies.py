@@ -60,7 +60,9 @@ class SearchSpace:
                              f"{', '.join(declared)}")
         return cls(
             dtypes=chosen,
-            forms=tuple(f for f in FORMS if caps.accepts_form(f)),  # every form Capabilities.inputs accepts
+            # every form Capabilities.inputs accepts; a KV-cache call (a shared-K/V call whose x_q is x_kv's last
+            # rows) only for a backend that declares that form
+            forms=tuple(f for f in FORMS if caps.accepts_form(f) and (f != "kv_cache" or caps.inputs == f)),
             causal=((None,) if caps.has("non_causal") else ()) + tuple(caps.causal_alignments),
             cross_attention=caps.cross_attention,
             more_queries_than_keys=caps.more_queries_than_keys,

@@ -31,6 +31,7 @@ import numpy as np
 
 from mha_harness.contract.conventions import (
     ACCEPTED_FORMS,
+    BOTTOM_RIGHT,
     CAUSAL_ALIGNMENTS,
     DTYPES,
     INPUT_FORMS,
@@ -69,6 +70,13 @@ class Capabilities:
       the backend receives ``AttentionInputs(query=x_q, key=x_kv, value=x_kv)`` with ``key is value``;
     * ``"self"``: one ``x`` (the lesson's ``multi_head_attention(X, ...)``, GPT-2's attention); the backend
       receives ``AttentionInputs(x, x, x)`` with ``query is key is value``. It implies ``cross_attention=False``.
+    * ``"kv_cache"``: a KV-cache step, ``layer(x_new, cache)``: the backend receives
+      ``AttentionInputs(query=x_new, key=x_kv, value=x_kv)`` with ``key is value`` and ``x_new`` equal to the last
+      Tq rows of ``x_kv``; the earlier rows, :attr:`AttentionInputs.cached`, are the input of the positions in the
+      cache (the backend projects them to fill its cache, then runs its step on ``x_new``, whose keys and values
+      it projects from ``x_new`` itself). With nothing cached (Tq = Tk) the call is one x. It implies
+      ``more_queries_than_keys=False``, and its causal mask is bottom-right (the new queries are the last
+      positions): ``causal_alignments`` is ``("bottom-right",)`` or ``()``.
 
     A call in a form the backend does not accept is refused by validation (ValueError naming ``inputs``);
     cases build their inputs in the backend's form, and a case defined only for another form skips naming it.
@@ -122,9 +130,16 @@ class Capabilities:
             raise ValueError(f"Capabilities.max_seq_len: got {self.max_seq_len!r}; accepted: None or an integer >= 1")
         if not isinstance(self.inputs, str) or self.inputs not in INPUT_FORMS:
             raise ValueError(f"inputs: got {self.inputs!r}; accepted: {', '.join(map(repr, INPUT_FORMS))} "
-                             "(separate query/key/value, one x_q plus one x_kv, or one x)")
+                             "(separate query/key/value, one x_q plus one x_kv, one x, or a KV-cache step: x_new "
+                             "plus one x_kv whose last Tq rows are x_new)")
         if self.inputs == "self" and self.cross_attention:
             object.__setattr__(self, "cross_attention", False)  # one x cannot have Tq != Tk
+        if self.inputs == "kv_cache":
+            object.__setattr__(self, "more_queries_than_keys", False)  # the new queries are among the keys
+            if any(a != BOTTOM_RIGHT for a in self.causal_alignments):
+                raise ValueError(f"Capabilities.causal_alignments: got {self.causal_alignments!r} with "
+                                 "inputs='kv_cache'; accepted: ('bottom-right',) or () (a KV-cache step's new queries "
+                                 "are the last Tq of the Tk positions, so its causal mask is bottom-right)")
         if self.always_causal and not self.causal_alignments:
             raise ValueError("Capabilities.always_causal: got True with causal_alignments=(); accepted: "
                              "always_causal=True with the alignment the layer applies, e.g. "
@@ -332,10 +347,20 @@ class AttentionInputs:
 
     @property
     def form(self) -> str:
-        """``"self"`` when query is key is value, ``"shared_kv"`` when key is value, else ``"separate"``."""
+        """``"self"`` when query is key is value; ``"kv_cache"`` when key is value and the query holds the last Tq
+        rows of it (a KV-cache step, see :class:`Capabilities`); ``"shared_kv"`` when key is value; else
+        ``"separate"``."""
         if self.key is self.value:
-            return "self" if self.query is self.key else "shared_kv"
+            if self.query is self.key:
+                return "self"
+            return "kv_cache" if queries_are_last_rows(self.query, self.key) else "shared_kv"
         return "separate"
+
+    @property
+    def cached(self) -> np.ndarray:
+        """A KV-cache call's cached positions' input: the first Tk - Tq rows of x_kv (``key``), (batch, Tk - Tq,
+        d_model); empty when nothing is cached."""
+        return self.key[:, :max(self.tk - self.tq, 0)]
 
     def __post_init__(self):
         if self.causal is None:
@@ -358,6 +383,16 @@ class AttentionInputs:
         if self.tq > self.tk:
             needs.add("more_queries_than_keys")
         return needs
+
+
+def queries_are_last_rows(query, x_kv) -> bool:
+    """Whether ``query`` equals the last Tq rows of ``x_kv`` (NaN where NaN): a KV-cache call's x_new and x_kv.
+    False for arrays of other ranks, batch sizes or widths, or Tq > Tk."""
+    q, kv = np.asarray(query), np.asarray(x_kv)
+    if q.ndim != 3 or kv.ndim != 3 or q.shape[0] != kv.shape[0] or q.shape[2] != kv.shape[2] \
+            or not 0 < q.shape[1] <= kv.shape[1] or q.dtype != kv.dtype:
+        return False
+    return bool(np.array_equal(q, kv[:, kv.shape[1] - q.shape[1]:], equal_nan=q.dtype.kind in "fc"))
 
 
 #: the alignment AttentionInputs made without ``causal`` take (None: they stay non-causal); see implicitly_causal

@@ -57,11 +57,16 @@ def other_alignment(alignment: str) -> str:
 
 # --- input forms ----------------------------------------------------------------------------------------------
 
-#: how a backend takes its inputs (``Capabilities.inputs``): three arrays, x_q plus one x_kv, or one x
-INPUT_FORMS = ("separate", "shared_kv", "self")
-#: the forms of AttentionInputs a backend of each declared form accepts: one x is also a valid (x_q, x_kv) pair and
-#: a valid (query, key, value) triple, never the other way round
-ACCEPTED_FORMS = {"separate": INPUT_FORMS, "shared_kv": ("shared_kv", "self"), "self": ("self",)}
+#: how a backend takes its inputs (``Capabilities.inputs``): three arrays, x_q plus one x_kv, one x, or a KV-cache
+#: call: x_new plus one x_kv whose last Tq rows are x_new (the earlier rows are the cached positions' input)
+INPUT_FORMS = ("separate", "shared_kv", "self", "kv_cache")
+#: the forms of AttentionInputs a backend of each declared form accepts: one x is also a KV-cache call with nothing
+#: cached, a KV-cache call is also a valid (x_q, x_kv) pair, and each is a valid (query, key, value) triple, never
+#: the other way round
+ACCEPTED_FORMS = {"separate": INPUT_FORMS, "shared_kv": ("shared_kv", "self", "kv_cache"), "self": ("self",),
+                  "kv_cache": ("kv_cache", "self")}
+#: the forms whose queries are rows of the key/value input: perturbing a key position moves its query too
+COUPLED_FORMS = ("self", "kv_cache")
 
 # --- mask polarities -------------------------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ from collections.abc import Callable
 import numpy as np
 
 from mha_harness.contract.api import (
-    INPUT_FORMS,
     AttentionBackend,
     AttentionInputs,
     AttentionOutput,
@@ -92,9 +91,12 @@ def function_backend(fn: Callable, *, name: str, inputs: str | None = None, caus
         raise ValueError(f"name: got {name!r}; accepted: a non-empty string")
     if inputs is None:
         inputs = _form_from_signature(fn)
-    elif inputs not in INPUT_FORMS:
-        raise ValueError(f"inputs: got {inputs!r}; accepted: {', '.join(map(repr, INPUT_FORMS))} or None "
-                         "(read from fn's signature)")
+    elif inputs not in FORM_ARRAYS:
+        extra = (" (a KV-cache step declares only bottom-right causal masking, which a function backend does not "
+                 "offer: subclass AttentionBackend with Capabilities(inputs='kv_cache'), as the README's KV-cache "
+                 "section shows)" if inputs == "kv_cache" else "")
+        raise ValueError(f"inputs: got {inputs!r}; accepted: {', '.join(map(repr, FORM_ARRAYS))} or None "
+                         f"(read from fn's signature){extra}")
     if causal not in (True, False, "always"):
         raise ValueError(f"causal: got {causal!r}; accepted: False, True (fn takes causal=True) or 'always' "
                          "(fn always masks top-left and takes no causal parameter)")

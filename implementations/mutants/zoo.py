@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_harness.contract.api import INPUT_FORMS, AttentionConfig, AttentionInputs, Capabilities
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, Capabilities
 from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.reference import reference_vjp
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
@@ -495,7 +495,7 @@ MUTANTS = (
 FORM_WORDS = {"shared_kv": "shared-K/V module (x_q, x_kv)", "self": "GPT-2-style self-attention module (one x)"}
 
 
-def in_every_form(mutant: Mutant, forms=INPUT_FORMS) -> tuple[Mutant, ...]:
+def in_every_form(mutant: Mutant, forms=("separate", *MODULES)) -> tuple[Mutant, ...]:
     """The mutant as given (separate query/key/value) plus, for each other form, the same bug composed with the
     module of that form, named ``<name>-shared-kv`` / ``<name>-self``."""
     out = []
