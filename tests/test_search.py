@@ -241,3 +241,29 @@ def test_search_of_an_unpicklable_python_object_says_how_to_give_it(tmp_path):
     outcome = search_backend(Target(backend), results=tmp_path, max_examples=5, seed=0)
     assert not outcome.passed and "cannot send the backend to a worker process" in outcome.message
     assert "module:object" in outcome.message and "--no-isolate" in outcome.message
+
+
+def test_a_backend_that_refuses_every_draw_fails_the_search_with_the_reason(tmp_path):
+    """Every example raising Unsupported made hypothesis give up with an Unsatisfiable traceback; it is a failed
+    search saying that no example ran, with the backend's first reason."""
+    import dataclasses
+
+    from mha_harness.contract.api import Unsupported
+    from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+    class RefusesAll(NumpyNaiveLoaded):
+        def compute(self, inputs, *, need_weights=False):
+            raise Unsupported("only calls from my own model")
+
+    class Picky(NumpyNaive):
+        name = "picky"
+        capabilities = dataclasses.replace(NumpyNaive.capabilities, gradients=False)
+
+        def load_native(self, params, dtype):
+            return RefusesAll(params, dtype)
+
+    outcome = search_backend(Target(Picky()), results=tmp_path, isolate=False, max_examples=5, seed=0,
+                             time_budget=30)
+    assert not outcome.passed and outcome.example is None
+    assert outcome.message.startswith("no example ran: all ") and "only calls from my own model" in outcome.message
+    assert outcome.lines()[0].endswith(": FAILED") and len(outcome.lines()) == 2
