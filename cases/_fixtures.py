@@ -99,6 +99,17 @@ def causal_variants(backend) -> list[dict]:
     return out
 
 
+def causal_output_variants(backend) -> list[dict]:
+    """:func:`causal_variants`, and for a KV-cache step (``inputs='kv_cache'``) ``one_new_token`` (1, 65), the
+    commonest decode step: one new token against 64 cached positions (it sees every key, so it has no future key
+    for the leak cases to change, but its output must still be the reference's)."""
+    out = causal_variants(backend)
+    if backend.capabilities.inputs == "kv_cache":
+        out += [{"dtype": primary_dtype(backend), "alignment": a, "variant": "one_new_token", "seq": 1,
+                 "tk": KEYS_ACROSS_BLOCKS} for a in backend.capabilities.causal_alignments]
+    return out
+
+
 def random_allowed_mask(tq: int, tk: int, seed: int = 3) -> np.ndarray:
     """A random "may attend" mask with every row keeping at least one key."""
     rng = np.random.default_rng(seed)
@@ -126,9 +137,12 @@ def poison(rng: np.random.Generator, shape, kind: str) -> np.ndarray:
     return rng.standard_normal(shape) * 100.0
 
 
-def poison_kinds(form: str) -> tuple[str, ...]:
+def poison_kinds(form: str, *, cached_rows: bool = False) -> tuple[str, ...]:
     """NaN/inf poison needs keys apart from queries: in one x (or a KV-cache call's new rows) it would be a
-    non-finite query, which is invalid."""
+    non-finite query, which is invalid. ``cached_rows``: the case puts NaN/inf only in a KV-cache call's cached
+    rows (and random values in its new ones), which is valid."""
+    if cached_rows and form == "kv_cache":  # the case poisons cached rows too, which are not queries
+        return ("random", "nan", "inf")
     return ("random",) if form in COUPLED_FORMS else ("random", "nan", "inf")
 
 

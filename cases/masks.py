@@ -6,6 +6,7 @@ import numpy as np
 from mha_harness.cases._fixtures import (
     ALL_FORMS,
     additive_mask_from,
+    causal_output_variants,
     causal_variants,
     cross_ok,
     form_inputs,
@@ -71,10 +72,11 @@ def _poison_verdict(failure: CaseFailure, poison: str, finite_unchanged) -> Case
                        f"{failure}", failure.max_error)
 
 
-def _poisoned(variants):
-    """Each variant with every poison the backend's input form can carry (one x: random values only)."""
+def _poisoned(variants, *, cached_rows: bool = False):
+    """Each variant with every poison the backend's input form can carry (one x: random values only; a KV-cache
+    step: NaN/inf too where the case poisons only cached rows with them, ``cached_rows``)."""
     return lambda backend: [{**v, "poison": kind} for v in variants(backend)
-                            for kind in poison_kinds(backend.capabilities.inputs)]
+                            for kind in poison_kinds(backend.capabilities.inputs, cached_rows=cached_rows)]
 
 
 @case(requires=("causal",), variants=_poisoned(causal_variants), forms=ALL_FORMS)
@@ -110,7 +112,7 @@ def check_causal_mask_blocks_future_keys(backend, *, form, dtype, alignment, var
     return Measurement(max_error=worst)
 
 
-@case(requires=("causal",), variants=causal_variants, forms=ALL_FORMS)
+@case(requires=("causal",), variants=causal_output_variants, forms=ALL_FORMS)
 def check_causal_output_matches_reference(backend, *, form, dtype, alignment, variant, seq, tk):
     """With a causal mask of the declared alignment (top-left, or bottom-right when Tq != Tk) the output
     equals the reference: the diagonal is kept, the future removed, and the alignment is the one declared."""
@@ -167,20 +169,37 @@ def _padding(batch: int, tk: int) -> np.ndarray:
     return mask[:batch]
 
 
-@case(requires=("key_padding_mask",), variants=_poisoned(on_primary_dtype), forms=ALL_FORMS)
+#: new tokens of a KV-cache step in the padding cases: 3 queries against the 10 keys, so the left-padded item's padded
+#: keys are cached rows (batched decoding of prompts of different lengths)
+PADDING_NEW_TOKENS = 3
+
+
+def _padding_call(form: str, config, mask: np.ndarray):
+    """The padding cases' call: one x of 10 positions (any form), or for a KV-cache step PADDING_NEW_TOKENS new
+    tokens against them; and the (batch, Tq) mask of the queries at padded positions (not compared)."""
+    tk = mask.shape[1]
+    tq = PADDING_NEW_TOKENS if form == "kv_cache" else tk
+    return form_inputs(form, config, mask.shape[0], tq, tk, key_padding_mask=mask), mask[:, tk - tq:]
+
+
+@case(requires=("key_padding_mask",), variants=_poisoned(on_primary_dtype, cached_rows=True), forms=ALL_FORMS)
 def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
     """Changing padded key/value positions (to large random values, NaN or inf) leaves the outputs of real queries
     unchanged, not even through the softmax denominator. Outputs at padded query positions are unspecified and
-    not compared. With one x the padded positions of x are changed; with shared K/V those of x_kv."""
+    not compared. With one x the padded positions of x are changed; with shared K/V those of x_kv; in a KV-cache
+    step (3 new tokens, left padding in the cache) those of x_kv, NaN/inf in cached rows only."""
     params = small_layer(backend, bias=True)
     tk = 10
     mask = _padding(3, tk)
-    inputs = form_inputs(form, params.config, 3, tk, key_padding_mask=mask)
+    inputs, query_padded = _padding_call(form, params.config, mask)
+    where = mask
+    if form == "kv_cache" and poison != "random":  # NaN/inf only where no query is: the cached rows
+        where = mask & (np.arange(tk) < tk - inputs.tq)[None, :]
     loaded = backend.load(params, dtype=dtype)
     base = run(backend, params, inputs, dtype, loaded=loaded).output
     _, tol = tolerance_for(params, inputs, dtype)
-    after = run(backend, params, with_keys_replaced(inputs, mask, poison), dtype, loaded=loaded).output
-    real = ~mask[:, :, None]
+    after = run(backend, params, with_keys_replaced(inputs, where, poison), dtype, loaded=loaded).output
+    real = ~query_padded[:, :, None]
     diff = np.where(real, np.abs(after - base), 0)
     bad = np.argwhere(real & ~(diff <= tol.bound))
     if len(bad):
@@ -191,7 +210,7 @@ def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
                               f"{after[b, t, f]:.6g}; {tol.describe()}", max_error=float(np.nanmax(diff)))
 
         def finite_unchanged():
-            finite = run(backend, params, with_keys_replaced(inputs, mask, "random"), dtype, loaded=loaded).output
+            finite = run(backend, params, with_keys_replaced(inputs, where, "random"), dtype, loaded=loaded).output
             return bool(np.all(np.where(real, np.abs(finite - base), 0) <= tol.bound))
         raise _poison_verdict(failure, poison, finite_unchanged)
     worst = float(np.max(diff))
@@ -203,15 +222,16 @@ def check_padding_mask_output_matches_reference(backend, *, form, dtype):
     """With a key padding mask (True = padding) the outputs of real queries equal the reference."""
     params = small_layer(backend, bias=True)
     mask = _padding(3, 10)
-    inputs = form_inputs(form, params.config, 3, 10, key_padding_mask=mask)
+    inputs, query_padded = _padding_call(form, params.config, mask)
     got = run(backend, params, inputs, dtype).output
     expected, tol = tolerance_for(params, inputs, dtype)
-    real = ~mask[:, :, None]
+    real = ~query_padded[:, :, None]
     try:
         return Measurement(max_error=assert_close(np.where(real, got, 0), np.where(real, expected, 0), tol,
                                                   "padding-masked output (real queries)"))
     except CaseFailure as failure:
-        raise CaseFailure(str(failure) + mask_mistake(got, params, inputs, rows=~mask), failure.max_error) from None
+        raise CaseFailure(str(failure) + mask_mistake(got, params, inputs, rows=~query_padded),
+                          failure.max_error) from None
 
 
 def _mask_variants(backend):

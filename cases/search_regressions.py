@@ -12,7 +12,7 @@ def _regression_variants(backend) -> list[dict]:
     return [{"regression": p.stem} for p in saved_regressions(backend.name)] or [{"regression": NONE_SAVED}]
 
 
-@case(variants=_regression_variants, forms=("separate", "shared_kv", "self"))
+@case(variants=_regression_variants, forms=("separate", "shared_kv", "self", "kv_cache"))
 def check_search_regressions_still_pass(backend, *, regression):
     """Each minimal example that ``mha-harness search`` once shrank a failure of this backend to (saved under
     results/search/<backend>/, or $MHA_HARNESS_SEARCH_DIR) now satisfies the search property: output equal to the

@@ -14,9 +14,11 @@ class KVCacheLayer:
     ``step(x_new, cache)`` projects the new positions, appends their keys and values and attends causally: new
     query i sees every cached key and the new keys up to its own position."""
 
-    def __init__(self, weights: dict, num_heads: int, *, new_keys_first: bool = False, top_left: bool = False):
+    def __init__(self, weights: dict, num_heads: int, *, new_keys_first: bool = False, top_left: bool = False,
+                 one_token_skips_itself: bool = False):
         self.w, self.h = weights, num_heads
         self.new_keys_first, self.top_left = new_keys_first, top_left
+        self.one_token_skips_itself = one_token_skips_itself
 
     def _proj(self, x, name):
         y = x @ self.w[f"W_{name}"] + self.w.get(f"b_{name}", 0.0)
@@ -29,12 +31,16 @@ class KVCacheLayer:
     def step(self, x_new, cache, bias=None):
         k_past, v_past = cache
         k_new, v_new = self._proj(x_new, "k"), self._proj(x_new, "v")
+        if self.one_token_skips_itself and x_new.shape[1] == 1 and k_past.shape[2]:  # attends before appending
+            k_new, v_new = k_new[:, :, :0], v_new[:, :, :0]
         order = ((k_new, k_past), (v_new, v_past)) if self.new_keys_first else ((k_past, k_new), (v_past, v_new))
         k, v = (np.concatenate(pair, axis=2) for pair in order)
         q = self._proj(x_new, "q")
         tq, tk = q.shape[2], k.shape[2]
         scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
         offset = 0 if self.top_left else tk - tq
+        if tk < k_past.shape[2] + tq:  # the skipped new key: the query sees the whole cache (and its masks)
+            offset, bias = tk, None if bias is None else bias[..., :tk]
         keep = np.arange(tk)[None, :] <= np.arange(tq)[:, None] + offset
         if bias is not None:  # -inf where the call's masks hide a key
             keep = keep & np.isfinite(bias)
@@ -82,6 +88,15 @@ class KVCacheAttention(mha_harness.AttentionBackend):
 class NewKeysFirst(KVCacheAttention):
     name = "kv-cache-new-keys-first"
     layer_options = {"new_keys_first": True}
+
+
+class OneTokenSkipsItself(KVCacheAttention):
+    """A step that, for one new token against a non-empty cache, attends over the cache before appending the new
+    key and value (the token does not see itself): right for every call the harness made before the one-new-token
+    variant (an eleventh stranger's bug)."""
+
+    name = "kv-cache-one-token-skips-itself"
+    layer_options = {"one_token_skips_itself": True}
 
 
 class OffsetForgotten(KVCacheAttention):

@@ -687,6 +687,18 @@ def test_points_timed_next_to_other_work_say_how_loaded_the_machine_was(tmp_path
     assert "%L " in row or "%*L " in row, row
 
 
+def test_a_loaded_warning_suggests_fewer_threads_when_they_and_the_load_exceed_the_cores():
+    """An eleventh stranger's decode figures on a busy 2-core box were ten times slower at the default 2 threads
+    than at --threads 1, and the loaded-machine line did not say so; it does when the threads and the others'
+    load need more cores than the machine has."""
+    from mha_harness.bench.sweep import load_warning
+    points = [BenchPoint(backend="b", workload="decode", seq_len=256, tq=1, tk=256, causal=True, mode="forward",
+                         status="measured", other_cores=0.99)]
+    assert "--threads 1 leaves the others room" in load_warning(points, threads=2, cores=2)
+    assert "--threads" not in load_warning(points, threads=1, cores=2)
+    assert "--threads" not in load_warning(points, threads=2, cores=8)
+
+
 def test_a_group_timed_in_hundredths_of_a_second_still_says_how_loaded_the_machine_was(monkeypatch):
     """CI went red once: a fast group's window (0.04 s) rounded to 0.0 s and 0.0 CPU-s, and the point's
     other_cores became None next to a process keeping a core busy. The cores figure comes from the unrounded

@@ -17,6 +17,7 @@ from tests.kv_cache_objects import (
     KVCacheAttention,
     NewKeysFirst,
     OffsetForgotten,
+    OneTokenSkipsItself,
     TorchGradientOfNewRowsAsQueriesOnly,
     TorchKVCacheAttention,
 )
@@ -49,18 +50,34 @@ def test_a_kv_cache_layers_gradients_are_d_x_new_and_d_x_cached():
 
 
 @pytest.mark.parametrize("bug, failing, named", [
-    (NewKeysFirst, "check_causal_mask_blocks_future_keys", None),
+    (NewKeysFirst, "check_causal_output_matches_reference", "the output matches the new keys and values put before "
+                                                            "the cached ones"),
     (OffsetForgotten, "check_causal_output_matches_reference", "the output matches top-left alignment instead"),
+    (OneTokenSkipsItself, "check_causal_output_matches_reference", None),
 ])
 def test_kv_cache_bugs_are_caught(bug, failing, named):
-    """The new keys put before the cached ones, and the step's causal mask applied top-left (its offset
-    forgotten), each fail a causal case; the second is named."""
+    """The new keys put before the cached ones, the step's causal mask applied top-left (its offset forgotten),
+    and one new token attending over the cache before its own key is appended (an eleventh stranger's bug, which
+    passed every case before the one_new_token variant), each fail the causal output case; the first two are
+    named."""
     report = mha_harness.check(bug())
     assert not report.ok
     failed = [r for r in _results(report, "failed") if r.case == failing]
     assert failed, report.summary_lines()
     if named:
         assert any(named in r.message for r in failed), [r.message for r in failed]
+
+
+def test_kv_cache_padding_cases_pad_cached_rows_with_nan_too():
+    """Batched decoding pads the cache (left padding): the padding cases run a KV-cache step with 3 new tokens
+    against 10 keys, NaN/inf in the padded cached rows too (an eleventh stranger: check never put NaN there, so a
+    masked_poison declaration was verified on none, and only search found the NaN leak)."""
+    report = mha_harness.check(KVCacheAttention(), cases=["check_padding_mask_blocks_padded_keys",
+                                                          "check_padding_mask_output_matches_reference"])
+    assert report.ok, report.summary_lines()
+    ran = {(r.case, r.params.get("poison")) for r in _results(report, "passed")}
+    assert ("check_padding_mask_blocks_padded_keys", "nan") in ran and \
+        ("check_padding_mask_blocks_padded_keys", "inf") in ran, ran
 
 
 def test_a_kv_cache_backward_that_detaches_the_new_keys_is_caught_and_named():

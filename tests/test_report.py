@@ -760,3 +760,12 @@ def test_the_summary_warns_when_no_output_was_compared_with_the_reference():
                "check_output_matches_reference skipped (first: only my own calls" in line for line in lines), lines
     ok = mha_harness.check("numpy-naive", cases=["check_output_matches_reference"])
     assert not any("never compared" in line for line in ok.summary_lines())
+
+
+def test_a_backend_where_no_case_ran_has_no_empty_failing_cases_line():
+    """An eleventh stranger's run where every variant skipped printed 'FAIL 1 skipped; no case ran' and under it an
+    empty 'failing cases:' line; the line is left out when there is no failing case to name."""
+    report = mha_harness.check("numpy-naive", cases=["check_search_regressions_still_pass"])
+    lines = report.summary_lines()
+    assert any("no case ran" in line for line in lines), lines
+    assert not any(line.strip() == "failing cases:" for line in lines), lines

@@ -23,6 +23,7 @@ reported for that point and restarted for the next; after two losses in a row it
 from __future__ import annotations
 
 import math
+import os
 import platform
 import re
 import time
@@ -517,14 +518,22 @@ def _loaded(p: BenchPoint) -> bool:
     return p.other_cores is not None and p.other_cores > LOADED_CORES
 
 
-def load_warning(points: list[BenchPoint]) -> str | None:
-    """One line when other processes kept more than LOADED_CORES cores busy while any point was timed."""
+def load_warning(points: list[BenchPoint], threads: int | None = None, cores: int | None = None) -> str | None:
+    """One line when other processes kept more than LOADED_CORES cores busy while any point was timed; when the
+    benchmark's ``threads`` and the others' load together exceed the machine's ``cores``, it says that fewer
+    threads leave the others a core (threads spinning against them are what made an eleventh stranger's figures
+    ten times slower on a busy 2-core box)."""
     loaded = [p for p in points if _loaded(p)]
     if not loaded:
         return None
     worst = max(p.other_cores for p in loaded)
-    return (f"{len(loaded)} of {sum(p.status == MEASURED for p in points)} point(s) were timed while other "
+    line = (f"{len(loaded)} of {sum(p.status == MEASURED for p in points)} point(s) were timed while other "
             f"processes kept up to {worst:.2f} cores busy: compare them with care, or rerun on an idle machine")
+    if threads and cores and threads > 1 and threads + worst > cores:
+        fewer = max(1, int(cores - worst))
+        line += (f"; {threads} threads and their load need more than this machine's {cores} cores: --threads "
+                 f"{fewer} leaves the others room (figures with another --threads are not comparable)")
+    return line
 
 
 def _mib(nbytes: int | None) -> str:
@@ -873,7 +882,7 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
           "run: %GEMM and %BW compare backends within this run only")
     for line in roof_warnings(points):
         log(f"  above a roof: {line}")
-    loaded = load_warning(points)
+    loaded = load_warning(points, doc["config"].get("threads"), os.cpu_count())
     if loaded:
         log(f"  loaded machine: {loaded}")
     lengths = {series_key(*key): len({p.seq_len for p in line}) for key, line in series(points).items()}

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_harness.conformance.diagnoses import layer_mistake, mask_mistake
+from mha_harness.conformance.diagnoses import cache_order_hint, layer_mistake, mask_mistake
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -445,7 +445,7 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
         return offset               # whole outputs
     got = np.asarray(got, np.float64)
     return (scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
-            or mask_mistake(got, params, inputs))
+            or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs))
 
 
 def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:

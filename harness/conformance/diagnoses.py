@@ -2,9 +2,9 @@
 reversed, misaligned, missing or one-off causal mask, a mask read with the opposite polarity, the key padding mask
 along the query axis or not applied, one of two masks dropped, masks applied after the softmax, heads split by
 tokens instead of features, heads concatenated feature-major, grouped-query key/value heads tiled, a softmax over
-the queries, no output projection. The rows a wrong call leaves without a key are compared under the empty-row
-convention the backend's output follows there (zeros, or the uniform average of V or NaN that a
-``fully_masked_rows`` divergence declares)."""
+the queries, no output projection, a KV-cache step's new keys put before the cached ones. The rows a wrong call
+leaves without a key are compared under the empty-row convention the backend's output follows there (zeros, or the
+uniform average of V or NaN that a ``fully_masked_rows`` divergence declares)."""
 from __future__ import annotations
 
 import numpy as np
@@ -238,6 +238,19 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     return ("; the output matches key_padding_mask applied along the query axis instead of the key axis (padded "
             "positions' queries see no key, the others see the padded keys too: mask[:, None, :, None] where "
             "mask[:, None, None, :] belongs)")
+
+
+def cache_order_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs) -> str:
+    """A KV-cache step's output that matches the new keys and values put before the cached ones (x_kv's last Tq
+    rows first, the masks and the causal offset applied by index as given); "" otherwise or for other forms."""
+    if inputs.form != "kv_cache" or inputs.tk == inputs.tq or not np.all(np.isfinite(got)):
+        return ""
+    start = inputs.tk - inputs.tq
+    reordered = np.concatenate([inputs.key[:, start:], inputs.key[:, :start]], axis=1)
+    if _matches(got, params, inputs.replace(key=reordered, value=reordered)):
+        return ("; the output matches the new keys and values put before the cached ones (the step concatenates "
+                "[new, cached]): append them after the cache")
+    return ""
 
 
 def _together(hints: list[str]) -> str:

@@ -290,7 +290,7 @@ class Report:
                 abandoned += 1
             elif r.status in BAD:
                 by_case.setdefault(r.case, Counter())[r.status.value] += 1
-        return "failing cases: " + ", ".join(
+        return FAILING_CASES_HEAD + ", ".join(
             f"{case} ({', '.join(f'{n} {status}' for status, n in counts.items())})"
             for case, counts in by_case.items()) + (
             f"; {abandoned} variant(s) not run: the worker was lost too often" if abandoned else "")
@@ -412,7 +412,7 @@ class Report:
             if self.grid_never_ran(name):
                 out.append(f"  {'':<28}      warning: its output was never compared with the reference: every "
                            f"variant of {GRID_CASE} skipped (first: {_clipped(self.grid_never_ran(name), 200)})")
-            if bad:
+            if bad and self.failed_cases_line(name) != FAILING_CASES_HEAD:  # "no case ran" has none to name
                 out.append(f"  {'':<28}      {self.failed_cases_line(name)}")
                 if self.diagnoses_line(name):
                     out.append(f"  {'':<28}      {self.diagnoses_line(name)}")
@@ -420,6 +420,8 @@ class Report:
             out.append(f"  not run: {case} ({why})")
         return out
 
+
+FAILING_CASES_HEAD = "failing cases: "
 
 #: the reference grid: the case whose variants compare a backend's outputs with the reference across shapes
 GRID_CASE = "check_output_matches_reference"
