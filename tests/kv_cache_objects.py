@@ -1,6 +1,7 @@
-"""A KV-cache attention layer as people write it for decoding (NumPy), wrapped with ``inputs="kv_cache"``, and
-copies with the bugs such layers have: the new keys put before the cached ones, and the causal mask of the step
-applied top-left (its offset forgotten). Written against the public API only."""
+"""KV-cache attention layers as people write them for decoding (NumPy, and PyTorch with autograd), wrapped with
+``inputs="kv_cache"``, and copies with the bugs such layers have: the new keys put before the cached ones, the
+step's causal mask applied top-left (its offset forgotten), one new token attending over the cache before its own
+key is appended, and a backward with the new keys and values detached. Written against the public API only."""
 from __future__ import annotations
 
 import numpy as np
