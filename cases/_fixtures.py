@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.conformance.casekit import CaseSkipped, input_gradients, primary_dtype  # noqa: F401 - re-exported
-from mha_harness.contract.api import AttentionConfig, AttentionInputs
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, as_kv_cache_call
 from mha_harness.contract.conventions import COUPLED_FORMS, TOP_LEFT, causal_offset
 from mha_harness.contract.params import make_inputs, make_params
 
@@ -70,9 +70,8 @@ def form_inputs(form: str, config: AttentionConfig, batch: int, tq: int, tk: int
         raise CaseSkipped(f"Tq = {tq} > Tk = {tk} cannot be expressed as a KV-cache step (inputs='kv_cache': the "
                           "new queries are the last Tq of the Tk positions)")
     x_kv = rng.standard_normal((batch, tk, config.d_model))
-    if form == "kv_cache":
-        x_kv[:, tk - tq:] = x_q  # the new positions' input: x_kv's last Tq rows
-    return AttentionInputs(x_q, x_kv, x_kv, **masks)
+    inputs = AttentionInputs(x_q, x_kv, x_kv, **masks)
+    return as_kv_cache_call(inputs) if form == "kv_cache" else inputs
 
 
 def cross_ok(backend) -> bool:

@@ -79,14 +79,12 @@ def call_arguments(shape: Shape, causal: str | None, *, kv_cache: bool = False):
     """(params, inputs) of the benchmarked call for ``shape`` with the causal mask ``causal`` (an alignment, or None
     for no mask): seeded, the same in every process. ``kv_cache``: a KV-cache step's inputs (the same query, and
     one x_kv whose last Tq rows are it: see ``Capabilities(inputs="kv_cache")``)."""
-    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.contract.api import AttentionConfig, as_kv_cache_call
     from mha_harness.contract.params import make_inputs, make_params
     attn = AttentionConfig(shape.d_model, shape.num_heads, shape.num_kv_heads)
     inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal)
     if kv_cache and not inputs.is_self_attention:
-        x_kv = inputs.key.copy()
-        x_kv[:, shape.tk - shape.tq:] = inputs.query
-        inputs = inputs.replace(key=x_kv, value=x_kv)
+        inputs = as_kv_cache_call(inputs)
     return make_params(attn, seed=0), inputs
 
 

@@ -26,6 +26,7 @@ from mha_harness.contract.api import (
     AttentionInputs,
     AttentionOutput,
     AttentionParams,
+    as_kv_cache_call,
     implicitly_causal,
     supported,
 )
@@ -539,9 +540,7 @@ def _with_query(inputs, query):
     if inputs.form == "self":
         return inputs.replace(query=query, key=query, value=query)
     if inputs.form == "kv_cache" and np.shape(query) == np.shape(inputs.query):
-        x_kv = inputs.key.copy()
-        x_kv[:, inputs.tk - inputs.tq:] = query
-        return inputs.replace(query=query, key=x_kv, value=x_kv)
+        return as_kv_cache_call(inputs.replace(query=query))
     return inputs.replace(query=query)
 
 

@@ -409,13 +409,16 @@ class Report:
             if c and name in self.nothing_ran():
                 bad, text = 1, text + "; no case ran"
             out.append(f"  {name:<28} {'OK  ' if c and not bad else 'FAIL'} {text}")
-            if self.grid_never_ran(name):
+            never = self.grid_never_ran(name)
+            if never:
                 out.append(f"  {'':<28}      warning: its output was never compared with the reference: every "
-                           f"variant of {GRID_CASE} skipped (first: {_clipped(self.grid_never_ran(name), 200)})")
-            if bad and self.failed_cases_line(name) != FAILING_CASES_HEAD:  # "no case ran" has none to name
-                out.append(f"  {'':<28}      {self.failed_cases_line(name)}")
-                if self.diagnoses_line(name):
-                    out.append(f"  {'':<28}      {self.diagnoses_line(name)}")
+                           f"variant of {GRID_CASE} skipped (first: {_clipped(never, 200)})")
+            failing = self.failed_cases_line(name) if bad else FAILING_CASES_HEAD
+            if failing != FAILING_CASES_HEAD:  # "no case ran" has none to name
+                out.append(f"  {'':<28}      {failing}")
+                diagnosed = self.diagnoses_line(name)
+                if diagnosed:
+                    out.append(f"  {'':<28}      {diagnosed}")
         for case, why in self.left_out.items():
             out.append(f"  not run: {case} ({why})")
         return out

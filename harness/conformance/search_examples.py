@@ -37,7 +37,14 @@ from mha_harness.conformance.casekit import (
     run,
     tolerance_for,
 )
-from mha_harness.contract.api import AttentionBackend, AttentionConfig, AttentionInputs, AttentionParams, Unsupported
+from mha_harness.contract.api import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionInputs,
+    AttentionParams,
+    Unsupported,
+    as_kv_cache_call,
+)
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import allowed_and_bias
 
@@ -67,10 +74,7 @@ def _self_form(config: AttentionConfig, batch: int, tq: int, tk: int, seed: int,
 def _kv_cache_form(config: AttentionConfig, batch: int, tq: int, tk: int, seed: int, **masks) -> AttentionInputs:
     if tq > tk:
         raise ValueError(f"form: 'kv_cache' needs Tq <= Tk; got tq={tq}, tk={tk}")
-    shared = _shared_kv_form(config, batch, tq, tk, seed, **masks)
-    x_kv = shared.key.copy()
-    x_kv[:, tk - tq:] = shared.query  # the new positions' input: x_kv's last Tq rows
-    return shared.replace(key=x_kv, value=x_kv)
+    return as_kv_cache_call(_shared_kv_form(config, batch, tq, tk, seed, **masks))
 
 
 #: form name -> builder of the inputs (the names of ``Capabilities.inputs``): separate

@@ -395,6 +395,14 @@ def queries_are_last_rows(query, x_kv) -> bool:
     return bool(np.array_equal(q, kv[:, kv.shape[1] - q.shape[1]:], equal_nan=q.dtype.kind in "fc"))
 
 
+def as_kv_cache_call(inputs: AttentionInputs) -> AttentionInputs:
+    """``inputs`` as a KV-cache step: one x_kv, a copy of ``inputs.key`` whose last Tq rows are ``inputs.query``,
+    as both key and value (Tq <= Tk; the masks unchanged)."""
+    x_kv = np.array(inputs.key, copy=True)
+    x_kv[:, inputs.tk - inputs.tq:] = inputs.query
+    return inputs.replace(key=x_kv, value=x_kv)
+
+
 #: the alignment AttentionInputs made without ``causal`` take (None: they stay non-causal); see implicitly_causal
 _IMPLICIT_CAUSAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("mha_harness_implicit_causal",
                                                                               default=None)

@@ -147,8 +147,8 @@ def validate_form(inputs: AttentionInputs, declared: str) -> None:
         how = {"self": "one array x (query is key is value)",
                "shared_kv": "x_q and one x_kv (key is value)",
                "kv_cache": "x_new and one x_kv whose last Tq rows are x_new (key is value)"}
-        got = {"shared_kv": "shared_kv form (x_q is not the last Tq rows of x_kv)"}.get(form, f"{form} form") \
-            if declared == "kv_cache" else f"{form} form"
+        got = ("shared_kv form (x_q is not the last Tq rows of x_kv)" if declared == "kv_cache" and form == "shared_kv"
+               else f"{form} form")
         raise ValueError(f"inputs: got the {got} but the backend declares inputs={declared!r}; accepted: "
                          + " or ".join(how[f] for f in accepted if f in how))
 
