@@ -133,3 +133,19 @@ def test_a_right_output_is_never_named_heads_concatenated_in_the_wrong_order(d_m
     right = reference_attention(params, inputs).output
     assert np.allclose(wrong_layer_output(params, inputs, heads_feature_major=True), right)
     assert layer_mistake(right, params, inputs, bound=1e-6) == ""
+
+
+def test_one_query_against_two_keys_names_both_mistakes_it_cannot_tell_apart():
+    """At Tq = 1, Tk = 2 (bottom-right) a mask without the diagonal and top-left alignment give the same output
+    (the query sees key 0 alone): both are named, not the first that fits; at Tq = 1, Tk = 5 only the missing
+    diagonal fits, named with the offset."""
+    from mha_harness.conformance.diagnoses import causal_hint
+    config = AttentionConfig(16, 2)
+    params = make_params(config, seed=3)
+    for tk, expected in ((2, ["this input cannot tell 2 mistakes apart", "excludes the diagonal", "top-left"]),
+                         (5, ["excludes the diagonal (query i cannot see its own key, key i + 4)"])):
+        inputs = mha_harness.make_inputs(config, 1, 1, tk, seed=4).replace(causal="bottom-right")
+        wrong = reference_attention(params, inputs.replace(causal=None, attn_mask=np.eye(1, tk, k=tk - 1) == 0))
+        hint = causal_hint(wrong.output, params, inputs)
+        assert all(part in hint for part in expected), hint
+        assert ("top-left" in hint) == (tk == 2), hint

@@ -53,19 +53,19 @@ def test_a_kv_cache_layers_gradients_are_d_x_new_and_d_x_cached():
     (NewKeysFirst, "check_causal_output_matches_reference", "the output matches the new keys and values put before "
                                                             "the cached ones"),
     (OffsetForgotten, "check_causal_output_matches_reference", "the output matches top-left alignment instead"),
-    (OneTokenSkipsItself, "check_causal_output_matches_reference", None),
+    (OneTokenSkipsItself, "check_causal_output_matches_reference", "excludes the diagonal (query i cannot see its "
+                                                                   "own key, key i + 64): the step attends to the "
+                                                                   "cache before appending"),
 ])
 def test_kv_cache_bugs_are_caught(bug, failing, named):
     """The new keys put before the cached ones, the step's causal mask applied top-left (its offset forgotten),
     and one new token attending over the cache before its own key is appended (an eleventh stranger's bug, which
-    passed every case before the one_new_token variant), each fail the causal output case; the first two are
-    named."""
+    passed every case before the one_new_token variant), each fail the causal output case, and each is named."""
     report = mha_harness.check(bug())
     assert not report.ok
     failed = [r for r in _results(report, "failed") if r.case == failing]
     assert failed, report.summary_lines()
-    if named:
-        assert any(named in r.message for r in failed), [r.message for r in failed]
+    assert any(named in r.message for r in failed), [r.message for r in failed]
 
 
 def test_kv_cache_padding_cases_pad_cached_rows_with_nan_too():
@@ -103,6 +103,10 @@ def test_a_kv_cache_backend_refuses_an_x_q_that_is_not_x_kvs_last_rows():
     loaded.forward(inputs)
     with pytest.raises(ValueError, match="query"):  # a malformed query is named as such, not as the form
         loaded.forward(inputs.replace(query=x_q[0]))
+    with pytest.raises(ValueError, match=r"shared_kv form \(x_q has dtype float32, x_kv float64\)"):
+        loaded.forward(inputs.replace(query=x_q.astype(np.float32)))
+    with pytest.raises(ValueError, match=r"Tq = 9 > Tk = 8"):
+        loaded.forward(inputs.replace(query=rng.standard_normal((1, 9, 16)), causal=None))
 
 
 def test_kv_cache_capabilities_are_bottom_right_and_never_more_queries_than_keys():
@@ -137,4 +141,4 @@ def test_search_draws_kv_cache_steps(tmp_path, spec, found):
     line = next(x for x in out.stdout.splitlines() if x.startswith("search "))
     assert line.endswith(": FAILED") == found, out.stdout + out.stderr
     if found:
-        assert "the output matches top-left alignment instead" in out.stdout
+        assert "top-left alignment instead" in out.stdout

@@ -124,13 +124,18 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
                 "instead of the keys up to i (triu where tril belongs: torch.triu, np.triu or jnp.triu)")
     if unmasked.attn_mask is None and matches(next_key):
         return "; the output matches a causal mask one key too wide (query i also sees key i + 1)"
+    hints = []  # at some shapes (one query against two keys) these two give the same output: both are named
     no_diagonal = ~np.eye(tq, tk, k=offset, dtype=bool)
-    if tq == tk and inputs.attn_mask is None and matches(inputs.replace(attn_mask=no_diagonal)):
-        return "; the output matches a causal mask that excludes the diagonal (query i cannot see key i)"
+    if inputs.attn_mask is None and matches(inputs.replace(attn_mask=no_diagonal)):
+        own_key = "key i" if offset == 0 else f"its own key, key i + {offset}"
+        step = (": the step attends to the cache before appending the new tokens' own keys"
+                if inputs.form == "kv_cache" else "")
+        hints.append(f"; the output matches a causal mask that excludes the diagonal (query i cannot see {own_key})"
+                     + step)
     other = other_alignment(alignment)
     if tq != tk and matches(inputs.replace(causal=other)):
-        return f"; the output matches {other} alignment instead"
-    return ""
+        hints.append(f"; the output matches {other} alignment instead")
+    return _together(hints)
 
 
 def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:

@@ -453,8 +453,8 @@ class LoadedAttention:
     def forward(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
         """Validate, then run the layer on NumPy inputs and return NumPy outputs."""
         self._require_loaded()
-        validate_form(inputs, self.input_form)
         validate_inputs(inputs, self.config)
+        validate_form(inputs, self.input_form)
         self._require_causal(inputs)
         return self.compute(inputs, need_weights=need_weights)
 
@@ -475,8 +475,8 @@ class LoadedAttention:
         :meth:`compute_vjp`.
         """
         self._require_loaded()
-        validate_form(inputs, self.input_form)
         validate_inputs(inputs, self.config)
+        validate_form(inputs, self.input_form)
         self._require_causal(inputs)
         validate_cotangent(cotangent, inputs, self.config)
         return self.compute_vjp(inputs, cotangent)

@@ -137,28 +137,23 @@ def validate_params(params: AttentionParams) -> None:
 
 
 def validate_form(inputs: AttentionInputs, declared: str) -> None:
-    """Refuse inputs in a form the backend did not declare (``Capabilities.inputs``), naming ``inputs``."""
+    """Refuse inputs in a form the backend did not declare (``Capabilities.inputs``), naming ``inputs``. Runs after
+    :func:`validate_inputs`, so the arrays are well formed and only their identity or values decide the form."""
     require_inputs(inputs)
     form = inputs.form
     accepted = ACCEPTED_FORMS[declared]
     if form not in accepted:
-        if declared == "kv_cache" and form == "shared_kv" and _malformed_arrays(inputs):
-            return  # validate_inputs names the malformed array (query of rank 2, another width, ...)
         how = {"self": "one array x (query is key is value)",
                "shared_kv": "x_q and one x_kv (key is value)",
                "kv_cache": "x_new and one x_kv whose last Tq rows are x_new (key is value)"}
-        got = ("shared_kv form (x_q is not the last Tq rows of x_kv)" if declared == "kv_cache" and form == "shared_kv"
-               else f"{form} form")
+        got = f"{form} form"
+        if declared == "kv_cache" and form == "shared_kv":
+            q, kv = np.asarray(inputs.query), np.asarray(inputs.key)
+            got += (f" (x_q has dtype {q.dtype}, x_kv {kv.dtype})" if q.dtype != kv.dtype
+                    else f" (x_q has more rows than x_kv: Tq = {q.shape[1]} > Tk = {kv.shape[1]})"
+                    if q.shape[1] > kv.shape[1] else " (x_q is not the last Tq rows of x_kv)")
         raise ValueError(f"inputs: got the {got} but the backend declares inputs={declared!r}; accepted: "
                          + " or ".join(how[f] for f in accepted if f in how))
-
-
-def _malformed_arrays(inputs: AttentionInputs) -> bool:
-    """Whether query and x_kv cannot be a KV-cache call's pair for a reason validate_inputs names (rank, batch,
-    width, an empty query), rather than for their values."""
-    q, kv = np.asarray(inputs.query), np.asarray(inputs.key)
-    return (q.ndim != 3 or kv.ndim != 3 or q.shape[0] != kv.shape[0] or q.shape[2] != kv.shape[2]
-            or q.shape[1] == 0 or q.dtype != kv.dtype or not np.all(np.isfinite(q)))
 
 
 def validate_inputs(inputs: AttentionInputs, config: AttentionConfig) -> None:
