@@ -24,7 +24,8 @@ from mha_harness.contract.params import make_params
 def check_scores_scaled_by_sqrt_d_head(backend, *, form, dtype):
     """Scores are divided by sqrt(d_head), not by sqrt(d_model) and not left unscaled; on failure the
     message names the wrong scale the output matches."""
-    config = AttentionConfig(64, 4)  # d_head 16: 1/sqrt(d_model), 1 and 1/d_head are 1/2x, 4x and 1/4x the scale
+    # d_head 16: 1/sqrt(d_model), 1, 1/d_head and 1/d_model are 1/2x, 4x, 1/4x and 1/16x the scale
+    config = AttentionConfig(64, 4)
     params = make_params(config, seed=2, scale=0.6)  # large enough that softmax is far from uniform
     inputs = form_inputs(form, config, 2, 12)
     got = run(backend, params, inputs, dtype).output

@@ -370,6 +370,24 @@ def test_plots_never_fail_on_readings_below_resolution_or_missing(tmp_path):
     assert len(plot(decode, tmp_path / "decode", {"memory_bandwidth_gbs": 0.0})) == 2
 
 
+def test_readings_below_one_resolution_at_one_length_are_drawn_side_by_side(tmp_path, monkeypatch):
+    """Three backends below the same resolution at T = 128 drew one triangle on top of another (a stranger saw one
+    where the note named three): each later one is moved right."""
+    import matplotlib.axes
+
+    from mha_harness.bench.sweep import plot
+    drawn = []
+    original = matplotlib.axes.Axes.plot
+
+    def recording(self, *args, **kwargs):
+        if kwargs.get("marker") == "v":
+            drawn.append(list(args[0]))
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recording)
+    plot([_point(name, 128, 0, True) for name in "abc"], tmp_path, {})
+    assert len(drawn) == 3 and len({x for xs in drawn for x in xs}) == 3, drawn
+
+
 def test_tiled_vs_naive_shows_missing_and_below_resolution_readings_instead_of_crashing(monkeypatch):
     from dataclasses import asdict
 

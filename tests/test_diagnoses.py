@@ -46,6 +46,23 @@ class _FiniteMaskValue(NumpyNaiveLoaded):
         return self.softmax(scores)
 
 
+class _SplitTokensOnTheWayIn(NumpyNaiveLoaded):
+    def split_heads(self, x, n_heads):  # x.reshape(B, h, T, d_head); the merge stays right
+        b, t, w = x.shape
+        return x.reshape(b, n_heads, t, w // n_heads)
+
+
+class _MergedWithoutTransposeBack(NumpyNaiveLoaded):
+    def merge_heads(self, heads):  # (B, h, T, d_head).reshape(B, T, h * d_head); the split stays right
+        b, h, t, dh = heads.shape
+        return heads.reshape(b, t, h * dh)
+
+
+class _ScaledByDModel(NumpyNaiveLoaded):
+    def scale(self):
+        return 1.0 / self.config.d_model
+
+
 def _backend(name, loaded, divergences=()):
     return type(name, (NumpyNaive,), {"name": name, "loaded_class": loaded, "divergences": divergences})()
 
@@ -65,7 +82,16 @@ def _messages(backend, case):
      "key_padding_mask read with the opposite polarity"),
     (MutantBackend(next(m for m in MUTANTS if m.name == "mutant-heads-merged-feature-major"), weights=False),
      "check_output_matches_reference", "heads concatenated in the wrong order: feature j of head h at j * heads + h"),
-], ids=["softmax-axis", "no-w-o", "split-tokens", "padding-polarity", "heads-feature-major"])
+    (_backend("split-tokens-in", _SplitTokensOnTheWayIn), "check_head_split_keeps_features_together",
+     "'split tokens instead of features' mistake on the way in only"),
+    (_backend("split-tokens-in", _SplitTokensOnTheWayIn), "check_output_matches_reference",
+     "'split tokens instead of features' mistake on the way in only"),
+    (_backend("merged-without-transpose", _MergedWithoutTransposeBack), "check_output_matches_reference",
+     "the heads merged without the transpose back"),
+    (_backend("scaled-by-d-model", _ScaledByDModel), "check_scores_scaled_by_sqrt_d_head",
+     "scores scaled by 1/d_model instead of 1/sqrt(d_head)"),
+], ids=["softmax-axis", "no-w-o", "split-tokens", "padding-polarity", "heads-feature-major",
+        "split-tokens-in-head-split", "split-tokens-in-grid", "merged-without-transpose", "scale-1-over-d-model"])
 def test_the_failure_names_the_wrong_layer_it_matches(backend, case, named):
     messages = _messages(backend, case)
     assert messages and all(named in m for m in messages), [m for m in messages if named not in m][:2]

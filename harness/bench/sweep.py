@@ -612,6 +612,7 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     measured_backends = {p.backend for p in points if p.status == MEASURED}
     unsupported_only = list(dict.fromkeys(p.backend for p in points if p.status == SKIPPED
                                           and p.backend not in measured_backends))
+    placed: dict[tuple, int] = {}  # below-resolution triangles drawn at each (T, resolution)
     for key, line in series(points).items():
         backend, workload, tq, causal, mode = key
         name = backend + (f" Tq={tq}" if workload == "decode" else "") + (" causal" if causal and workload ==
@@ -647,7 +648,13 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
                 ax.plot(xs, ys, marker=marker, markersize=3.5, linestyle=style, color=color, label=name)
             drawn = True
         if below:
-            ax.plot([p.seq_len for p in below], [p.memory_resolution_bytes for p in below], marker="v",
+            # several backends below one resolution at one T would draw one triangle: each later one moves right
+            xs = []
+            for p in below:
+                spot = (p.seq_len, p.memory_resolution_bytes)
+                xs.append(p.seq_len * 1.05 ** placed.get(spot, 0))
+                placed[spot] = placed.get(spot, 0) + 1
+            ax.plot(xs, [p.memory_resolution_bytes for p in below], marker="v",
                     markersize=6, linestyle="none", markerfacecolor="none", color=color,
                     label=None if shown else f"{name} (below resolution)")
             below_notes.append(f"{backend}: T={','.join(str(p.seq_len) for p in below)}")
@@ -657,7 +664,8 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
         drawn = True
     notes = []
     if below_notes:
-        notes.append("below resolution (open triangle drawn at the method's resolution, an upper bound): "
+        notes.append("below resolution (open triangle drawn at the method's resolution, an upper bound; several at "
+                     "one T side by side): "
                      + "; ".join(below_notes))
     if empty_notes:
         notes.append("no reading: " + ", ".join(empty_notes))

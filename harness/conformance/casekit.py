@@ -456,11 +456,11 @@ def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams
 
 
 def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str | None:
-    """The common wrong score scale (1/sqrt(d_model), none, 1/d_head) whose float64 output ``got`` matches within
-    ``max(10 * bound, 1e-3)``, or None when it matches none of them."""
+    """The common wrong score scale (1/sqrt(d_model), none, 1/d_head, 1/d_model) whose float64 output ``got``
+    matches within ``max(10 * bound, 1e-3)``, or None when it matches none of them."""
     c = params.config
     candidates = {"1/sqrt(d_model)": np.sqrt(c.d_head / c.d_model), "no scaling (1)": np.sqrt(c.d_head),
-                  "1/d_head": 1 / np.sqrt(c.d_head)}
+                  "1/d_head": 1 / np.sqrt(c.d_head), "1/d_model": np.sqrt(c.d_head) / c.d_model}
     if not np.all(np.isfinite(got)):
         return None
     same: dict[float, list[str]] = {}  # scales that coincide for this shape (d_head = sqrt(d_model): 1/d_head) are one

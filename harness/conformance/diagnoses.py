@@ -1,10 +1,10 @@
 """Known wrong algorithms, computed in NumPy, so a failed comparison can name the mistake its output matches: a
-reversed, misaligned, missing or one-off causal mask, a mask read with the opposite polarity, the key padding mask
-along the query axis or not applied, one of two masks dropped, masks applied after the softmax, heads split by
-tokens instead of features, heads concatenated feature-major, grouped-query key/value heads tiled, a softmax over
-the queries, no output projection, a KV-cache step's new keys put before the cached ones. The rows a wrong call
-leaves without a key are compared under the empty-row convention the backend's output follows there (zeros, or the
-uniform average of V or NaN that a ``fully_masked_rows`` divergence declares)."""
+reversed, misaligned, missing, diagonal-free or one-off causal mask, a mask read with the opposite polarity, the key
+padding mask along the query axis or not applied, one of two masks dropped, masks applied after the softmax, heads
+split by tokens instead of features (on the way in, out, or both), heads concatenated feature-major, grouped-query
+key/value heads tiled, a softmax over the queries, no output projection, a KV-cache step's new keys put before the
+cached ones. The rows a wrong call leaves without a key are compared under the empty-row convention the backend's
+output follows there (zeros, or the uniform average of V or NaN that a ``fully_masked_rows`` divergence declares)."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,26 +14,29 @@ from mha_harness.contract.conventions import causal_offset, other_alignment
 from mha_harness.contract.reference import allowed_and_bias, empty_rows_convention, reference_attention
 
 
-def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool = False,
+def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
                        heads_feature_major: bool = False, softmax_axis: int = -1,
                        mask_after_softmax: bool = False, kv_tiled: bool = False) -> np.ndarray:
-    """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``,
-    the lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
+    """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``, the
+    lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
     block of tokens instead of its own features of every token, merged back the same way; a module masks its score
-    matrix by index); ``heads_feature_major``, the heads merged feature-major before W_o (feature j of head h at
-    j * h_count + h instead of h * d_head + j: (B, h, T, d_head) transposed to (B, T, d_head, h) before the reshape,
-    as W_o read per head as reshape(d_head, h, d_model).transpose(1, 0, 2) does); ``softmax_axis=-2``, the softmax
-    over the queries instead of the keys; ``mask_after_softmax``, the masks applied after the softmax without
-    renormalising (masked keys get weight 0 but stay in every row's normaliser); ``kv_tiled``, grouped-query key/value
-    heads expanded by tiling (query head h reads key/value head h % kv_heads, as torch ``.repeat`` or ``np.tile``
-    give) instead of each repeated for its group of consecutive query heads (h // group). Masked values never reach
-    it (a NaN stored there is read as 0)."""
+    matrix by index); ``split_tokens="split"`` only on the way in (the merge transposes back correctly),
+    ``split_tokens="merge"`` only on the way out (the split is right, the merge reshapes (B, h, T, d_head) to (B, T,
+    h * d_head) without the transpose); ``heads_feature_major``, the heads merged feature-major before W_o (feature
+    j of head h at j * h_count + h instead of h * d_head + j: (B, h, T, d_head) transposed to (B, T, d_head, h)
+    before the reshape, as W_o read per head as reshape(d_head, h, d_model).transpose(1, 0, 2) does);
+    ``softmax_axis=-2``, the softmax over the queries instead of the keys; ``mask_after_softmax``, the masks applied
+    after the softmax without renormalising (masked keys get weight 0 but stay in every row's normaliser);
+    ``kv_tiled``, grouped-query key/value heads expanded by tiling (query head h reads key/value head h % kv_heads,
+    as torch ``.repeat`` or ``np.tile`` give) instead of each repeated for its group of consecutive query heads (h
+    // group). Masked values never reach it (a NaN stored there is read as 0)."""
     c = params.config
+    split_in, merge_out = split_tokens in (True, "split"), split_tokens in (True, "merge")
 
     def heads(x, w, bias, n):
         y = np.asarray(x, np.float64) @ w + (0.0 if bias is None else bias)
         b, t, width = y.shape
-        return y.reshape(b, n, t, width // n) if split_tokens else y.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
+        return y.reshape(b, n, t, width // n) if split_in else y.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
     q = heads(inputs.query, params.W_q, params.b_q, c.num_heads)
     def expand(kv):
         return np.tile(kv, (1, c.group, 1, 1)) if kv_tiled else np.repeat(kv, c.group, axis=1)
@@ -51,7 +54,7 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     out = weights @ np.where(np.isfinite(v), v, 0.0)
     b, h, t, dh = out.shape
     order = (0, 2, 3, 1) if heads_feature_major else (0, 2, 1, 3)  # (B, T, d_head, h) or (B, T, h, d_head)
-    merged = out.reshape(b, t, h * dh) if split_tokens else out.transpose(order).reshape(b, t, h * dh)
+    merged = out.reshape(b, t, h * dh) if merge_out else out.transpose(order).reshape(b, t, h * dh)
     return merged @ params.W_o + (0.0 if params.b_o is None else params.b_o)
 
 
@@ -166,9 +169,10 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
 
 def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
     """The diagnosis of a whole output that matches, within ``max(10 * bound, 1e-4)``, the layer with its heads
-    split by tokens, its heads concatenated feature-major, its grouped-query key/value heads tiled, its softmax over
-    the queries, or no output projection; ""
-    when none. A candidate is tried only where it differs from the correct layer."""
+    split by tokens (on the way in, out, or both), its heads concatenated feature-major, its grouped-query key/value
+    heads tiled, its softmax over the queries, or no output projection; "" when none. A candidate is tried only where
+    it differs from the correct layer; every one that matches is named (with one key, a split by tokens on the way
+    in changes nothing, so it cannot be told from the correct split)."""
     if not np.all(np.isfinite(got)):
         return ""
     c = params.config
@@ -176,6 +180,13 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     if c.num_heads > 1 and inputs.tq > 1:  # one head or one token: the token split is the identity
         candidates.append(("the 'split tokens instead of features' mistake (reshape(h, T, d_head))",
                            lambda: wrong_layer_output(params, inputs, split_tokens=True)))
+        candidates.append(("the 'split tokens instead of features' mistake on the way in only: the projections "
+                           "reshaped to (B, h, T, d_head), where (B, T, h, d_head) then transpose(1, 2) belongs; the "
+                           "merge is right",
+                           lambda: wrong_layer_output(params, inputs, split_tokens="split")))
+        candidates.append(("the heads merged without the transpose back: (B, h, T, d_head) reshaped to "
+                           "(B, T, h * d_head), where transpose(1, 2) then reshape belongs; the split is right",
+                           lambda: wrong_layer_output(params, inputs, split_tokens="merge")))
     if c.num_heads > 1 and c.d_head > 1:  # one head, or one feature per head: both layouts are the same
         candidates.append(("heads concatenated in the wrong order: feature j of head h at j * heads + h instead of "
                            "h * d_head + j (a transpose missing or swapped before the merge reshape, or W_o read per "
@@ -191,10 +202,8 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
     candidates.append(("concat(heads) without the output projection W_o (and b_o): W_o is missing",
                        lambda: reference_attention(params.replace(W_o=np.eye(c.d_model), b_o=no_bias), inputs).output))
-    for label, output in candidates:
-        if np.max(np.abs(got - output())) <= max(10 * bound, 1e-4):
-            return f"; the output matches {label}"
-    return ""
+    return _together([f"; the output matches {label}" for label, output in candidates
+                      if np.max(np.abs(got - output())) <= max(10 * bound, 1e-4)])
 
 
 def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
