@@ -35,7 +35,8 @@ def check_scores_scaled_by_sqrt_d_head(backend, *, form, dtype):
     except CaseFailure as failure:
         diagnosis = scale_hint(got, params, inputs, tol.bound)
         if diagnosis:
-            raise CaseFailure(f"{failure}{diagnosis}", failure.max_error) from None
+            raise CaseFailure(f"{failure}{diagnosis}", failure.max_error,
+                              diagnosis=diagnosis.removeprefix("; ")) from None
         raise
 
 
@@ -95,10 +96,11 @@ def check_heads_are_separated(backend, *, form, dtype, kv_heads):
             grouping = "" if name == "W_q" else _grouping_note(c, block, moved)
             if stray:
                 head = stray[0]
+                hint = "" if TILED in grouping else _split_hint(backend, params, inputs, dtype)
                 raise CaseFailure(f"head separation: changing head {block}'s block of {name} changed head {head}'s "
                                   f"output slice (features {head * c.d_head}:{(head + 1) * c.d_head}) by "
-                                  f"{diffs[head]:.3g}; expected no change ({tol.describe()}){grouping}"
-                                  + ("" if TILED in grouping else _split_hint(backend, params, inputs, dtype)))
+                                  f"{diffs[head]:.3g}; expected no change ({tol.describe()}){grouping}{hint}",
+                                  diagnosis=(TILED if TILED in grouping else hint.removeprefix("; ")))
             raise CaseFailure(f"head separation: changing head {block}'s block of {name} left head {still[0]}'s "
                               f"own output slice unchanged; expected it to change{grouping}")
     return Measurement()
@@ -120,7 +122,8 @@ def check_head_split_keeps_features_together(backend, *, form, dtype):
     try:
         return Measurement(max_error=assert_close(got, expected, tol, "labelled-numbers head split"))
     except CaseFailure as failure:
-        raise CaseFailure(str(failure) + _split_hint(backend, params, inputs, dtype), failure.max_error) from None
+        hint = _split_hint(backend, params, inputs, dtype)
+        raise CaseFailure(str(failure) + hint, failure.max_error, diagnosis=hint.removeprefix("; ")) from None
 
 
 @case(forms=ALL_FORMS)

@@ -175,3 +175,17 @@ def test_one_query_against_two_keys_names_both_mistakes_it_cannot_tell_apart():
         hint = causal_hint(wrong.output, params, inputs)
         assert all(part in hint for part in expected), hint
         assert ("top-left" in hint) == (tk == 2), hint
+
+
+@pytest.mark.parametrize("loaded, case, named", [
+    (_ScaledByDModel, "check_scores_scaled_by_sqrt_d_head", "scores scaled by 1/d_model"),
+    (_SplitTokensOnTheWayIn, "check_head_split_keeps_features_together", "on the way in only"),
+    (_SplitTokensOnTheWayIn, "check_heads_are_separated", "on the way in only"),
+])
+def test_the_scale_and_head_cases_count_their_diagnosis_in_the_summary(loaded, case, named):
+    """The scale and head cases' diagnoses are kept with the result (conformance.json's extra.diagnosis) and counted
+    on the summary's "diagnosed:" line, as the reference comparisons' are (a stranger's summary left them out)."""
+    report = mha_harness.check(_backend("wrong", loaded), cases=[case])
+    failed = report.failures()
+    assert failed and all(named in f.extra.get("diagnosis", "") for f in failed), [f.extra for f in failed]
+    assert any(line.strip().startswith("diagnosed:") and case in line for line in report.summary_lines())
