@@ -520,12 +520,18 @@ def _bench_problems(doc: dict) -> list[str]:
     out of memory, error, not run after losses), or whose memory measurement failed."""
     lines = []
     for name, mine in _points_by_backend(doc).items():
-        lost = [p for p in mine if p.get("status") not in ("measured", "skipped") or p.get("memory_error")]
+        lost = [p for p in mine if p.get("status") not in ("measured", "skipped")]
         if lost:
             first = lost[0]
-            why = first.get("memory_error") or f"{first.get('status')}: {first.get('skipped') or ''}"
+            why = f"{first.get('status')}: {first.get('skipped') or ''}"
             lines.append(f"{name}: {len(lost)} point(s) not measured (first: Tq={first.get('tq')} "
                          f"Tk={first.get('tk')} {first.get('mode')}: {why[:200]})")
+        no_memory = [p for p in mine if p.get("status") == "measured" and p.get("memory_error")]
+        if no_memory:  # timed, but the memory pass failed: the table shows n/a for its memory
+            first = no_memory[0]
+            lines.append(f"{name}: {len(no_memory)} point(s) timed but without a memory reading (first: "
+                         f"Tq={first.get('tq')} Tk={first.get('tk')} {first.get('mode')}: memory pass "
+                         f"{first['memory_error'][:200]})")
     return lines
 
 
@@ -691,7 +697,7 @@ def _main(argv) -> int:
         print(f"mha-harness: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("mha-harness: interrupted; finished results are on disk", file=sys.stderr)
+        print("mha-harness: interrupted; every results file written before it is whole on disk", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

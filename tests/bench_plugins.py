@@ -91,3 +91,27 @@ class LlamaLikeGQA(NumpyNaive):
     capabilities = Capabilities(inputs="self", always_causal=True, causal_alignments=("top-left",),
                                 grouped_query=True, bias=False, key_padding_mask=False, bool_attn_mask=False,
                                 additive_attn_mask=False)
+
+
+def _write_junk_to_every_inherited_descriptor():
+    """Bytes that look like a frame header promising ~2 GB, written to every descriptor from 3 up: the harness's pipe
+    to this worker, the process sentinel, multiprocessing's resource tracker."""
+    import os
+    for fd in range(3, 256):
+        try:
+            os.write(fd, b"\x80\x04garbage\xff" * 64)
+        except OSError:
+            pass
+
+
+class _WritesJunkToItsPipes(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):
+        def call():
+            _write_junk_to_every_inherited_descriptor()
+        return call
+
+
+class WritesJunkToItsPipes(NumpyNaive):
+    """A stranger's plugin that hung `bench` for good (> 900 s, past --bench-timeout): the parent waited for a frame
+    that never came, then blocked in waitpid on a worker whose sentinel it had written to."""
+    name, loaded_class = "bench-writes-junk-to-its-pipes", _WritesJunkToItsPipes

@@ -125,6 +125,13 @@ class _KilledBySignal9(NumpyNaiveLoaded):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class _WritesJunkToItsPipes(NumpyNaiveLoaded):
+    def compute(self, inputs, *, need_weights=False):
+        from tests.bench_plugins import _write_junk_to_every_inherited_descriptor
+        _write_junk_to_every_inherited_descriptor()
+        return super().compute(inputs, need_weights=need_weights)
+
+
 class _ExitsZeroAtLoad(NumpyNaive):
     name = "hostile-exit0-at-load"
 
@@ -133,6 +140,7 @@ class _ExitsZeroAtLoad(NumpyNaive):
         sys.exit(0)
 
 
+WritesJunkToItsPipes = _hostile("hostile-writes-junk-to-its-pipes", _WritesJunkToItsPipes)
 PatchesTheVerdict = _hostile("hostile-patches-verdict", _PatchesTheVerdict)
 ReturnsComplex = _hostile("hostile-complex", _Complex)
 ReturnsObjects = _hostile("hostile-object", _ObjectArray)

@@ -137,6 +137,27 @@ def test_unsupported_points_are_skipped_with_a_reason(tmp_path):
     assert backward and backward[0]["status"] == "skipped" and backward[0]["skipped"] == "no gradients"
 
 
+def test_a_plugin_writing_junk_into_its_pipes_is_reported_and_the_sweep_goes_on(tmp_path):
+    """A timed call that writes a forged frame to every inherited descriptor (the answer pipe, the sentinel): the
+    backend is lost as an error within --bench-timeout, numpy-tiled's points are all measured, and the command ends
+    (it hung for good before)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "mha_harness", "bench", "--backend", "numpy-tiled", "--backend-spec",
+                          "tests.bench_plugins:WritesJunkToItsPipes", "--seq-lens", "32,64", "--d-model", "64",
+                          "--heads", "4", "--budget", "0.2", "--bench-timeout", "10", "--results", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=400)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert time.monotonic() - start < 300
+    doc = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    by = {}
+    for p in doc["points"]:
+        by.setdefault(p["backend"], []).append(p)
+    assert [p["status"] for p in by["numpy-tiled"]] == ["measured"] * 2
+    junk = by["bench-writes-junk-to-its-pipes"]
+    assert junk[0]["status"] in ("error", "timeout") and "pipe" in junk[0]["skipped"] + out.stdout, junk[0]
+
+
 def test_hanging_crashing_and_memory_hogging_plugins_are_reported_and_the_sweep_goes_on(tmp_path):
     """Through the command line, as a user meets them: each hostile plugin is reported for its points, the sweep
     goes on, every numpy-tiled point is measured, bench.json is complete, and the command exits 1 naming the
@@ -435,6 +456,13 @@ def test_fidelity_summary_counts_only_what_was_compared():
     assert s["sweep_over_alone"]["within"] == 0 and s["sweep_over_alone"]["worst"]["ratio"] == 1.08
     # a: outside +-5% but the rounds cannot tell it from 1.0; c: a difference its CI establishes
     assert s["sweep_over_alone"]["outside_with_ci_including_1"] == 1
+    # a stranger's "sweep/autorange 1.011 [0.037-1.801] ok": within by its median, the CI says nothing
+    doc["timing"][1]["sweep_over_autorange_ci95"] = [0.037, 1.801]
+    assert summary(doc)["sweep_over_autorange"]["within_with_ci_past_target"] == 1
+    from mha_harness.bench.fidelity import _timing_line
+    assert "ok (undetermined: the CI reaches past +-10%)" in _timing_line(doc["timing"][1])
+    assert "1.040 ok " in _timing_line(doc["timing"][0])  # no CI: nothing to say
+    del doc["timing"][1]["sweep_over_autorange_ci95"]
     # how busy the rest of the box was: the busiest round's other-process CPU per second, and the steal
     assert s["timing_conditions"] == {"rounds": 2, "max_other_cores": 0.25, "steal_s": 0.3}
     rss = s["memory_vs_formula"]["methods"]["rss"]

@@ -155,7 +155,9 @@ VERDICT = {"PatchesTheVerdict": ("hostile-patches-verdict", "failed", "expected"
            "RaisesGeneratorExit": ("hostile-generatorexit", "error", "GeneratorExit"),
            "ExitsZeroAtLoad": ("hostile-exit0-at-load", "error", "SystemExit: 0"),
            "KilledBySignal9": ("hostile-sigkill", "crashed", "killed by SIGKILL (exit code -9)"),
-           "SpawnsChild": ("hostile-spawns-child", "passed", "")}
+           "SpawnsChild": ("hostile-spawns-child", "passed", ""),
+           "WritesJunkToItsPipes": ("hostile-writes-junk-to-its-pipes", "error",
+                                    "the worker's answer could not be read")}
 ONE_CASE = "check_output_projection_mixes_heads"
 
 
@@ -253,7 +255,7 @@ def test_oom_counter_is_read_from_the_cgroup_files(tmp_path, monkeypatch):
 def test_worker_answers_cross_as_data_never_as_pickles():
     import numpy as np
 
-    from mha_harness.conformance.wire import UnsendableArray, decode, encode
+    from mha_harness.util.wire import UnsendableArray, decode, encode
     message = {"ok": {"output": np.arange(6.0).reshape(2, 3), "weights": None, "o": np.array([1, None], object)}}
     back = decode(encode(message))
     assert np.array_equal(back["ok"]["output"], message["ok"]["output"]) and back["ok"]["weights"] is None

@@ -26,6 +26,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
@@ -297,6 +298,8 @@ class Sweep:
                     continue
                 point.samples_s += answer["samples_s"]
                 spent[point.backend] += answer["spent_s"]
+                if answer["samples_s"]:  # calls slower than calibrated (a loaded box): the next turns stay ~turn_s
+                    call_s[point.backend] = max(call_s[point.backend], statistics.median(answer["samples_s"]))
                 done = stats.converged(point.samples_s, config.ci_rel)
                 if len(point.samples_s) >= stats.MIN_SAMPLES and (done or spent[point.backend] >= config.budget_s):
                     point.budget_exhausted = not done
@@ -505,6 +508,9 @@ def table(points: list[BenchPoint]) -> str:
                                  for name, (method, res) in methods.items())
                      + "; memory the backend holds before the call (parameters, prepare()'s buffers such as a "
                        "KV cache) is not counted")
+    if any(p.status == MEASURED and p.memory_error for p in points):
+        lines.append("  n/a in peak MiB: the memory pass of a timed point failed (bench.json's memory_error says why; "
+                     "its timing stands)")
     if any(p.over_compute_roof for p in points):
         lines.append("  ! faster than this machine's compute roof allows for the layer's work: not comparable "
                      "(the reason under 'above a roof' below and in bench.json's over_compute_roof)")
@@ -821,7 +827,11 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
                          backward=backward, query_lens=query_lens)
     by_name = {b.name: b for b in backends}
     runnable = any(unsupported(by_name[p.backend], shape_of(p, config)) is None for group in groups for p in group)
-    machine = machine_info(config.threads, roofs=runnable)
+    try:
+        machine = machine_info(config.threads, roofs=runnable)
+    except KeyboardInterrupt:
+        log("  interrupted while measuring this machine's roofs, before any point: no bench.json written", flush=True)
+        raise
     doc = {"schema": "mha-harness/bench", "schema_version": SCHEMA_VERSION, "complete": False,
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine,
            "threads": thread_report(config.threads), "config": asdict(config), "workload": config.workload,

@@ -20,6 +20,8 @@ import signal
 import time
 from contextlib import contextmanager
 
+from mha_harness.util.pipes import GarbledAnswer, reap, recv_bytes_within
+
 POLL_S = 0.05
 #: before a backend's turn the other workers must have used less than this fraction of a core over one window of
 #: SETTLE_WINDOW_S: OpenBLAS's threads spin ~0.1 s after each call, ONNX Runtime's ~0.05 s (measured), and a
@@ -30,6 +32,8 @@ SETTLE_LIMIT_S = 2.0
 #: seconds a new worker may take to start (spawn, import the harness, NumPy and the plugin, unpickle the backend):
 #: like ``check``'s workers, the start is not charged to the first request's ``--bench-timeout``
 STARTUP_TIMEOUT_S = 300.0
+#: the longest answer a worker may send (timings and memory figures: a few KiB)
+MAX_ANSWER_BYTES = 64 * 2 ** 20
 #: samples of the estimated size whose fastest refines the calibration (3 x ~20 ms)
 CALIBRATION_SAMPLES = 3
 TIMEOUT, CRASHED, OUT_OF_MEMORY, ERROR = "timeout", "crashed", "out-of-memory", "error"
@@ -56,15 +60,36 @@ def _worker_main(conn, payload: bytes, threads: int) -> None:
     pin_cpus(threads)  # before the plugin is unpickled: every pool it starts (XLA's too) sees ``threads`` CPUs
     server = _Server(pickle.loads(payload), threads)
     apply_threads(threads)
-    conn.send(("ready", os.getpid()))  # the start (spawn, imports, the plugin's unpickling) is not charged to a request
+    _answer(conn, ("ready", os.getpid()))  # the start (spawn, imports, unpickling) is not charged to a request
     while True:
         try:
-            request = conn.recv()
+            request = conn.recv()  # from the parent: pickles are fine this way
         except (EOFError, OSError):
             return
         if request[0] == "quit":
             return
-        conn.send(server.handle(request))
+        _answer(conn, server.handle(request))
+
+
+def _plain(obj):
+    """``obj`` with NumPy scalars as Python numbers and tuples as lists: what crosses the wire comes back the same."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    import numpy as np
+    return obj.item() if isinstance(obj, np.generic) else obj
+
+
+def _answer(conn, reply) -> None:
+    """Send an answer as data (JSON and ``.npy``, mha_harness.util.wire), never a pickle: the parent must not
+    unpickle what a process running plugin code wrote."""
+    from mha_harness.util.wire import encode
+    try:
+        data = encode(_plain(reply))
+    except Exception as exc:  # noqa: BLE001 - a value that cannot cross as data is that backend's error
+        data = encode([ERROR, f"the answer cannot be sent as data ({type(exc).__name__}: {exc})"])
+    conn.send_bytes(data)
 
 
 class _Server:
@@ -329,10 +354,12 @@ class BackendWorker:
         while True:
             if self.conn.poll(POLL_S):
                 try:
-                    return self.conn.recv()
+                    data = recv_bytes_within(self.conn, maxlength=MAX_ANSWER_BYTES)
+                except GarbledAnswer as exc:
+                    raise self._lost(ERROR, f"the worker's answer could not be read: {exc}") from None
                 except (EOFError, OSError):
-                    self.process.join(1)
-                    raise self._lost(CRASHED, _describe_exit(self.process.exitcode)) from None
+                    raise self._lost(CRASHED, _describe_exit(reap(self.process, 1))) from None
+                return self._read(data)
             if not self.process.is_alive():
                 raise self._lost(CRASHED, _describe_exit(self.process.exitcode))
             if self.max_bytes and _rss_bytes(self.process.pid) > self.max_bytes:
@@ -341,6 +368,19 @@ class BackendWorker:
             if time.monotonic() > deadline:
                 raise self._lost(TIMEOUT, f"no answer {what + ' ' if what else ''}within {timeout:g} s "
                                           f"({'startup' if what else '--bench-timeout'}); worker killed")
+
+    def _read(self, data: bytes):
+        """An answer as (status, value); a worker that wrote anything else is lost as an error."""
+        from mha_harness.util.wire import decode
+        try:
+            answer = decode(data)
+        except Exception as exc:  # noqa: BLE001 - garbage from plugin code
+            raise self._lost(ERROR, f"the worker's answer could not be read ({type(exc).__name__}: {exc}): plugin "
+                                    "code wrote into the harness's pipe?") from None
+        if not (isinstance(answer, list) and len(answer) == 2 and isinstance(answer[0], str)):
+            raise self._lost(ERROR, "the worker's answer is not a (status, value) pair: plugin code wrote into the "
+                                    "harness's pipe?")
+        return tuple(answer)
 
     def _lost(self, status: str, message: str) -> WorkerLost:
         self.kill()
@@ -363,13 +403,13 @@ class BackendWorker:
                 process.kill()
             except (ProcessLookupError, OSError, AttributeError):
                 pass
-        process.join(5)
+        reap(process, 5)
 
     def close(self) -> None:
         if self.alive:
             try:
                 self.conn.send(("quit",))
-                self.process.join(2)
+                reap(self.process, 2)
             except (BrokenPipeError, OSError):
                 pass
         self.kill()

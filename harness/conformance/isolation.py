@@ -3,7 +3,7 @@
 The case function, the float64 reference, the tolerance and the comparison run here (the parent). The
 backend a case sees is a :class:`~mha_harness.conformance.proxy.BackendProxy` whose calls (load, forward,
 vjp, native_parameter_shapes) are sent to the backend's worker, which only runs plugin code and answers with
-plain data and arrays (:mod:`mha_harness.conformance.wire`: never unpickled here). So a plugin that patches
+plain data and arrays (:mod:`mha_harness.util.wire`: never unpickled here). So a plugin that patches
 ``np.exp``, ``np.testing`` or the harness inside its worker changes nothing the verdict uses.
 
 Guarantees:
@@ -37,8 +37,9 @@ from mha_harness.conformance.casekit import Case
 from mha_harness.conformance.proxy import BackendProxy, WorkerLost, describe_exception, raise_described
 from mha_harness.conformance.results import ABANDONED, CaseResult, Status
 from mha_harness.conformance.runner import declared_skip, lost_result, plan, run_case, settle_precision_declarations
-from mha_harness.conformance.wire import decode
 from mha_harness.contract.api import AttentionBackend
+from mha_harness.util.pipes import GarbledAnswer, reap, recv_bytes_within
+from mha_harness.util.wire import decode
 
 MAX_CONSECUTIVE_LOSSES = 2
 #: seconds a worker may take to import and build its backend, on top of the case's own timeout
@@ -54,7 +55,7 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 WORKER_START_ENV = "MHA_HARNESS_WORKER_START"
 #: imported once into the fork server: the harness's worker side, and each framework the harness's process has
 #: already loaded (availability checks import it: a backend's worker will import it too). Never plugin code.
-_PRELOAD = ("mha_harness.conformance.proxy", "mha_harness.conformance.wire", "mha_harness.contract.api")
+_PRELOAD = ("mha_harness.conformance.proxy", "mha_harness.util.wire", "mha_harness.contract.api")
 _PRELOAD_FRAMEWORKS = ("torch", "jax", "flax.linen")
 
 
@@ -167,7 +168,7 @@ def worker_main(conn, payload, threads: int | None, environ: dict | None = None,
             except Exception:  # noqa: BLE001
                 pass
     from mha_harness.conformance.proxy import Server
-    from mha_harness.conformance.wire import encode
+    from mha_harness.util.wire import encode
     server, startup_error = None, None
     try:
         server = Server(_build_backend(payload))
@@ -297,7 +298,7 @@ class WorkerTransport:
                 kill()
             except (ProcessLookupError, PermissionError, OSError, AttributeError):
                 pass
-        process.join(5)
+        reap(process, 5)
         try:
             os.killpg(process.pid, signal.SIGKILL)  # members that outlived the leader
         except (ProcessLookupError, PermissionError, OSError):
@@ -342,7 +343,10 @@ class WorkerTransport:
                     self._lost()
                 if ready:
                     try:
-                        data = self.conn.recv_bytes()
+                        data = recv_bytes_within(self.conn)
+                    except GarbledAnswer as exc:
+                        self.stop()
+                        raise WorkerLost(Status.ERROR, f"the worker's answer could not be read: {exc}") from None
                     except (OSError, EOFError):
                         self._lost()
                     break
@@ -360,9 +364,11 @@ class WorkerTransport:
         try:
             reply = decode(data)
         except Exception as exc:  # noqa: BLE001 - a worker answering garbage is that backend's error
+            self.stop()  # the pipe is out of step: the next answer would be read from inside this one
             raise WorkerLost(Status.ERROR, f"the worker's answer could not be read ({type(exc).__name__}: {exc})") \
                 from None
         if not isinstance(reply, dict) or not ({"ok", "error"} & set(reply)):
+            self.stop()
             raise WorkerLost(Status.ERROR, "the worker's answer is not a reply")
         if "error" in reply:
             raise_described(reply["error"] if isinstance(reply["error"], dict) else {"message": reply["error"]})
@@ -370,8 +376,7 @@ class WorkerTransport:
 
     def _lost(self):
         process = self.process
-        process.join(2)
-        exitcode = process.exitcode
+        exitcode = reap(process, 2)
         message = death_message(exitcode, self.oom_before, oom_kills())
         self.stop()
         raise WorkerLost(Status.CRASHED, message)

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from mha_harness.conformance.casekit import CaseFailure
-from mha_harness.conformance.wire import UnsendableArray
 from mha_harness.contract.api import (
     AttentionBackend,
     AttentionConfig,
@@ -29,6 +28,7 @@ from mha_harness.contract.api import (
     AttentionParams,
     Unsupported,
 )
+from mha_harness.util.wire import UnsendableArray
 
 
 class PluginError(Exception):
