@@ -395,3 +395,31 @@ def test_in_process_calls_hand_the_plugin_copies_that_keep_the_form():
     assert given.query is not inputs.query and given.query is given.key is given.value
     out["output"][...] = 0.0  # what came back is the harness's own
     assert not np.all(transport.call("forward", handle, inputs, False, None)["output"] == 0)
+
+
+def test_an_answer_is_read_whole_or_refused_within_its_deadline():
+    """recv_bytes_within reads what send_bytes sent (small, and across many reads), and a forged frame header, one
+    longer than allowed, or a frame that never completes is a GarbledAnswer within the deadline, never a hang."""
+    import multiprocessing
+    import time
+
+    from mha_harness.util.pipes import GarbledAnswer, recv_bytes_within
+    parent, child = multiprocessing.Pipe()
+    import threading
+    for payload in (b"", b"x", bytes(range(256)) * 40000):  # 10 MB: written by another thread as the pipe drains
+        writer = threading.Thread(target=child.send_bytes, args=(payload,))
+        writer.start()
+        assert recv_bytes_within(parent, 5) == payload
+        writer.join()
+    child.send_bytes(b"abc")
+    with pytest.raises(GarbledAnswer, match="announces 3 bytes"):
+        recv_bytes_within(parent, 5, maxlength=2)
+    import os
+    os.write(child.fileno(), b"\x00\x00\x10\x00" + b"short")  # promises 4096 bytes, sends 5
+    start = time.monotonic()
+    with pytest.raises(GarbledAnswer, match="did not arrive whole"):
+        recv_bytes_within(parent, 0.5)
+    assert time.monotonic() - start < 3
+    os.write(child.fileno(), b"\x80\x04garbage")  # a negative length
+    with pytest.raises(GarbledAnswer):
+        recv_bytes_within(parent, 0.5)

@@ -6,7 +6,9 @@ sentinel (``Process.join(timeout)`` then sees it readable, and ``waitpid`` block
 """
 from __future__ import annotations
 
-import threading
+import os
+import select
+import struct
 import time
 
 #: seconds a message may take to arrive whole once its first bytes are there (a worker writes it in one go: even the
@@ -19,29 +21,35 @@ class GarbledAnswer(Exception):
 
 
 def recv_bytes_within(conn, timeout: float = ARRIVAL_TIMEOUT_S, maxlength: int | None = None) -> bytes:
-    """``conn.recv_bytes(maxlength)`` that returns within ``timeout`` seconds or raises :class:`GarbledAnswer`
-    (then the caller must kill the worker: that ends the read). EOFError and OSError are raised as they come; a frame
-    longer than ``maxlength`` is a GarbledAnswer."""
-    box: dict = {}
+    """What ``conn.send_bytes`` sent at the other end of a multiprocessing Connection (its framing: a 4-byte
+    big-endian length, or -1 and an 8-byte one), read so that it returns within ``timeout`` seconds or raises
+    :class:`GarbledAnswer` (the caller then kills the worker): each read waits in ``select`` with the time left
+    and takes only what is there. EOFError when the other end closes mid-frame; a frame longer than ``maxlength``
+    is a GarbledAnswer."""
+    fd = conn.fileno()
+    deadline = time.monotonic() + timeout
 
-    def read() -> None:
-        try:
-            box["data"] = conn.recv_bytes(maxlength)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = exc
-    reader = threading.Thread(target=read, name="mha-harness-recv", daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if reader.is_alive():
-        raise GarbledAnswer(f"the answer did not arrive whole within {timeout:g} s of its first bytes (a frame "
-                            "whose header promises more than was sent: plugin code wrote into the harness's pipe?)")
-    error = box.get("error")
-    if isinstance(error, OSError) and "bad message length" in str(error):
-        raise GarbledAnswer(f"the answer's frame header is not the harness's ({error}: plugin code wrote into the "
-                            "harness's pipe?)")
-    if error is not None:
-        raise error
-    return box["data"]
+    def read(n: int) -> bytes:
+        parts, left = [], n
+        while left:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise GarbledAnswer(f"the answer did not arrive whole within {timeout:g} s of its first bytes (a "
+                                    "frame whose header promises more than was sent: plugin code wrote into the "
+                                    "harness's pipe?)")
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                raise EOFError("the worker's end closed mid-answer")
+            parts.append(chunk)
+            left -= len(chunk)
+        return b"".join(parts)
+    size, = struct.unpack("!i", read(4))
+    if size == -1:
+        size, = struct.unpack("!Q", read(8))
+    if size < 0 or (maxlength is not None and size > maxlength):
+        raise GarbledAnswer(f"the answer's frame header announces {size} bytes (at most {maxlength} accepted): plugin "
+                            "code wrote into the harness's pipe?")
+    return read(size)
 
 
 def reap(process, timeout: float) -> int | None:
