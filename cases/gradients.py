@@ -109,8 +109,7 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     except CaseFailure as failure:
         separate = reference_vjp(params, inputs, cotangent)
         hint = _gradient_form_hint(got, separate, declared)
-        raise CaseFailure(str(failure) + hint, failure.max_error,
-                          diagnosis=hint.removeprefix("; ") or failure.diagnosis) from None
+        raise failure.with_hint(hint) from None
     return Measurement(max_error=worst)
 
 

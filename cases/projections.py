@@ -33,11 +33,7 @@ def check_scores_scaled_by_sqrt_d_head(backend, *, form, dtype):
     try:
         return Measurement(max_error=assert_close(got, expected, tol, "scaled attention output"))
     except CaseFailure as failure:
-        diagnosis = scale_hint(got, params, inputs, tol.bound)
-        if diagnosis:
-            raise CaseFailure(f"{failure}{diagnosis}", failure.max_error,
-                              diagnosis=diagnosis.removeprefix("; ")) from None
-        raise
+        raise failure.with_hint(scale_hint(got, params, inputs, tol.bound)) from None
 
 
 def _identity_output(params: AttentionParams) -> AttentionParams:
@@ -122,8 +118,7 @@ def check_head_split_keeps_features_together(backend, *, form, dtype):
     try:
         return Measurement(max_error=assert_close(got, expected, tol, "labelled-numbers head split"))
     except CaseFailure as failure:
-        hint = _split_hint(backend, params, inputs, dtype)
-        raise CaseFailure(str(failure) + hint, failure.max_error, diagnosis=hint.removeprefix("; ")) from None
+        raise failure.with_hint(_split_hint(backend, params, inputs, dtype)) from None
 
 
 @case(forms=ALL_FORMS)

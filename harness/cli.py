@@ -521,17 +521,16 @@ def _bench_problems(doc: dict) -> list[str]:
     lines = []
     for name, mine in _points_by_backend(doc).items():
         lost = [p for p in mine if p.get("status") not in ("measured", "skipped")]
-        if lost:
-            first = lost[0]
-            why = f"{first.get('status')}: {first.get('skipped') or ''}"
-            lines.append(f"{name}: {len(lost)} point(s) not measured (first: Tq={first.get('tq')} "
-                         f"Tk={first.get('tk')} {first.get('mode')}: {why[:200]})")
+        # timed, but the memory pass failed: the table shows n/a for its memory
         no_memory = [p for p in mine if p.get("status") == "measured" and p.get("memory_error")]
-        if no_memory:  # timed, but the memory pass failed: the table shows n/a for its memory
-            first = no_memory[0]
-            lines.append(f"{name}: {len(no_memory)} point(s) timed but without a memory reading (first: "
-                         f"Tq={first.get('tq')} Tk={first.get('tk')} {first.get('mode')}: memory pass "
-                         f"{first['memory_error'][:200]})")
+        for points, what, why in ((lost, "not measured",
+                                   lambda p: f"{p.get('status')}: {p.get('skipped') or ''}"[:200]),
+                                  (no_memory, "timed but without a memory reading",
+                                   lambda p: f"memory pass {p['memory_error'][:200]}")):
+            if points:
+                first = points[0]
+                lines.append(f"{name}: {len(points)} point(s) {what} (first: Tq={first.get('tq')} "
+                             f"Tk={first.get('tk')} {first.get('mode')}: {why(first)})")
     return lines
 
 

@@ -46,6 +46,11 @@ TIMING_SEQ_LENS = (512, 2048)
 TIMING_ROUNDS = 12  # rounds per T: in each, every backend's sweep turn, alone turn and adaptive_autorange
 TIMING_MAX_ROUNDS = 36  # more rounds, up to this many, for a backend while a ratio's 95% CI is wider than +-5%
 RATIO_CI_TARGET = 0.05
+#: (the flag, the ratio, the target's text, its tolerance) of the two timing comparisons: the sweep's median against
+#: adaptive_autorange alone, and against the same engine alone
+AUTORANGE_TARGET = ("within_10pct", "sweep_over_autorange", "+-10%", 0.10)
+ALONE_TARGET = ("within_5pct", "sweep_over_alone", "+-5%", 0.05)
+TIMING_TARGETS = (AUTORANGE_TARGET, ALONE_TARGET)
 AUTORANGE_MAX_RUN_S = 0.5  # adaptive_autorange's max_run_time in one round
 MEMORY_SEQ_LENS = (2048, 4096)
 #: (backend, method, a, b): peak = a*B*H*T^2*s + b*B*T*d_model*s, counted from each kernel's code
@@ -301,8 +306,8 @@ def _timing_row(name: str, t: int, per_round: list[dict], call_mask: str = "none
         row[f"{key}_per_round"] = ratios
         row[key] = None if median is None else round(median, 4)
         row[f"{key}_ci95"] = None if ci is None else [round(ci[0], 4), round(ci[1], 4)]
-    row["within_10pct"] = within(row["sweep_over_autorange"], 0.10)
-    row["within_5pct"] = within(row["sweep_over_alone"], 0.05)
+    for flag, key, _, tolerance in TIMING_TARGETS:
+        row[flag] = within(row[key], tolerance)
     if _followed_only_itself(per_round, name):  # every sweep turn followed its own: the ratio would test nothing
         row["sweep_over_alone"] = row["sweep_over_alone_ci95"] = row["within_5pct"] = None
         row["sweep_over_alone_not_compared"] = ONE_BACKEND
@@ -333,16 +338,20 @@ def _ratio_text(row: dict, key: str) -> str:
     return f"{value:.3f}" + (f" [{ci[0]:.3f}-{ci[1]:.3f}]" if ci else "")
 
 
+def _compared(row: dict, target: tuple) -> str:
+    """A timing ratio with its CI and its verdict against ``target`` (one of TIMING_TARGETS)."""
+    flag, key, text, tolerance = target
+    return f"{_ratio_text(row, key)} {_verdict(row.get(flag), text, row.get(f'{key}_ci95'), tolerance)}"
+
+
 def _timing_line(row: dict) -> str:
     mask = row.get("call_mask") or "none"
     label = f"T={row['seq_len']}" + (f" causal {mask}" if mask != "none" else "")
     line = (f"  {row['backend']:<24} {label:<7} sweep {_ms(row.get('sweep_median_s'))} ms  alone "
             f"{_ms(row.get('alone_median_s'))} ms  adaptive_autorange {_ms(row.get('autorange_median_s'))} ms  "
-            f"sweep/autorange {_ratio_text(row, 'sweep_over_autorange')} "
-            f"{_verdict(row.get('within_10pct'), '+-10%', row.get('sweep_over_autorange_ci95'), 0.10)}  "
-            + (f"sweep/alone {row['sweep_over_alone_not_compared']}" if row.get("sweep_over_alone_not_compared")
-               else f"sweep/alone {_ratio_text(row, 'sweep_over_alone')} "
-                    f"{_verdict(row.get('within_5pct'), '+-5%', row.get('sweep_over_alone_ci95'), 0.05)}"))
+            f"sweep/autorange {_compared(row, AUTORANGE_TARGET)}  sweep/alone "
+            + (row["sweep_over_alone_not_compared"] if row.get("sweep_over_alone_not_compared")
+               else _compared(row, ALONE_TARGET)))
     if row.get("errors"):
         line += f"  ({'; '.join(dict.fromkeys(row['errors']))})"
     return line
@@ -548,8 +557,7 @@ def summary(doc: dict) -> dict:
     out: dict = {}
     timing = doc.get("timing")
     if isinstance(timing, list):
-        for flag, key, target, tolerance in (("within_10pct", "sweep_over_autorange", "+-10%", 0.10),
-                                             ("within_5pct", "sweep_over_alone", "+-5%", 0.05)):
+        for flag, key, target, tolerance in TIMING_TARGETS:
             ok, n, missing = _count(timing, flag)
             worst = max((r for r in timing if r.get(key) is not None), key=lambda r: abs(r[key] - 1), default=None)
             # outside the target, yet the 95% CI of the median ratio includes 1.0: the rounds cannot tell it apart

@@ -51,6 +51,12 @@ class CaseFailure(AssertionError):
         self.observed = observed
         self.diagnosis = diagnosis  # the known mistake the output matches, when one does (also in the message)
 
+    def with_hint(self, hint: str) -> CaseFailure:
+        """This failure with ``hint``, a diagnosis suffix ("; the output matches ..."), appended to its message and
+        kept as its diagnosis (the diagnosis it had when ``hint`` is empty)."""
+        return CaseFailure(str(self) + hint, self.max_error, self.observed,
+                           hint.removeprefix("; ").strip() or self.diagnosis)
+
 
 class CaseSkipped(Exception):
     """The case does not apply to this backend; the message is the reason."""
@@ -427,8 +433,7 @@ def assert_output_close(backend: AttentionBackend, params: AttentionParams, inpu
         extra = common_mistake(backend, params, inputs, dtype, got, expected, tol, rows) + (hint(got) if hint else "")
         if not extra:
             raise
-        raise CaseFailure(str(failure) + extra, failure.max_error, failure.observed,
-                          diagnosis=extra.removeprefix("; ").strip()) from None
+        raise failure.with_hint(extra) from None
 
 
 def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str,
