@@ -245,7 +245,7 @@ def test_search_of_an_unpicklable_python_object_says_how_to_give_it(tmp_path):
 
 def test_a_backend_that_refuses_every_draw_fails_the_search_with_the_reason(tmp_path):
     """Every example raising Unsupported made hypothesis give up with an Unsatisfiable traceback; it is a failed
-    search saying that no example ran, with the backend's first reason."""
+    search saying that no example ran, with the backend's reasons and how often each was given."""
     import dataclasses
 
     from mha_harness.contract.api import Unsupported
@@ -266,4 +266,18 @@ def test_a_backend_that_refuses_every_draw_fails_the_search_with_the_reason(tmp_
                              time_budget=30)
     assert not outcome.passed and outcome.example is None
     assert outcome.message.startswith("no example ran: all ") and "only calls from my own model" in outcome.message
+    assert f"{outcome.rejected}x only calls from my own model" in outcome.message
     assert outcome.lines()[0].endswith(": FAILED") and len(outcome.lines()) == 2
+
+
+def test_a_search_counts_every_reason_for_rejecting_a_draw_not_only_the_first():
+    """A backend refusing draws for several reasons: the summary names each with its count, commonest first, so
+    the reason behind most rejections is not hidden behind the first one given."""
+    from mha_harness.conformance.search import SearchOutcome
+
+    outcome = SearchOutcome("picky", passed=True, examples=40, rejected=31,
+                            rejections={"no float16": 3, "biases only": 20, "T <= 64 only": 5, "no padding": 2,
+                                        "no masks": 1})
+    head = outcome.lines()[0]
+    assert "(31 of them rejected as unsupported and drawn again: 20x biases only; 5x T <= 64 only; 3x no float16; " \
+           "2 other reason(s), 3 draw(s))" in head

@@ -40,8 +40,8 @@ class SearchOutcome:
     passed: bool
     examples: int = 0
     rejected: int = 0
-    #: why the first rejected example was unsupported (the backend's Unsupported or a skip)
-    first_rejection: str = ""
+    #: why drawn examples were rejected as unsupported (the backend's Unsupported or a skip): reason -> count
+    rejections: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     example: dict | None = None
     message: str = ""
@@ -49,11 +49,18 @@ class SearchOutcome:
     saved: str | None = None
     extra: dict = field(default_factory=dict)
 
+    def why_rejected(self, width: int = 120, most: int = 3) -> str:
+        """The commonest reasons for rejecting a draw, each with its count (every reason, not only the first)."""
+        ranked = sorted(self.rejections.items(), key=lambda kv: (-kv[1], kv[0]))
+        text = "; ".join(f"{n}x {reason[:width]}" for reason, n in ranked[:most])
+        if len(ranked) > most:
+            text += f"; {len(ranked) - most} other reason(s), {sum(n for _, n in ranked[most:])} draw(s)"
+        return text
+
     def lines(self) -> list[str]:
         head = f"search {self.backend}: {self.examples} examples in {self.seconds:.1f} s"
         if self.rejected:  # hypothesis draws again for each: max_examples counts the examples that ran
-            head += (f" ({self.rejected} of them rejected as unsupported and drawn again, first: "
-                     f"{self.first_rejection[:120]})")
+            head += f" ({self.rejected} of them rejected as unsupported and drawn again: {self.why_rejected()})"
         if self.passed:
             return [f"{head}: no failure"]
         if self.example is None:  # nothing to shrink or replay: the message says why
@@ -118,7 +125,7 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
             return SearchOutcome(target.name, passed=False,
                                  message=f"the worker process could not build {target.name}: {exc}")
     folder = search_dir(results)
-    state: dict[str, Any] = {"n": 0, "rejected": 0, "failing": None}
+    state: dict[str, Any] = {"n": 0, "rejected": 0, "rejections": {}, "failing": None}
     start = time.perf_counter()
 
     def body(example):
@@ -131,7 +138,8 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
             check_example(backend, example)
         except (Unsupported, CaseSkipped) as skip:
             state["rejected"] += 1
-            state["first_rejection"] = state.get("first_rejection") or str(skip)
+            reason = str(skip) or type(skip).__name__
+            state["rejections"][reason] = state["rejections"].get(reason, 0) + 1
             reject()
         except WorkerLost as lost:  # a hang or a crash of the worker is a finding
             failure = CaseFailure(f"{getattr(lost, 'status', 'lost')}: {lost}")
@@ -159,8 +167,9 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
         test()
     except Unsatisfiable:  # every draw rejected as unsupported: nothing was checked, which fails the search
         outcome.passed = False
-        outcome.message = (f"no example ran: all {state['rejected']} drawn were rejected as unsupported (first: "
-                           f"{state.get('first_rejection', '')[:300]}); the backend refuses every call its "
+        outcome.rejections = dict(state["rejections"])
+        outcome.message = (f"no example ran: all {state['rejected']} drawn were rejected as unsupported ("
+                           f"{outcome.why_rejected(width=300)}); the backend refuses every call its "
                            "capabilities declare: narrow the declaration to what it runs")
     except Exception:  # the failure (a Flaky one too) is reported below
         if state["failing"] is None:
@@ -171,7 +180,7 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
             transport.stop()
     outcome.seconds = round(time.perf_counter() - start, 2)
     outcome.examples, outcome.rejected = state["n"], state["rejected"]
-    outcome.first_rejection = state.get("first_rejection", "")
+    outcome.rejections = dict(state["rejections"])
     if state["failing"] is not None:
         example, exc = state["failing"]
         outcome.passed = False
