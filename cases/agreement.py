@@ -170,7 +170,7 @@ def check_attention_weights_match_reference(backend, *, form, dtype, masked):
         if np.any(got[must_be_zero] != 0):
             idx = tuple(int(i) for i in np.argwhere(must_be_zero & (got != 0))[0])
             raise CaseFailure(f"weights: masked entry at {dict(zip(labels, idx))} is {got[idx]:.3g}; "
-                              "expected exactly 0" + polarity_hint(got, params, inputs, weights=True))
+                              "expected exactly 0").with_hint(polarity_hint(got, params, inputs, weights=True))
     sums = np.where(live[..., 0], got.sum(axis=-1), 1.0)
     assert_close(sums, np.ones_like(sums), tol, "weight row sums", labels=labels[:3])
     return Measurement(max_error=assert_close(np.where(live, got, 0), np.where(live, ref, 0), tol, "attention weights",

@@ -230,8 +230,7 @@ def check_padding_mask_output_matches_reference(backend, *, form, dtype):
         return Measurement(max_error=assert_close(np.where(real, got, 0), np.where(real, expected, 0), tol,
                                                   "padding-masked output (real queries)"))
     except CaseFailure as failure:
-        raise CaseFailure(str(failure) + mask_mistake(got, params, inputs, rows=~query_padded),
-                          failure.max_error) from None
+        raise failure.with_hint(mask_mistake(got, params, inputs, rows=~query_padded)) from None
 
 
 def _mask_variants(backend):
@@ -398,5 +397,4 @@ def check_mask_compositions_match_reference(backend, *, form, dtype, variant, sh
         return Measurement(max_error=assert_close(np.where(real, got, 0), np.where(real, expected, 0), tol,
                                                   f"mask composition {label} output"))
     except CaseFailure as failure:
-        raise CaseFailure(str(failure) + mask_mistake(got, params, inputs, rows=real[..., 0]),
-                          failure.max_error) from None
+        raise failure.with_hint(mask_mistake(got, params, inputs, rows=real[..., 0])) from None

@@ -181,10 +181,14 @@ def test_one_query_against_two_keys_names_both_mistakes_it_cannot_tell_apart():
     (_ScaledByDModel, "check_scores_scaled_by_sqrt_d_head", "scores scaled by 1/d_model"),
     (_SplitTokensOnTheWayIn, "check_head_split_keeps_features_together", "on the way in only"),
     (_SplitTokensOnTheWayIn, "check_heads_are_separated", "on the way in only"),
+    (_PaddingReadInverted, "check_padding_mask_output_matches_reference", "opposite polarity"),
+    (_PaddingReadInverted, "check_mask_compositions_match_reference", "opposite polarity"),
+    (_PaddingReadInverted, "check_attention_weights_match_reference", "opposite polarity"),
 ])
-def test_the_scale_and_head_cases_count_their_diagnosis_in_the_summary(loaded, case, named):
-    """The scale and head cases' diagnoses are kept with the result (conformance.json's extra.diagnosis) and counted
-    on the summary's "diagnosed:" line, as the reference comparisons' are (a stranger's summary left them out)."""
+def test_the_scale_head_and_mask_cases_count_their_diagnosis_in_the_summary(loaded, case, named):
+    """The scale, head and mask cases' diagnoses are kept with the result (conformance.json's extra.diagnosis) and
+    counted on the summary's "diagnosed:" line, as the reference comparisons' are (strangers' summaries left them
+    out: a key padding mask read with the opposite polarity was named in the messages only)."""
     report = mha_harness.check(_backend("wrong", loaded), cases=[case])
     failed = report.failures()
     assert failed and all(named in f.extra.get("diagnosis", "") for f in failed), [f.extra for f in failed]
