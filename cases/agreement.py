@@ -30,9 +30,11 @@ from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.tolerance import farthest, tolerance_from
 
 # name: (batch, heads, d_head, Tq, Tk, bias, kv_heads): covers batch {1, 3}, T {1, 7, 64, 129, 1000}, Tq != Tk,
-# d_head {8, 64, 80}, heads {1, 2, 8}, with and without biases, grouped- and multi-query heads. A row with biases runs
-# bias-free on a backend that declares no biases (Capabilities.bias False: most current layers), so such a backend
-# loses no shape, length or head layout of the grid; its variant says ``bias: False``.
+# d_head {8, 64, 80}, heads {1, 2, 8}, with and without biases, grouped- and multi-query heads, grouped-query heads
+# with more keys than queries too (a KV-cache step with a filled cache, a cross-attention call: a layer that groups
+# its heads right only at Tq == Tk passed every other row, a stranger's KV-cache step tiling them). A row with
+# biases runs bias-free on a backend that declares no biases (Capabilities.bias False: most current layers), so such
+# a backend loses no shape, length or head layout of the grid; its variant says ``bias: False``.
 GRID = {
     "single_token": (1, 1, 8, 1, 1, False, None),
     "short_with_bias": (SHORT_BATCH, SHORT_HEADS, SHORT_D_HEAD, SHORT_SEQ, SHORT_SEQ, True, None),
@@ -44,6 +46,7 @@ GRID = {
     "long_keys_with_bias": (1, 8, 8, 129, 1000, True, None),
     "single_key": (3, 8, 8, 64, 1, False, None),
     "grouped_query": (3, 8, 8, 64, 64, True, 2),
+    "grouped_query_more_keys": (3, 8, 8, 7, 64, False, 2),
     "multi_query": (1, 8, 64, 129, 129, False, 1),
 }
 

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 
 import mha_harness
+import mha_harness.implementations.numpy_naive
 from mha_harness.cases.agreement import GRID
 from mha_harness.conformance.casekit import all_cases
 from mha_harness.conformance.diagnoses import mask_mistake, wrong_layer_output
@@ -78,3 +79,34 @@ def test_a_mistake_only_one_hypothesis_explains_is_named_alone():
     got = PaddingIgnored(params, "float64").compute(inputs).output
     message = mask_mistake(got, params, inputs)
     assert "cannot tell" not in message and "dropped when combined" in message, message
+
+
+class _TilesOnlyWithMoreKeys(mha_harness.implementations.numpy_naive.NumpyNaiveLoaded):
+    """Groups its key/value heads right at Tq == Tk and tiles them when there are more keys than queries: a
+    KV-cache step's path with a filled cache (a stranger's `if Tk > T: k = k.repeat(1, n_rep, 1, 1)`)."""
+
+    def attend(self, inputs, need_weights):
+        self._tile = inputs.tk > inputs.tq
+        return super().attend(inputs, need_weights)
+
+    def expand_kv_heads(self, kv):
+        return np.tile(kv, (1, self.config.group, 1, 1)) if self._tile else super().expand_kv_heads(kv)
+
+
+def test_grouped_query_heads_wrong_only_with_more_keys_than_queries_fail_the_grid_without_gradients():
+    """Every grouped-query row of the grid had Tq == Tk, so a layer that groups its heads wrongly only on the path
+    with more keys (a KV-cache step with a filled cache, a cross-attention call) passed a check without gradients:
+    the grid's ``grouped_query_more_keys`` row (7 queries, 64 keys) fails it and names the tiling."""
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+
+    class Wrong(NumpyNaive):
+        name = "tiles-only-with-more-keys"
+        capabilities = dataclasses.replace(NumpyNaive.capabilities, gradients=False)
+
+        def load_native(self, params, dtype):
+            return _TilesOnlyWithMoreKeys(params, dtype)
+
+    report = mha_harness.check(Wrong(), cases=["check_output_matches_reference"])
+    failed = report.failures()
+    assert failed and all("grouped-query-more-keys" in r.variant for r in failed), [r.variant for r in failed]
+    assert "h % kv_heads" in failed[0].message, failed[0].message[:300]
