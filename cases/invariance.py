@@ -83,41 +83,102 @@ def check_batch_items_are_independent(backend, *, form, dtype):
     return Measurement()
 
 
-#: named variants: ``short_rows`` (batch 2, Tk = 6, largest logit 1e4: exp overflows in any dtype) and
-#: ``long_rows`` (batch 1, Tk = 256, largest logit 120: in float32 exp(120) and sums of hundreds of exp(~85) overflow)
-LARGE_LOGITS = {"short_rows": (2, 6, 1e4), "long_rows": (1, 256, 120.0)}
+#: named variants: ``short_rows`` (batch 2, Tk = 6, largest logit 1e4: exp overflows in any dtype),
+#: ``long_rows`` (batch 1, Tk = 256, largest logit 120: in float32 exp(120) and sums of hundreds of exp(~85) overflow),
+#: ``negative_rows`` (the long rows' shape, every score within a few units of -1000: exp(score) underflows to 0 in
+#: every dtype, so a softmax that subtracts 0 or any fixed shift instead of the row's maximum, such as an online
+#: softmax whose running maximum starts at 0, divides 0 by 0) and ``negative_rows_after_padded_keys`` (the same with
+#: the first 200 keys padded, more than a tiled kernel's first key blocks: a running maximum left at a finite
+#: placeholder by an all-masked block meets scores far below it, exp(placeholder - m) overflows; backends that take a
+#: key padding mask). A negative variant's largest entry is the offset.
+LARGE_LOGITS = {"short_rows": (2, 6, 1e4), "long_rows": (1, 256, 120.0), "negative_rows": (1, 256, -1000.0),
+                "negative_rows_after_padded_keys": (1, 256, -1000.0)}
+#: the keys padded in ``negative_rows_after_padded_keys``
+NEGATIVE_ROWS_PADDED_KEYS = 200
 
 
 def _large_logit_variants(backend):
     limit = backend.capabilities.max_seq_len
     return [{"dtype": primary_dtype(backend), "variant": name} for name, (_, length, _) in LARGE_LOGITS.items()
-            if not limit or length <= limit]
+            if (not limit or length <= limit)
+            and (name != "negative_rows_after_padded_keys" or backend.capabilities.key_padding_mask)]
+
+
+def _scores_far_below_zero(params, inputs, offset: float, spread: float = 4.0):
+    """(params, inputs) whose every score is ``offset`` plus a term of at most ``spread`` in magnitude: input feature 0
+    is 1 at every position, and in each head the first column of W_q and W_k reads only it (+s and -s, s^2 =
+    -offset * sqrt(d_head)), while the other columns read only the remaining features, scaled so that their part of
+    the scores stays within ``spread``. Each distinct input array is changed once, so the form is kept."""
+    c = params.config
+    d = c.d_head
+    w_q, w_k = params.W_q.copy(), params.W_k.copy()
+    firsts = [h * d for h in range(c.num_heads)]
+    w_q[0], w_k[0] = 0.0, 0.0
+    w_q[:, firsts], w_k[:, firsts] = 0.0, 0.0
+    changed = {}
+    for name in ("query", "key", "value"):
+        array = getattr(inputs, name)
+        same = next((changed[n] for n in changed if getattr(inputs, n) is array), None)
+        if same is None:
+            same = array.copy()
+            same[..., 0] = 1.0
+        changed[name] = same
+    q = (changed["query"] @ w_q).reshape(*changed["query"].shape[:2], c.num_heads, d)
+    k = (changed["key"] @ w_k).reshape(*changed["key"].shape[:2], c.num_heads, d)
+    rest = np.abs(np.einsum("bqhd,bkhd->bhqk", q, k)).max() / np.sqrt(d)
+    shrink = np.sqrt(spread / rest)
+    w_q, w_k = w_q * shrink, w_k * shrink
+    s = np.sqrt(-offset * np.sqrt(d))
+    w_q[0, firsts], w_k[0, firsts] = s, -s
+    return params.replace(W_q=w_q, W_k=w_k), inputs.replace(**changed)
 
 
 @case(variants=_large_logit_variants, forms=ALL_FORMS)
 def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant):
     """Large scores give finite outputs equal to the reference: softmax subtracts the row maximum. Short rows
     with logits ~1e4, and long rows (Tk = 256) with logits of order 100, where exp of one score or the sum of
-    hundreds of them overflows float32 unless the row maximum is subtracted first."""
+    hundreds of them overflows float32 unless the row maximum is subtracted first; and rows whose every score is
+    near -1000, where exp of every score underflows to 0 unless the row's own maximum is subtracted (not 0 or any
+    fixed shift), also after a run of padded keys (a key block with no visible key must not leave a finite running
+    maximum behind). Padded query rows are not compared."""
     batch, length, largest = LARGE_LOGITS[variant]
     config = AttentionConfig(16, 2)
     params = ordinary = make_params(config, seed=15, scale=1.0)
-    inputs = form_inputs(form, config, batch, length)
-    d = config.d_head
-    q = (inputs.query @ params.W_q).reshape(batch, length, 2, d)
-    k = (inputs.key @ params.W_k).reshape(batch, length, 2, d)
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
-    boost = np.sqrt(largest / np.abs(scores).max())
-    params = params.replace(W_q=params.W_q * boost, W_k=params.W_k * boost)
+    masks = {}
+    if variant == "negative_rows_after_padded_keys":
+        padded = np.zeros((batch, length), bool)
+        padded[:, :NEGATIVE_ROWS_PADDED_KEYS] = True
+        masks["key_padding_mask"] = padded
+    inputs = form_inputs(form, config, batch, length, **masks)
+    if largest < 0:
+        params, inputs = _scores_far_below_zero(params, inputs, largest)
+        what = f"output with every score near {largest:g} over {length} keys" + (
+            f", the first {NEGATIVE_ROWS_PADDED_KEYS} padded" if masks else "")
+        fix = ("softmax must subtract the row's own maximum: exp(score - 0), or of any fixed shift, underflows when "
+               "every score is far below 0 (an online softmax's running maximum must start at -inf"
+               + (", and a key block with no visible key must leave it at -inf" if masks else "") + ")")
+    else:
+        d = config.d_head
+        q = (inputs.query @ params.W_q).reshape(batch, length, 2, d)
+        k = (inputs.key @ params.W_k).reshape(batch, length, 2, d)
+        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+        boost = np.sqrt(largest / np.abs(scores).max())
+        params = params.replace(W_q=params.W_q * boost, W_k=params.W_k * boost)
+        what = f"output with logits up to {largest:g} over {length} keys"
+        fix = "softmax must subtract the row maximum"
     got = run(backend, params, inputs, dtype).output
-    what = f"output with logits up to {largest:g} over {length} keys"
+    expected, tol = tolerance_for(params, inputs, dtype)
+    if masks and inputs.tq == length:  # padded positions' queries are unspecified: only the real ones are compared
+        real = ~masks["key_padding_mask"][0]
+        got, expected = got[:, real], expected[:, real]
     if not np.all(np.isfinite(got)):
         raise CaseFailure(f"numerical stability: {what} has {int(np.sum(~np.isfinite(got)))} non-finite entries; "
-                          "softmax must subtract the row maximum")
-    expected, tol = tolerance_for(params, inputs, dtype)
+                          f"{fix}")
     try:
         return Measurement(max_error=assert_close(got, expected, tol, what))
     except CaseFailure as failure:
+        if largest < 0:  # the scale cannot explain it (the offset is the scaled score), nor can ordinary logits
+            raise CaseFailure(f"numerical stability: {failure}; {fix}", failure.max_error) from None
         diagnosis = scale_hint(got, params, inputs, tol.bound)
         if diagnosis:  # right for another scale: a scale bug (check_scores_scaled_by_sqrt_d_head), no overflow
             raise CaseFailure(f"{failure}{diagnosis}: a scale bug, not an overflow", failure.max_error) from None

@@ -43,6 +43,10 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
             out[:, :, :, q0:q1] = self._query_block(q[:, :, :, q0:q1], k, v, inputs, q0, q1)
         return out
 
+    #: the running row maximum before the first key block: -inf, so that the first block's own maximum replaces it
+    #: whatever its sign (a kernel starting at 0 underflows every exp(s - 0) of a row whose scores are all far below 0)
+    initial_max = -np.inf
+
     def key_limit(self, inputs: AttentionInputs, q1: int) -> int:
         """Exclusive bound of the keys that queries below q1 may see: key blocks from there on are skipped."""
         return causal_key_limit(inputs, q1)
@@ -51,7 +55,7 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
         c = self.config
         b = qb.shape[0]
         rows = q1 - q0
-        m = np.full((b, c.kv_heads, c.group, rows, 1), -np.inf, dtype=self.dtype)
+        m = np.full((b, c.kv_heads, c.group, rows, 1), self.initial_max, dtype=self.dtype)
         l = np.zeros((b, c.kv_heads, c.group, rows, 1), dtype=self.dtype)
         acc = np.zeros((b, c.kv_heads, c.group, rows, c.d_head), dtype=self.dtype)
         for k0 in range(0, self.key_limit(inputs, q1), self.block_k):

@@ -188,3 +188,34 @@ def test_every_variant_of_the_causal_jacobian_case_catches_a_backward_that_ignor
         assert result.status == "failed" and "causal leak in gradients" in result.message, (alignment, variant,
                                                                                             result.message)
     assert "d(output row 0, which may see keys <= 60)" in shapes[("bottom-right", "more_keys")].message
+
+
+def test_a_running_maximum_started_at_zero_is_caught_only_where_every_score_is_far_below_zero():
+    """A tiled kernel whose running row maximum starts at 0 is right on every other case (each of their rows has a
+    score above the underflow point); the large-logits case's negative rows (every score near -1000) catch it and
+    say what to fix."""
+    name = "mutant-tiled-running-max-from-zero"
+    failures = [f for f in quick_report(name).failures() if f.case != "check_search_regressions_still_pass"]
+    assert {f.case for f in failures} == {"check_large_logits_stay_finite_and_correct"}
+    assert {f.params["variant"] for f in failures} == {"negative_rows", "negative_rows_after_padded_keys"}
+    assert all("running maximum must start at -inf" in f.message for f in failures), failures[0].message
+
+
+class _MaskedBlockLeavesZero(zoo._TiledLoaded):
+    """A tiled kernel right on rows of negative scores that leaves a finite placeholder (0) as the running maximum
+    when a row's first key block has no visible key (here: the first 16 keys padded), as a stranger's kernel did."""
+
+    def attend(self, inputs, need_weights):
+        padded = inputs.key_padding_mask
+        self.initial_max = 0.0 if padded is not None and padded[:, :self.block_k].all() else float("-inf")
+        return super().attend(inputs, need_weights)
+
+
+def test_a_key_block_with_no_visible_key_must_leave_the_running_maximum_at_minus_inf():
+    """Only the negative rows after 200 padded keys catch a kernel whose all-masked block leaves a finite running
+    maximum: the rows of negative scores without padding pass."""
+    mutant = dataclasses.replace(BY_NAME["mutant-tiled-running-max-from-zero"], loaded=_MaskedBlockLeavesZero)
+    report = mha_harness.check(MutantBackend(mutant, weights=False),
+                               cases=["check_large_logits_stay_finite_and_correct"])
+    assert {r.params["variant"] for r in report.failures()} == {"negative_rows_after_padded_keys"}
+    assert "a key block with no visible key must leave it at -inf" in report.failures()[0].message

@@ -384,6 +384,14 @@ class TiledKeyBlocksTopLeft(_TiledLoaded):
         return min(inputs.tk, q1) if inputs.causal else inputs.tk
 
 
+class TiledRunningMaxFromZero(_TiledLoaded):
+    """Starts the online softmax's running maximum at 0 instead of -inf: right while a row has a score above about
+    -80 (float32), since the first block's maximum then replaces 0 or the exps stay representable; a row whose
+    every score is far below 0 underflows every exp(s - 0) and outputs zeros (0 / a guarded 1)."""
+
+    initial_max = 0.0
+
+
 class TiledBackwardBlockSoftmax(_TiledLoaded):
     """A FlashAttention-2-style backward over key blocks whose weights are each block's own softmax (the block's
     maximum and sum) where they must be exp(s - lse) with the row's log-sum-exp: exact while one block holds
@@ -489,6 +497,9 @@ MUTANTS = (
     Mutant("mutant-tiled-backward-block-softmax", "a tiled backward (16-key blocks) recomputes each block's weights "
            "as that block's own softmax instead of exp(s - lse) with the row's log-sum-exp",
            TiledBackwardBlockSoftmax, "gradient of", gradients=True),
+    Mutant("mutant-tiled-running-max-from-zero", "a tiled kernel (16-key blocks) starts its running row maximum at 0 "
+           "instead of -inf (a stranger's kernel): rows whose every score is far below 0 underflow to zeros",
+           TiledRunningMaxFromZero, "far below 0"),
 )
 
 
