@@ -166,7 +166,7 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
         params = params.replace(W_q=params.W_q * boost, W_k=params.W_k * boost)
         what = f"output with logits up to {largest:g} over {length} keys"
         fix = "softmax must subtract the row maximum"
-    got = run(backend, params, inputs, dtype).output
+    got = whole = run(backend, params, inputs, dtype).output
     expected, tol = tolerance_for(params, inputs, dtype)
     if masks and inputs.tq == length:  # padded positions' queries are unspecified: only the real ones are compared
         real = ~masks["key_padding_mask"][0]
@@ -177,11 +177,12 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
     try:
         return Measurement(max_error=assert_close(got, expected, tol, what))
     except CaseFailure as failure:
-        if largest < 0:  # the scale cannot explain it (the offset is the scaled score), nor can ordinary logits
-            raise CaseFailure(f"numerical stability: {failure}; {fix}", failure.max_error) from None
-        diagnosis = scale_hint(got, params, inputs, tol.bound)
+        diagnosis = scale_hint(whole, params, inputs, tol.bound)
         if diagnosis:  # right for another scale: a scale bug (check_scores_scaled_by_sqrt_d_head), no overflow
-            raise CaseFailure(f"{failure}{diagnosis}: a scale bug, not an overflow", failure.max_error) from None
+            raise CaseFailure(f"{failure}{diagnosis}: a scale bug, not an {'underflow' if largest < 0 else 'overflow'}",
+                              failure.max_error) from None
+        if largest < 0:  # not a scale: the shift subtracted from the scores (the running maximum) is wrong
+            raise CaseFailure(f"numerical stability: {failure}; {fix}", failure.max_error) from None
         try:
             check_against_reference(backend, ordinary, inputs, dtype)
         except CaseFailure as wrong_anyway:  # wrong without large logits too: another bug, which other cases name

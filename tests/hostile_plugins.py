@@ -132,6 +132,13 @@ class _WritesJunkToItsPipes(NumpyNaiveLoaded):
         return super().compute(inputs, need_weights=need_weights)
 
 
+class _PythonList(NumpyNaiveLoaded):
+    """Returns its right output as nested Python lists inside an AttentionOutput (a stranger's: it passed)."""
+
+    def compute(self, inputs, *, need_weights=False):
+        return AttentionOutput(super().compute(inputs).output.tolist())
+
+
 class _ExitsZeroAtLoad(NumpyNaive):
     name = "hostile-exit0-at-load"
 
@@ -144,6 +151,7 @@ WritesJunkToItsPipes = _hostile("hostile-writes-junk-to-its-pipes", _WritesJunkT
 PatchesTheVerdict = _hostile("hostile-patches-verdict", _PatchesTheVerdict)
 ReturnsComplex = _hostile("hostile-complex", _Complex)
 ReturnsObjects = _hostile("hostile-object", _ObjectArray)
+ReturnsPythonList = _hostile("hostile-python-list", _PythonList)
 RaisesSystemExit = _hostile("hostile-systemexit", _SystemExit)
 RaisesKeyboardInterrupt = _hostile("hostile-keyboardinterrupt", _KeyboardInterrupt)
 RaisesGeneratorExit = _hostile("hostile-generatorexit", _GeneratorExit)

@@ -150,6 +150,8 @@ VERDICT = {"PatchesTheVerdict": ("hostile-patches-verdict", "failed", "expected"
            "ReturnsComplex": ("hostile-complex", "failed",
                               "output dtype: got complex64; accepted: a real floating dtype"),
            "ReturnsObjects": ("hostile-object", "failed", "output dtype: got object"),
+           "ReturnsPythonList": ("hostile-python-list", "error",
+                                 "forward: AttentionOutput.output: got list; accepted: a NumPy array"),
            "RaisesSystemExit": ("hostile-systemexit", "error", "SystemExit"),
            "RaisesKeyboardInterrupt": ("hostile-keyboardinterrupt", "error", "KeyboardInterrupt"),
            "RaisesGeneratorExit": ("hostile-generatorexit", "error", "GeneratorExit"),

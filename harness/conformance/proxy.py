@@ -77,9 +77,17 @@ def raise_described(error: dict) -> None:
     raise exc
 
 
-def as_array(value) -> Any:
-    """The backend's array as NumPy without any dtype conversion (a tensor converts through its __array__)."""
-    return value if value is None or isinstance(value, (np.ndarray, UnsendableArray)) else np.asarray(value)
+def as_array(value, what: str = "output") -> Any:
+    """The backend's array as NumPy without any dtype conversion (a tensor converts through its __array__). A value
+    with no dtype of its own (a Python list, tuple or number, whose dtype NumPy would choose) is refused: converting
+    it would cast silently."""
+    if value is None or isinstance(value, (np.ndarray, UnsendableArray)):
+        return value
+    if not hasattr(value, "dtype"):
+        raise TypeError(f"{what}: got {type(value).__name__}; accepted: a NumPy array (or an array with its own "
+                        "dtype, such as a JAX array, which converts keeping it); a Python "
+                        f"{type(value).__name__} would take the dtype NumPy chooses for it: a silent cast")
+    return np.asarray(value)
 
 
 def current_context() -> dict:
@@ -144,14 +152,15 @@ class Server:
             out = self.loaded[handle].forward(inputs, need_weights=need_weights)
         if not hasattr(out, "output"):
             raise TypeError(f"forward: returned {type(out).__name__}; accepted: mha_harness.AttentionOutput")
-        return {"output": as_array(out.output), "weights": as_array(getattr(out, "weights", None))}
+        return {"output": as_array(out.output, "forward: AttentionOutput.output"),
+                "weights": as_array(getattr(out, "weights", None), "forward: AttentionOutput.weights")}
 
     def vjp(self, handle: int, inputs: AttentionInputs, cotangent: np.ndarray, context: dict | None = None) -> dict:
         with harness_context(context), left_unchanged("vjp", inputs=inputs, cotangent=cotangent):
             grads = self.loaded[handle].vjp(inputs, cotangent)
         if not isinstance(grads, dict):
             raise TypeError(f"vjp: returned {type(grads).__name__}; accepted: a dict of gradients by name")
-        return {str(k): as_array(v) for k, v in grads.items()}
+        return {str(k): as_array(v, f"vjp: the gradient of {k}") for k, v in grads.items()}
 
     def native_parameter_shapes(self, config: AttentionConfig) -> dict:
         shapes = self.backend.native_parameter_shapes(config)
