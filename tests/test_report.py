@@ -769,3 +769,22 @@ def test_a_backend_where_no_case_ran_has_no_empty_failing_cases_line():
     lines = report.summary_lines()
     assert any("no case ran" in line for line in lines), lines
     assert not any(line.strip() == "failing cases:" for line in lines), lines
+
+
+def test_policy_table_does_not_count_errors_timeouts_or_crashes_as_mask_failures():
+    """A backend that hangs or returns garbage on the causal variants has not failed its mask: the policy table said
+    "top-left FAILS (12 of 12 variants)" for a stranger's hanging plugin of which nothing ran. It says NOT VERIFIED
+    with the counts, and a real failure beside unanswered variants counts only the failures as such."""
+    from mha_harness.conformance.report import Report
+    from mha_harness.conformance.results import CaseResult
+
+    def row(i, status):
+        return CaseResult("b", "check_causal_mask_blocks_future_keys", f"b-{i}", {"alignment": "top-left"}, status)
+
+    hung = [row(0, Status.TIMEOUT), row(1, Status.ERROR), row(2, Status.ERROR), row(3, Status.SKIPPED)]
+    assert Report._alignments(hung, ["top-left"]) == (
+        "top-left NOT VERIFIED (0 of 4 variants ran and held; 3 without an answer to judge (2 errored, 1 timed out): "
+        "not a mask verdict)")
+    mixed = [row(0, Status.FAILED), row(1, Status.CRASHED), row(2, Status.PASSED)]
+    assert Report._alignments(mixed, ["top-left"]) == (
+        "top-left FAILS (1 of 3 variants; 1 without an answer to judge (1 crashed): not a mask verdict)")

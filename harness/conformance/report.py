@@ -30,6 +30,17 @@ CAUSAL_CASES = ("check_causal_output_matches_reference", "check_causal_mask_bloc
 FULLY_MASKED_CASE = "check_fully_masked_rows_output_zeros"
 
 
+def _unanswered(rows: list[CaseResult]) -> str:
+    """How many of ``rows`` ended without an answer to judge (an error, a timeout, a crash), by status; "" if none:
+    those are not mask failures, and the policy table must not count them as such."""
+    counts = {label: sum(r.status == s for r in rows)
+              for s, label in ((Status.ERROR, "errored"), (Status.TIMEOUT, "timed out"), (Status.CRASHED, "crashed"))}
+    if not any(counts.values()):
+        return ""
+    detail = ", ".join(f"{n} {label}" for label, n in counts.items() if n)
+    return f"; {sum(counts.values())} without an answer to judge ({detail}): not a mask verdict"
+
+
 @dataclass
 class BackendInfo:
     name: str
@@ -141,12 +152,18 @@ class Report:
             mine = [r for r in rows if r.case in CAUSAL_CASES and r.params.get("alignment") == alignment]
             if not mine:
                 parts.append(f"{alignment} not run")
-            elif bad := [r for r in mine if r.status in BAD]:
+            elif bad := [r for r in mine if r.status in (Status.FAILED, Status.UNEXPECTED_PASS)]:
+                unanswered = _unanswered(mine)
                 if all(r.params.get("poison") in ("nan", "inf") for r in bad):  # the mask holds on finite keys
                     parts.append(f"{alignment} FAILS only with NaN/inf stored in masked keys ({len(bad)} of "
-                                 f"{len(mine)} variants; a dense P @ V's 0 * NaN: masked_poison_divergences)")
+                                 f"{len(mine)} variants{unanswered}; a dense P @ V's 0 * NaN: "
+                                 "masked_poison_divergences)")
                 else:
-                    parts.append(f"{alignment} FAILS ({len(bad)} of {len(mine)} variants)")
+                    parts.append(f"{alignment} FAILS ({len(bad)} of {len(mine)} variants{unanswered})")
+            elif any(r.status in BAD for r in mine):  # errors, timeouts, crashes: the mask was not tested there
+                ran = sum(r.status in _RAN for r in mine)
+                parts.append(f"{alignment} NOT VERIFIED ({ran} of {len(mine)} variants ran and held"
+                             f"{_unanswered(mine)})")
             elif any(r.status in _RAN for r in mine):
                 cross = any(r.status in _RAN and r.params.get("seq") != r.params.get("tk") for r in mine)
                 diverges = any(r.status == Status.EXPECTED_DIVERGENCE for r in mine)
