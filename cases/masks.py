@@ -275,6 +275,19 @@ def classify_fully_masked_rows(rows: np.ndarray, zero_out: np.ndarray, uniform_o
     return "other"
 
 
+def _other_rows_detail(got: np.ndarray, zeros: np.ndarray, params, inputs, rows) -> str:
+    """What fully masked rows that are neither zeros, NaN nor the uniform average of V are: how far from the zero
+    rows, and whether they equal the same rows with no mask at all (every key seen: the mask not applied to them,
+    or read with the opposite polarity)."""
+    far = float(np.max(np.abs(np.asarray(got, np.float64) - zeros)))
+    unmasked = reference_attention(params, inputs.replace(key_padding_mask=None, attn_mask=None)).output[rows]
+    if np.allclose(got, unmasked, atol=1e-4):
+        return (f" (up to {far:.3g} from the zero rows; they equal the same rows with no mask: every key is seen, "
+                "so the mask is not applied to them, or is read with the opposite polarity)")
+    return (f" (neither zeros, NaN nor the uniform average of V: up to {far:.3g} from the zero rows, and not the "
+            "unmasked rows either)")
+
+
 #: the ways a row can lose every key, each a separate variant: a backend may handle one and not another (a layer that
 #: turns bool masks into "allowed" but adds a float mask outputs NaN for a row of -inf biases)
 FULLY_MASKED_ROUTES = ("key_padding_mask", "bool_attn_mask", "additive_attn_mask")
@@ -321,6 +334,8 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_pad
         builder = {"NaN": "nan_fully_masked_divergences", "uniform average of V": "uniform_fully_masked_divergences"}
         advice = (f"; if that is the kernel's convention, declare it: divergences = {builder[observed]}(\"why\") from "
                   "mha_harness.toolkit.divergences" if wanted == "zeros" and observed in builder else "")
+        if observed == "other":
+            advice = _other_rows_detail(got[rows], expected[rows], params, inputs, rows)
         raise CaseFailure(f"fully masked rows: expected {wanted}"
                           f"{' before W_o (output = b_o)' if wanted == 'zeros' else ''}, observed {observed}{advice}",
                           observed=observed)

@@ -540,7 +540,8 @@ def _skip_hint(why: str) -> str:
         return "; pass --causal on (or both)"
     if "inputs='self'" in why:
         return ("; a layer called as module(x) runs the prefill workload (Tq = Tk; --causal on for a causal layer); "
-                "for decode, wrap it as a second backend that takes x_q and x_kv (inputs='shared_kv')")
+                "for decode, wrap the model's KV-cache step as a second backend (inputs='kv_cache': layer(x_new, "
+                "cache)), or the layer as one that takes x_q and x_kv (inputs='shared_kv')")
     if "grouped_query" in why:
         return "; leave out --kv-heads (multi-head), or declare grouped_query if the backend supports it"
     return ""

@@ -193,3 +193,12 @@ def test_the_scale_head_and_mask_cases_count_their_diagnosis_in_the_summary(load
     failed = report.failures()
     assert failed and all(named in f.extra.get("diagnosis", "") for f in failed), [f.extra for f in failed]
     assert any(line.strip().startswith("diagnosed:") and case in line for line in report.summary_lines())
+
+
+def test_fully_masked_rows_that_are_neither_zeros_nan_nor_uniform_say_what_they_are():
+    """A stranger's padding read with the opposite polarity made its fully padded rows 'observed other', which said
+    nothing: the message gives how far they are from the zero rows and that they equal the unmasked rows."""
+    report = mha_harness.check(_backend("wrong", _PaddingReadInverted), cases=["check_fully_masked_rows_output_zeros"])
+    failed = report.failures()
+    assert failed and "observed other (up to" in failed[0].message
+    assert "they equal the same rows with no mask" in failed[0].message, failed[0].message

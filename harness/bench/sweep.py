@@ -432,15 +432,17 @@ def fits(points: list[BenchPoint]) -> dict:
     return out
 
 
-def _fmt_fit(fit: dict | None, lengths: int | None = None) -> str:
-    """A fit for the console; ``lengths``: how many distinct lengths the series has (names the reason for n/a)."""
+def _fmt_fit(fit: dict | None, lengths: int | None = None, axis: str = "T") -> str:
+    """A fit for the console; ``lengths``: how many distinct lengths the series has (names the reason for n/a);
+    ``axis``: what the lengths are (T for prefill, the KV length for decode). The stderr keeps three significant
+    digits: 0.498 printed as 0.50 read as the 0.5 limit of an undetermined fit."""
     if fit is None:
         if lengths is not None and lengths < 3:
             return f"n/a (fewer than 3 lengths: {lengths} measured)"
         return "n/a (fewer than 3 points above resolution)"
     if "measurement_error" in fit:
         return f"MEASUREMENT ERROR: {fit['measurement_error']}"
-    return f"{fit['exponent']:.2f} +- {fit['stderr']:.2f} (T in {fit['points']})"
+    return f"{fit['exponent']:.2f} +- {fit['stderr']:.3g} ({axis} in {fit['points']})"
 
 
 def _fmt_memory(p: BenchPoint) -> str:
@@ -904,9 +906,10 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     if loaded:
         log(f"  loaded machine: {loaded}")
     lengths = {series_key(*key): len({p.seq_len for p in line}) for key, line in series(points).items()}
+    axis = "KV length" if decode else "T"
     for key, value in doc["fits"].items():
-        log(f"  growth exponent {key}: time {_fmt_fit(value['time'], lengths.get(key))}; "
-            f"memory {_fmt_fit(value['memory'], lengths.get(key))}")
+        log(f"  growth exponent {key}: time {_fmt_fit(value['time'], lengths.get(key), axis)}; "
+            f"memory {_fmt_fit(value['memory'], lengths.get(key), axis)}")
     _write_plots(points, directory, machine, config, doc, log)
     return doc
 
