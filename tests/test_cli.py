@@ -27,6 +27,15 @@ def test_list_shows_numpy_backends_available_and_reasons_for_the_rest():
     assert "torch-sdpa-flash-cuda" in out.stdout and "cuda" in out.stdout.lower()
 
 
+def test_list_of_a_backend_spec_that_fails_to_load_exits_1_naming_it():
+    """A stranger's `mha-harness list --backend-spec` of a module with a typo printed the import error and exited 0,
+    so a script could not tell; a spec that loads still exits 0."""
+    out = run_cli("list", "--backend-spec", "no_such_module_here:Backend")
+    assert out.returncode == 1 and "No module named 'no_such_module_here'" in out.stdout
+    assert "1 --backend-spec backend(s) failed to load: no_such_module_here:Backend" in out.stderr
+    assert run_cli("list", "--backend-spec", "mha_harness.implementations.numpy_naive:NumpyNaive").returncode == 0
+
+
 def test_list_shows_each_backends_input_form_and_with_verbose_its_declared_divergences():
     """A capability line names the input form (what a plugin's compute receives) and never ends in a dangling
     separator; -v lists every declared divergence with its case, behaviour, condition and reason."""
