@@ -5,8 +5,15 @@
 
 Peak extra memory and the metrics of mha_harness.bench.metrics (GFLOP/s, bytes per second and their fractions
 of this machine's GEMM peak and memory bandwidth) go into extra_info, so they are saved and compared with the
-times. MHA_BENCH_SEQ_LENS and MHA_BENCH_BACKENDS narrow the sweep. Not part of the default test run (tests/
-only smoke-runs this file at one small size).
+times. MHA_BENCH_SEQ_LENS (default 256,1024,4096) and MHA_BENCH_BACKENDS (names) narrow the sweep; a plugin comes in
+as for asv, MHA_ASV_BACKEND_SPECS=module:object with its folder on PYTHONPATH (then only the specs' backends, and
+MHA_BENCH_BACKENDS's). Backends that run only when named (opt_in: the compiled torch backends) are left out unless
+MHA_BENCH_BACKENDS names them. Not part of the default test run (tests/ only smoke-runs this file at one small size).
+
+Every backend runs in this one pytest process, one after another: a framework's thread pool left spinning by the
+backend before can slow the next several times (a stranger measured a plugin at 15 ms alone and ~125 ms right after
+torch-sdpa-flash-cpu), and there is no confidence interval. Compare one backend with itself across commits
+(--benchmark-compare); compare backends with `mha-harness bench`, which times each in its own worker.
 """
 from __future__ import annotations
 
@@ -14,14 +21,23 @@ import os
 
 import pytest
 
-from benchmarks._common import prepared, registry, roofs
+from benchmarks._common import SPECS, prepared, registry, roofs
 
 SEQ_LENS = [int(v) for v in os.environ.get("MHA_BENCH_SEQ_LENS", "256,1024,4096").split(",") if v]
 
 
 def _backends():
-    wanted = [n for n in os.environ.get("MHA_BENCH_BACKENDS", "").split(",") if n]
-    return wanted or [e.name for e in registry().available()]
+    """MHA_BENCH_BACKENDS's names, then MHA_ASV_BACKEND_SPECS's backends; with neither, every available backend that
+    does not run only when named (opt_in)."""
+    from mha_harness.registry import opt_in_reason
+    wanted = [n.strip() for n in os.environ.get("MHA_BENCH_BACKENDS", "").split(",") if n.strip()]
+    try:
+        entries = list(registry().entries.values())
+    except Exception:  # noqa: BLE001 - a malformed spec: collect the names given, prepared() says why in the test
+        return wanted + [s for s in SPECS if s not in wanted]
+    if wanted or SPECS:
+        return wanted + [e.name for e in entries if e.spec in SPECS and e.name not in wanted]
+    return [e.name for e in registry().available() if not opt_in_reason(e)]
 
 
 @pytest.mark.benchmark_suite

@@ -254,6 +254,22 @@ def test_pytest_benchmark_side_by_side_smoke_run(tmp_path):
                and "gbytes_per_s" in b["extra_info"] for b in data["benchmarks"])
 
 
+def test_pytest_benchmark_side_by_side_leaves_opt_in_backends_out_unless_named():
+    """A stranger's side-by-side collected the two compiled torch backends (opt-in: tens of minutes compiling); they
+    run only when MHA_BENCH_BACKENDS names them, as `mha-harness bench` runs them only when named."""
+    def collected(**extra):
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_XDIST_WORKER", "MHA_BENCH_BACKENDS")}
+        env.update(MHA_BENCH_SEQ_LENS="64", **extra)
+        out = subprocess.run([sys.executable, "-m", "pytest", "benchmarks/test_side_by_side.py", "--collect-only",
+                              "-q", "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, env=env,
+                             timeout=300)
+        return out.stdout
+    default = collected()
+    assert "numpy-tiled-64" in default and "torch-flex-cpu" not in default and "torch-compile-cpu" not in default
+    named = collected(MHA_BENCH_BACKENDS="torch-flex-cpu,numpy-naive")
+    assert "torch-flex-cpu-64" in named and "numpy-naive-64" in named and "numpy-tiled-64" not in named
+
+
 def test_run_survives_a_backend_that_passes_check_but_hangs_in_prepare(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
     out = subprocess.run([sys.executable, "-m", "mha_harness", "run", "--backend", "numpy-tiled", "--backend-spec",
