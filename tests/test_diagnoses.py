@@ -202,3 +202,22 @@ def test_fully_masked_rows_that_are_neither_zeros_nan_nor_uniform_say_what_they_
     failed = report.failures()
     assert failed and "observed other (up to" in failed[0].message
     assert "they equal the same rows with no mask" in failed[0].message, failed[0].message
+
+
+def test_a_failed_output_comparison_lists_the_few_rows_outside_the_bound():
+    """A kernel wrong only at a tile's boundary (a stranger's diagonal block dropping its last key) was reported by
+    its worst position alone; the message lists the rows outside the bound, or, when most are, the rows within."""
+    from mha_harness.conformance.casekit import CaseFailure, assert_close
+    from mha_harness.contract.tolerance import Tolerance
+
+    expected = np.zeros((2, 96, 4))
+    boundary = expected.copy()
+    boundary[0, 31, 1] = boundary[1, 63, 2] = 1.0
+    tol = Tolerance(bound=1e-3, dtype="float32", naive_error=1e-4)
+    with pytest.raises(CaseFailure, match=r"2 of 192 \(batch, position\) rows are outside it \(batch:position "
+                                          r"0:31, 1:63\)"):
+        assert_close(boundary, expected, tol, "output")
+    everywhere = np.ones_like(expected)
+    everywhere[:, 0] = 0.0
+    with pytest.raises(CaseFailure, match=r"190 of 192 .* \(within it: batch:position 0:0, 1:0\)"):
+        assert_close(everywhere, expected, tol, "output")

@@ -386,8 +386,26 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
                           for label, i in zip(labels, idx))
         raise CaseFailure(f"{what}: expected {expected[idx]:.6g}, got {actual[idx]:.6g} at {where}; "
                           f"max error {err:.3g} ({err / tol.bound:.3g} x the bound) exceeds {tol.describe()}"
-                          f"{_float32_level_hint(err, tol)}", max_error=err)
+                          f"{_rows_outside(diff, tol.bound, labels, row_ids)}{_float32_level_hint(err, tol)}",
+                          max_error=err)
     return err
+
+
+def _rows_outside(diff: np.ndarray, bound: float, labels, row_ids=None, shown: int = 8) -> str:
+    """Which (batch, position) rows of an output have an error past ``bound``, when only some do: a bug at a tile's
+    boundary or at one position shows as a few rows (e.g. "0:31, 0:63"), a wrong scale as every row but those with
+    one visible key (listed as the rows within, the fewer); "" for arrays other than (batch, position, feature)."""
+    if diff.ndim != 3 or tuple(labels[:2]) != ("batch", "position"):
+        return ""
+    outside = (diff > bound).any(axis=-1)
+    count, total = int(outside.sum()), outside.size
+    if count == total:
+        return f"; all {total} (batch, position) rows are outside it"
+    listed = outside if 2 * count <= total else ~outside  # the fewer: the rows outside, or those within
+    rows = [(int(b), int(row_ids[t]) if row_ids is not None else int(t)) for b, t in np.argwhere(listed)]
+    text = ", ".join(f"{b}:{t}" for b, t in rows[:shown]) + (", ..." if len(rows) > shown else "")
+    return (f"; {count} of {total} (batch, position) rows are outside it ("
+            f"{'' if listed is outside else 'within it: '}batch:position {text})")
 
 
 #: a float64 error at least this fraction of the float32 bound is float32-sized: a float32 computation errs by about

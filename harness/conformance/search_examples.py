@@ -265,8 +265,9 @@ def _check_leakage(backend, params, inputs, example, loaded, allowed, empty, bas
     after = run(backend, params, moved, example["dtype"], loaded=loaded).output
     keys = [f"b{b}:k{k}" for b, k in zip(*np.nonzero(poisoned))][:6]
     assert_close(_ignoring(after, base, ~clean), base, tol,
-                 f"leak: keys/values no unchanged row may attend to ({', '.join(keys)}"
-                 f"{'...' if poisoned.sum() > 6 else ''}) set to {kind} changed the output")
+                 f"leak: keys/values that the compared query rows may not attend to (masked for every one of them: "
+                 f"batch:key {', '.join(keys)}{'...' if poisoned.sum() > 6 else ''}) were set to {kind}, and the "
+                 "output of those rows changed")
 
 
 # --- regression cases and repro lines --------------------------------------------------------------------------------
