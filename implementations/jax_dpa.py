@@ -32,7 +32,7 @@ DIVERGENCES = uniform_fully_masked_divergences(_UNIFORM) + precision_divergences
     # with a single key the softmax is exactly 1 and no precision is lost: single_token and single_key pass
     "float64", "float32", _FLOAT32_INSIDE, ("check_output_matches_reference",), when={"variant": (
         "short_with_bias", "eight_heads", "d_head_64_with_bias", "d_head_80", "long_with_bias", "more_keys",
-        "long_keys_with_bias", "grouped_query", "multi_query")},
+        "long_keys_with_bias", "grouped_query", "grouped_query_more_keys", "multi_query")},
 ) + precision_divergences("float64", "float32", _FLOAT32_INSIDE,
                           ("check_lesson_worked_example_head_weights", "check_gradients_match_reference"),
                           ) + masked_poison_divergences("dot_product_attention multiplies masked (zero-weight) values "

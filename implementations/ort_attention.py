@@ -74,7 +74,7 @@ _SCALE_IN_FLOAT32 = ("onnxruntime has no float64 Attention kernel and runs the o
 #: the grid variants with more than one visible key: with a single key the softmax is exactly 1, nothing is scaled
 #: away, and single_token / single_key meet the float64 bound
 _SOFTMAX_VARIANTS = ("short_with_bias", "eight_heads", "d_head_64_with_bias", "d_head_80", "long_with_bias",
-                     "more_keys", "long_keys_with_bias", "grouped_query", "multi_query")
+                     "more_keys", "long_keys_with_bias", "grouped_query", "grouped_query_more_keys", "multi_query")
 DIVERGENCES = (
     masked_poison_divergences("the ONNX Attention operator multiplies masked (zero-weight) values in P @ V, and "
                               "0 * NaN = NaN (observed on onnxruntime 1.32.0 CPU: float32/float16 kernel and float64 "
