@@ -316,12 +316,47 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
+class ProgressLines:
+    """Prints each failing variant as it finishes: its message (a message this case already printed for the backend
+    is one short line naming that variant), one repro per case and backend, and the first diagnosed variant's repro
+    too when the one shown had no diagnosis; one line for a backend's abandoned remainder."""
+
+    def __init__(self, out=None):
+        self.out = out
+        self.abandoned: set[str] = set()
+        self.shown_repro: dict[tuple, bool] = {}  # (backend, case) -> whether the repro shown was of a diagnosis
+        self.first_with: dict[tuple, str] = {}  # (backend, case, status, message) -> the variant that printed it
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out or sys.stdout, flush=True)
+
+    def __call__(self, result) -> None:
+        from mha_harness.conformance.results import ABANDONED
+        if result.status in ("passed", "skipped", "expected-divergence"):
+            return
+        if result.observed == ABANDONED:  # each abandoned variant is in the JSON
+            if result.backend not in self.abandoned:
+                self.abandoned.add(result.backend)
+                self.say(f"  {result.status.upper():<8} {result.backend}: {result.message}")
+            return
+        key = (result.backend, result.case)
+        same = self.first_with.setdefault((*key, result.status, result.message), result.variant)
+        if same != result.variant:
+            self.say(f"  {result.status.upper():<8} {result.case}[{result.variant}]: the same message as [{same}]")
+        else:
+            self.say(console_message(f"  {result.status.upper():<8} {result.case}[{result.variant}]: ",
+                                     result.message))
+        diagnosed = bool(result.extra.get("diagnosis"))
+        if result.repro and (key not in self.shown_repro or (diagnosed and not self.shown_repro[key])):
+            self.shown_repro[key] = diagnosed
+            self.say(f"           repro: {result.repro}")
+
+
 def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, mutants=False):
     import os
 
     from mha_harness.checking import check
     from mha_harness.conformance.mutation import mutation_score
-    from mha_harness.conformance.results import ABANDONED
     from mha_harness.conformance.search_examples import SEARCH_DIR_ENV, search_dir
     _usage(check_writable, results_dir / "conformance", "--results")
     os.environ[SEARCH_DIR_ENV] = str(search_dir(results_dir))  # the search regressions check replays (workers inherit)
@@ -340,21 +375,7 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
             report.complete = False
             report.write(results_dir / "conformance")
 
-    abandoned, shown_repro = set(), set()
-
-    def progress(result):
-        if result.status in ("passed", "skipped", "expected-divergence"):
-            return
-        if result.observed == ABANDONED:  # one line for a backend's abandoned remainder; each is in the JSON
-            if result.backend not in abandoned:
-                abandoned.add(result.backend)
-                print(f"  {result.status.upper():<8} {result.backend}: {result.message}", flush=True)
-            return
-        print(console_message(f"  {result.status.upper():<8} {result.case}[{result.variant}]: ", result.message),
-              flush=True)
-        if result.repro and (result.backend, result.case) not in shown_repro:  # one per case and backend; every
-            shown_repro.add((result.backend, result.case))  # variant's is in conformance.md and .json
-            print(f"           repro: {result.repro}", flush=True)
+    progress = ProgressLines()
 
     isolate = not getattr(args, "no_isolate", False)
     runnable = [n for n in names if registry.get(n).backend is not None]

@@ -257,3 +257,28 @@ def test_fidelity_takes_a_plugin_spec_and_checks_only_the_named_backends_overhea
     rows = fidelity.harness_overhead(seen["registry"], fidelity.BenchConfig(), names=seen["names"],
                                      log=lambda *a, **k: None)
     assert rows and all("no direct_callable" in r["not_runnable"] for r in rows)
+
+
+def test_check_progress_prints_a_repeated_message_once_and_the_diagnosed_variants_repro():
+    """A stranger's wrong-shape plugin printed 41 near-identical failures, and the repro shown for a case was of its
+    first failing variant, not of the one whose message named the bug: a message the case already printed for the
+    backend is one short line, and the first diagnosed variant's repro follows when the one shown had none."""
+    import io
+
+    from mha_harness.cli import ProgressLines
+    from mha_harness.conformance.results import CaseResult, Status
+
+    out = io.StringIO()
+    progress = ProgressLines(out)
+
+    def failed(variant, message, diagnosis=""):
+        progress(CaseResult("b", "check_x", variant, {}, Status.FAILED, message=message, repro=f"repro-{variant}",
+                            extra={"diagnosis": diagnosis} if diagnosis else {}))
+
+    failed("v1", "output shape: expected (1, 8), got (1, 7)")
+    failed("v2", "output shape: expected (1, 8), got (1, 7)")
+    failed("v3", "off by 1; the output matches top-left alignment instead", diagnosis="top-left alignment instead")
+    failed("v4", "off by 2; the output matches top-left alignment instead", diagnosis="top-left alignment instead")
+    lines = out.getvalue().splitlines()
+    assert "  FAILED   check_x[v2]: the same message as [v1]" in lines
+    assert [line.strip() for line in lines if "repro:" in line] == ["repro: repro-v1", "repro: repro-v3"]
