@@ -46,10 +46,10 @@ def registry():
     return _REGISTRY
 
 
-def _backend_names() -> list[str]:
-    """MHA_ASV_BACKENDS's names, then the backends of MHA_ASV_BACKEND_SPECS (with either set, only those, as the
+def _backend_names(variable: str = "MHA_ASV_BACKENDS") -> list[str]:
+    """The names ``variable`` lists, then the backends of MHA_ASV_BACKEND_SPECS (with either set, only those, as the
     command line's --backend and --backend-spec); with neither, every registered backend that loaded."""
-    wanted = _listed("MHA_ASV_BACKENDS")
+    wanted = _listed(variable)
     if wanted and not SPECS:
         return wanted
     try:

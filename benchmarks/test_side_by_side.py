@@ -21,22 +21,17 @@ import os
 
 import pytest
 
-from benchmarks._common import SPECS, prepared, registry, roofs
+from benchmarks._common import SPECS, _backend_names, _listed, prepared, registry, roofs
 
 SEQ_LENS = [int(v) for v in os.environ.get("MHA_BENCH_SEQ_LENS", "256,1024,4096").split(",") if v]
 
 
 def _backends():
-    """MHA_BENCH_BACKENDS's names, then MHA_ASV_BACKEND_SPECS's backends; with neither, every available backend that
-    does not run only when named (opt_in)."""
+    """MHA_BENCH_BACKENDS's names, then MHA_ASV_BACKEND_SPECS's backends, as asv takes them; with neither, every
+    available backend that does not run only when named (opt_in)."""
     from mha_harness.registry import opt_in_reason
-    wanted = [n.strip() for n in os.environ.get("MHA_BENCH_BACKENDS", "").split(",") if n.strip()]
-    try:
-        entries = list(registry().entries.values())
-    except Exception:  # noqa: BLE001 - a malformed spec: collect the names given, prepared() says why in the test
-        return wanted + [s for s in SPECS if s not in wanted]
-    if wanted or SPECS:
-        return wanted + [e.name for e in entries if e.spec in SPECS and e.name not in wanted]
+    if _listed("MHA_BENCH_BACKENDS") or SPECS:
+        return _backend_names("MHA_BENCH_BACKENDS")
     return [e.name for e in registry().available() if not opt_in_reason(e)]
 
 

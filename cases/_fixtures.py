@@ -145,6 +145,22 @@ def poison_kinds(form: str, *, cached_rows: bool = False) -> tuple[str, ...]:
     return ("random",) if form in COUPLED_FORMS else ("random", "nan", "inf")
 
 
+def with_each_input_changed(inputs: AttentionInputs, change) -> AttentionInputs:
+    """Copy of ``inputs`` in which each distinct array among query, key and value (by identity, in that order) is
+    copied once and ``change(copy)`` edits it in place: one x stays one x, a shared x_kv one array, so the form is
+    kept. (A KV-cache call's x_new and x_kv are distinct arrays: an edit that is the same on every row keeps x_new
+    equal to x_kv's last rows.)"""
+    changed: dict[str, np.ndarray] = {}
+    for name in ("query", "key", "value"):
+        array = getattr(inputs, name)
+        same = next((changed[n] for n in changed if getattr(inputs, n) is array), None)
+        if same is None:
+            same = array.copy()
+            change(same)
+        changed[name] = same
+    return inputs.replace(**changed)
+
+
 def with_keys_replaced(inputs: AttentionInputs, where, kind: str, seed: int = 11) -> AttentionInputs:
     """Copy of ``inputs`` whose keys at ``where`` are poisoned, in the inputs' own form.
 

@@ -11,6 +11,7 @@ from mha_harness.cases._fixtures import (
     form_inputs,
     short_layer,
     small_layer,
+    with_each_input_changed,
 )
 from mha_harness.cases.agreement import GRID
 from mha_harness.conformance.casekit import (
@@ -65,15 +66,11 @@ def check_batch_items_are_independent(backend, *, form, dtype):
     inputs = form_inputs(form, params.config, SHORT_BATCH, SHORT_SEQ)  # items 0 and 2 around the changed item 1
     base = run(backend, params, inputs, dtype).output
     rng = np.random.default_rng(14)
-    changed = {}
-    for name in ("query", "key", "value"):
-        array = getattr(inputs, name)
-        same = next((changed[n] for n in changed if getattr(inputs, n) is array), None)
-        if same is None:  # one new array per distinct input, so the form is kept
-            same = array.copy()
-            same[1] = rng.standard_normal(array[1].shape) * 5
-        changed[name] = same
-    after = run(backend, params, inputs.replace(**changed), dtype).output
+
+    def new_item_1(array):
+        array[1] = rng.standard_normal(array[1].shape) * 5
+
+    after = run(backend, params, with_each_input_changed(inputs, new_item_1), dtype).output
     _, tol = tolerance_for(params, inputs, dtype)
     for b in (0, 2):
         assert_close(after[b:b + 1], base[b:b + 1], tol, f"batch item {b} after changing item 1")
@@ -114,22 +111,18 @@ def _scores_far_below_zero(params, inputs, offset: float, spread: float = 4.0):
     firsts = [h * d for h in range(c.num_heads)]
     w_q[0], w_k[0] = 0.0, 0.0
     w_q[:, firsts], w_k[:, firsts] = 0.0, 0.0
-    changed = {}
-    for name in ("query", "key", "value"):
-        array = getattr(inputs, name)
-        same = next((changed[n] for n in changed if getattr(inputs, n) is array), None)
-        if same is None:
-            same = array.copy()
-            same[..., 0] = 1.0
-        changed[name] = same
-    q = (changed["query"] @ w_q).reshape(*changed["query"].shape[:2], c.num_heads, d)
-    k = (changed["key"] @ w_k).reshape(*changed["key"].shape[:2], c.num_heads, d)
+    def feature_0_is_1(array):
+        array[..., 0] = 1.0
+
+    inputs = with_each_input_changed(inputs, feature_0_is_1)
+    q = (inputs.query @ w_q).reshape(*inputs.query.shape[:2], c.num_heads, d)
+    k = (inputs.key @ w_k).reshape(*inputs.key.shape[:2], c.num_heads, d)
     rest = np.abs(np.einsum("bqhd,bkhd->bhqk", q, k)).max() / np.sqrt(d)
     shrink = np.sqrt(spread / rest)
     w_q, w_k = w_q * shrink, w_k * shrink
     s = np.sqrt(-offset * np.sqrt(d))
     w_q[0, firsts], w_k[0, firsts] = s, -s
-    return params.replace(W_q=w_q, W_k=w_k), inputs.replace(**changed)
+    return params.replace(W_q=w_q, W_k=w_k), inputs
 
 
 @case(variants=_large_logit_variants, forms=ALL_FORMS)

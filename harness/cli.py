@@ -308,7 +308,7 @@ def cmd_list(args) -> int:
                     print(f"{'':<{width}}    {d.case}: {d.behaviour}{when} ({d.reason})")
     if args.backend_spec:
         print(f"({len(registry.entries) - len(entries)} registered backends not listed: mha-harness list)")
-        broken = [e.name for e in entries if (e.reason_unavailable or "").startswith("failed to load")]
+        broken = [e.name for e in entries if e.error]  # import, construction or availability() failed
         if broken:  # a spec that does not load is an error of the command, as for check and bench
             print(f"mha-harness list: {len(broken)} --backend-spec backend(s) failed to load: {', '.join(broken)}",
                   file=sys.stderr)
