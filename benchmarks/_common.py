@@ -112,7 +112,7 @@ def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = Fal
     pin_mmap_threshold()
     if backend.device == "cpu" and seq_len > MAX_CPU_SEQ and tq is None:
         raise NotImplementedError(f"T={seq_len} is a GPU-only length (CPU sweep stops at {MAX_CPU_SEQ})")
-    shape = Shape(1, tq or seq_len, seq_len, 512, 8, half_dtype(backend), causal, backward)
+    shape = Shape(1, tq or seq_len, seq_len, 512, 8, half_dtype(backend), causal, backward, cached=tq is not None)
     why = unsupported(backend, shape)
     if why:
         raise NotImplementedError(why)

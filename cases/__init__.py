@@ -4,4 +4,13 @@ Each case is a plain function over any backend (see :mod:`mha_harness.casekit`).
 backends only through the plugin API and never import torch or jax. Run them with
 ``mha-harness check``, ``mha_harness.check(backend)`` or ``pytest --pyargs mha_harness.cases``.
 """
-from mha_harness.cases import agreement, bad_input, gradients, invariance, masks, projections, search_regressions  # noqa: F401
+from mha_harness.cases import (  # noqa: F401
+    agreement,
+    bad_input,
+    decode_step,
+    gradients,
+    invariance,
+    masks,
+    projections,
+    search_regressions,
+)

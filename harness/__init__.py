@@ -21,7 +21,7 @@ _PUBLIC = {
     "Report": "mha_harness.conformance.report",
     **{name: "mha_harness.contract.api" for name in (
         "AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
-        "Capabilities", "Divergence", "LoadedAttention", "Unsupported", "implicitly_causal")},
+        "Capabilities", "Divergence", "LoadedAttention", "Unsupported", "as_kv_cache_call", "implicitly_causal")},
     "causal_offset": "mha_harness.contract.conventions",
     "make_inputs": "mha_harness.contract.params", "make_params": "mha_harness.contract.params",
     "reference_attention": "mha_harness.contract.reference", "reference_vjp": "mha_harness.contract.reference",
@@ -34,7 +34,8 @@ _PUBLIC = {
 
 __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
-           "Capabilities", "Divergence", "LoadedAttention", "Report", "Unsupported", "causal_offset", "check",
+           "Capabilities", "Divergence", "LoadedAttention", "Report", "Unsupported", "as_kv_cache_call",
+           "causal_offset", "check",
            "configure_jax", "function_backend", "implicitly_causal", "load_registry", "make_inputs", "make_params",
            "masks",
            "parametrize_with_cases", "reference_attention", "reference_vjp", "reference_vjp_magnitudes", "repro"]

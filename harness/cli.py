@@ -566,8 +566,12 @@ def _skip_hint(why: str) -> str:
         return "; pass --causal on (or both)"
     if "inputs='self'" in why:
         return ("; a layer called as module(x) runs the prefill workload (Tq = Tk; --causal on for a causal layer); "
-                "for decode, wrap the model's KV-cache step as a second backend (inputs='kv_cache': layer(x_new, "
-                "cache)), or the layer as one that takes x_q and x_kv (inputs='shared_kv')")
+                "for decode, a second backend with a decode step (LoadedAttention.prepare_decode_step: fill the "
+                "cache untimed, return the step) around the model's KV-cache step (inputs='kv_cache': "
+                "layer(x_new, cache)) or around the layer as one that takes x_q and x_kv (inputs='shared_kv')")
+    if "no decode step" in why:
+        return ("; implement LoadedAttention.prepare_decode_step (README 'A decode step'): the decode workload times "
+                "a step over a cache filled before it")
     if "grouped_query" in why:
         return "; leave out --kv-heads (multi-head), or declare grouped_query if the backend supports it"
     return ""

@@ -162,6 +162,68 @@ class JaxLoaded(LoadedAttention):
         return run
 
 
+    def decode_attention(self, inputs: AttentionInputs):
+        """What the decode step attends with: (layout, core, masks). ``layout`` is "heads_first" (B, heads, T,
+        d_head) or "positions_first" (B, T, heads, d_head); ``core(q, k, v, masks)`` is a traceable function of
+        projected heads in that layout (K and V with kv_heads heads, all Tk positions) returning the heads' output in
+        it; ``masks`` a dict of device arrays (or None) from ``inputs``'s causal mask, passed to ``core``."""
+        raise NotImplementedError(f"{type(self).__name__} has no decode step (decode_attention)")
+
+    def prepare_decode_step(self, inputs: AttentionInputs):
+        """The cached positions' keys and values projected once into a cache of all Tk slots (zeros in the last Tq);
+        each step projects x_new, writes its keys and values into those slots (``lax.dynamic_update_slice`` on the
+        donated cache: in place), attends (:meth:`decode_attention`'s core) and applies W_o. Both programs are
+        compiled here, outside any timing."""
+        jax = self.jax
+        layout, core, masks = self.decode_attention(inputs)
+        fill, step = _decode_programs(jax, self.config, inputs.tq, inputs.tk, layout, core)
+        x_new = self.array(inputs.query)
+        with self.precision():
+            state = {"cache": jax.block_until_ready(fill(self.params, self.array(inputs.cached)))}
+            probe = fill(self.params, self.array(inputs.cached))  # the first step donates a cache of its own
+            jax.block_until_ready(step(self.params, x_new, probe, masks))  # compiles the step
+
+        def run():
+            with self.precision():
+                out, state["cache"] = step(self.params, x_new, state["cache"], masks)
+                return jax.block_until_ready(out)
+        return run
+
+    def decode_step_output(self, value) -> np.ndarray:
+        return self.to_numpy(value)
+
+
+def _decode_programs(jax, config, tq: int, tk: int, layout: str, core):
+    """The jitted (fill, step) of a decode step: ``fill(params, cached)`` -> (K cache, V cache) with Tq zero slots at
+    the end; ``step(params, x_new, cache, masks)`` -> (output, cache with x_new's keys and values in those slots),
+    the cache donated so the write is in place."""
+    jnp = jax.numpy
+    t_axis = 2 if layout == "heads_first" else 1
+
+    def heads(w, x, which, n):
+        y = x @ w[f"W_{which}"]
+        y = y + w[f"b_{which}"] if f"b_{which}" in w else y
+        y = y.reshape(y.shape[0], y.shape[1], n, config.d_head)
+        return y.transpose(0, 2, 1, 3) if layout == "heads_first" else y
+
+    def fill(w, cached):
+        pad = [(0, 0)] * 4
+        pad[t_axis] = (0, tq)
+        return tuple(jnp.pad(heads(w, cached, which, config.kv_heads), pad) for which in "kv")
+
+    def step(w, x_new, cache, masks):
+        origin = [0, 0, 0, 0]
+        origin[t_axis] = tk - tq
+        cache = tuple(jax.lax.dynamic_update_slice(kv, heads(w, x_new, which, config.kv_heads), tuple(origin))
+                      for kv, which in zip(cache, "kv"))
+        out = core(heads(w, x_new, "q", config.num_heads), *cache, masks)
+        if layout == "heads_first":
+            out = out.transpose(0, 2, 1, 3)
+        y = out.reshape(out.shape[0], out.shape[1], config.d_model) @ w["W_o"]
+        return (y + w["b_o"] if "b_o" in w else y), cache
+    return jax.jit(fill), jax.jit(step, donate_argnums=(2,))
+
+
 #: the native input arrays a forward + backward benchmark differentiates (besides the parameters); every other array
 #: of ``native_inputs`` (masks) is passed along undifferentiated
 _DIFFERENTIABLE_INPUTS = ("query", "key", "value")

@@ -205,3 +205,39 @@ class LinearTorchLoaded(TorchLoaded):
         """(B, T, n*d_head) -> (B, n, T, d_head)."""
         b, t, _ = x.shape
         return x.reshape(b, t, n_heads, self.config.d_head).transpose(1, 2)
+
+    def attend_heads(self, qh, kh, vh, inputs: AttentionInputs):
+        """Each head's attention from projected heads (B, heads, T, d_head; K and V with kv_heads heads) under the
+        masks of ``inputs``: the heads' output (B, heads, Tq, d_head). The decode step needs it."""
+        raise NotImplementedError(f"{type(self).__name__} has no decode step (attend_heads)")
+
+    def prepare_decode_step(self, inputs: AttentionInputs):
+        """The cached positions' keys and values projected once into a zeroed cache of all Tk slots; each step
+        projects x_new, writes its keys and values into the last Tq slots, attends over the cache
+        (:meth:`attend_heads`) and applies W_o."""
+        if type(self).attend_heads is LinearTorchLoaded.attend_heads:
+            self.attend_heads(None, None, None, inputs)  # raises: this layer has no attention core of its own
+        torch, c, start = self.torch, self.config, inputs.tk - inputs.tq
+        x_new = self.tensor(inputs.query)
+        with torch.no_grad():
+            cache = {which: torch.zeros((inputs.batch, c.kv_heads, inputs.tk, c.d_head), dtype=self.dtype,
+                                        device=self.device) for which in "kv"}
+            cached = self.tensor(inputs.cached)
+            for which, kv in cache.items():
+                kv[:, :, :start] = self.split_heads(self.project(cached, which), c.kv_heads)
+        device = self.device
+
+        def step():
+            with torch.no_grad():
+                for which, kv in cache.items():
+                    kv[:, :, start:] = self.split_heads(self.project(x_new, which), c.kv_heads)
+                heads = self.attend_heads(self.split_heads(self.project(x_new, "q"), c.num_heads), cache["k"],
+                                          cache["v"], inputs)
+                b, h, t, dh = heads.shape
+                out = self.project(heads.transpose(1, 2).reshape(b, t, h * dh), "o")
+            synchronize(device)
+            return out
+        return step
+
+    def decode_step_output(self, value) -> np.ndarray:
+        return self.to_numpy(value)

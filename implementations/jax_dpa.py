@@ -76,6 +76,15 @@ class JaxDpaLoaded(JaxLoaded):
             self._refused(exc)
             raise
 
+    def decode_attention(self, inputs: AttentionInputs):
+        allowed, additive = full_mask(inputs)  # bottom-right: is_causal is top-left
+        implementation = self.backend.implementation
+
+        def core(q, k, v, masks):
+            import jax
+            return jax.nn.dot_product_attention(q, k, v, mask=masks["mask"], implementation=implementation)
+        return "positions_first", core, {"mask": self.array(allowed)}
+
     def _vjp(self, inputs: AttentionInputs, cotangent):
         try:  # the jitted vjp compiles after tracing ``call``: a refusal at compile time is a skip too
             return super()._vjp(inputs, cotangent)

@@ -63,8 +63,6 @@ def values_are_surely_finite(value, bounds: tuple[float, float, float], dtype_ma
 @functools.cache
 def _compiled(num_heads: int, kv_heads: int, need_weights: bool, values_finite: bool):
     import jax
-    import jax.numpy as jnp
-    from jax import lax
 
     def apply(w, query, key, value, allowed, additive):
         def proj(x, which):
@@ -74,24 +72,31 @@ def _compiled(num_heads: int, kv_heads: int, need_weights: bool, values_finite: 
         def heads(x, n):
             b, t, width = x.shape
             return x.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
-        group = num_heads // kv_heads
-        q = heads(proj(query, "q"), num_heads)
-        k = jnp.repeat(heads(proj(key, "k"), kv_heads), group, axis=1)
-        v = jnp.repeat(heads(proj(value, "v"), kv_heads), group, axis=1)
-        scores = q @ k.transpose(0, 1, 3, 2) / jnp.asarray(math.sqrt(q.shape[-1]), q.dtype)
-        if additive is not None:
-            scores = scores + additive
-        if allowed is not None:
-            scores = jnp.where(allowed, scores, -jnp.inf)
-        row_max = lax.stop_gradient(scores.max(axis=-1, keepdims=True))
-        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
-        e = jnp.exp(scores - row_max)
-        total = e.sum(axis=-1, keepdims=True)
-        weights = e / jnp.where(total == 0, 1, total)
-        out = _weighted_values(jnp, weights, v, values_finite)
+        out, weights = attention_heads(heads(proj(query, "q"), num_heads), heads(proj(key, "k"), kv_heads),
+                                       heads(proj(value, "v"), kv_heads), allowed, additive, values_finite)
         b, h, t, dh = out.shape
         return proj(out.transpose(0, 2, 1, 3).reshape(b, t, h * dh), "o"), (weights if need_weights else None)
     return jax.jit(apply)
+
+
+def attention_heads(q, k, v, allowed, additive, values_finite: bool):
+    """Each head's masked softmax(Q K^T / sqrt(d_head)) V from projected heads (B, heads, T, d_head), K and V with
+    fewer heads for grouped-query (each repeated for its group): (heads output, weights)."""
+    import jax.numpy as jnp
+    from jax import lax
+    group = q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    scores = q @ k.transpose(0, 1, 3, 2) / jnp.asarray(math.sqrt(q.shape[-1]), q.dtype)
+    if additive is not None:
+        scores = scores + additive
+    if allowed is not None:
+        scores = jnp.where(allowed, scores, -jnp.inf)
+    row_max = lax.stop_gradient(scores.max(axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
+    e = jnp.exp(scores - row_max)
+    total = e.sum(axis=-1, keepdims=True)
+    weights = e / jnp.where(total == 0, 1, total)
+    return _weighted_values(jnp, weights, v, values_finite), weights
 
 
 class JaxExplicitLoaded(JaxLoaded):
@@ -109,6 +114,15 @@ class JaxExplicitLoaded(JaxLoaded):
     def call(self, params, a: dict, need_weights: bool):
         fn = _compiled(self.config.num_heads, self.config.kv_heads, need_weights, a["values_finite"])
         return fn(params, a["query"], a["key"], a["value"], a["allowed"], a["additive"])
+
+    def decode_attention(self, inputs: AttentionInputs):
+        allowed, additive = full_mask(inputs)
+        finite = values_are_surely_finite(inputs.key, self.value_bounds,
+                                          float(self.jax.numpy.finfo(self.dtype).max))
+
+        def core(q, k, v, masks):
+            return attention_heads(q, k, v, masks["allowed"], masks["additive"], finite)[0]
+        return "heads_first", core, {"allowed": self.array(allowed), "additive": self.array(additive)}
 
     def canonical_gradients(self, grads) -> dict:
         return dict(grads)

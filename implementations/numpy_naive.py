@@ -101,16 +101,49 @@ class NumpyNaiveLoaded(LoadedAttention):
         return np.repeat(kv, self.config.group, axis=1)
 
     def attend(self, inputs: AttentionInputs, need_weights: bool) -> AttentionOutput:
-        c = self.config
-        q, k, v = self.heads(inputs)
-        if c.group > 1:
+        heads, weights = self.attend_projected(*self.heads(inputs), self.masks(inputs), inputs)
+        return AttentionOutput(self.output_projection(self.merge_heads(heads)), weights if need_weights else None)
+
+    def attend_projected(self, q, k, v, masks, inputs: AttentionInputs):
+        """Each head's softmax(scale * Q K^T, masked) V from projected heads (K and V with kv_heads heads) and the
+        call's ``masks`` (:meth:`masks`): (heads output (B, H, Tq, d_head), weights (B, H, Tq, Tk) or None)."""
+        if self.config.group > 1:
             k, v = self.expand_kv_heads(k), self.expand_kv_heads(v)
         scores = q @ k.transpose(0, 1, 3, 2)
         scores *= self.dtype.type(self.scale())
-        allowed, additive = self.masks(inputs)
-        weights = self.masked_softmax(scores, allowed, additive)
-        out = self.output_projection(self.merge_heads(self.weighted_values(weights, v)))
-        return AttentionOutput(out, weights if need_weights else None)
+        weights = self.masked_softmax(scores, *masks)
+        return self.weighted_values(weights, v), weights
+
+    #: whether a decode step writes x_new's keys and values into the cache before it attends (it must: the new
+    #: queries see the new keys); False is the mutant zoo's step that attends first
+    write_before_attending = True
+
+    def prepare_decode_step(self, inputs: AttentionInputs):
+        """The cached positions' keys and values projected once into a zeroed cache of all Tk slots; each step
+        projects x_new, writes its keys and values into the last Tq slots, attends over the cache and applies W_o."""
+        c, start = self.config, inputs.tk - inputs.tq
+        x_new = np.asarray(inputs.query, self.dtype)
+        cache = {which: np.zeros((inputs.batch, c.kv_heads, inputs.tk, c.d_head), self.dtype) for which in "kv"}
+        with np.errstate(invalid="ignore", over="ignore"):
+            for which, kv in cache.items():
+                kv[:, :, :start] = self.split_heads(self.project(np.asarray(inputs.cached, self.dtype), which),
+                                                    c.kv_heads)
+        masks = self.masks(inputs)
+
+        def write():
+            for which, kv in cache.items():
+                kv[:, :, start:] = self.split_heads(self.project(x_new, which), c.kv_heads)
+
+        def step():
+            with np.errstate(invalid="ignore", over="ignore"):
+                if self.write_before_attending:
+                    write()
+                q = self.split_heads(self.project(x_new, "q"), c.num_heads)
+                heads, _ = self.attend_projected(q, cache["k"], cache["v"], masks, inputs)
+                if not self.write_before_attending:
+                    write()
+                return self.output_projection(self.merge_heads(heads))
+        return step
 
 
 class NumpyNaive(AttentionBackend):

@@ -22,16 +22,24 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
         self.block_q, self.block_k = block_q, block_k
 
     def attend(self, inputs: AttentionInputs, need_weights: bool) -> AttentionOutput:
-        c = self.config
-        heads = self.attend_heads(*self.grouped_heads(inputs), inputs)
-        heads = heads.reshape(inputs.batch, c.num_heads, inputs.tq, c.d_head)
+        heads, _ = self.attend_projected(*self.heads(inputs), None, inputs)
         return AttentionOutput(self.output_projection(self.merge_heads(heads)), None)
 
+    def attend_projected(self, q, k, v, masks, inputs: AttentionInputs):
+        """The tiled kernel over projected heads, its masks made block by block from ``inputs`` (``masks`` is
+        unused): (heads output (B, H, Tq, d_head), None)."""
+        c = self.config
+        heads = self.attend_heads(*self.group_heads(q, k, v, inputs), inputs)
+        return heads.reshape(inputs.batch, c.num_heads, inputs.tq, c.d_head), None
+
     def grouped_heads(self, inputs: AttentionInputs):
+        """:meth:`group_heads` of the call's projected heads."""
+        return self.group_heads(*self.heads(inputs), inputs)
+
+    def group_heads(self, q, k, v, inputs: AttentionInputs):
         """Scaled queries (B, kv, group, Tq, dh), keys and values (B, kv, 1, Tk, dh): each kv head serves its group
         of query heads without copying K/V."""
         c = self.config
-        q, k, v = self.heads(inputs)
         q = q.reshape(inputs.batch, c.kv_heads, c.group, inputs.tq, c.d_head) * self.dtype.type(self.scale())
         return q, k[:, :, None], v[:, :, None]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from mha_harness.contract.api import AttentionConfig, AttentionParams, Capabilities
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
 from mha_harness.contract.conventions import MASK_POLARITY
 from mha_harness.implementations._torch_common import TorchBackend, use_private_inductor_cache
 from mha_harness.implementations.torch_eager import TorchEagerLoaded, eager_layer
@@ -55,6 +55,10 @@ class TorchCompileLoaded(TorchEagerLoaded):
     def setup(self, params: AttentionParams) -> None:
         super().setup(params)
         self.layer = compiled_layer()
+
+    def prepare_decode_step(self, inputs: AttentionInputs):
+        raise NotImplementedError("torch-compile-cpu compiles the whole layer only: its decode step would be "
+                                  "torch-eager's, uncompiled")
 
 
 class TorchCompile(TorchBackend):

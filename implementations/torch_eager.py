@@ -34,8 +34,6 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     ``w`` maps canonical names (W_q, b_q, ...) to x @ W tensors; ``allowed`` (True = attend) and ``additive``
     are mask tensors broadcastable to (B, H, Tq, Tk) or None. A pure function of its tensors, so torch.compile
     can trace it once per shape (torch-compile-cpu)."""
-    import torch
-
     def project(x, which):
         y = x @ w[f"W_{which}"]
         bias = w.get(f"b_{which}")
@@ -44,10 +42,19 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     def split(x, n):
         b, t, width = x.shape
         return x.reshape(b, t, n, width // n).transpose(1, 2)
-    group = num_heads // kv_heads
-    qh = split(project(q, "q"), num_heads)
-    kh = split(project(k, "k"), kv_heads).repeat_interleave(group, dim=1)
-    vh = split(project(v, "v"), kv_heads).repeat_interleave(group, dim=1)
+    out, weights = eager_attention(split(project(q, "q"), num_heads), split(project(k, "k"), kv_heads),
+                                   split(project(v, "v"), kv_heads), allowed, additive, need_weights)
+    b, h, t, dh = out.shape
+    return project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), weights
+
+
+def eager_attention(qh, kh, vh, allowed, additive, need_weights: bool):
+    """Each head's masked softmax(Q K^T / sqrt(d_head)) V from projected heads (B, heads, T, d_head), K and V with
+    fewer heads for grouped-query (each repeated for its group): (heads output, weights or None)."""
+    import torch
+    group = qh.shape[1] // kh.shape[1]
+    if group > 1:
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
     scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(qh.shape[-1])
     if additive is not None:
         scores = scores + additive
@@ -58,13 +65,15 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     e = torch.exp(scores - row_max)
     total = e.sum(dim=-1, keepdim=True)
     weights = e / torch.where(total == 0, torch.ones_like(total), total)
-    out = weighted_values(torch, weights, vh)
-    b, h, t, dh = out.shape
-    return project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), weights if need_weights else None
+    return weighted_values(torch, weights, vh), weights if need_weights else None
 
 
 class TorchEagerLoaded(LinearTorchLoaded):
     layer = staticmethod(eager_layer)
+
+    def attend_heads(self, qh, kh, vh, inputs: AttentionInputs):
+        allowed, additive = full_mask(inputs)
+        return eager_attention(qh, kh, vh, self.mask_tensor(allowed), self.mask_tensor(additive), False)[0]
 
     def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
         c = self.config

@@ -81,16 +81,20 @@ class TorchSdpaLoaded(LinearTorchLoaded):
 
     def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
         c = self.config
+        out = self.attend_heads(self.split_heads(self.project(q, "q"), c.num_heads),
+                                self.split_heads(self.project(k, "k"), c.kv_heads),
+                                self.split_heads(self.project(v, "v"), c.kv_heads), inputs)
+        b, h, t, dh = out.shape
+        return self.project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), None
+
+    def attend_heads(self, qh, kh, vh, inputs: AttentionInputs):
+        """SDPA on projected heads in this backend's kernel (the kernel torch ran verified once per signature)."""
         from torch.nn.attention import sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-        qh = self.split_heads(self.project(q, "q"), c.num_heads)
-        kh = self.split_heads(self.project(k, "k"), c.kv_heads)
-        vh = self.split_heads(self.project(v, "v"), c.kv_heads)
         kwargs = self._mask_arguments(inputs)
-        if c.group > 1:
+        if self.config.group > 1:
             kwargs["enable_gqa"] = True
-        signature = (tuple(q.shape), tuple(k.shape), tuple(sorted(kwargs)), q.requires_grad)
+        signature = (tuple(qh.shape), tuple(kh.shape), tuple(sorted(kwargs)), qh.requires_grad)
         kernel = self.backend.kernel
         try:
             with sdpa_kernel([_sdp_backend(kernel)]):
@@ -106,8 +110,7 @@ class TorchSdpaLoaded(LinearTorchLoaded):
                 raise Unsupported(f"torch refuses the {kernel} kernel on {self.device} for this input: "
                                   f"{str(exc).splitlines()[0]}") from None
             raise
-        b, h, t, dh = out.shape
-        return self.project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), None
+        return out
 
     def _verify_kernel(self, ops: list[str]) -> None:
         kernel = self.backend.kernel

@@ -71,6 +71,11 @@ class _Loaded(mha_harness.LoadedAttention):
         bias = masks.additive_mask(inputs, causal=False, dtype=self.dtype)
         return lambda: self.layer.step(x_new, self.layer.fill(x_cached), bias)
 
+    def prepare_decode_step(self, inputs):
+        """A decode step as a model runs it: the cache filled here, once; each call runs the step on x_new."""
+        x_new, cache = np.asarray(inputs.query, self.dtype), self.layer.fill(np.asarray(inputs.cached, self.dtype))
+        return lambda: self.layer.step(x_new, cache)
+
 
 class KVCacheAttention(mha_harness.AttentionBackend):
     """The layer's decode step as the harness calls it: ``layer.step(x_new, layer.fill(inputs.cached))``."""

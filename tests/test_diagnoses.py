@@ -221,3 +221,22 @@ def test_a_failed_output_comparison_lists_the_few_rows_outside_the_bound():
     everywhere[:, 0] = 0.0
     with pytest.raises(CaseFailure, match=r"190 of 192 .* \(within it: batch:position 0:0, 1:0\)"):
         assert_close(everywhere, expected, tol, "output")
+
+
+class _ValuesAlwaysZero(NumpyNaiveLoaded):
+    """Attends over values that are all zero (a stranger's layer attended over a cache it had not written yet)."""
+
+    def project(self, x, which):
+        y = super().project(x, which)
+        return np.zeros_like(y) if which == "v" else y
+
+
+def test_zero_heads_are_not_read_as_w_o_left_out():
+    """Heads of zeros make the output zeros whatever W_o is: the projection case said "W_o was not applied" for a
+    layer whose W_o was fine. It now fails on the output without blaming W_o."""
+    class ZeroValues(NumpyNaive):
+        name = "numpy-zero-values"
+        loaded_class = _ValuesAlwaysZero
+
+    [failure] = mha_harness.check(ZeroValues(), cases=["check_output_projection_mixes_heads"]).failures()
+    assert "W_o was not applied" not in failure.message, failure.message

@@ -43,8 +43,9 @@ def mask_in_call(backend, shape: Shape) -> str:
 def one_x_reason(shape: Shape) -> str:
     """Why a backend that declares ``inputs="self"`` cannot run ``shape`` (Tq != Tk, e.g. any decode point)."""
     return (f"declares inputs='self' (one x): Tq = {shape.tq} != Tk = {shape.tk} cannot be expressed with one x, "
-            "so decode (new queries against a longer key/value input) is not defined for it; decode runs layers that "
-            "take key/value inputs (inputs='separate', 'shared_kv' or 'kv_cache')")
+            "so decode (new queries against a longer KV cache) is not defined for it; decode runs the decode step "
+            "(LoadedAttention.prepare_decode_step) of a layer that takes key/value inputs (inputs='separate', "
+            "'shared_kv' or 'kv_cache')")
 
 
 def unsupported(backend, shape: Shape) -> str | None:
@@ -97,6 +98,27 @@ def backend_arguments(backend, shape: Shape):
 
 
 def prepared_call(backend, shape: Shape):
-    """The backend's zero-argument prepared callable for ``shape`` (seeded inputs and parameters)."""
+    """The backend's zero-argument prepared callable for ``shape`` (seeded inputs and parameters): its decode step
+    over a filled KV cache for a ``cached`` shape (``LoadedAttention.decode_step``: NotImplementedError, a skip,
+    for a backend without one), else its ``prepare``."""
+    if shape.cached:
+        params, inputs = call_arguments(shape, None if mask_in_call(backend, shape) == "none" else "bottom-right",
+                                        kv_cache=True)
+        return _returning_its_output(backend.load(params, dtype=shape.dtype), inputs)
     params, inputs = backend_arguments(backend, shape)
     return backend.load(params, dtype=shape.dtype).prepare(inputs, backward=shape.backward)
+
+
+def _returning_its_output(loaded, inputs):
+    """The loaded layer's decode step for ``inputs``, after one untimed call showed it returns an output of the
+    step's shape (a step returning None, or its cache, would be timed as if it computed the layer); the values are
+    what its conformance case verifies."""
+    import numpy as np
+    step = loaded.decode_step(inputs)
+    out = step()
+    expected = (inputs.batch, inputs.tq, loaded.config.d_model)
+    got = None if out is None else np.shape(loaded.decode_step_output(out))
+    if got != expected:
+        raise TypeError(f"decode step: returned {'None' if got is None else f'an array of shape {got}'}; accepted: "
+                        f"the step's output, shape (batch, Tq, d_model) = {expected}")
+    return step

@@ -2,14 +2,17 @@
 
 For one call of an attention layer of shape :class:`Shape` taking ``seconds``, :func:`metrics` gives
 
-* ``gflops``: the attention core with the flash-attention formula 4*B*h*Tq*Tk*d_head (x0.5 causal;
-  forward+backward counts 3.5x forward, backward being 2.5x), and ``fraction_of_gemm_peak``;
+* ``gflops``: the attention core with the flash-attention formula 4*B*h*Tq*Tk*d_head times the fraction of
+  (query, key) pairs a causal mask leaves visible (0.5 at Tq = Tk, the flash-attention convention; with Tq < Tk,
+  bottom-right, 1 - (Tq - 1) / (2 Tk): nearly all for a decode step); forward+backward counts 3.5x forward,
+  backward being 2.5x; and ``fraction_of_gemm_peak``;
 * ``layer_gflops``: the core plus the four projections (2*B*d_model*(Tq*d_model + 2*Tk*kv_width + Tq*d_model),
-  kv_width = num_kv_heads*d_head: d_model for multi-head, less for grouped-query), which dominate the decode shape
-  because the harness's layer projects its Tk key/value inputs on every call;
+  kv_width = num_kv_heads*d_head: d_model for multi-head, less for grouped-query; a decode step over a filled
+  cache, ``Shape.cached``, projects only its Tq new rows' keys and values: Tq in place of Tk);
 * ``gbytes_per_s``: the compulsory traffic of one call (query, key and value inputs, the four weight matrices --
-  W_k and W_v of d_model x kv_width -- and the output, each read or written once, in the benchmark's dtype) per
-  second, and ``fraction_of_memory_bandwidth``.
+  W_k and W_v of d_model x kv_width -- and the output, each read or written once, in the benchmark's dtype; a
+  decode step reads x_new, the whole K and V cache, 2*B*Tk*kv_width, writes its Tq new rows of it, and reads the
+  weights and writes the output) per second, and ``fraction_of_memory_bandwidth``.
 
 The core count is the same for grouped-query heads: every query head still scores every key it sees.
 
@@ -28,10 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-FLOPS_FORMULA = ("core: 4*B*h*Tq*Tk*d_head (x0.5 causal; x3.5 forward+backward); layer: core + projections "
-                 "2*B*d_model*(2*Tq*d_model + 2*Tk*kv_width), kv_width = num_kv_heads*d_head (x3 forward+backward)")
+FLOPS_FORMULA = ("core: 4*B*h*Tq*Tk*d_head x the causal mask's visible fraction (0.5 at Tq = Tk; 1 - (Tq-1)/(2*Tk) "
+                 "bottom-right with Tq < Tk) (x3.5 forward+backward); layer: core + projections "
+                 "2*B*d_model*(2*Tq*d_model + 2*Tk*kv_width), kv_width = num_kv_heads*d_head (x3 forward+backward); "
+                 "a decode step over a filled cache projects Tq rows of keys and values, not Tk")
 BYTES_FORMULA = ("compulsory traffic: query + key + value + 4 weight matrices (W_k, W_v: d_model x kv_width) + "
-                 "output, once each, in dtype")
+                 "output, once each, in dtype; a decode step over a filled cache: x_new + the K and V cache "
+                 "(2*B*Tk*kv_width) read + its Tq new rows written + weights + output")
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,9 @@ class Shape:
     causal: bool = False
     backward: bool = False
     num_kv_heads: int | None = None
+    #: a decode step over a filled KV cache (LoadedAttention.prepare_decode_step): the keys and values of the first
+    #: Tk - Tq positions were projected before the call; the call projects its Tq new rows only
+    cached: bool = False
 
     @property
     def d_head(self) -> int:
@@ -63,26 +72,46 @@ class Shape:
         return self.kv_heads * self.d_head
 
 
+def visible_fraction(s: Shape) -> float:
+    """The fraction of the Tq x Tk (query, key) pairs the shape's causal mask leaves visible: 1 without one; 0.5 at
+    Tq = Tk (the flash-attention convention, (T + 1) / 2T exactly); bottom-right with Tq < Tk (the new queries are
+    the last positions, query i sees Tk - Tq + i + 1 keys) 1 - (Tq - 1) / (2 Tk)."""
+    if not s.causal:
+        return 1.0
+    if s.tq >= s.tk:
+        return 0.5
+    return 1.0 - (s.tq - 1) / (2.0 * s.tk)
+
+
 def core_flops(s: Shape) -> float:
-    """4*B*h*Tq*Tk*d_head, halved for causal; forward+backward is 3.5x the forward count."""
-    flops = 4.0 * s.batch * s.num_heads * s.tq * s.tk * s.d_head
-    if s.causal:
-        flops /= 2
+    """4*B*h*Tq*Tk*d_head times the causal mask's :func:`visible_fraction`; forward+backward is 3.5x the forward
+    count."""
+    flops = 4.0 * s.batch * s.num_heads * s.tq * s.tk * s.d_head * visible_fraction(s)
     return flops * (3.5 if s.backward else 1.0)
+
+
+def projected_kv_rows(s: Shape) -> int:
+    """The key/value rows a call projects: all Tk, or a decode step's Tq new ones (``Shape.cached``)."""
+    return s.tq if s.cached else s.tk
 
 
 def projection_flops(s: Shape) -> float:
     """The four x @ W projections: W_q and W_o of d_model columns over Tq rows, W_k and W_v of ``kv_width`` columns
-    (num_kv_heads * d_head: smaller for grouped-query heads) over Tk rows; forward+backward is 3x."""
-    flops = 2.0 * s.batch * s.d_model * (2 * s.tq * s.d_model + 2 * s.tk * s.kv_width)
+    (num_kv_heads * d_head: smaller for grouped-query heads) over :func:`projected_kv_rows`; forward+backward is
+    3x."""
+    flops = 2.0 * s.batch * s.d_model * (2 * s.tq * s.d_model + 2 * projected_kv_rows(s) * s.kv_width)
     return flops * (3.0 if s.backward else 1.0)
 
 
 def compulsory_bytes(s: Shape) -> float:
     """query + key + value + output + 4 weight matrices, each moved once, in the dtype (self-attention reads x once;
-    W_k and W_v are d_model x kv_width, smaller for grouped-query heads)."""
+    W_k and W_v are d_model x kv_width, smaller for grouped-query heads). A decode step over a filled cache reads
+    x_new and the whole K and V cache, and writes the cache's Tq new rows, in place of the key and value inputs."""
     size = ITEMSIZE.get(s.dtype, 4)
-    inputs = s.batch * s.tq * s.d_model if s.tq == s.tk else s.batch * (s.tq + 2 * s.tk) * s.d_model
+    if s.cached:
+        inputs = s.batch * s.tq * s.d_model + 2 * s.batch * (s.tk + s.tq) * s.kv_width
+    else:
+        inputs = s.batch * s.tq * s.d_model if s.tq == s.tk else s.batch * (s.tq + 2 * s.tk) * s.d_model
     weights = 2 * s.d_model * s.d_model + 2 * s.d_model * s.kv_width
     moved = (inputs + s.batch * s.tq * s.d_model + weights) * size
     return moved * (3.0 if s.backward else 1.0)

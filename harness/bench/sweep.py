@@ -10,11 +10,13 @@ within +-``ci_rel`` (mha_harness.bench.stats) or its time budget for the point i
 After the timings, each worker measures the peak extra memory of one call of each of its points with the
 backend's own method, in its own process. Throughput comes from mha_harness.bench.metrics.
 
-Workloads: ``prefill`` (Tq = Tk = T, self-attention; causal top-left) and ``decode`` (Tq in ``query_lens``,
-e.g. 1 and 16 new queries, against Tk = KV length, bottom-right causal, the KV-cache alignment; only for layers
-that take key/value inputs: one x cannot have Tq != Tk). Both take ``BenchConfig.num_kv_heads`` (grouped-query
-heads; backends without the ``grouped_query`` capability are skipped). A run in which no backend can run any point
-stops before the machine's roofs are measured.
+Workloads: ``prefill`` (Tq = Tk = T, self-attention; causal top-left) and ``decode``: a decode step over a KV
+cache filled before it (``LoadedAttention.prepare_decode_step``: the first Tk - Tq positions' keys and values
+projected untimed; each timed call projects its Tq new rows, writes their keys and values into the cache, attends
+over all Tk and applies W_o), Tq in ``query_lens`` (e.g. 1 and 16 new queries) against Tk = KV length, bottom-right
+causal; only for backends with a decode step (the others are skipped, saying so). Both take
+``BenchConfig.num_kv_heads`` (grouped-query heads; backends without the ``grouped_query`` capability are skipped).
+A run in which no backend can run any point stops before the machine's roofs are measured.
 
 The JSON is written atomically after every point with ``"complete": false`` until the end: an interrupted sweep
 (Ctrl-C, SIGTERM) keeps every finished point. A backend that hangs, crashes or passes the memory limit is
@@ -55,8 +57,15 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.2"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
-# 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured
+SCHEMA_VERSION = "2.3"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
+# 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured;
+# 2.3: decode points time a decode step over a filled KV cache (decode_step), not a call projecting all Tk keys; the
+# causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half)
+#: what a decode point times, recorded in its document
+DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (LoadedAttention.prepare_decode_step): "
+               "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
+               "new rows, writes their keys and values into the cache's last Tq slots, attends over all Tk "
+               "(bottom-right causal) and applies W_o")
 MAX_CONSECUTIVE_LOSSES = 2  # crashes or out-of-memory in a row before a backend's remaining points are not run
 MEASURED, SKIPPED, NOT_RUN = "measured", "skipped", "not-run"
 
@@ -92,7 +101,7 @@ class BenchConfig:
         """The layer's shape in words, for the printed header and the plots' titles."""
         kind = "multi-head" if self.kv_heads == self.num_heads else "grouped-query"
         return (f"batch {self.batch}, d_model {self.d_model}, {self.num_heads} heads, num_kv_heads {self.kv_heads} "
-                f"({kind}), {self.dtype}, {self.threads} threads")
+                f"({kind}), {self.dtype}, {self.threads} thread{'' if self.threads == 1 else 's'}")
 
 
 def kv_heads_error(num_kv_heads, num_heads: int, name: str = "num_kv_heads",
@@ -164,7 +173,7 @@ class BenchPoint:
 
 def shape_of(point: BenchPoint, config: BenchConfig) -> Shape:
     return Shape(config.batch, point.tq, point.tk, config.d_model, config.num_heads, config.dtype, point.causal,
-                 point.mode != "forward", config.num_kv_heads)
+                 point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode")
 
 
 def plan_points(names, config: BenchConfig, seq_lens, *, causal_modes=(False,), backward=False,
@@ -494,12 +503,12 @@ def table(points: list[BenchPoint]) -> str:
                  "method's resolution of N MiB; mask: the causal mask the call carried, top-left, bottom-right or "
                  "none (none for full attention, and for the one-query decode step of a backend without bottom-right "
                  "masking: the same attention); for a point not run, the mask its workload asks for")
-    lines.append("  core GFLOP/s, core %GEMM: the attention core alone (4*B*h*Tq*Tk*d_head, half for causal; "
-                 "bench.json's gflops and fraction_of_gemm_peak, of NumPy's float32 GEMM); the whole layer, its four "
-                 "projections included, is bench.json's layer_gflops; GB/s, %BW: the layer's compulsory traffic "
-                 "(gbytes_per_s, fraction_of_memory_bandwidth, of the bandwidth measured in this run); the '!' flag "
-                 "compares the layer's FLOPs with the compute roof (the fastest float32 GEMM of the installed "
-                 "libraries), not with NumPy's")
+    lines.append("  core GFLOP/s, core %GEMM: the attention core alone (4*B*h*Tq*Tk*d_head x the pairs a causal mask "
+                 "leaves visible, half at Tq = Tk; bench.json's gflops and fraction_of_gemm_peak, of NumPy's float32 "
+                 "GEMM); the whole layer, its four projections included, is bench.json's layer_gflops; GB/s, %BW: the "
+                 "layer's compulsory traffic (gbytes_per_s, fraction_of_memory_bandwidth, of the bandwidth measured "
+                 "in this run); the '!' flag compares the layer's FLOPs with the compute roof (the fastest float32 "
+                 "GEMM of the installed libraries), not with NumPy's")
     if any(_loaded(p) for p in points):
         lines.append(f"  L other processes kept more than {LOADED_CORES} cores busy while the point was timed "
                      "(other_cores in bench.json): a loaded machine's figures, slower and noisier than alone")
@@ -839,6 +848,7 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
            "threads": thread_report(config.threads), "config": asdict(config), "workload": config.workload,
            "seq_lens": seq_lens, "query_lens": list(query_lens) if decode else None, "quick": quick,
            "flops_formula": FLOPS_FORMULA, "bytes_formula": BYTES_FORMULA,
+           **({"decode_step": DECODE_STEP} if decode else {}),
            "statistics": {"sample": f"the call repeated until a sample lasts >= {config.min_sample_s} s (calls "
                                     "per sample from the fastest warm-up call); value = sample time / calls",
                           "load": f"other_cores: CPU-s of other processes per second while the point's group was "
@@ -894,7 +904,8 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     sweep.save(complete=True)
     log(table(points))
     roof = machine.get("compute_roof_gflops_float32")
-    log(f"\nroofs of this machine ({config.threads} threads), measured in this run: float32 GEMM "
+    log(f"\nroofs of this machine ({config.threads} thread{'' if config.threads == 1 else 's'}), measured in this "
+        "run: float32 GEMM "
         f"{machine['gemm_peak_gflops_float32']:.1f} GFLOP/s (NumPy)"
         + (f", compute roof {roof:.1f} (the fastest library's: {_gemm_by_library(machine)})" if roof else "")
         + f", memory bandwidth {machine['memory_bandwidth_gbs']:.1f} GB/s (best of {machine['memory_bandwidth_calls']} "

@@ -454,6 +454,37 @@ def assert_output_close(backend: AttentionBackend, params: AttentionParams, inpu
         raise failure.with_hint(extra) from None
 
 
+_ATTENDS_BEFORE_WRITING = ("; the second call is right: the step attends before it writes x_new's keys and values "
+                           "into the cache, so the first call's new queries saw the cache's empty slots (write, "
+                           "then attend)")
+_NOT_THE_SAME_SLOTS = ("; the first call is right: a later step no longer attends over the same positions (it "
+                       "writes past the last Tq slots, or adds into the cache instead of overwriting them)")
+
+
+def assert_decode_step_close(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str,
+                             first: np.ndarray, second: np.ndarray) -> float:
+    """Fail unless the first and the second call of a decode step for the KV-cache call ``inputs`` both return the
+    float64 reference's output: wrong on the first call only is a step that attends before it writes, on the second
+    only one that does not write the same slots each call, on both the step's own bug, named where it matches a
+    known mistake (:func:`common_mistake`: the alignment, tiled K/V heads, a wrong scale ...). Returns the worst
+    error."""
+    expected, tol = tolerance_for(params, inputs, dtype)
+    errors: dict[str, Any] = {}
+    for call, got in (("first", first), ("second", second)):
+        try:
+            errors[call] = assert_close(got, expected, tol, f"decode step, {call} call")
+        except CaseFailure as failure:
+            errors[call] = failure
+    failed = [call for call, e in errors.items() if isinstance(e, CaseFailure)]
+    if failed == ["first"]:
+        raise errors["first"].with_hint(_ATTENDS_BEFORE_WRITING)
+    if failed == ["second"]:
+        raise errors["second"].with_hint(_NOT_THE_SAME_SLOTS)
+    if failed:
+        return assert_output_close(backend, params, inputs, dtype, first, expected, tol, "decode step, first call")
+    return max(errors.values())
+
+
 def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str,
                    got: np.ndarray, expected: np.ndarray, tol: Tolerance, rows=None) -> str:
     """The known mistake a failing output ``got`` matches, as a sentence to append to the failure ('' when none):

@@ -1,8 +1,8 @@
 """The backend a conformance case sees: a proxy whose calls go to wherever the plugin's code runs.
 
 Cases, the float64 reference, the tolerance and the comparison run in the harness's process; every call that
-runs plugin code (load, forward, vjp, native_parameter_shapes) goes through a *transport*: the backend's own
-worker process (:mod:`mha_harness.conformance.isolation`), or this process when isolation is off
+runs plugin code (load, forward, vjp, decode_step, native_parameter_shapes) goes through a *transport*: the
+backend's own worker process (:mod:`mha_harness.conformance.isolation`), or this process when isolation is off
 (:class:`InProcess`, which cannot protect the verdict from a plugin that patches NumPy or the harness).
 
 What comes back is validated here before any case looks at it: the output, weights and gradients must be
@@ -26,6 +26,7 @@ from mha_harness.contract.api import (
     AttentionInputs,
     AttentionOutput,
     AttentionParams,
+    LoadedAttention,
     Unsupported,
 )
 from mha_harness.util.wire import UnsendableArray
@@ -88,6 +89,16 @@ def as_array(value, what: str = "output") -> Any:
                         "dtype, such as a JAX array, which converts keeping it); a Python "
                         f"{type(value).__name__} would take the dtype NumPy chooses for it: a silent cast")
     return np.asarray(value)
+
+
+def step_output(loaded, value, what: str):
+    """A decode step's returned ``value`` as the loaded layer's ``decode_step_output`` reads it, copied (a step may
+    return a buffer it reuses); None is refused naming the step."""
+    if value is None:
+        raise TypeError(f"{what}: the step returned None; accepted: the step's output (batch, Tq, d_model), "
+                        "returned by each call")
+    got = as_array(loaded.decode_step_output(value), what)
+    return got.copy() if isinstance(got, np.ndarray) else got
 
 
 def current_context() -> dict:
@@ -162,6 +173,26 @@ class Server:
             raise TypeError(f"vjp: returned {type(grads).__name__}; accepted: a dict of gradients by name")
         return {str(k): as_array(v, f"vjp: the gradient of {k}") for k, v in grads.items()}
 
+    def decode_step(self, handle: int, inputs: AttentionInputs, context: dict | None = None) -> dict:
+        """The outputs of the first two calls of the loaded layer's decode step for ``inputs``, each copied as it
+        came back (a step may return a buffer it reuses)."""
+        loaded = self.loaded[handle]
+        if not callable(getattr(loaded, "decode_step", None)):
+            raise Unsupported(f"{type(loaded).__name__} is not a LoadedAttention: no decode step")
+        with harness_context(context), left_unchanged("decode_step", inputs=inputs):
+            try:
+                step = loaded.decode_step(inputs)
+                calls = {}
+                for call in ("first", "second"):
+                    calls[call] = step_output(loaded, step(), f"decode step: the {call} call's output")
+            except NotImplementedError as exc:
+                if type(loaded).prepare_decode_step is LoadedAttention.prepare_decode_step:
+                    raise Unsupported(f"no decode step: {type(loaded).__name__} does not implement "
+                                      "LoadedAttention.prepare_decode_step (bench --workload decode leaves it out "
+                                      "too)") from None
+                raise Unsupported(f"the decode step refused this call: NotImplementedError: {exc}") from None
+        return calls
+
     def native_parameter_shapes(self, config: AttentionConfig) -> dict:
         shapes = self.backend.native_parameter_shapes(config)
         return {str(k): [int(s) for s in v] for k, v in dict(shapes).items()}
@@ -232,6 +263,14 @@ class LoadedProxy:
     def vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
         got = self._proxy.transport.call("vjp", self._handle, inputs, np.asarray(cotangent), current_context())
         return {name: real_float(value, f"gradient of {name}") for name, value in got.items()}
+
+
+    def decode_step(self, inputs: AttentionInputs) -> tuple[np.ndarray, np.ndarray]:
+        """The outputs of the first and the second call of the backend's decode step for ``inputs`` (see
+        :meth:`mha_harness.LoadedAttention.prepare_decode_step`)."""
+        got = self._proxy.transport.call("decode_step", self._handle, inputs, current_context())
+        shape = (inputs.batch, inputs.tq, self.config.d_model) if _shaped(inputs) else None
+        return tuple(real_float(got.get(call), f"decode step's {call} output", shape) for call in ("first", "second"))
 
 
 def _shaped(inputs: AttentionInputs) -> bool:

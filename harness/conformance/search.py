@@ -92,6 +92,8 @@ def describe(example: dict[str, Any] | None) -> str:
         parts.append(f"poison {e['poison']}")
     if e.get("gradients"):
         parts.append("gradients")
+    if e.get("decode_step"):
+        parts.append("decode step")
     if e.get("malformed") is not None:
         parts.append(f"bad call #{e['malformed']}")
     return ", ".join(parts)

@@ -29,6 +29,7 @@ import numpy as np
 from mha_harness.conformance.casekit import (
     CaseFailure,
     assert_close,
+    assert_decode_step_close,
     assert_gradients_match_reference,
     assert_output_close,
     bad_call_problem,
@@ -37,6 +38,7 @@ from mha_harness.conformance.casekit import (
     run,
     tolerance_for,
 )
+from mha_harness.conformance.proxy import LoadedProxy, as_proxy
 from mha_harness.contract.api import (
     AttentionBackend,
     AttentionConfig,
@@ -45,6 +47,7 @@ from mha_harness.contract.api import (
     Unsupported,
     as_kv_cache_call,
 )
+from mha_harness.contract.conventions import BOTTOM_RIGHT
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import allowed_and_bias
 
@@ -230,7 +233,23 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
         cotangent = np.random.default_rng(int(example["seed"]) + 3).standard_normal(got.shape)
         declared = backend.capabilities.inputs  # per argument of the module's own call, whatever the call's form
         assert_gradients_match_reference(loaded.vjp(inputs, cotangent), params, inputs, cotangent, dtype, declared)
+    if example.get("decode_step") and dtype in coverage.output_dtypes:
+        worst = max(worst, _check_decode_step(backend, params, inputs, dtype, loaded))
     return worst
+
+
+def _check_decode_step(backend, params, inputs, dtype, loaded) -> float:
+    """The example's shape as a decode step (a cache filled from its first Tk - Tq positions, bottom-right causal,
+    no other mask): its first two calls return the reference's output. Nothing to check (0) for a backend without
+    a decode step, or one that refuses this call."""
+    step_inputs = as_kv_cache_call(inputs.replace(key_padding_mask=None, attn_mask=None, causal=BOTTOM_RIGHT))
+    if not isinstance(loaded, LoadedProxy):  # a backend searched in this process: the proxy's two calls, compared
+        loaded = as_proxy(backend).load(params, dtype=dtype)
+    try:
+        first, second = loaded.decode_step(step_inputs)
+    except Unsupported:
+        return 0.0
+    return assert_decode_step_close(backend, params, step_inputs, dtype, first, second)
 
 
 def _check_leakage(backend, params, inputs, example, loaded, allowed, empty, base, tol) -> None:

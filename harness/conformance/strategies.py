@@ -45,6 +45,8 @@ class SearchSpace:
     max_batch: int
     lengths: tuple[int, ...]
     max_d_head: int
+    #: whether examples may also run the backend's decode step (a KV-cache call, bottom-right causal, no other mask)
+    decode_step: bool = False
 
     @classmethod
     def for_backend(cls, backend: AttentionBackend, *, quick: bool = False, dtypes: tuple[str, ...] | None = None,
@@ -76,6 +78,9 @@ class SearchSpace:
             max_batch=2 if quick else 3,
             lengths=tuple(t for t in LENGTHS if t <= limit),
             max_d_head=8 if quick else 16,
+            # a decode step takes x_new and x_kv (not one x) and its mask is bottom-right; whether the backend has
+            # one is known only by asking (a backend without one answers Unsupported and the property is not run)
+            decode_step=caps.inputs != "self" and caps.cross_attention and "bottom-right" in caps.causal_alignments,
         )
 
 
@@ -145,6 +150,8 @@ def examples(draw, space: SearchSpace):
             lambda m: None if m < 3 * len(_BAD_CALLS) else m - 3 * len(_BAD_CALLS))),
         "seed": draw(st.integers(0, 3)),
     }
+    if space.decode_step and tq <= tk and draw(st.booleans()):  # absent when False: saved examples keep their ids
+        example["decode_step"] = True
     return example
 
 

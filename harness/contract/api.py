@@ -41,6 +41,7 @@ from mha_harness.contract.scoped import scoped
 from mha_harness.contract.validation import (
     validate_config,
     validate_cotangent,
+    validate_decode_step,
     validate_dtype,
     validate_form,
     validate_inputs,
@@ -49,7 +50,7 @@ from mha_harness.contract.validation import (
 
 __all__ = ["ACCEPTED_FORMS", "CAUSAL_ALIGNMENTS", "DTYPES", "INPUT_FORMS", "PARAM_NAMES", "AttentionBackend",
            "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams", "Capabilities", "Divergence",
-           "LoadedAttention", "Unsupported", "implicitly_causal", "supported"]
+           "LoadedAttention", "Unsupported", "as_kv_cache_call", "implicitly_causal", "supported"]
 
 
 class Unsupported(Exception):
@@ -440,7 +441,8 @@ class LoadedAttention:
     which :meth:`forward` and :meth:`vjp` use to validate every call before your code sees it. (An instance made
     without ``load`` has no ``config``: call ``backend.load(params, dtype=...)``, not your class directly.)
 
-    Optional: :meth:`compute_vjp` (with ``gradients=True``), :meth:`prepare` (for ``mha-harness bench``).
+    Optional: :meth:`compute_vjp` (with ``gradients=True``), :meth:`prepare` (for ``mha-harness bench``),
+    :meth:`prepare_decode_step` (a step over a filled KV cache: ``bench --workload decode`` and its conformance case).
     """
 
     #: set by :meth:`AttentionBackend.load` after ``load_native`` returns: the layer's shape (``params.config``)
@@ -495,6 +497,42 @@ class LoadedAttention:
     def compute_vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
         """The backend's gradients on already-validated inputs. Backends with gradients implement this."""
         raise NotImplementedError(f"{type(self).__name__} does not compute gradients")
+
+    def decode_step(self, inputs: AttentionInputs) -> Callable[[], Any]:
+        """Validate a decode step's call (see :meth:`prepare_decode_step`), then return that method's callable."""
+        self._require_loaded()
+        validate_inputs(inputs, self.config)
+        validate_decode_step(inputs)
+        step = self.prepare_decode_step(inputs)
+        if not callable(step):
+            raise TypeError(f"prepare_decode_step: returned {type(step).__name__}; accepted: a zero-argument callable "
+                            "that runs one step and returns its output (the step itself, not its output)")
+        return step
+
+    def prepare_decode_step(self, inputs: AttentionInputs) -> Callable[[], Any]:
+        """One decode step over a KV cache filled before it: what ``mha-harness bench --workload decode`` times and
+        ``check_decode_step_over_filled_cache_matches_reference`` verifies.
+
+        ``inputs`` is a KV-cache call (:func:`as_kv_cache_call` makes one): ``query`` is x_new, the Tq new positions,
+        and ``key`` (which is ``value``) is x_kv, all Tk positions, whose last Tq rows are x_new; its causal mask is
+        None or bottom-right, and it has no other mask. Here, untimed: project :attr:`AttentionInputs.cached` (the
+        first Tk - Tq rows of x_kv) to keys and values, store them in a cache with room for all Tk positions, and
+        convert x_new to your framework's tensors. Each call of the returned function is one step: project x_new to
+        queries, keys and values, write the new keys and values into the cache's last Tq slots, attend the Tq
+        queries over all Tk cached keys (with the causal mask when ``inputs.causal`` is set), apply W_o, and return
+        the output (batch, Tq, d_model) once the device finished. Every call writes the same slots, so every call
+        returns the same output; the harness reads it with :meth:`decode_step_output` and compares the first two
+        calls with the float64 reference (a step that attends before it writes, or appends past the last slot,
+        fails). Without it (this default raises NotImplementedError) the backend has no decode step: the case
+        skips and the decode workload leaves it out, saying so; a step that cannot run a call raises
+        :class:`Unsupported` (or NotImplementedError) naming why, and that call skips.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no decode step (prepare_decode_step)")
+
+    def decode_step_output(self, value) -> np.ndarray:
+        """The output a decode step returned, as a NumPy array: ``np.asarray(value)``. Override it when NumPy cannot
+        read your framework's arrays as they are (a CUDA tensor, bfloat16)."""
+        return np.asarray(value)
 
     def prepare(self, inputs: AttentionInputs, *, backward: bool = False) -> Callable[[], Any]:
         """What ``mha-harness bench`` times: a zero-argument callable that runs the native op once.

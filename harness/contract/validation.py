@@ -14,6 +14,7 @@ import numpy as np
 from mha_harness.contract.conventions import (
     ACCEPTED_FORMS,
     ATTN_MASK_POLARITY,
+    BOTTOM_RIGHT,
     CAUSAL_ALIGNMENTS,
     DTYPES,
     KEY_PADDING_POLARITY,
@@ -154,6 +155,23 @@ def validate_form(inputs: AttentionInputs, declared: str) -> None:
                     if q.shape[1] > kv.shape[1] else " (x_q is not the last Tq rows of x_kv)")
         raise ValueError(f"inputs: got the {got} but the backend declares inputs={declared!r}; accepted: "
                          + " or ".join(how[f] for f in accepted if f in how))
+
+
+def validate_decode_step(inputs: AttentionInputs) -> None:
+    """Refuse, naming ``inputs`` or the field, a call that is not a decode step over a filled KV cache: x_new and one
+    x_kv whose last Tq rows are x_new (``inputs.form == "kv_cache"``), no masks but the causal one, whose alignment
+    is bottom-right (the new queries are the last positions). Runs after :func:`validate_inputs`."""
+    require_inputs(inputs)
+    if inputs.form != "kv_cache":
+        raise ValueError(f"inputs: got the {inputs.form} form for a decode step; accepted: x_new and one x_kv whose "
+                         "last Tq rows are x_new (key is value; mha_harness.as_kv_cache_call makes one)")
+    for name in ("key_padding_mask", "attn_mask"):
+        if getattr(inputs, name) is not None:
+            raise ValueError(f"{name}: got a mask for a decode step; accepted: None (a decode step takes the causal "
+                             "mask only)")
+    if inputs.causal not in (None, BOTTOM_RIGHT):
+        raise ValueError(f"causal: got {inputs.causal!r} for a decode step; accepted: None or {BOTTOM_RIGHT!r} (its "
+                         "new queries are the last Tq of the Tk positions)")
 
 
 def validate_inputs(inputs: AttentionInputs, config: AttentionConfig) -> None:

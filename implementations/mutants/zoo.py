@@ -371,6 +371,14 @@ class GradientOfWoTransposed(_GradientMutant):
         return grads
 
 
+class DecodeStepAttendsBeforeWriting(NumpyNaiveLoaded):
+    """A KV-cache decode step that attends over its cache first and writes x_new's keys and values into it after:
+    the new queries miss their own keys and values (a fresh cache's zeros on the first step; in a model, the
+    previous step's). Its forward is right."""
+
+    write_before_attending = False
+
+
 class _TiledLoaded(NumpyTiledLoaded):
     """numpy-tiled with 16-query and 16-key blocks (a FlashAttention kernel's BLOCK_M = BLOCK_N = 16): a bug in how
     blocks combine shows only where the keys span more than one block."""
@@ -500,6 +508,9 @@ MUTANTS = (
     Mutant("mutant-tiled-running-max-from-zero", "a tiled kernel (16-key blocks) starts its running row maximum at 0 "
            "instead of -inf (a stranger's kernel): rows whose every score is far below 0 underflow to zeros",
            TiledRunningMaxFromZero, "far below 0"),
+    Mutant("mutant-decode-step-attends-before-writing", "a KV-cache decode step attends over its cache before it "
+           "writes x_new's keys and values into it (its forward is right)", DecodeStepAttendsBeforeWriting,
+           "attends before it writes"),
 )
 
 
