@@ -209,14 +209,14 @@ class LinearTorchLoaded(TorchLoaded):
     def attend_heads(self, qh, kh, vh, inputs: AttentionInputs):
         """Each head's attention from projected heads (B, heads, T, d_head; K and V with kv_heads heads) under the
         masks of ``inputs``: the heads' output (B, heads, Tq, d_head). The decode step needs it."""
-        raise NotImplementedError(f"{type(self).__name__} has no decode step (attend_heads)")
+        raise NotImplementedError(f"{type(self).__name__} has no attention core of its own (attend_heads)")
 
     def prepare_decode_step(self, inputs: AttentionInputs):
         """The cached positions' keys and values projected once into a zeroed cache of all Tk slots; each step
         projects x_new, writes its keys and values into the last Tq slots, attends over the cache
         (:meth:`attend_heads`) and applies W_o."""
-        if type(self).attend_heads is LinearTorchLoaded.attend_heads:
-            self.attend_heads(None, None, None, inputs)  # raises: this layer has no attention core of its own
+        if type(self).attend_heads is LinearTorchLoaded.attend_heads:  # no attention core of its own
+            raise NotImplementedError(f"{type(self).__name__} has no decode step (attend_heads)")
         torch, c, start = self.torch, self.config, inputs.tk - inputs.tq
         x_new = self.tensor(inputs.query)
         with torch.no_grad():

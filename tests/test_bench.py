@@ -63,6 +63,13 @@ def test_fit_exponent_uses_the_largest_points_above_resolution_with_stderr():
     assert stats.fit_exponent(xs, [10, 10, 10, 2 ** 20, 2 ** 22], floor=100) is None  # only 2 above the floor
 
 
+def test_a_flat_memory_series_fits_exponent_zero_with_stderr_zero_not_nan():
+    """numpy-tiled's decode memory is the same at every KV length: scipy's stderr was 0/0, written as NaN (invalid
+    JSON) and printed "0.00 +- nan"."""
+    assert stats.fit_exponent([4096, 16384, 65536], [1.1, 1.1, 1.1]) == {"exponent": 0.0, "stderr": 0.0,
+                                                                           "points": [4096, 16384, 65536]}
+
+
 def test_a_time_exponent_time_cannot_have_or_that_noise_leaves_undetermined_is_a_measurement_error():
     """A stranger's loaded-machine sweep printed time exponents -1.33 +- 0.41 and -1.07 +- 1.70 as results."""
     falling = stats.time_fit([128, 256, 512], [4e-3, 1.0e-3, 0.7e-3])

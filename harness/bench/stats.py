@@ -85,8 +85,10 @@ def fit_exponent(xs, ys, *, largest: int = 3, floor: float = 0.0, rel_ci95=None)
         return None
     from scipy.stats import linregress
     logx = np.log([p[0] for p in pts])
-    fit = linregress(logx, np.log([p[1] for p in pts]))
-    stderr = float(fit.stderr)
+    logy = np.log([p[1] for p in pts])
+    fit = linregress(logx, logy)
+    # points that all have the same y lie on the flat line exactly: scipy's stderr is then 0/0 (NaN, invalid JSON)
+    stderr = 0.0 if np.ptp(logy) == 0 else float(fit.stderr)
     sigma = np.array([(p[2] or 0.0) / 1.96 for p in pts])  # a relative half-width is the log's: sigma ~ r / 1.96
     if sigma.any():
         d = logx - logx.mean()

@@ -482,7 +482,7 @@ def table(points: list[BenchPoint]) -> str:
                 lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}  {p.status}: {shown}")
                 continue
             ci = f"{100 * p.ci95_rel_halfwidth:.1f}%" if p.ci95_rel_halfwidth is not None else "n/a"
-            flag = f"{'*' if p.budget_exhausted else ''}{'L' if _loaded(p) else ''}".ljust(2)
+            flag = _flags(p).ljust(2)
             compute = "!" if p.over_compute_roof else " "
             bandwidth = "~" if p.over_memory_bandwidth else " "
             lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}{p.median_s * 1e3:>10.3f}{ci:>9}{flag}"
@@ -529,6 +529,12 @@ def table(points: list[BenchPoint]) -> str:
         lines.append("  ~ above the measured memory bandwidth: the working set stays in the caches, or the call read "
                      "less than counted (bench.json's over_memory_bandwidth)")
     return "\n".join(lines)
+
+
+def _flags(p: BenchPoint) -> str:
+    """The table's marks for a measured point: '*' when its budget ran out before the CI target, 'L' when other
+    processes loaded the machine while it was timed."""
+    return f"{'*' if p.budget_exhausted else ''}{'L' if _loaded(p) else ''}"
 
 
 def _loaded(p: BenchPoint) -> bool:
@@ -890,8 +896,8 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     def progress(i, group):
         p = group[0]
         label = f"Tq={p.tq} Tk={p.tk}" if decode else f"T={p.tk}{' causal' if p.causal else ''}"
-        done = ", ".join(f"{q.backend} {q.median_s * 1e3:.2f} ms" if q.status == MEASURED else f"{q.backend} {q.status}"
-                         for q in group)
+        done = ", ".join(f"{q.backend} {q.median_s * 1e3:.2f} ms{_flags(q)}" if q.status == MEASURED
+                         else f"{q.backend} {q.status}" for q in group)
         log(f"  [{i + 1}/{len(groups)}] {label} {p.mode}: {done}", flush=True)
     try:
         points = sweep.run(groups, progress)

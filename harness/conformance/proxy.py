@@ -264,7 +264,6 @@ class LoadedProxy:
         got = self._proxy.transport.call("vjp", self._handle, inputs, np.asarray(cotangent), current_context())
         return {name: real_float(value, f"gradient of {name}") for name, value in got.items()}
 
-
     def decode_step(self, inputs: AttentionInputs) -> tuple[np.ndarray, np.ndarray]:
         """The outputs of the first and the second call of the backend's decode step for ``inputs`` (see
         :meth:`mha_harness.LoadedAttention.prepare_decode_step`)."""
