@@ -161,7 +161,6 @@ class JaxLoaded(LoadedAttention):
         run.memory_analysis = memory_analysis
         return run
 
-
     def decode_attention(self, inputs: AttentionInputs):
         """What the decode step attends with: (layout, core, masks). ``layout`` is "heads_first" (B, heads, T,
         d_head) or "positions_first" (B, T, heads, d_head); ``core(q, k, v, masks)`` is a traceable function of

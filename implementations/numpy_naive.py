@@ -114,10 +114,6 @@ class NumpyNaiveLoaded(LoadedAttention):
         weights = self.masked_softmax(scores, *masks)
         return self.weighted_values(weights, v), weights
 
-    #: whether a decode step writes x_new's keys and values into the cache before it attends (it must: the new
-    #: queries see the new keys); False is the mutant zoo's step that attends first
-    write_before_attending = True
-
     def prepare_decode_step(self, inputs: AttentionInputs):
         """The cached positions' keys and values projected once into a zeroed cache of all Tk slots; each step
         projects x_new, writes its keys and values into the last Tq slots, attends over the cache and applies W_o."""
@@ -134,16 +130,21 @@ class NumpyNaiveLoaded(LoadedAttention):
             for which, kv in cache.items():
                 kv[:, :, start:] = self.split_heads(self.project(x_new, which), c.kv_heads)
 
+        def attend():
+            q = self.split_heads(self.project(x_new, "q"), c.num_heads)
+            return self.output_projection(self.merge_heads(self.attend_projected(q, cache["k"], cache["v"], masks,
+                                                                                 inputs)[0]))
+
         def step():
             with np.errstate(invalid="ignore", over="ignore"):
-                if self.write_before_attending:
-                    write()
-                q = self.split_heads(self.project(x_new, "q"), c.num_heads)
-                heads, _ = self.attend_projected(q, cache["k"], cache["v"], masks, inputs)
-                if not self.write_before_attending:
-                    write()
-                return self.output_projection(self.merge_heads(heads))
+                return self.write_then_attend(write, attend)
         return step
+
+    def write_then_attend(self, write, attend):
+        """One decode step's order: write x_new's keys and values into the cache, then attend (the new queries see
+        the new keys)."""
+        write()
+        return attend()
 
 
 class NumpyNaive(AttentionBackend):

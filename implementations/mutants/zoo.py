@@ -376,7 +376,10 @@ class DecodeStepAttendsBeforeWriting(NumpyNaiveLoaded):
     the new queries miss their own keys and values (a fresh cache's zeros on the first step; in a model, the
     previous step's). Its forward is right."""
 
-    write_before_attending = False
+    def write_then_attend(self, write, attend):
+        out = attend()
+        write()
+        return out
 
 
 class _TiledLoaded(NumpyTiledLoaded):
