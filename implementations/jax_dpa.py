@@ -77,7 +77,7 @@ class JaxDpaLoaded(JaxLoaded):
             raise
 
     def decode_attention(self, inputs: AttentionInputs):
-        allowed, additive = full_mask(inputs)  # bottom-right: is_causal is top-left
+        allowed = full_mask(inputs)[0]  # bottom-right, through the mask: is_causal is top-left; no other mask
         implementation = self.backend.implementation
 
         def core(q, k, v, masks):

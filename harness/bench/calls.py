@@ -91,22 +91,21 @@ def call_arguments(shape: Shape, causal: str | None, *, kv_cache: bool = False):
 
 def backend_arguments(backend, shape: Shape):
     """:func:`call_arguments` as ``backend`` is called for ``shape``: with the mask :func:`mask_in_call` records,
-    in a KV-cache step's form for a backend that declares it."""
+    in a KV-cache step's form for a decode step (``shape.cached``) or a backend that declares that form."""
     mask = mask_in_call(backend, shape)
     return call_arguments(shape, None if mask == "none" else mask,
-                          kv_cache=backend.capabilities.inputs == "kv_cache")
+                          kv_cache=shape.cached or backend.capabilities.inputs == "kv_cache")
 
 
 def prepared_call(backend, shape: Shape):
     """The backend's zero-argument prepared callable for ``shape`` (seeded inputs and parameters): its decode step
     over a filled KV cache for a ``cached`` shape (``LoadedAttention.decode_step``: NotImplementedError, a skip,
     for a backend without one), else its ``prepare``."""
-    if shape.cached:
-        params, inputs = call_arguments(shape, None if mask_in_call(backend, shape) == "none" else "bottom-right",
-                                        kv_cache=True)
-        return _returning_its_output(backend.load(params, dtype=shape.dtype), inputs)
     params, inputs = backend_arguments(backend, shape)
-    return backend.load(params, dtype=shape.dtype).prepare(inputs, backward=shape.backward)
+    loaded = backend.load(params, dtype=shape.dtype)
+    if shape.cached:
+        return _returning_its_output(loaded, inputs)
+    return loaded.prepare(inputs, backward=shape.backward)
 
 
 def _returning_its_output(loaded, inputs):
