@@ -16,6 +16,7 @@ from pathlib import Path
 from mha_harness.util.atomic import check_writable
 from mha_harness.util.install import install_hint
 from mha_harness.util.options import available_memory_bytes, float_range, int_range, nonempty_path
+from mha_harness.util.text import clipped
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -550,9 +551,9 @@ def _bench_problems(doc: dict) -> list[str]:
         # timed, but the memory pass failed: the table shows n/a for its memory
         no_memory = [p for p in mine if p.get("status") == "measured" and p.get("memory_error")]
         for points, what, why in ((lost, "not measured",
-                                   lambda p: f"{p.get('status')}: {p.get('skipped') or ''}"[:200]),
+                                   lambda p: clipped(f"{p.get('status')}: {p.get('skipped') or ''}", 200)),
                                   (no_memory, "timed but without a memory reading",
-                                   lambda p: f"memory pass {p['memory_error'][:200]}")):
+                                   lambda p: f"memory pass {clipped(p['memory_error'], 200)}")):
             if points:
                 first = points[0]
                 lines.append(f"{name}: {len(points)} point(s) {what} (first: Tq={first.get('tq')} "
@@ -585,7 +586,8 @@ def _nothing_measured(doc: dict) -> list[str]:
     for name, mine in _points_by_backend(doc).items():
         if all(p.get("status") == "skipped" for p in mine):
             why = mine[0].get("skipped") or "unsupported"
-            lines.append(f"{name}: no point measured, all {len(mine)} skipped (first: {why[:300]}){_skip_hint(why)}")
+            lines.append(f"{name}: no point measured, all {len(mine)} skipped "
+                         f"(first: {clipped(why, 300)}){_skip_hint(why)}")
     return lines
 
 

@@ -4,7 +4,8 @@ Canonical weights are reshaped into flax's kernels: query/key/value kernels (d_m
 d_head) and biases (heads, d_head); the out kernel (heads, d_head, d_model). Masks go through
 flax's boolean ``mask`` (True = attend; shape (batch, heads|1, Tq, Tk)); causal masks of either
 alignment become explicit masks. Per-head weights are captured with ``sow_weights=True``.
-The parameter count comes from the module's own initialised param tree.
+The parameter count comes from the module's own initialised param tree. The decode step is flax's own
+autoregressive cache (the same module with ``decode=True``): one new query per call.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import functools
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities, Unsupported
 from mha_harness.implementations._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded
 from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
 from mha_harness.toolkit.masks import full_mask
@@ -50,13 +51,42 @@ def from_flax_tree(tree, config: AttentionConfig) -> dict:
 
 
 @functools.cache
-def _module(num_heads: int, d_model: int, bias: bool, dtype_name: str):
+def _module(num_heads: int, d_model: int, bias: bool, dtype_name: str, decode: bool = False):
     import flax.linen as nn
 
     from mha_harness.implementations._jax_common import jax_dtype
     dtype = jax_dtype(dtype_name)
     return nn.MultiHeadDotProductAttention(num_heads=num_heads, qkv_features=d_model, out_features=d_model,
-                                           use_bias=bias, dtype=dtype, param_dtype=dtype, deterministic=True)
+                                           use_bias=bias, dtype=dtype, param_dtype=dtype, deterministic=True,
+                                           decode=decode)
+
+
+@functools.cache
+def _decode_programs(num_heads: int, d_model: int, bias: bool, dtype_name: str, tk: int):
+    """The jitted (fill, step) of flax's autoregressive cache for Tk positions. ``fill(tree, cached)``: the module's
+    cache variables (``cached_key``, ``cached_value``: (batch, Tk, heads, d_head); ``cache_index``) holding the
+    Tk - 1 cached positions' keys and values, projected with the module's own key and value kernels, and the last
+    slot next. ``step(tree, x_new, cache)``: the module with ``decode=True`` on x_new, which writes x_new's key and
+    value into the slot at ``cache_index`` and attends over the slots up to it; the cache comes back (donated, so
+    the write is in place) with ``cache_index`` left at the last slot, so every step writes the same slot."""
+    import jax
+    jnp = jax.numpy
+    module = _module(num_heads, d_model, bias, dtype_name, decode=True)
+
+    def project(tree, x, which):
+        y = jnp.einsum("btd,dhe->bthe", x, tree[which]["kernel"])
+        return y + tree[which]["bias"] if "bias" in tree[which] else y
+
+    def fill(tree, cached):
+        slot = [(0, 0), (0, 1), (0, 0), (0, 0)]  # room for x_new's one position
+        return {"cached_key": jnp.pad(project(tree, cached, "key"), slot),
+                "cached_value": jnp.pad(project(tree, cached, "value"), slot),
+                "cache_index": jnp.array(tk - 1, jnp.int32)}
+
+    def step(tree, x_new, cache):
+        out, state = module.apply({"params": tree, "cache": cache}, x_new, mutable=["cache"])
+        return out, {**state["cache"], "cache_index": cache["cache_index"]}
+    return jax.jit(fill), jax.jit(step, donate_argnums=(2,))
 
 
 @functools.cache
@@ -89,6 +119,26 @@ class FlaxMhaLoaded(JaxLoaded):
 
     def canonical_gradients(self, grads) -> dict:
         return from_flax_tree(grads, self.config)
+
+    def prepare_decode_step(self, inputs: AttentionInputs):
+        """Flax's own decode path: the cache filled (untimed) with the cached positions' projected keys and values;
+        each step runs the module with ``decode=True`` on x_new. Its cache takes one new query per call."""
+        if inputs.tq != 1:
+            raise Unsupported(f"flax's autoregressive cache (decode=True) takes one new query per call; this step "
+                              f"has Tq = {inputs.tq} (flax raises 'Autoregressive cache shape error')")
+        jax, c = self.jax, self.config
+        fill, step = _decode_programs(c.num_heads, c.d_model, c.bias, self.dtype_name, inputs.tk)
+        x_new = self.array(inputs.query)
+        with self.precision():
+            state = {"cache": jax.block_until_ready(fill(self.params, self.array(inputs.cached)))}
+            probe = fill(self.params, self.array(inputs.cached))  # the first step donates a cache of its own
+            jax.block_until_ready(step(self.params, x_new, probe))  # compiles the step
+
+        def run():
+            with self.precision():
+                out, state["cache"] = step(self.params, x_new, state["cache"])
+                return jax.block_until_ready(out)
+        return run
 
 
 class FlaxMha(JaxBackend):

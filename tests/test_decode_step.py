@@ -4,6 +4,7 @@ decode step naming the parameter; the decode workload times it and counts its FL
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import numpy as np
 import pytest
@@ -163,3 +164,17 @@ def test_the_decode_workload_refuses_a_step_that_returns_no_output():
                                                 loaded=_ReturnsNone))
     with pytest.raises(TypeError, match=r"decode step: returned None; accepted: the step's output, shape"):
         prepared_call(backend, shape)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="jax/flax are not installed")
+def test_flax_mha_steps_through_flax_own_decode_cache_and_refuses_more_than_one_new_query():
+    """flax-mha's step is the module with ``decode=True`` (flax's autoregressive cache), verified like any step: one
+    new query passes the case; five are refused naming flax's one-query cache, not reported as a missing step."""
+    from mha_harness.implementations.flax_mha import FlaxMha
+    report = mha_harness.check(FlaxMha("cpu"), cases=[CASE])
+    by_variant = {r.variant: r for r in report.results}
+    one, = (r for v, r in by_variant.items() if "one-new-query" in v)
+    five, = (r for v, r in by_variant.items() if "five-new-queries" in v)
+    assert one.status == "passed", one.message
+    assert five.status == "skipped" and "one new query per call" in five.message and "Tq = 5" in five.message
+

@@ -41,6 +41,7 @@ from mha_harness.bench.sweep import MEASURED, BenchConfig, BenchPoint, Sweep, ro
 from mha_harness.bench.worker import BackendWorker, WorkerLost
 from mha_harness.contract.api import AttentionBackend
 from mha_harness.util.atomic import write_json_atomic
+from mha_harness.util.text import clipped
 
 TIMING_SEQ_LENS = (512, 2048)
 TIMING_ROUNDS = 12  # rounds per T: in each, every backend's sweep turn, alone turn and adaptive_autorange
@@ -622,9 +623,9 @@ def _why_not(rows: list[dict]) -> str:
     for r in rows:
         for key in ("not_runnable", "error"):
             if r.get(key):
-                return str(r[key])[:300]
+                return clipped(r[key], 300)
         if r.get("errors"):
-            return str(r["errors"][0])[:300]
+            return clipped(r["errors"][0], 300)
         if r.get("below_resolution"):
             return "below resolution"
     return "no figure"

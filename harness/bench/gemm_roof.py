@@ -20,6 +20,7 @@ import sys
 import numpy as np
 
 from mha_harness.bench.metrics import best_time
+from mha_harness.util.text import clipped
 
 #: the GEMM timed: float32, N x N times N x N, best of REPEATS after one warm-up
 N, REPEATS = 2048, 5
@@ -76,7 +77,7 @@ def measure(threads: int) -> dict:
             apply_threads(threads)
             out[name] = round(globals()[f"_{name}"](a, b, threads), 1)
         except Exception as exc:  # noqa: BLE001 - one library's failure leaves the others' figures
-            out[name] = f"{type(exc).__name__}: {exc}"[:200]
+            out[name] = clipped(f"{type(exc).__name__}: {exc}", 200)
     return out
 
 

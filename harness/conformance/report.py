@@ -19,6 +19,7 @@ from mha_harness.conformance.results import ABANDONED, BAD, SEVERITY, STATUSES, 
 from mha_harness.contract.api import Divergence
 from mha_harness.util.atomic import results_lock, write_json_atomic, write_text_atomic
 from mha_harness.util.markdown import md_code, md_text
+from mha_harness.util.text import clipped
 
 SCHEMA_VERSION = "1.3"
 _SYMBOL = {Status.PASSED: "pass", Status.FAILED: "FAIL", Status.SKIPPED: "skip", Status.EXPECTED_DIVERGENCE: "diverges",
@@ -325,7 +326,7 @@ class Report:
         if not found:
             return ""
         ranked = sorted(found.items(), key=lambda item: -sum(item[1].values()))
-        shown = [f"{_clipped(text, DIAGNOSIS_CHARS)} - in {sum(cases.values())} variant(s) of {', '.join(cases)}"
+        shown = [f"{clipped(text, DIAGNOSIS_CHARS)} - in {sum(cases.values())} variant(s) of {', '.join(cases)}"
                  for text, cases in ranked[:DIAGNOSES_SHOWN]]
         more = len(ranked) - DIAGNOSES_SHOWN
         return "diagnosed: " + "; ".join(shown) + (f"; {more} more in the failures above" if more > 0 else "")
@@ -429,7 +430,7 @@ class Report:
             never = self.grid_never_ran(name)
             if never:
                 out.append(f"  {'':<28}      warning: its output was never compared with the reference: every "
-                           f"variant of {GRID_CASE} skipped (first: {_clipped(never, 200)})")
+                           f"variant of {GRID_CASE} skipped (first: {clipped(never, 200)})")
             failing = self.failed_cases_line(name) if bad else FAILING_CASES_HEAD
             if failing != FAILING_CASES_HEAD:  # "no case ran" has none to name
                 out.append(f"  {'':<28}      {failing}")
@@ -449,11 +450,6 @@ GRID_CASE = "check_output_matches_reference"
 #: the summary's diagnoses line shows this many distinct diagnoses, each cut to this many characters (every one is
 #: printed whole with its failure)
 DIAGNOSES_SHOWN, DIAGNOSIS_CHARS = 3, 160
-
-
-def _clipped(text: str, limit: int) -> str:
-    """``text`` whole up to ``limit`` characters, else cut at the last space before it, with " ..." after."""
-    return text if len(text) <= limit else text[:limit - 4].rsplit(" ", 1)[0] + " ..."
 
 
 def _not_run_reason(info: BackendInfo) -> str:
