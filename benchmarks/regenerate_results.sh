@@ -20,7 +20,8 @@
 #   search       mha-harness search --mutants --seed 0 --time-budget 60               ~5 min  DIR/search/
 # The asv step's lengths are MHA_ASV_SEQ_LENS and MHA_ASV_DECODE_KV_LENS when set in the environment (default
 # 256,1024 and 1024,16384); ASV_BENCH=all records every asv benchmark, ASV_BENCH=REGEX those asv's -b REGEX matches
-# (e.g. ASV_BENCH=TimeForward.time_forward); MHA_ASV_BACKENDS, MHA_ASV_BACKEND_SPECS and ASV_PYTHONPATH pass
+# (e.g. ASV_BENCH=TimeForward.time_forward); ASV_EXTRA_ARGS is added to asv run's arguments (ASV_EXTRA_ARGS=
+# --show-stderr prints why a row is n/a); MHA_ASV_BACKENDS, MHA_ASV_BACKEND_SPECS and ASV_PYTHONPATH pass
 # through to asv, so
 #   ASV_PYTHONPATH=$PWD MHA_ASV_BACKEND_SPECS=my_attention:MyAttention benchmarks/regenerate_results.sh \
 #       --steps asv --results "$(mktemp -d)"
@@ -102,7 +103,7 @@ command_of() {
         # 55 min (each parameter of the two compiled backends compiles in asv's setup); ASV_BENCH=all: all
         asv) echo "MHA_ASV_SEQ_LENS='${MHA_ASV_SEQ_LENS:-256,1024}'" \
                   "MHA_ASV_DECODE_KV_LENS='${MHA_ASV_DECODE_KV_LENS:-1024,16384}'" \
-                  "ASV_ARGS='--quick$(asv_benchmarks)'" \
+                  "ASV_ARGS='--quick$(asv_benchmarks)${ASV_EXTRA_ARGS:+ $ASV_EXTRA_ARGS}'" \
                   "ASV_CONFIG='$asv_config' ASV_HTML_DIR='$results/html' benchmarks/asv_record.sh '$machine'" ;;
         search) echo "mha-harness search --mutants --seed 0 --time-budget 60 --results '$results'" ;;
     esac

@@ -135,6 +135,14 @@ def test_the_regenerate_scripts_asv_step_keeps_the_lengths_the_user_set(tmp_path
     assert "ASV_ARGS='--quick -b TimeForward.time_forward'" in mine.stdout, mine.stdout
 
 
+def test_the_regenerate_scripts_asv_step_passes_extra_asv_arguments_such_as_show_stderr(tmp_path):
+    """A stranger's plugin rows read n/a with no reason; asv's --show-stderr says why, and the script's asv step had
+    no way to pass it."""
+    out = _regenerate_asv(tmp_path, {"ASV_BENCH": "TimeForward.time_forward", "ASV_EXTRA_ARGS": "--show-stderr"},
+                          "--dry-run")
+    assert "ASV_ARGS='--quick -b TimeForward.time_forward --show-stderr'" in out.stdout, out.stdout
+
+
 def test_the_readmes_plugin_route_into_asv_leaves_the_committed_results_alone(tmp_path):
     """The README's route for a plugin that is not installed (MHA_ASV_BACKEND_SPECS, ASV_PYTHONPATH) run with asv
     directly rewrote the committed results/asv/benchmarks.json with the plugin's backend alone; the documented route,

@@ -372,3 +372,52 @@ def test_a_long_skip_reason_is_printed_whole_once_and_no_legend_when_nothing_ran
     whole = [line for line in out.splitlines() if line.startswith("  - mine (skipped")]
     assert whole == ["  - mine (skipped, 4 point(s)): " + why.format(tq=1, tk=256)]
     assert "time budget ran out" not in out and "core GFLOP/s, core %GEMM" not in out
+
+
+# ---------------------------------------------------------------- reading a side-by-side
+
+def _timed(backend, median, low, high, other_cores=0.0):
+    return BenchPoint(backend, "prefill", 1024, 1024, 1024, True, "forward", status="measured", median_s=median,
+                      ci95_s=[low, high], ci95_rel_halfwidth=max(median - low, high - median) / median,
+                      n_samples=8, calls_per_sample=1, other_cores=other_cores)
+
+
+def test_the_table_says_how_many_times_slower_each_backend_is_and_whether_this_run_separates_them():
+    """A stranger comparing their layer with SDPA flash and torch-eager divided medians by hand and compared CIs to
+    see which gaps were real: each row gives its median over the fastest's, marked '?' when their CIs overlap."""
+    points = [_timed("flash", 0.063, 0.059, 0.068), _timed("mine", 0.188, 0.160, 0.222),
+              _timed("eager", 0.258, 0.220, 0.289)]
+    points.append(_timed("close", 0.066, 0.061, 0.075))
+    lines = table(points).splitlines()
+    [header] = [line for line in lines if "median ms" in line]
+    rows = {line.split()[0]: line for line in lines if line.split()[:1] in (["flash"], ["mine"], ["eager"], ["close"])}
+    end = header.index("x best") + len("x best")
+    assert rows["flash"][:end].rstrip().endswith("1.00")
+    assert rows["mine"][:end].endswith("2.98 ")  # disjoint CIs: a real gap
+    assert rows["close"][:end].endswith("1.05?")  # its CI reaches into flash's: not separated by this run
+    assert any(line.strip().startswith("x best: the median over the fastest") and "'?'" in line for line in lines)
+
+
+def test_a_ci_wider_than_the_median_prints_both_sides_not_a_negative_lower_bound():
+    """A stranger read '+-1128%' as a lower bound below zero: the interval [0.59, 23.3] ms around 1.89 ms is
+    skewed; beyond 100% both sides are printed."""
+    [row] = [line for line in table([_timed("noisy", 1.89e-3, 0.59e-3, 23.3e-3)]).splitlines()
+             if line.split()[:1] == ["noisy"]]
+    assert "-69/+1133%" in row and "1128" not in row, row
+
+
+def test_the_time_plot_draws_a_loaded_points_marker_open_and_says_so(tmp_path, monkeypatch):
+    """The table marks a point timed on a busy machine 'L'; the plot drew it like any other."""
+    from matplotlib.figure import Figure
+
+    from mha_harness.bench.sweep import plot
+    notes = []
+    real_text = Figure.text
+    monkeypatch.setattr(Figure, "text", lambda self, x, y, s, *a, **k: (notes.append(s), real_text(self, x, y, s,
+                                                                                                   *a, **k))[1])
+    points = [_timed("busy", 0.01 * t / 1024, 0.009 * t / 1024, 0.011 * t / 1024, other_cores=1.0 if t == 512 else 0)
+              for t in (256, 512, 1024)]
+    for p, t in zip(points, (256, 512, 1024)):
+        p.seq_len = p.tq = p.tk = t
+    plot(points, tmp_path, {})
+    assert any("open marker" in n and "busy" in n and "512" in n for n in notes), notes

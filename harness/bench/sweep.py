@@ -472,21 +472,24 @@ def table(points: list[BenchPoint]) -> str:
         workload, tq, tk = key
         label = "T" if workload == "prefill" else f"decode Tq = {tq}, KV"
         lines.append(f"\n{label} = {tk}")
-        lines.append(f"  {'backend':<24}{'mode':<9}{'mask':<13}{'median ms':>10}{'95% CI +-':>10}{'n':>5}"
-                     f"{'calls':>7}{'peak MiB':>9}{'core GFLOP/s':>13} {'core %GEMM':>11}{'GB/s':>9}{'%BW':>9}")
-        for p in (q for q in points if (q.workload, q.tq, q.tk) == key):
+        lines.append(f"  {'backend':<24}{'mode':<9}{'mask':<13}{'median ms':>10}{'95% CI +-':>12}{'n':>5}"
+                     f"{'x best':>8}{'calls':>7}{'peak MiB':>9}{'core GFLOP/s':>13} {'core %GEMM':>11}{'GB/s':>9}"
+                     f"{'%BW':>9}")
+        rows = [q for q in points if (q.workload, q.tq, q.tk) == key]
+        best = fastest(rows)
+        for p in rows:
             mode = "fwd" if p.mode == "forward" else "fwd+bwd"
             if p.status != MEASURED:
                 reason = p.skipped or ""
                 shown = reason if len(reason) <= _ROW_REASON else reason[:80].rstrip() + " ... (in full below)"
                 lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}  {p.status}: {shown}")
                 continue
-            ci = f"{100 * p.ci95_rel_halfwidth:.1f}%" if p.ci95_rel_halfwidth is not None else "n/a"
             flag = _flags(p).ljust(2)
             compute = "!" if p.over_compute_roof else " "
             bandwidth = "~" if p.over_memory_bandwidth else " "
-            lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}{p.median_s * 1e3:>10.3f}{ci:>9}{flag}"
-                         f"{p.n_samples:>4}{p.calls_per_sample or 0:>7}{_fmt_memory(p):>9} {_num(p.gflops, 1):>12}"
+            lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}{p.median_s * 1e3:>10.3f}{_fmt_ci(p):>11}"
+                         f"{flag}{p.n_samples:>4}{_fmt_ratio(p, best):>8}{p.calls_per_sample or 0:>7}"
+                         f"{_fmt_memory(p):>9} {_num(p.gflops, 1):>12}"
                          f"{compute} {_num(100 * (p.fraction_of_gemm_peak or 0), 1):>9}% {_num(p.gbytes_per_s, 2):>8}"
                          f" {_num(100 * (p.fraction_of_memory_bandwidth or 0), 1):>7}%{bandwidth}")
     cut: dict[tuple, list[str]] = {}  # reasons too long for a row, grouped when they differ only in their numbers
@@ -499,7 +502,11 @@ def table(points: list[BenchPoint]) -> str:
                   for (backend, status, _), reasons in cut.items()]
     if not any(p.status == MEASURED for p in points):  # no figure to explain
         return "\n".join(lines)
-    lines.append("\n  * the time budget ran out before the 95% CI reached the target; '<N' = below the memory "
+    lines.append("\n  x best: the median over the fastest median of the same mode and mask at this length; '?': "
+                 "its 95% CI overlaps the fastest's, so this run does not tell them apart (rerun with a larger "
+                 "--budget, on an idle machine); 95% CI: +-X% is the larger of the two sides, relative to the "
+                 "median; a side beyond 100% is printed as -low/+high%")
+    lines.append("  * the time budget ran out before the 95% CI reached the target; '<N' = below the memory "
                  "method's resolution of N MiB; mask: the causal mask the call carried, top-left, bottom-right or "
                  "none (none for full attention, and for the one-query decode step of a backend without bottom-right "
                  "masking: the same attention); for a point not run, the mask its workload asks for")
@@ -529,6 +536,39 @@ def table(points: list[BenchPoint]) -> str:
         lines.append("  ~ above the measured memory bandwidth: the working set stays in the caches, or the call read "
                      "less than counted (bench.json's over_memory_bandwidth)")
     return "\n".join(lines)
+
+
+def fastest(points: list[BenchPoint]) -> dict[tuple, BenchPoint]:
+    """The measured point with the smallest median per (mode, causal mask): what a row's 'x best' compares with."""
+    out: dict[tuple, BenchPoint] = {}
+    for p in points:
+        if p.status == MEASURED and p.median_s:
+            k = (p.mode, _mask_label(p))
+            if k not in out or p.median_s < out[k].median_s:
+                out[k] = p
+    return out
+
+
+def _fmt_ratio(p: BenchPoint, best: dict[tuple, BenchPoint]) -> str:
+    """'2.98' (this median over the fastest's), '1.37?' when the two 95% CIs overlap (not separated by this run)."""
+    b = best.get((p.mode, _mask_label(p)))
+    if b is None or not b.median_s:
+        return "n/a"
+    if b is p:
+        return "1.00 "
+    overlap = bool(p.ci95_s and b.ci95_s and p.ci95_s[0] <= b.ci95_s[1])
+    return f"{p.median_s / b.median_s:.2f}{'?' if overlap else ' '}"
+
+
+def _fmt_ci(p: BenchPoint) -> str:
+    """The CI as +-X% of the median (the larger side); when a side exceeds 100% (a noisy, skewed point: its
+    interval is far from symmetric), both sides: '-69/+1133%', so it never reads as a negative lower bound."""
+    if p.ci95_rel_halfwidth is None:
+        return "n/a"
+    if p.ci95_rel_halfwidth > 1 and p.ci95_s and p.median_s:
+        low, high = (p.median_s - p.ci95_s[0]) / p.median_s, (p.ci95_s[1] - p.median_s) / p.median_s
+        return f"-{100 * low:.0f}/+{100 * high:.0f}%"
+    return f"{100 * p.ci95_rel_halfwidth:.1f}%"
 
 
 def _flags(p: BenchPoint) -> str:
@@ -624,7 +664,7 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     fig, ax = plt.subplots(figsize=(8.5, 5.8))
     exps = fits(points)
     memory = metric == "peak_extra_bytes"
-    drawn, below_notes, empty_notes, roof_notes, all_xs = False, [], [], [], []
+    drawn, below_notes, empty_notes, roof_notes, loaded_notes, all_xs = False, [], [], [], [], []
     styles = _backend_styles(points)
     lost: dict[str, list[str]] = {}  # a line that ends early says why: timeout, crash, out of memory, not run
     for p in points:
@@ -669,6 +709,11 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
                             color=color, label=name)
             else:
                 ax.plot(xs, ys, marker=marker, markersize=3.5, linestyle=style, color=color, label=name)
+            loaded = [(p.seq_len, y) for p, y in shown if _loaded(p)]
+            if loaded:  # open markers over the filled ones: figures of a loaded machine
+                ax.plot(*zip(*loaded), marker=marker, markersize=6, linestyle="none", color=color,
+                        markerfacecolor="white")
+                loaded_notes.append(f"{name.split(' (')[0]}: {','.join(str(x) for x, _ in loaded)}")
             drawn = True
         if below:
             # several backends below one resolution at one T would draw one triangle: each later one moves right
@@ -690,6 +735,9 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
         notes.append("below resolution (open triangle drawn at the method's resolution, an upper bound; several at "
                      "one T side by side): "
                      + "; ".join(below_notes))
+    if loaded_notes:
+        notes.append("open marker: timed while other processes kept the machine busy (L in the table; slower and "
+                     "noisier than alone): " + "; ".join(loaded_notes))
     if empty_notes:
         notes.append("no reading: " + ", ".join(empty_notes))
     if unsupported_only:
@@ -924,9 +972,14 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
         log(f"  loaded machine: {loaded}")
     lengths = {series_key(*key): len({p.seq_len for p in line}) for key, line in series(points).items()}
     axis = "KV length" if decode else "T"
+    short = [key for key in doc["fits"] if lengths.get(key, 0) < 3]
     for key, value in doc["fits"].items():
-        log(f"  growth exponent {key}: time {_fmt_fit(value['time'], lengths.get(key), axis)}; "
-            f"memory {_fmt_fit(value['memory'], lengths.get(key), axis)}")
+        if key not in short:
+            log(f"  growth exponent {key}: time {_fmt_fit(value['time'], lengths.get(key), axis)}; "
+                f"memory {_fmt_fit(value['memory'], lengths.get(key), axis)}")
+    if short:  # one line, not one per series: a run at one or two lengths is a side-by-side, not a scaling study
+        log(f"  growth exponents: n/a for {len(short)} series measured at fewer than 3 lengths (--seq-lens with 3 or "
+            "more fits them)")
     _write_plots(points, directory, machine, config, doc, log)
     return doc
 
