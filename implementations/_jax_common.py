@@ -173,18 +173,24 @@ class JaxLoaded(LoadedAttention):
         each step projects x_new, writes its keys and values into those slots (``lax.dynamic_update_slice`` on the
         donated cache: in place), attends (:meth:`decode_attention`'s core) and applies W_o. Both programs are
         compiled here, outside any timing."""
-        jax = self.jax
         layout, core, masks = self.decode_attention(inputs)
-        fill, step = _decode_programs(jax, self.config, inputs.tq, inputs.tk, layout, core)
+        fill, step = _decode_programs(self.jax, self.config, inputs.tq, inputs.tk, layout, core)
+        return self.stepping(fill, step, inputs, masks)
+
+    def stepping(self, fill, step, inputs: AttentionInputs, *extra):
+        """The decode step's callable from its jitted ``fill(params, cached) -> cache`` and ``step(params, x_new,
+        cache, *extra) -> (output, cache)`` (the cache donated): the cache filled and both programs compiled here,
+        untimed; each call runs one step on the cache the previous call returned."""
+        jax = self.jax
         x_new = self.array(inputs.query)
         with self.precision():
             state = {"cache": jax.block_until_ready(fill(self.params, self.array(inputs.cached)))}
             probe = fill(self.params, self.array(inputs.cached))  # the first step donates a cache of its own
-            jax.block_until_ready(step(self.params, x_new, probe, masks))  # compiles the step
+            jax.block_until_ready(step(self.params, x_new, probe, *extra))  # compiles the step
 
         def run():
             with self.precision():
-                out, state["cache"] = step(self.params, x_new, state["cache"], masks)
+                out, state["cache"] = step(self.params, x_new, state["cache"], *extra)
                 return jax.block_until_ready(out)
         return run
 

@@ -126,19 +126,8 @@ class FlaxMhaLoaded(JaxLoaded):
         if inputs.tq != 1:
             raise Unsupported(f"flax's autoregressive cache (decode=True) takes one new query per call; this step "
                               f"has Tq = {inputs.tq} (flax raises 'Autoregressive cache shape error')")
-        jax, c = self.jax, self.config
-        fill, step = _decode_programs(c.num_heads, c.d_model, c.bias, self.dtype_name, inputs.tk)
-        x_new = self.array(inputs.query)
-        with self.precision():
-            state = {"cache": jax.block_until_ready(fill(self.params, self.array(inputs.cached)))}
-            probe = fill(self.params, self.array(inputs.cached))  # the first step donates a cache of its own
-            jax.block_until_ready(step(self.params, x_new, probe))  # compiles the step
-
-        def run():
-            with self.precision():
-                out, state["cache"] = step(self.params, x_new, state["cache"])
-                return jax.block_until_ready(out)
-        return run
+        c = self.config
+        return self.stepping(*_decode_programs(c.num_heads, c.d_model, c.bias, self.dtype_name, inputs.tk), inputs)
 
 
 class FlaxMha(JaxBackend):
