@@ -691,6 +691,7 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
             empty_notes.append(name)
             continue
         fit = exps.get(series_key(*key), {}).get("memory" if memory else "time")
+        plain = name  # the legend's name below gets the fit appended; notes name the series alone
         if metric in ("median_s", "peak_extra_bytes"):
             if fit and "exponent" in fit:
                 name += f" (exp {fit['exponent']:.2f}±{fit['stderr']:.2f})"
@@ -713,7 +714,7 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
             if loaded:  # open markers over the filled ones: figures of a loaded machine
                 ax.plot(*zip(*loaded), marker=marker, markersize=6, linestyle="none", color=color,
                         markerfacecolor="white")
-                loaded_notes.append(f"{name.split(' (')[0]}: {','.join(str(x) for x, _ in loaded)}")
+                loaded_notes.append(f"{plain}: {','.join(str(x) for x, _ in loaded)}")
             drawn = True
         if below:
             # several backends below one resolution at one T would draw one triangle: each later one moves right
