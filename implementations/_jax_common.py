@@ -194,7 +194,7 @@ class JaxLoaded(LoadedAttention):
                 return jax.block_until_ready(out)
         return run
 
-    def decode_step_output(self, value) -> np.ndarray:
+    def native_output(self, value) -> np.ndarray:
         return self.to_numpy(value)
 
 

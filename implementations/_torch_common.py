@@ -239,5 +239,5 @@ class LinearTorchLoaded(TorchLoaded):
             return out
         return step
 
-    def decode_step_output(self, value) -> np.ndarray:
+    def native_output(self, value) -> np.ndarray:
         return self.to_numpy(value)

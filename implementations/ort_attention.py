@@ -262,7 +262,7 @@ class OrtLoaded(LoadedAttention):
         key, feed = self.feeds(inputs)
         run_session = session(key).run
         run_session(["output"], feed)  # session creation and first-run planning, outside any timing
-        return lambda: run_session(["output"], feed)
+        return lambda: run_session(["output"], feed)[0]
 
 
 class OrtAttention(AttentionBackend):

@@ -61,9 +61,9 @@ class HangsAboveT32(NumpyNaive):
 
 
 class _DoesNothingWhenTimed(NumpyNaiveLoaded):
-    def prepare(self, inputs, *, backward=False):  # all the work done here, untimed: the timed call is empty
-        self.compute(inputs)
-        return lambda: None
+    def prepare(self, inputs, *, backward=False):  # all the work done here, untimed: the timed call returns it
+        out = self.compute(inputs).output
+        return lambda: out
 
 
 class DoesNothingWhenTimed(NumpyNaive):
@@ -115,3 +115,32 @@ class WritesJunkToItsPipes(NumpyNaive):
     """A stranger's plugin that hung `bench` for good (> 900 s, past --bench-timeout): the parent waited for a frame
     that never came, then blocked in waitpid on a worker whose sentinel it had written to."""
     name, loaded_class = "bench-writes-junk-to-its-pipes", _WritesJunkToItsPipes
+
+
+class _FastPathForgetsTheCausalMask(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):  # compute() is right; the benchmarked fast path drops the mask
+        unmasked = inputs.replace(causal=None)
+        return lambda: self.compute(unmasked).output
+
+
+class FastPathForgetsTheCausalMask(NumpyNaive):
+    """Passes every conformance case (which never runs prepare()), but its benchmarked call attends to future keys."""
+    name, loaded_class = "bench-fast-path-forgets-causal-mask", _FastPathForgetsTheCausalMask
+
+
+class _ReturnsNothingWhenTimed(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):
+        def call():
+            self.compute(inputs)
+        return call
+
+
+class ReturnsNothingWhenTimed(NumpyNaive):
+    """Does the layer's work in its timed call but returns None: nothing says what it computed."""
+    name, loaded_class = "bench-returns-nothing", _ReturnsNothingWhenTimed
+
+
+class _ComputesFloat64InFloat32(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):
+        low = inputs.replace(**{n: np.asarray(getattr(inputs, n), np.float32) for n in ("query", "key", "value")})
+        return lambda: self.compute(low).output.astype(np.float32)

@@ -8,6 +8,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from contextlib import contextmanager
 
 import numpy as np
@@ -657,7 +658,8 @@ def test_calibration_takes_the_fastest_warm_up_call_so_a_slow_moment_does_not_sh
     def step():  # 0.5 ms, but 25 ms in a loaded moment just as the warm-up (0.3 s) ends
         began.append(began[0] if began else time.perf_counter())
         time.sleep(0.025 if 0.28 < time.perf_counter() - began[0] < 0.4 else 0.0005)
-    monkeypatch.setattr(calls_module, "prepared_call", lambda backend, shape: step)
+    monkeypatch.setattr(calls_module, "prepare_point",
+                        lambda backend, shape: types.SimpleNamespace(fn=step, output_rows=lambda value: None))
     server = _Server(NumpyNaive(), 1)
     shape = Shape(1, 1, 64, 32, 4, "float32", True, False)
     answer = server.do_prepare("k", shape, 0.3, 0.02)

@@ -13,6 +13,7 @@ import mha_harness
 from mha_harness import AttentionConfig, as_kv_cache_call, make_inputs, make_params
 from mha_harness.bench.calls import call_arguments, prepared_call
 from mha_harness.bench.metrics import Shape, compulsory_bytes, core_flops, projection_flops
+from mha_harness.bench.verify import WrongOutput
 from mha_harness.implementations.mutants import MUTANTS
 from mha_harness.implementations.mutants.zoo import MutantBackend
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
@@ -162,7 +163,7 @@ def test_the_decode_workload_refuses_a_step_that_returns_no_output():
     shape = Shape(1, 1, 64, 32, 4, "float32", causal=True, cached=True)
     backend = MutantBackend(dataclasses.replace(BY_NAME["mutant-decode-step-attends-before-writing"],
                                                 loaded=_ReturnsNone))
-    with pytest.raises(TypeError, match=r"decode step: returned None; accepted: the step's output, shape"):
+    with pytest.raises(WrongOutput, match=r"decode step returned None; accepted: the layer's output, shape"):
         prepared_call(backend, shape)
 
 

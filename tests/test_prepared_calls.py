@@ -1,7 +1,8 @@
 """The prepared callables that ``mha-harness bench`` and asv time run for every call they are given: each built-in
 CPU backend, prefill (Tq = Tk, causal top-left) and decode (Tq < Tk, causal bottom-right) shapes with and without
 the causal mask, forward and (where it declares gradients) forward + backward. A JAX forward + backward once
-differentiated its bool causal mask and raised in prepare()."""
+differentiated its bool causal mask and raised in prepare(). ``prepared_call`` checks each forward call's output
+against the float64 reference (mha_harness.bench.verify): every built-in's benchmarked call computes the layer."""
 from __future__ import annotations
 
 import pytest

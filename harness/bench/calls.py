@@ -1,6 +1,10 @@
 """The prepared call a benchmark times, built the same way by the sweep's workers, asv and pytest-benchmark."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 from mha_harness.bench.metrics import Shape
 
 
@@ -97,27 +101,84 @@ def backend_arguments(backend, shape: Shape):
                           kv_cache=shape.cached or backend.capabilities.inputs == "kv_cache")
 
 
-def prepared_call(backend, shape: Shape):
-    """The backend's zero-argument prepared callable for ``shape`` (seeded inputs and parameters): its decode step
-    over a filled KV cache for a ``cached`` shape (``LoadedAttention.decode_step``: NotImplementedError, a skip,
-    for a backend without one), else its ``prepare``."""
+@dataclass
+class PreparedPoint:
+    """A backend's prepared callable for one benchmark shape, with the loaded layer and the call it was prepared
+    for (what its output is checked against)."""
+
+    fn: Callable[[], Any]
+    loaded: Any
+    params: Any
+    inputs: Any
+    shape: Shape
+
+    def output_rows(self, value):
+        """The rows :func:`checked_rows` of the output a call returned, as float64 (batch, rows, d_model), read with
+        the loaded layer's ``native_output`` (``decode_step_output`` for a decode step); None for a forward +
+        backward call, whose return value is not read. Raises :class:`~mha_harness.bench.verify.WrongOutput` when
+        the value is not an output of the call's shape."""
+        import numpy as np
+
+        from mha_harness.bench.verify import WrongOutput
+        if self.shape.backward:
+            return None
+        what = "decode step" if self.shape.cached else "prepare()'s call"
+        expected = (self.inputs.batch, self.inputs.tq, self.loaded.config.d_model)
+        accepted = (f"accepted: the layer's output, shape (batch, Tq, d_model) = {expected}, which the layer's "
+                    f"{'decode_step_output' if self.shape.cached else 'native_output'} reads")
+        if value is None:
+            raise WrongOutput(f"{what} returned None; {accepted}")
+        read = self.loaded.decode_step_output if self.shape.cached else self.loaded.native_output
+        try:
+            out = np.asarray(read(value))
+        except Exception as exc:  # noqa: BLE001 - a plugin's value that cannot be read is that point's wrong output
+            raise WrongOutput(f"{what} returned a {type(value).__name__} that cannot be read as an array "
+                              f"({type(exc).__name__}: {exc}); {accepted}") from None
+        if out.shape != expected or out.dtype.kind in "bcOSUM":
+            raise WrongOutput(f"{what} returned an array of shape {out.shape}, dtype {out.dtype}; {accepted}")
+        try:
+            return out[:, checked_rows(self.inputs.tq)].astype(np.float64)
+        except (TypeError, ValueError) as exc:
+            raise WrongOutput(f"{what} returned an array of dtype {out.dtype} that cannot be read as float64 "
+                              f"({exc}); {accepted}") from None
+
+
+#: a benchmarked call's output is compared with the float64 reference at this many query rows (every row when Tq is
+#: at most this): the first and the last (one key and every key, under a causal mask) and others drawn by a seed
+CHECKED_ROWS = 16
+
+
+def checked_rows(tq: int) -> list[int]:
+    """The query rows of a benchmarked call's output that are compared with the float64 reference: all of them
+    when ``tq`` <= CHECKED_ROWS, else the first, the last and CHECKED_ROWS - 2 others drawn with seed ``tq``."""
+    import numpy as np
+    if tq <= CHECKED_ROWS:
+        return list(range(tq))
+    inner = np.random.default_rng(tq).choice(np.arange(1, tq - 1), CHECKED_ROWS - 2, replace=False)
+    return sorted({0, tq - 1, *map(int, inner)})
+
+
+def prepare_point(backend, shape: Shape) -> PreparedPoint:
+    """The backend's zero-argument prepared callable for ``shape`` (seeded inputs and parameters), not yet called:
+    its decode step over a filled KV cache for a ``cached`` shape (``LoadedAttention.decode_step``:
+    NotImplementedError, a skip, for a backend without one), else its ``prepare``."""
     params, inputs = backend_arguments(backend, shape)
     loaded = backend.load(params, dtype=shape.dtype)
-    if shape.cached:
-        return _returning_its_output(loaded, inputs)
-    return loaded.prepare(inputs, backward=shape.backward)
+    fn = loaded.decode_step(inputs) if shape.cached else loaded.prepare(inputs, backward=shape.backward)
+    if not callable(fn):
+        raise TypeError(f"prepare: returned {type(fn).__name__}; accepted: a zero-argument callable that runs one "
+                        "call and returns its output")
+    return PreparedPoint(fn, loaded, params, inputs, shape)
 
 
-def _returning_its_output(loaded, inputs):
-    """The loaded layer's decode step for ``inputs``, after one untimed call showed it returns an output of the
-    step's shape (a step returning None, or its cache, would be timed as if it computed the layer); the values are
-    what its conformance case verifies."""
-    import numpy as np
-    step = loaded.decode_step(inputs)
-    out = step()
-    expected = (inputs.batch, inputs.tq, loaded.config.d_model)
-    got = None if out is None else np.shape(loaded.decode_step_output(out))
-    if got != expected:
-        raise TypeError(f"decode step: returned {'None' if got is None else f'an array of shape {got}'}; accepted: "
-                        f"the step's output, shape (batch, Tq, d_model) = {expected}")
-    return step
+def prepared_call(backend, shape: Shape):
+    """The backend's prepared callable for ``shape`` (:func:`prepare_point`), after one untimed call whose output
+    matched the float64 reference at :func:`checked_rows` (:func:`~mha_harness.bench.verify.check_output`,
+    here in the caller's process: asv and pytest-benchmark; the sweep's workers send the rows to the parent, which
+    checks them). Raises :class:`~mha_harness.bench.verify.WrongOutput` when it did not."""
+    from mha_harness.bench.verify import check_output
+    point = prepare_point(backend, shape)
+    rows = point.output_rows(point.fn())
+    if rows is not None:
+        check_output(backend, shape, rows)
+    return point.fn

@@ -49,6 +49,7 @@ from mha_harness.bench.metrics import (
     over_roofs,
 )
 from mha_harness.bench.threads import DEFAULT_THREADS, apply_threads, thread_report
+from mha_harness.bench.verify import WRONG_OUTPUT, WrongOutput, check_output
 from mha_harness.bench.worker import CRASHED, OUT_OF_MEMORY, TIMEOUT, BackendWorker, WorkerLost, wait_until_idle
 from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
 from mha_harness.util.install import install_hint
@@ -57,10 +58,11 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.3"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
+SCHEMA_VERSION = "2.4"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
 # 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured;
 # 2.3: decode points time a decode step over a filled KV cache (decode_step), not a call projecting all Tk keys; the
-# causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half)
+# causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half); 2.4: points record
+# output_check (the first call's output at a few rows against the float64 reference) and can be "wrong-output"
 #: what a decode point times, recorded in its document
 DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (LoadedAttention.prepare_decode_step): "
                "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
@@ -159,6 +161,7 @@ class BenchPoint:
     other_cores: float | None = None  # CPU-s of other processes per second while this point's group was timed
     over_compute_roof: str | None = None  # metrics.over_roofs: the figures cannot be the layer's work (CPU)
     over_memory_bandwidth: str | None = None  # above the measured bandwidth: in the caches, or less read
+    output_check: dict | None = None  # verify.check_output: the first call's output against the float64 reference
 
     @property
     def key(self) -> str:
@@ -272,11 +275,28 @@ class Sweep:
             point.call_mask = mask_in_call(self.backends[point.backend], shape_of(point, config))
             answer = self.ask(point, ("prepare", point.key, shape_of(point, config), config.warm_up_s,
                                       config.min_sample_s))
-            if answer is not None:
+            if answer is not None and self.output_is_right(point, answer.get("output_rows")):
                 point.first_call_s = answer["first_call_s"]
                 point.calls_per_sample = answer["calls_per_sample"]
                 ready.append((point, answer["call_s"]))
         return ready
+
+    def output_is_right(self, point: BenchPoint, rows) -> bool:
+        """Check the rows of the point's first call's output that its worker sent against the float64 reference,
+        here in the parent, while every worker waits (:func:`~mha_harness.bench.verify.check_output`). A wrong
+        output marks the point ``wrong-output`` (it is not timed) and drops its prepared call; a forward +
+        backward point (``rows`` None) is timed unchecked, saying so."""
+        if rows is None:
+            point.output_check = {"rows": 0, "unchecked": "forward + backward: its return value is not read"}
+            return True
+        try:
+            point.output_check = check_output(self.backends[point.backend], shape_of(point, self.config), rows)
+            return True
+        except WrongOutput as exc:
+            point.status, point.skipped = WRONG_OUTPUT, str(exc)
+            self.log(f"  {point.backend} {point.key}: {WRONG_OUTPUT}: {exc}")
+            self.ask(point, ("drop", point.key))
+            return False
 
     def turn(self, point: BenchPoint, call_s: float) -> dict | None:
         """One turn of a prepared point: wait for the other workers to idle, then about ``turn_s`` of samples
@@ -609,6 +629,29 @@ def _num(x: float | None, decimals: int) -> str:
     x = x or 0.0
     fixed = f"{x:.{decimals}f}"
     return fixed if len(fixed) <= 7 else f"{x:.3g}"
+
+
+def output_check_line(points: list[BenchPoint]) -> str | None:
+    """One line on the measured points' output checks (:mod:`mha_harness.bench.verify`): how many matched the float64
+    reference and the largest error as a fraction of its bound; how many went unchecked (forward + backward) and how
+    many were refused as wrong-output. None when no point was prepared."""
+    measured = [p for p in points if p.status == MEASURED and p.output_check]
+    checked = [p for p in measured if p.output_check.get("rows")]
+    wrong = sum(p.status == WRONG_OUTPUT for p in points)
+    if not measured and not wrong:
+        return None
+    parts = []
+    if checked:
+        worst = max(p.output_check["max_error"] / p.output_check["bound"] for p in checked)
+        parts.append(f"{len(checked)} measured point(s) matched the float64 reference at up to "
+                     f"{max(p.output_check['rows'] for p in checked)} query rows before they were timed (largest "
+                     f"error {worst:.2g} of its bound)")
+    if len(measured) > len(checked):
+        parts.append(f"{len(measured) - len(checked)} forward+backward point(s) unchecked (their return value is "
+                     "not read)")
+    if wrong:
+        parts.append(f"{wrong} point(s) wrong-output, not timed (each one's error above)")
+    return "; ".join(parts)
 
 
 def roof_warnings(points: list[BenchPoint]) -> list[str]:
@@ -968,6 +1011,9 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
           "run: %GEMM and %BW compare backends within this run only")
     for line in roof_warnings(points):
         log(f"  above a roof: {line}")
+    checked = output_check_line(points)
+    if checked:
+        log(f"  outputs: {checked}")
     loaded = load_warning(points, doc["config"].get("threads"), os.cpu_count())
     if loaded:
         log(f"  loaded machine: {loaded}")

@@ -99,12 +99,15 @@ class _Server:
         self.pinned = False
 
     def handle(self, request):
+        from mha_harness.bench.verify import WRONG_OUTPUT, WrongOutput
         from mha_harness.contract.api import Unsupported
         kind, *args = request
         try:
             return ("ok", getattr(self, f"do_{kind}")(*args))
         except (Unsupported, NotImplementedError) as exc:
             return ("skip", str(exc) or type(exc).__name__)
+        except WrongOutput as exc:
+            return (WRONG_OUTPUT, str(exc))
         except MemoryError as exc:
             return (OUT_OF_MEMORY, f"MemoryError: {exc}")
         except BaseException as exc:  # noqa: BLE001 - a plugin's failure (SystemExit, KeyboardInterrupt too: SIGINT
@@ -116,15 +119,20 @@ class _Server:
         return {"threads": thread_report(self.threads), "versions": versions, "pid": os.getpid()}
 
     def do_prepare(self, key, shape, warm_up_s: float, min_sample_s: float):
-        """Load, prepare and warm up the call for ``shape``; calibrate calls per sample. Returns timings."""
-        from mha_harness.bench.calls import prepared_call
+        """Load, prepare and warm up the call for ``shape``; calibrate calls per sample. Returns timings and the
+        first call's output at the rows the parent checks against the reference (``output_rows``; None for a
+        forward + backward call)."""
+        from mha_harness.bench.calls import prepare_point
         from mha_harness.bench.stats import calls_per_sample
         from mha_harness.bench.threads import apply_threads
-        fn = prepared_call(self.backend, shape)
+        point = prepare_point(self.backend, shape)
+        fn = point.fn
         apply_threads(self.threads)  # the backend may have imported its framework just now
         start = time.perf_counter()
-        fn()
+        value = fn()
         first_s = time.perf_counter() - start
+        output_rows = point.output_rows(value)
+        del value
         # the call's cost is the fastest of the warm-up's timed calls (noise, a loaded machine, a slow first few
         # calls only add time): calibrating from one call sized a 0.39 ms call's samples at 1.2 ms, for a 20 ms
         # target, when that one call happened to take 8 ms
@@ -137,7 +145,7 @@ class _Server:
             call_s = min(call_s, min(_time_calls(fn, calls) / calls for _ in range(CALIBRATION_SAMPLES)))
             calls = calls_per_sample(call_s, min_sample_s)
         self.prepared[key] = (fn, calls)
-        return {"first_call_s": first_s, "call_s": call_s, "calls_per_sample": calls}
+        return {"first_call_s": first_s, "call_s": call_s, "calls_per_sample": calls, "output_rows": output_rows}
 
     def do_sample(self, key, count: int):
         """One untimed call, then ``count`` samples of the calibrated size; a sample's value is its time per call.
@@ -155,14 +163,14 @@ class _Server:
         A restarted worker prepares the call and makes one untimed call (compilation, first-touch allocation,
         thread-pool start stay outside the reading), with no warm-up loop or calibration: they only cost time,
         and a slow call (decode at long KV lengths, a loaded machine) must not run past the request's timeout."""
-        from mha_harness.bench.calls import prepared_call
+        from mha_harness.bench.calls import prepare_point
         from mha_harness.bench.memory import peak_extra_bytes, pin_mmap_threshold
         from mha_harness.bench.threads import apply_threads
         method = method or self.backend.memory_method
         if method == "rss" and not self.pinned:
             self.pinned = pin_mmap_threshold()
-        if key not in self.prepared:
-            fn = prepared_call(self.backend, shape)
+        if key not in self.prepared:  # its output was checked when the point was prepared in the lost worker
+            fn = prepare_point(self.backend, shape).fn
             apply_threads(self.threads)
             fn()
             self.prepared[key] = (fn, 1)

@@ -529,18 +529,28 @@ class LoadedAttention:
         """
         raise NotImplementedError(f"{type(self).__name__} has no decode step (prepare_decode_step)")
 
+    def native_output(self, value) -> np.ndarray:
+        """The output a prepared forward call (:meth:`prepare`) or a decode step returned, as a NumPy array:
+        ``np.asarray(value)`` (an :class:`AttentionOutput`'s ``output``). Override it when NumPy cannot read your
+        framework's arrays as they are (a CUDA tensor, bfloat16, a tuple of output and weights)."""
+        return np.asarray(value.output if isinstance(value, AttentionOutput) else value)
+
     def decode_step_output(self, value) -> np.ndarray:
-        """The output a decode step returned, as a NumPy array: ``np.asarray(value)``. Override it when NumPy cannot
-        read your framework's arrays as they are (a CUDA tensor, bfloat16)."""
-        return np.asarray(value)
+        """The output a decode step returned, as a NumPy array: :meth:`native_output`. Override that one, which
+        reads what :meth:`prepare`'s calls return too, unless a decode step returns something else."""
+        return self.native_output(value)
 
     def prepare(self, inputs: AttentionInputs, *, backward: bool = False) -> Callable[[], Any]:
         """What ``mha-harness bench`` times: a zero-argument callable that runs the native op once.
 
         Convert ``inputs`` to your framework's tensors here, before returning (conversion is not timed); each call
         of the returned function runs one forward (``backward=True``: forward plus backward to every input and
-        parameter) on those tensors and returns only after the device finished (synchronise on a GPU). Its return
-        value is ignored; it is called many times, so it must not change its inputs. Without it (the default raises
+        parameter) on those tensors and returns only after the device finished (synchronise on a GPU). A forward
+        call returns the layer's output, shape (batch, Tq, d_model), which :meth:`native_output` reads: before
+        timing a point, bench compares one call's output at a few query rows (all of them when Tq <= 16) with the
+        float64 reference, under the tolerance conformance uses, and times no call that returns something else or a
+        wrong output (the point is reported ``wrong-output``). A forward + backward call's return value is not
+        read. It is called many times, so it must not change its inputs. Without it (the default raises
         NotImplementedError) the backend is not benchmarked; conformance never calls it.
         """
         raise NotImplementedError(f"{type(self).__name__} has no prepared callable")

@@ -142,10 +142,13 @@ class LoadedNNXAttention(mha_harness.LoadedAttention):
             def step():
                 jax.block_until_ready(self._grad(self.params, xs, mask))
         else:
-            def step():
-                self._run(self.params, xs, mask, False)[0].block_until_ready()
+            def step():  # returns the output: bench checks one call's output against the reference
+                return self._run(self.params, xs, mask, False)[0].block_until_ready()
         step()  # compile outside the timings
         return step
+
+    def native_output(self, value):  # what step() returned, as NumPy
+        return self._np(value)
 
 
 FLAX = f"flax {flax.__version__} / jax {jax.__version__} CPU"

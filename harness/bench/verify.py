@@ -1,0 +1,65 @@
+"""Bench times only calls it has seen compute the layer: one call's output, at a few query rows, against the float64
+reference under the tolerance the conformance cases use (``mha_harness.contract.expected``).
+
+A backend's prepared callable is its own code path, which conformance never runs (a jitted fast path, a fused
+kernel, a decode step): a fast wrong answer would otherwise be benchmarked as a figure. In ``mha-harness bench``
+the rows come from the backend's worker and the verdict is computed here, in the parent, where the plugin cannot
+reach it."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from mha_harness.bench.calls import backend_arguments, checked_rows
+from mha_harness.bench.metrics import Shape
+from mha_harness.contract.expected import tolerance_for
+from mha_harness.contract.tolerance import bound_of
+
+#: a point whose call returned something other than the layer's output, or a wrong one: it is not timed
+WRONG_OUTPUT = "wrong-output"
+#: the conformance case whose claim a benchmarked forward call repeats (a precision declared there applies here)
+OUTPUT_CASE = "check_output_matches_reference"
+
+
+class WrongOutput(Exception):
+    """A benchmarked call's output is not the layer's output (None, another shape) or differs from the reference."""
+
+
+def declared_precision(backend, dtype: str) -> str | None:
+    """The dtype whose bound the backend's calls in ``dtype`` are held to, when it declares a ``precision:<bound>``
+    divergence for ``dtype`` on the output case (verified by conformance): the loosest such bound, else None."""
+    from mha_harness.contract.conventions import EPS
+    bounds = [d.behaviour.split(":", 1)[1] for d in backend.divergences
+              if d.case == OUTPUT_CASE and d.behaviour.startswith("precision:") and d.when.get("dtype") == dtype]
+    return max(bounds, key=lambda b: EPS[b]) if bounds else None
+
+
+def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
+    """Compare ``got``, the rows :func:`~mha_harness.bench.calls.checked_rows` of one call's output for
+    ``shape`` (float64, (batch, rows, d_model)), with the float64 reference of the same call. Returns the record
+    bench keeps with the point (rows checked, max error, bound); raises :class:`WrongOutput` when an entry is not
+    finite or the error exceeds the bound."""
+    params, inputs = backend_arguments(backend, shape)
+    rows = checked_rows(inputs.tq)
+    precision = declared_precision(backend, shape.dtype)
+    with bound_of(precision) if precision else contextlib.nullcontext():
+        expected, tol = tolerance_for(params, inputs, shape.dtype, rows=rows)
+    got = np.asarray(got, np.float64)
+    checked = f"{len(rows)} of its {inputs.tq} query row(s) checked against the float64 reference"
+    if got.shape != expected.shape:
+        raise WrongOutput(f"output rows of shape {got.shape}, expected {expected.shape} ({checked})")
+    if not np.all(np.isfinite(got)):
+        b, r, f = (int(i) for i in np.argwhere(~np.isfinite(got))[0])
+        raise WrongOutput(f"output {got[b, r, f]} at batch {b}, position {rows[r]}, feature {f}: expected finite "
+                          f"values ({checked})")
+    diff = np.abs(got - expected)
+    err = float(diff.max()) if diff.size else 0.0
+    if err > tol.bound:
+        b, r, f = (int(i) for i in np.unravel_index(int(diff.argmax()), diff.shape))
+        raise WrongOutput(f"output differs from the float64 reference: expected {expected[b, r, f]:.6g}, got "
+                          f"{got[b, r, f]:.6g} at batch {b}, position {rows[r]}, feature {f}; max error {err:.3g} "
+                          f"({err / tol.bound:.3g} x the bound) exceeds {tol.describe()} ({checked}); its "
+                          "conformance cases never run this call: run `mha-harness check` on it too")
+    return {"rows": len(rows), "max_error": err, "bound": tol.bound, "bound_dtype": tol.dtype,
+            **({"declared_precision": precision} if precision else {})}

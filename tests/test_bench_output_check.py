@@ -1,0 +1,109 @@
+"""Bench times only calls it has seen compute the layer: before a point is timed, one call's output at a few query
+rows is compared with the float64 reference (mha_harness.bench.verify), in the parent for `mha-harness bench` and in
+the caller's process for asv and pytest-benchmark (prepared_call). A wrong or missing output is `wrong-output`."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_harness.bench.calls import CHECKED_ROWS, checked_rows, prepare_point, prepared_call
+from mha_harness.bench.metrics import Shape
+from mha_harness.bench.sweep import BenchConfig, BenchPoint, run_bench, table
+from mha_harness.bench.verify import WRONG_OUTPUT, WrongOutput, check_output
+from mha_harness.implementations.numpy_naive import NumpyNaive
+from mha_harness.implementations.numpy_tiled import NumpyTiled
+from tests.bench_plugins import FastPathForgetsTheCausalMask, ReturnsNothingWhenTimed, _ComputesFloat64InFloat32
+from tests.test_bench import SMALL
+
+
+def test_checked_rows_are_every_row_of_a_short_call_and_first_last_and_seeded_others_of_a_long_one():
+    assert checked_rows(1) == [0] and checked_rows(CHECKED_ROWS) == list(range(CHECKED_ROWS))
+    rows = checked_rows(2048)
+    assert len(rows) == CHECKED_ROWS and rows == sorted(set(rows)) and rows[0] == 0 and rows[-1] == 2047
+    assert rows == checked_rows(2048) and rows != checked_rows(2047)  # seeded by Tq: the same in every process
+
+
+def test_a_fast_path_that_drops_the_causal_mask_is_reported_wrong_output_and_not_timed(tmp_path):
+    """Its compute() is right (conformance passes it); its prepared call attends to future keys. The causal point is
+    wrong-output with the reference's figures and the row, never timed; its full-attention point, the same call,
+    is measured; numpy-tiled beside it is measured at both, each with its output_check under the bound."""
+    doc = run_bench([FastPathForgetsTheCausalMask(), NumpyTiled()], tmp_path, seq_lens=[64], causal="both",
+                    config=BenchConfig(**SMALL))
+    by = {(p["backend"], p["causal"]): p for p in doc["points"]}
+    wrong = by[("bench-fast-path-forgets-causal-mask", True)]
+    assert wrong["status"] == WRONG_OUTPUT and not wrong["samples_s"] and wrong["median_s"] is None, wrong
+    assert "output differs from the float64 reference" in wrong["skipped"] and "position 0" in wrong["skipped"]
+    assert by[("bench-fast-path-forgets-causal-mask", False)]["status"] == "measured"
+    for causal in (False, True):
+        ok = by[("numpy-tiled", causal)]
+        assert ok["status"] == "measured" and ok["output_check"]["rows"] == 16
+        assert 0 <= ok["output_check"]["max_error"] <= ok["output_check"]["bound"]
+    assert any("bench-fast-path-forgets-causal-mask" in line and WRONG_OUTPUT in line
+               for line in table([BenchPoint(**p) for p in doc["points"]]).splitlines())
+    from mha_harness.cli import _bench_problems
+    assert any("bench-fast-path-forgets-causal-mask" in line for line in _bench_problems(doc))
+
+
+def test_a_timed_call_that_returns_nothing_is_told_to_return_the_output(tmp_path):
+    doc = run_bench([ReturnsNothingWhenTimed()], None, seq_lens=[32], config=BenchConfig(**SMALL))
+    (point,) = doc["points"]
+    assert point["status"] == WRONG_OUTPUT
+    assert "prepare()'s call returned None; accepted: the layer's output, shape (batch, Tq, d_model) = (1, 32, 64)" \
+        in point["skipped"]
+
+
+def test_asv_and_pytest_benchmark_setup_refuse_a_wrong_prepared_call_in_their_own_process():
+    causal = Shape(1, 48, 48, 64, 4, "float32", True, False)
+    with pytest.raises(WrongOutput, match="differs from the float64 reference"):
+        prepared_call(FastPathForgetsTheCausalMask(), causal)
+    assert prepared_call(NumpyTiled(), causal)() is not None
+
+
+def test_forward_backward_points_are_timed_saying_their_output_is_unchecked():
+    pytest.importorskip("torch")
+    from mha_harness.registry import load_registry
+    doc = run_bench([load_registry().get("torch-eager").backend], None, seq_lens=[32], backward=True,
+                    config=BenchConfig(**SMALL))
+    by = {p["mode"]: p for p in doc["points"]}
+    assert by["forward"]["status"] == by["forward+backward"]["status"] == "measured", by
+    assert by["forward"]["output_check"]["rows"] == 16
+    assert by["forward+backward"]["output_check"]["rows"] == 0 and "unchecked" in by["forward+backward"]["output_check"]
+
+
+def test_a_declared_precision_divergence_sets_the_bound_and_an_undeclared_one_fails():
+    """A float64 call computed in float32 fails the float64 bound; declared (precision:float32 on the output case,
+    as jax-dpa and onnxruntime-cpu declare it, verified by conformance) it is held to the float32 bound."""
+    from mha_harness.toolkit.divergences import precision_divergences
+
+    class Float32Inside(NumpyNaive):
+        name, loaded_class = "float32-inside", _ComputesFloat64InFloat32
+
+    class Declared(Float32Inside):
+        name = "float32-inside-declared"
+        divergences = precision_divergences("float64", "float32", "computes in float32",
+                                            ("check_output_matches_reference",))
+
+    shape = Shape(1, 64, 64, 64, 4, "float64", False, False)
+    point = prepare_point(Float32Inside(), shape)
+    rows = point.output_rows(point.fn())
+    with pytest.raises(WrongOutput, match="exceeds tolerance"):
+        check_output(Float32Inside(), shape, rows)
+    record = check_output(Declared(), shape, rows)
+    assert record["bound_dtype"] == "float32" and record["declared_precision"] == "float32"
+    assert record["max_error"] <= record["bound"]
+    assert np.all(np.isfinite(rows))
+
+
+def test_the_sweep_ends_saying_how_many_points_matched_the_reference_and_how_many_were_refused():
+    from mha_harness.bench.sweep import output_check_line
+    ok = BenchPoint("numpy-tiled", "prefill", 64, 64, 64, True, "forward", status="measured",
+                    output_check={"rows": 16, "max_error": 1e-7, "bound": 4e-7, "bound_dtype": "float32"})
+    unchecked = BenchPoint("torch-eager", "prefill", 64, 64, 64, True, "forward+backward", status="measured",
+                           output_check={"rows": 0, "unchecked": "forward + backward"})
+    wrong = BenchPoint("bench-fast-path-forgets-causal-mask", "prefill", 64, 64, 64, True, "forward",
+                       status=WRONG_OUTPUT, skipped="output differs ...")
+    line = output_check_line([ok, unchecked, wrong])
+    assert line.startswith("1 measured point(s) matched the float64 reference at up to 16 query rows")
+    assert "error 0.25 of its bound" in line and "1 forward+backward point(s) unchecked" in line
+    assert "1 point(s) wrong-output, not timed" in line
+    assert output_check_line([]) is None
