@@ -144,3 +144,18 @@ class _ComputesFloat64InFloat32(NumpyNaiveLoaded):
     def prepare(self, inputs, *, backward=False):
         low = inputs.replace(**{n: np.asarray(getattr(inputs, n), np.float32) for n in ("query", "key", "value")})
         return lambda: self.compute(low).output.astype(np.float32)
+
+
+class _AccumulatesIntoItsOutputBuffer(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):  # the accumulator is never zeroed: right on the first call only
+        buffer = np.zeros((inputs.batch, inputs.tq, self.config.d_model))
+
+        def call():
+            buffer[...] += self.compute(inputs).output
+            return buffer
+        return call
+
+
+class AccumulatesIntoItsOutputBuffer(NumpyNaive):
+    """Its first call returns the layer's output; every later one adds it again into the same buffer."""
+    name, loaded_class = "bench-accumulates-into-its-buffer", _AccumulatesIntoItsOutputBuffer

@@ -12,7 +12,12 @@ from mha_harness.bench.sweep import BenchConfig, BenchPoint, run_bench, table
 from mha_harness.bench.verify import WRONG_OUTPUT, WrongOutput, check_output
 from mha_harness.implementations.numpy_naive import NumpyNaive
 from mha_harness.implementations.numpy_tiled import NumpyTiled
-from tests.bench_plugins import FastPathForgetsTheCausalMask, ReturnsNothingWhenTimed, _ComputesFloat64InFloat32
+from tests.bench_plugins import (
+    AccumulatesIntoItsOutputBuffer,
+    FastPathForgetsTheCausalMask,
+    ReturnsNothingWhenTimed,
+    _ComputesFloat64InFloat32,
+)
 from tests.test_bench import SMALL
 
 
@@ -107,3 +112,17 @@ def test_the_sweep_ends_saying_how_many_points_matched_the_reference_and_how_man
     assert "error 0.25 of its bound" in line and "1 forward+backward point(s) unchecked" in line
     assert "1 point(s) wrong-output, not timed" in line
     assert output_check_line([]) is None
+
+
+def test_a_call_right_only_at_first_is_wrong_output_after_its_timed_calls(tmp_path):
+    """One more call after the timed ones is checked like the first: an accumulator never zeroed (right once, then
+    2x, 3x ...) keeps its samples but makes no figure; numpy-tiled's point records the second check too."""
+    doc = run_bench([AccumulatesIntoItsOutputBuffer(), NumpyTiled()], tmp_path, seq_lens=[32],
+                    config=BenchConfig(**SMALL))
+    by = {p["backend"]: p for p in doc["points"]}
+    drifted = by["bench-accumulates-into-its-buffer"]
+    assert drifted["status"] == WRONG_OUTPUT and drifted["median_s"] is None and drifted["n_samples"] > 0, drifted
+    assert drifted["skipped"].startswith("its first call matched the reference, but the call after its")
+    assert "differs from the float64 reference" in drifted["skipped"]
+    ok = by["numpy-tiled"]
+    assert ok["status"] == "measured" and ok["output_check"]["after_timing"]["max_error"] <= ok["output_check"]["bound"]

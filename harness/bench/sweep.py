@@ -298,6 +298,25 @@ class Sweep:
             self.ask(point, ("drop", point.key))
             return False
 
+    def output_still_right(self, point: BenchPoint) -> None:
+        """After the point's timed calls, one more call's output is checked like the first (:meth:`output_is_right`):
+        a call whose output drifts over many calls (state kept between calls, a decode step writing one slot further
+        each time) turns the point ``wrong-output``, its samples kept but no figure made of them."""
+        if not (point.output_check or {}).get("rows"):
+            return
+        answer = self.ask(point, ("last_output", point.key))
+        if answer is None:  # lost on that call: ask() reported it; or a restarted worker, which cannot say
+            point.output_check["after_timing"] = "not checked: the worker that timed it is gone"
+            return
+        try:
+            after = check_output(self.backends[point.backend], shape_of(point, self.config), answer["output_rows"])
+            point.output_check["after_timing"] = {"max_error": after["max_error"]}
+        except WrongOutput as exc:
+            point.status = WRONG_OUTPUT
+            point.skipped = (f"its first call matched the reference, but the call after its {len(point.samples_s)} "
+                             f"timed samples did not: {exc}")
+            self.log(f"  {point.backend} {point.key}: {WRONG_OUTPUT}: {point.skipped}")
+
     def turn(self, point: BenchPoint, call_s: float) -> dict | None:
         """One turn of a prepared point: wait for the other workers to idle, then about ``turn_s`` of samples
         (at least one) in its worker. The worker's answer ({samples_s, spent_s}), or None when the point is lost."""
@@ -335,6 +354,9 @@ class Sweep:
                     point.status = MEASURED
                     open_.remove(point)
             r += 1
+        for point in group:
+            if point.status == MEASURED:
+                self.output_still_right(point)
         other = meter.conditions(time.perf_counter() - started)["other_cores"]
         roofs = {"gemm_peak_gflops": self.doc["machine"]["gemm_peak_gflops_float32"],
                  "memory_bandwidth_gbs": self.doc["machine"]["memory_bandwidth_gbs"]}

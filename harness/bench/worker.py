@@ -96,6 +96,7 @@ class _Server:
     def __init__(self, backend, threads: int):
         self.backend, self.threads = backend, threads
         self.prepared: dict = {}
+        self.points: dict = {}  # key -> calls.PreparedPoint: what a later call's output is read with
         self.pinned = False
 
     def handle(self, request):
@@ -144,8 +145,15 @@ class _Server:
         if calls > 1:  # refine with samples of the estimated size (one call is too short to time precisely)
             call_s = min(call_s, min(_time_calls(fn, calls) / calls for _ in range(CALIBRATION_SAMPLES)))
             calls = calls_per_sample(call_s, min_sample_s)
-        self.prepared[key] = (fn, calls)
+        self.prepared[key], self.points[key] = (fn, calls), point
         return {"first_call_s": first_s, "call_s": call_s, "calls_per_sample": calls, "output_rows": output_rows}
+
+    def do_last_output(self, key):
+        """One more call after the point's timed calls, and its output at the rows the parent checks: a call that
+        drifts (a cache written one slot further each call, state kept between calls) is right only at first.
+        None when this worker did not prepare the point (a restarted one)."""
+        point = self.points.get(key)
+        return None if point is None else {"output_rows": point.output_rows(point.fn())}
 
     def do_sample(self, key, count: int):
         """One untimed call, then ``count`` samples of the calibrated size; a sample's value is its time per call.
@@ -223,6 +231,7 @@ class _Server:
 
     def do_drop(self, key):
         self.prepared.pop(key, None)
+        self.points.pop(key, None)
         return None
 
 
