@@ -556,8 +556,9 @@ def _bench_problems(doc: dict) -> list[str]:
                                    lambda p: f"memory pass {clipped(p['memory_error'], 200)}")):
             if points:
                 first = points[0]
+                mask = first.get("call_mask") or ("causal" if first.get("causal") else "none")
                 lines.append(f"{name}: {len(points)} point(s) {what} (first: Tq={first.get('tq')} "
-                             f"Tk={first.get('tk')} {first.get('mode')}: {why(first)})")
+                             f"Tk={first.get('tk')} {first.get('mode')}, mask {mask}: {why(first)})")
     return lines
 
 

@@ -38,6 +38,8 @@ def test_a_fast_path_that_drops_the_causal_mask_is_reported_wrong_output_and_not
     wrong = by[("bench-fast-path-forgets-causal-mask", True)]
     assert wrong["status"] == WRONG_OUTPUT and not wrong["samples_s"] and wrong["median_s"] is None, wrong
     assert "output differs from the float64 reference" in wrong["skipped"] and "position 0" in wrong["skipped"]
+    assert "never runs prepare()'s call" in wrong["skipped"]  # where to look: check cannot see it
+    assert wrong["output_check"] == {"rows": 16, "wrong": wrong["skipped"]}
     assert by[("bench-fast-path-forgets-causal-mask", False)]["status"] == "measured"
     for causal in (False, True):
         ok = by[("numpy-tiled", causal)]
@@ -46,7 +48,8 @@ def test_a_fast_path_that_drops_the_causal_mask_is_reported_wrong_output_and_not
     assert any("bench-fast-path-forgets-causal-mask" in line and WRONG_OUTPUT in line
                for line in table([BenchPoint(**p) for p in doc["points"]]).splitlines())
     from mha_harness.cli import _bench_problems
-    assert any("bench-fast-path-forgets-causal-mask" in line for line in _bench_problems(doc))
+    assert any("bench-fast-path-forgets-causal-mask" in line and "mask top-left" in line
+               for line in _bench_problems(doc))
 
 
 def test_a_timed_call_that_returns_nothing_is_told_to_return_the_output(tmp_path):
@@ -107,10 +110,13 @@ def test_the_sweep_ends_saying_how_many_points_matched_the_reference_and_how_man
                            output_check={"rows": 0, "unchecked": "forward + backward"})
     wrong = BenchPoint("bench-fast-path-forgets-causal-mask", "prefill", 64, 64, 64, True, "forward",
                        status=WRONG_OUTPUT, skipped="output differs ...")
-    line = output_check_line([ok, unchecked, wrong])
+    drifted = BenchPoint("bench-accumulates-into-its-buffer", "prefill", 64, 64, 64, True, "forward",
+                         status=WRONG_OUTPUT, skipped="its first call matched ...", samples_s=[1e-3] * 6)
+    line = output_check_line([ok, unchecked, wrong, drifted])
     assert line.startswith("1 measured point(s) matched the float64 reference at up to 16 query rows")
     assert "error 0.25 of its bound" in line and "1 forward+backward point(s) unchecked" in line
-    assert "1 point(s) wrong-output, not timed" in line
+    assert "1 point(s) wrong-output at their first call, not timed" in line
+    assert "1 point(s) wrong-output after their timed calls (right at first): no figure made" in line
     assert output_check_line([]) is None
 
 
@@ -124,5 +130,20 @@ def test_a_call_right_only_at_first_is_wrong_output_after_its_timed_calls(tmp_pa
     assert drifted["status"] == WRONG_OUTPUT and drifted["median_s"] is None and drifted["n_samples"] > 0, drifted
     assert drifted["skipped"].startswith("its first call matched the reference, but the call after its")
     assert "differs from the float64 reference" in drifted["skipped"]
+    assert drifted["output_check"]["after_timing"] == {"wrong": drifted["skipped"].split(" did not: ", 1)[1]}
     ok = by["numpy-tiled"]
     assert ok["status"] == "measured" and ok["output_check"]["after_timing"]["max_error"] <= ok["output_check"]["bound"]
+
+
+def test_x_best_compares_top_left_and_bottom_right_at_tq_equal_tk_as_the_one_mask_they_are():
+    """A stranger's bottom-right-only KV layer and a top-left layer, both causal prefill, each got 'x best 1.00':
+    at Tq = Tk the two alignments are one mask, so they are ranked together."""
+    from mha_harness.bench.sweep import fastest
+    kv = BenchPoint("kv-layer", "prefill", 64, 64, 64, True, "forward", call_mask="bottom-right", status="measured",
+                    median_s=2e-3, ci95_s=[1.9e-3, 2.1e-3])
+    selfattn = BenchPoint("self-layer", "prefill", 64, 64, 64, True, "forward", call_mask="top-left",
+                          status="measured", median_s=1e-3, ci95_s=[0.9e-3, 1.1e-3])
+    assert list(fastest([kv, selfattn]).values()) == [selfattn]
+    rows = {line.split()[0]: line for line in table([kv, selfattn]).splitlines()
+            if line.strip().startswith(("kv", "self"))}
+    assert " 2.00 " in rows["kv-layer"] and " 1.00 " in rows["self-layer"]

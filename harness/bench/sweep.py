@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mha_harness.bench import stats
-from mha_harness.bench.calls import causal_alignment, mask_in_call, unsupported
+from mha_harness.bench.calls import causal_alignment, checked_rows, mask_in_call, unsupported
 from mha_harness.bench.gemm_roof import gemm_roofs
 from mha_harness.bench.load import LOADED_CORES, LoadMeter
 from mha_harness.bench.memory import resolution_bytes
@@ -294,6 +294,7 @@ class Sweep:
             return True
         except WrongOutput as exc:
             point.status, point.skipped = WRONG_OUTPUT, str(exc)
+            point.output_check = {"rows": len(checked_rows(point.tq)), "wrong": str(exc)}
             self.log(f"  {point.backend} {point.key}: {WRONG_OUTPUT}: {exc}")
             self.ask(point, ("drop", point.key))
             return False
@@ -315,6 +316,7 @@ class Sweep:
             point.status = WRONG_OUTPUT
             point.skipped = (f"its first call matched the reference, but the call after its {len(point.samples_s)} "
                              f"timed samples did not: {exc}")
+            point.output_check["after_timing"] = {"wrong": str(exc)}
             self.log(f"  {point.backend} {point.key}: {WRONG_OUTPUT}: {point.skipped}")
 
     def turn(self, point: BenchPoint, call_s: float) -> dict | None:
@@ -537,11 +539,16 @@ def table(points: list[BenchPoint]) -> str:
     cut: dict[tuple, list[str]] = {}  # reasons too long for a row, grouped when they differ only in their numbers
     for p in points:
         if p.status != MEASURED and len(p.skipped or "") > _ROW_REASON:
-            cut.setdefault((p.backend, p.status, re.sub(r"\d+", "N", p.skipped)), []).append(p.skipped)
+            # a wrong output's figures are that point's own: each is listed, naming its point
+            same = (f"at Tq={p.tq} Tk={p.tk} {p.mode}, mask {_mask_label(p)}" if p.status == WRONG_OUTPUT
+                    else re.sub(r"\d+", "N", p.skipped))
+            cut.setdefault((p.backend, p.status, same), []).append(p.skipped)
     if cut:  # each once, whole: a row has room for its start only
-        lines.append("\nnot run, the reasons in full (one per backend and reason; each point's lengths in its row):")
-        lines += [f"  - {backend} ({status}, {len(reasons)} point(s)): {reasons[0]}"
-                  for (backend, status, _), reasons in cut.items()]
+        lines.append("\nnot measured, the reasons in full (one per backend and reason, one per point for "
+                     "wrong-output; each point's lengths in its row):")
+        lines += [f"  - {backend} ({status} {same}): {reasons[0]}" if status == WRONG_OUTPUT else
+                  f"  - {backend} ({status}, {len(reasons)} point(s)): {reasons[0]}"
+                  for (backend, status, same), reasons in cut.items()]
     if not any(p.status == MEASURED for p in points):  # no figure to explain
         return "\n".join(lines)
     lines.append("\n  x best: the median over the fastest median of the same mode and mask at this length; '?': "
@@ -580,12 +587,19 @@ def table(points: list[BenchPoint]) -> str:
     return "\n".join(lines)
 
 
+def _same_mask(p: BenchPoint) -> str:
+    """The mask a point's call carried, as 'x best' compares them: at Tq = Tk top-left and bottom-right are one mask
+    ("causal"), so a layer declaring only bottom-right is compared with the top-left ones."""
+    label = _mask_label(p)
+    return "causal" if p.tq == p.tk and label in ("top-left", "bottom-right") else label
+
+
 def fastest(points: list[BenchPoint]) -> dict[tuple, BenchPoint]:
     """The measured point with the smallest median per (mode, causal mask): what a row's 'x best' compares with."""
     out: dict[tuple, BenchPoint] = {}
     for p in points:
         if p.status == MEASURED and p.median_s:
-            k = (p.mode, _mask_label(p))
+            k = (p.mode, _same_mask(p))
             if k not in out or p.median_s < out[k].median_s:
                 out[k] = p
     return out
@@ -593,7 +607,7 @@ def fastest(points: list[BenchPoint]) -> dict[tuple, BenchPoint]:
 
 def _fmt_ratio(p: BenchPoint, best: dict[tuple, BenchPoint]) -> str:
     """'2.98' (this median over the fastest's), '1.37?' when the two 95% CIs overlap (not separated by this run)."""
-    b = best.get((p.mode, _mask_label(p)))
+    b = best.get((p.mode, _same_mask(p)))
     if b is None or not b.median_s:
         return "n/a"
     if b is p:
@@ -659,8 +673,10 @@ def output_check_line(points: list[BenchPoint]) -> str | None:
     many were refused as wrong-output. None when no point was prepared."""
     measured = [p for p in points if p.status == MEASURED and p.output_check]
     checked = [p for p in measured if p.output_check.get("rows")]
-    wrong = sum(p.status == WRONG_OUTPUT for p in points)
-    if not measured and not wrong:
+    refused = [p for p in points if p.status == WRONG_OUTPUT]
+    drifted = sum(bool(p.samples_s) for p in refused)
+    wrong = len(refused) - drifted
+    if not measured and not refused:
         return None
     parts = []
     if checked:
@@ -672,7 +688,9 @@ def output_check_line(points: list[BenchPoint]) -> str | None:
         parts.append(f"{len(measured) - len(checked)} forward+backward point(s) unchecked (their return value is "
                      "not read)")
     if wrong:
-        parts.append(f"{wrong} point(s) wrong-output, not timed (each one's error above)")
+        parts.append(f"{wrong} point(s) wrong-output at their first call, not timed (each one's error above)")
+    if drifted:
+        parts.append(f"{drifted} point(s) wrong-output after their timed calls (right at first): no figure made")
     return "; ".join(parts)
 
 
@@ -735,7 +753,7 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     for p in points:
         if p.status not in (MEASURED, SKIPPED):
             label = p.backend + (f" Tq={p.tq}" if p.workload == "decode" else "")
-            lost.setdefault(label, []).append(f"{p.seq_len} {p.status}")
+            lost.setdefault(label, []).append(f"{p.seq_len}{' ' + _mask_label(p) if p.causal else ''} {p.status}")
     lost_notes = [f"{label}: {', '.join(items)}" for label, items in lost.items()]
     measured_backends = {p.backend for p in points if p.status == MEASURED}
     unsupported_only = list(dict.fromkeys(p.backend for p in points if p.status == SKIPPED

@@ -35,6 +35,15 @@ def declared_precision(backend, dtype: str) -> str | None:
     return max(bounds, key=lambda b: EPS[b]) if bounds else None
 
 
+def _where_to_look(shape: Shape) -> str:
+    """What the user can run or compare to find the bug behind a wrong benchmarked output."""
+    if shape.cached:
+        return ("`mha-harness check` runs this decode step (prepare_decode_step) on a small cache and names known "
+                "mistakes (attending before writing, the causal alignment ...)")
+    return ("`mha-harness check` never runs prepare()'s call, so it cannot see this: compare the call with your "
+            "compute() on the same inputs (the mask, the scale, W_o)")
+
+
 def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
     """Compare ``got``, the rows :func:`~mha_harness.bench.calls.checked_rows` of one call's output for
     ``shape`` (float64, (batch, rows, d_model)), with the float64 reference of the same call. Returns the record
@@ -59,7 +68,7 @@ def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
         b, r, f = (int(i) for i in np.unravel_index(int(diff.argmax()), diff.shape))
         raise WrongOutput(f"output differs from the float64 reference: expected {expected[b, r, f]:.6g}, got "
                           f"{got[b, r, f]:.6g} at batch {b}, position {rows[r]}, feature {f}; max error {err:.3g} "
-                          f"({err / tol.bound:.3g} x the bound) exceeds {tol.describe()} ({checked}); its "
-                          "conformance cases never run this call: run `mha-harness check` on it too")
+                          f"({err / tol.bound:.3g} x the bound) exceeds {tol.describe()} ({checked}); "
+                          f"{_where_to_look(shape)}")
     return {"rows": len(rows), "max_error": err, "bound": tol.bound, "bound_dtype": tol.dtype,
             **({"declared_precision": precision} if precision else {})}
