@@ -147,3 +147,41 @@ def test_x_best_compares_top_left_and_bottom_right_at_tq_equal_tk_as_the_one_mas
     rows = {line.split()[0]: line for line in table([kv, selfattn]).splitlines()
             if line.strip().startswith(("kv", "self"))}
     assert " 2.00 " in rows["kv-layer"] and " 1.00 " in rows["self-layer"]
+
+
+def _rows_of(params, inputs, shape_rows):
+    from mha_harness.contract.reference import reference_attention
+    return reference_attention(params, inputs, rows=shape_rows).output
+
+
+@pytest.mark.parametrize("mistake, says", [
+    ("no_causal_mask", "matches the same call without its causal mask (top-left): the call does not apply it"),
+    ("scale_1_sqrt_d_model", "matches scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)"),
+    ("no_w_o", "matches the heads' concatenation: W_o is not applied"),
+    ("top_left_decode", "matches the top-left causal alignment instead of bottom-right"),
+    ("noise", None),
+])
+def test_a_wrong_output_names_the_known_mistake_its_checked_rows_match(mistake, says):
+    """bench's wrong-output names the mistake as check does where its rows suffice: the causal mask dropped, the
+    other alignment of a decode step, a common wrong scale, W_o left out; an output wrong in no known way names
+    none."""
+    from mha_harness.bench.calls import backend_arguments
+    from mha_harness.contract.mistakes import with_score_scale, without_output_projection
+    decode = mistake == "top_left_decode"
+    shape = Shape(1, 16 if decode else 48, 64 if decode else 48, 64, 4, "float32", True, False, cached=decode)
+    backend = NumpyTiled()
+    params, inputs = backend_arguments(backend, shape)
+    rows = checked_rows(inputs.tq)
+    wrong = {"no_causal_mask": lambda: _rows_of(params, inputs.replace(causal=None), rows),
+             "scale_1_sqrt_d_model": lambda: _rows_of(with_score_scale(params, np.sqrt(16 / 64)), inputs, rows),
+             "no_w_o": lambda: _rows_of(without_output_projection(params), inputs, rows),
+             "top_left_decode": lambda: _rows_of(params, inputs.replace(causal="top-left"), rows),
+             "noise": lambda: _rows_of(params, inputs, rows) * 1.01}[mistake]()
+    with pytest.raises(WrongOutput) as raised:
+        check_output(backend, shape, wrong)
+    message = str(raised.value)
+    if says:
+        assert says in message, message
+    else:
+        assert "the output matches" not in message, message
+    assert ("decode step (prepare_decode_step)" if decode else "never runs prepare()'s call") in message

@@ -13,7 +13,10 @@ import numpy as np
 
 from mha_harness.bench.calls import backend_arguments, checked_rows
 from mha_harness.bench.metrics import Shape
+from mha_harness.contract.conventions import other_alignment
 from mha_harness.contract.expected import tolerance_for
+from mha_harness.contract.mistakes import with_score_scale, without_output_projection, wrong_scales
+from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.tolerance import bound_of
 
 #: a point whose call returned something other than the layer's output, or a wrong one: it is not timed
@@ -33,6 +36,31 @@ def declared_precision(backend, dtype: str) -> str | None:
     bounds = [d.behaviour.split(":", 1)[1] for d in backend.divergences
               if d.case == OUTPUT_CASE and d.behaviour.startswith("precision:") and d.when.get("dtype") == dtype]
     return max(bounds, key=lambda b: EPS[b]) if bounds else None
+
+
+def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float) -> str:
+    """The known mistake whose float64 output the checked ``rows`` of a wrong output ``got`` match, within
+    ``max(10 * bound, 1e-3)`` (the conformance diagnoses' margin), as a message suffix; "" when none: the causal
+    mask not applied, the other causal alignment (Tq != Tk), a common wrong score scale, W_o left out."""
+    margin = max(10 * bound, 1e-3)
+
+    def matches(p, call) -> bool:
+        return float(np.max(np.abs(got - reference_attention(p, call, rows=rows).output))) <= margin
+    candidates = []
+    if inputs.causal is not None:
+        candidates.append((params, inputs.replace(causal=None), f"the same call without its causal mask "
+                           f"({inputs.causal}): the call does not apply it"))
+        if inputs.tq != inputs.tk:
+            other = other_alignment(inputs.causal)
+            candidates.append((params, inputs.replace(causal=other), f"the {other} causal alignment instead of "
+                               f"{inputs.causal}"))
+    candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of 1/sqrt(d_head)")
+                   for factor, label in wrong_scales(params.config).items()]
+    candidates.append((without_output_projection(params), inputs, "the heads' concatenation: W_o is not applied"))
+    for p, call, what in candidates:
+        if matches(p, call):
+            return f"; the output matches {what}"
+    return ""
 
 
 def _where_to_look(shape: Shape) -> str:
@@ -68,7 +96,7 @@ def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
         b, r, f = (int(i) for i in np.unravel_index(int(diff.argmax()), diff.shape))
         raise WrongOutput(f"output differs from the float64 reference: expected {expected[b, r, f]:.6g}, got "
                           f"{got[b, r, f]:.6g} at batch {b}, position {rows[r]}, feature {f}; max error {err:.3g} "
-                          f"({err / tol.bound:.3g} x the bound) exceeds {tol.describe()} ({checked}); "
-                          f"{_where_to_look(shape)}")
+                          f"({err / tol.bound:.3g} x the bound) exceeds {tol.describe()} ({checked})"
+                          f"{known_mistake(got, params, inputs, rows, tol.bound)}; {_where_to_look(shape)}")
     return {"rows": len(rows), "max_error": err, "bound": tol.bound, "bound_dtype": tol.dtype,
             **({"declared_precision": precision} if precision else {})}

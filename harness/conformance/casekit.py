@@ -32,6 +32,7 @@ from mha_harness.contract.api import (
 )
 from mha_harness.contract.conventions import EPS
 from mha_harness.contract.expected import naive_forwards, tolerance_for  # noqa: F401 - part of casekit's API
+from mha_harness.contract.mistakes import with_score_scale, wrong_scales
 from mha_harness.contract.reference import (
     hashed_once,
     reference_attention,
@@ -477,29 +478,17 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
             or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs))
 
 
-def _with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
-    """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
-    b_q = None if params.b_q is None else params.b_q * factor
-    return params.replace(W_q=params.W_q * factor, b_q=b_q)
+_with_score_scale = with_score_scale  # the name tests and older plugins import from here
 
 
 def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str | None:
     """The common wrong score scale (1/sqrt(d_model), none, 1/d_head, 1/d_model) whose float64 output ``got``
     matches within ``max(10 * bound, 1e-3)``, or None when it matches none of them."""
-    c = params.config
-    candidates = {"1/sqrt(d_model)": np.sqrt(c.d_head / c.d_model), "no scaling (1)": np.sqrt(c.d_head),
-                  "1/d_head": 1 / np.sqrt(c.d_head), "1/d_model": np.sqrt(c.d_head) / c.d_model}
-    if not np.all(np.isfinite(got)):
+    scales = wrong_scales(params.config)
+    if not np.all(np.isfinite(got)) or not scales:
         return None
-    same: dict[float, list[str]] = {}  # scales that coincide for this shape (d_head = sqrt(d_model): 1/d_head) are one
-    for label, f in candidates.items():
-        if not np.isclose(f, 1.0, rtol=1e-12):
-            same.setdefault(round(f, 12), []).append(label)
-    if not same:  # d_model = d_head = 1: every common wrong scale is the right one
-        return None
-    errors = {" = ".join(labels): float(np.max(np.abs(got - reference_attention(_with_score_scale(params, f),
-                                                                                  inputs).output)))
-              for f, labels in same.items()}
+    errors = {label: float(np.max(np.abs(got - reference_attention(with_score_scale(params, f), inputs).output)))
+              for f, label in scales.items()}
     label, err = min(errors.items(), key=lambda item: item[1])
     return label if err <= max(bound * 10, 1e-3) else None
 

@@ -1,0 +1,35 @@
+"""Known wrong layers that are the true layer with other parameters: what a wrong output is compared with to name
+the mistake behind it (a wrong score scale, W_o left out). Used by the conformance cases' diagnoses and by
+``mha-harness bench``'s check of a benchmarked call."""
+from __future__ import annotations
+
+import numpy as np
+
+from mha_harness.contract.api import AttentionConfig, AttentionParams
+
+
+def with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
+    """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
+    b_q = None if params.b_q is None else params.b_q * factor
+    return params.replace(W_q=params.W_q * factor, b_q=b_q)
+
+
+def wrong_scales(config: AttentionConfig) -> dict[float, str]:
+    """The common wrong score scales (1/sqrt(d_model), none, 1/d_head, 1/d_model) as factors of the true
+    1/sqrt(d_head) -> their label; scales that coincide for this shape (d_head = sqrt(d_model): 1/d_head and
+    1/sqrt(d_model)) are one entry ("1/sqrt(d_model) = 1/d_head"), the true scale is left out (empty when
+    d_model = d_head = 1: every common wrong scale is the right one)."""
+    candidates = {"1/sqrt(d_model)": np.sqrt(config.d_head / config.d_model), "no scaling (1)": np.sqrt(config.d_head),
+                  "1/d_head": 1 / np.sqrt(config.d_head), "1/d_model": np.sqrt(config.d_head) / config.d_model}
+    same: dict[float, list[str]] = {}
+    for label, factor in candidates.items():
+        if not np.isclose(factor, 1.0, rtol=1e-12):
+            same.setdefault(round(float(factor), 12), []).append(label)
+    return {factor: " = ".join(labels) for factor, labels in same.items()}
+
+
+def without_output_projection(params: AttentionParams) -> AttentionParams:
+    """Parameters whose reference output is the heads' concatenation, W_o (and b_o) left out (d_model wide, as the
+    layer's output: num_heads * d_head = d_model)."""
+    return params.replace(W_o=np.eye(params.config.d_model, dtype=params.W_o.dtype),
+                          b_o=None if params.b_o is None else np.zeros_like(params.b_o))
