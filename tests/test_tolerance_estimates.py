@@ -311,8 +311,8 @@ def test_a_wrong_output_at_large_logits_still_fails():
     params, inputs = build(LARGE_LOGITS[-1][0])
     expected, tol = tolerance_for(params, inputs, "float32")
     assert tol.bound < 1e-4 * np.abs(expected).max()
-    from mha_harness.conformance.casekit import _with_score_scale
-    d_model_scale = reference_attention(_with_score_scale(params, np.sqrt(1 / params.config.num_heads)), inputs)
+    from mha_harness.contract.mistakes import with_score_scale
+    d_model_scale = reference_attention(with_score_scale(params, np.sqrt(1 / params.config.num_heads)), inputs)
     with pytest.raises(CaseFailure):
         assert_close(d_model_scale.output, expected, tol, "output")
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from mha_harness.bench.calls import backend_arguments, checked_rows
 from mha_harness.bench.metrics import Shape
-from mha_harness.contract.conventions import other_alignment
+from mha_harness.contract.conventions import EPS, other_alignment
 from mha_harness.contract.expected import tolerance_for
 from mha_harness.contract.mistakes import with_score_scale, without_output_projection, wrong_scales
 from mha_harness.contract.reference import reference_attention
@@ -32,7 +32,6 @@ class WrongOutput(Exception):
 def declared_precision(backend, dtype: str) -> str | None:
     """The dtype whose bound the backend's calls in ``dtype`` are held to, when it declares a ``precision:<bound>``
     divergence for ``dtype`` on the output case (verified by conformance): the loosest such bound, else None."""
-    from mha_harness.contract.conventions import EPS
     bounds = [d.behaviour.split(":", 1)[1] for d in backend.divergences
               if d.case == OUTPUT_CASE and d.behaviour.startswith("precision:") and d.when.get("dtype") == dtype]
     return max(bounds, key=lambda b: EPS[b]) if bounds else None

@@ -478,9 +478,6 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
             or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs))
 
 
-_with_score_scale = with_score_scale  # the name tests and older plugins import from here
-
-
 def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str | None:
     """The common wrong score scale (1/sqrt(d_model), none, 1/d_head, 1/d_model) whose float64 output ``got``
     matches within ``max(10 * bound, 1e-3)``, or None when it matches none of them."""
