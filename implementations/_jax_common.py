@@ -197,6 +197,15 @@ class JaxLoaded(LoadedAttention):
     def native_output(self, value) -> np.ndarray:
         return self.to_numpy(value)
 
+    def native_gradients(self, value) -> dict[str, np.ndarray]:
+        """What the forward + backward call returned, ``jax.grad``'s (parameter tree, {query, key, value}), in the
+        canonical names and layout (as :meth:`_vjp` converts them)."""
+        g_params, g_arrays = value
+        out = {name: self.to_numpy(g) for name, g in g_arrays.items()}
+        g_params = self.jax.tree_util.tree_map(np.asarray, g_params)
+        out.update({n: self.to_numpy(g) for n, g in self.canonical_gradients(g_params).items()})
+        return out
+
 
 def _decode_programs(jax, config, tq: int, tk: int, layout: str, core):
     """The jitted (fill, step) of a decode step: ``fill(params, cached)`` -> (K cache, V cache) with Tq zero slots at

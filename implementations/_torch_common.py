@@ -129,6 +129,16 @@ class TorchLoaded(LoadedAttention):
         """Canonical name -> leaf tensor, and how to turn its gradient into the canonical layout."""
         raise NotImplementedError
 
+    def native_gradients(self, value) -> dict[str, np.ndarray]:
+        """What the forward + backward call returned (each leaf's ``.grad`` after its backward: the inputs', and the
+        parameters' under :meth:`parameter_tensors`' names) in the canonical names and layout."""
+        params = self.parameter_tensors()
+        out = {n: self.to_numpy(value[n]) for n in ("query", "key", "value")}
+        for name, (tensor, to_canonical) in params.items():
+            g = value[name]
+            out.update(to_canonical(np.zeros(tuple(tensor.shape)) if g is None else self.to_numpy(g)))
+        return out
+
     def compute_vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
         torch = self.torch
         leaves = {n: self.tensor(getattr(inputs, n), requires_grad=True) for n in ("query", "key", "value")}
@@ -154,14 +164,18 @@ class TorchLoaded(LoadedAttention):
                 return out
             run.native_inputs = (q, k, v)  # so a direct baseline can run on the very same tensors
             return run
-        self.parameter_tensors()  # parameters take gradients too, as in training
+        params = self.parameter_tensors()  # parameters take gradients too, as in training
+        leaves = [q, k, v] + [t for t, _ in params.values()]
         grad = torch.ones((inputs.batch, inputs.tq, self.config.d_model), dtype=self.dtype, device=device)
 
         def run_backward():
+            for leaf in leaves:  # as an optimizer's zero_grad(set_to_none=True) before each step
+                leaf.grad = None
             out, _ = self.forward_tensors(q, k, v, inputs, False)
             out.backward(grad)
             synchronize(device)
-            return out
+            return {"query": q.grad, "key": k.grad, "value": v.grad,
+                    **{name: t.grad for name, (t, _) in params.items()}}
         return run_backward
 
 

@@ -659,7 +659,7 @@ def test_calibration_takes_the_fastest_warm_up_call_so_a_slow_moment_does_not_sh
         began.append(began[0] if began else time.perf_counter())
         time.sleep(0.025 if 0.28 < time.perf_counter() - began[0] < 0.4 else 0.0005)
     monkeypatch.setattr(calls_module, "prepare_point",
-                        lambda backend, shape: types.SimpleNamespace(fn=step, output_rows=lambda value: None))
+                        lambda backend, shape: types.SimpleNamespace(fn=step, checked_values=lambda value: None))
     server = _Server(NumpyNaive(), 1)
     shape = Shape(1, 1, 64, 32, 4, "float32", True, False)
     answer = server.do_prepare("k", shape, 0.3, 0.02)

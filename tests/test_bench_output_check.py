@@ -8,7 +8,7 @@ import pytest
 
 from mha_harness.bench.calls import CHECKED_ROWS, checked_rows, prepare_point, prepared_call
 from mha_harness.bench.metrics import Shape
-from mha_harness.bench.sweep import BenchConfig, BenchPoint, run_bench, table
+from mha_harness.bench.sweep import BenchConfig, BenchPoint, output_check_line, run_bench, table
 from mha_harness.bench.verify import WRONG_OUTPUT, WrongOutput, check_output
 from mha_harness.implementations.numpy_naive import NumpyNaive
 from mha_harness.implementations.numpy_tiled import NumpyTiled
@@ -38,7 +38,7 @@ def test_a_fast_path_that_drops_the_causal_mask_is_reported_wrong_output_and_not
     wrong = by[("bench-fast-path-forgets-causal-mask", True)]
     assert wrong["status"] == WRONG_OUTPUT and not wrong["samples_s"] and wrong["median_s"] is None, wrong
     assert "output differs from the float64 reference" in wrong["skipped"] and "position 0" in wrong["skipped"]
-    assert "never runs prepare()'s call" in wrong["skipped"]  # where to look: check cannot see it
+    assert "never prepare()'s call" in wrong["skipped"]  # where to look: check cannot see it
     assert wrong["output_check"] == {"rows": 16, "wrong": wrong["skipped"]}
     assert by[("bench-fast-path-forgets-causal-mask", False)]["status"] == "measured"
     for causal in (False, True):
@@ -67,17 +67,6 @@ def test_asv_and_pytest_benchmark_setup_refuse_a_wrong_prepared_call_in_their_ow
     assert prepared_call(NumpyTiled(), causal)() is not None
 
 
-def test_forward_backward_points_are_timed_saying_their_output_is_unchecked():
-    pytest.importorskip("torch")
-    from mha_harness.registry import load_registry
-    doc = run_bench([load_registry().get("torch-eager").backend], None, seq_lens=[32], backward=True,
-                    config=BenchConfig(**SMALL))
-    by = {p["mode"]: p for p in doc["points"]}
-    assert by["forward"]["status"] == by["forward+backward"]["status"] == "measured", by
-    assert by["forward"]["output_check"]["rows"] == 16
-    assert by["forward+backward"]["output_check"]["rows"] == 0 and "unchecked" in by["forward+backward"]["output_check"]
-
-
 def test_a_declared_precision_divergence_sets_the_bound_and_an_undeclared_one_fails():
     """A float64 call computed in float32 fails the float64 bound; declared (precision:float32 on the output case,
     as jax-dpa and onnxruntime-cpu declare it, verified by conformance) it is held to the float32 bound."""
@@ -93,7 +82,7 @@ def test_a_declared_precision_divergence_sets_the_bound_and_an_undeclared_one_fa
 
     shape = Shape(1, 64, 64, 64, 4, "float64", False, False)
     point = prepare_point(Float32Inside(), shape)
-    rows = point.output_rows(point.fn())
+    rows = point.checked_values(point.fn())
     with pytest.raises(WrongOutput, match="exceeds tolerance"):
         check_output(Float32Inside(), shape, rows)
     record = check_output(Declared(), shape, rows)
@@ -103,7 +92,6 @@ def test_a_declared_precision_divergence_sets_the_bound_and_an_undeclared_one_fa
 
 
 def test_the_sweep_ends_saying_how_many_points_matched_the_reference_and_how_many_were_refused():
-    from mha_harness.bench.sweep import output_check_line
     ok = BenchPoint("numpy-tiled", "prefill", 64, 64, 64, True, "forward", status="measured",
                     output_check={"rows": 16, "max_error": 1e-7, "bound": 4e-7, "bound_dtype": "float32"})
     unchecked = BenchPoint("torch-eager", "prefill", 64, 64, 64, True, "forward+backward", status="measured",
@@ -149,6 +137,10 @@ def test_x_best_compares_top_left_and_bottom_right_at_tq_equal_tk_as_the_one_mas
     assert " 2.00 " in rows["kv-layer"] and " 1.00 " in rows["self-layer"]
 
 
+def _with_mask(inputs, allowed):
+    return inputs.replace(causal=None, attn_mask=allowed)
+
+
 def _rows_of(params, inputs, shape_rows):
     from mha_harness.contract.reference import reference_attention
     return reference_attention(params, inputs, rows=shape_rows).output
@@ -159,12 +151,15 @@ def _rows_of(params, inputs, shape_rows):
     ("scale_1_sqrt_d_model", "matches scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)"),
     ("no_w_o", "matches the heads' concatenation: W_o is not applied"),
     ("top_left_decode", "matches the top-left causal alignment instead of bottom-right"),
+    ("one_key_too_wide", "matches a causal mask one key too wide (query i also sees key i + 1"),
+    ("reversed_mask", "matches a reversed causal mask"),
+    ("no_diagonal", "matches a causal mask that excludes the diagonal"),
     ("noise", None),
 ])
 def test_a_wrong_output_names_the_known_mistake_its_checked_rows_match(mistake, says):
     """bench's wrong-output names the mistake as check does where its rows suffice: the causal mask dropped, the
     other alignment of a decode step, a common wrong scale, W_o left out; an output wrong in no known way names
-    none."""
+    none; a causal mask one key too wide, reversed or without its diagonal are named too."""
     from mha_harness.bench.calls import backend_arguments
     from mha_harness.contract.mistakes import with_score_scale, without_output_projection
     decode = mistake == "top_left_decode"
@@ -176,6 +171,9 @@ def test_a_wrong_output_names_the_known_mistake_its_checked_rows_match(mistake, 
              "scale_1_sqrt_d_model": lambda: _rows_of(with_score_scale(params, np.sqrt(16 / 64)), inputs, rows),
              "no_w_o": lambda: _rows_of(without_output_projection(params), inputs, rows),
              "top_left_decode": lambda: _rows_of(params, inputs.replace(causal="top-left"), rows),
+             "one_key_too_wide": lambda: _rows_of(params, _with_mask(inputs, np.tri(48, 48, k=1, dtype=bool)), rows),
+             "reversed_mask": lambda: _rows_of(params, _with_mask(inputs, ~np.tri(48, 48, k=-1, dtype=bool)), rows),
+             "no_diagonal": lambda: _rows_of(params, _with_mask(inputs, np.tri(48, 48, k=-1, dtype=bool)), rows),
              "noise": lambda: _rows_of(params, inputs, rows) * 1.01}[mistake]()
     with pytest.raises(WrongOutput) as raised:
         check_output(backend, shape, wrong)
@@ -184,4 +182,83 @@ def test_a_wrong_output_names_the_known_mistake_its_checked_rows_match(mistake, 
         assert says in message, message
     else:
         assert "the output matches" not in message, message
-    assert ("decode step (prepare_decode_step)" if decode else "never runs prepare()'s call") in message
+    assert ("decode step (prepare_decode_step)" if decode else "never prepare()'s call") in message
+
+
+def _backward_points(backends, causal="off", seq_lens=(32,)):
+    pytest.importorskip("torch")
+    doc = run_bench(backends, None, seq_lens=list(seq_lens), backward=True, causal=causal,
+                    config=BenchConfig(**SMALL))
+    return {(p["backend"], p["mode"], p["causal"]): p for p in doc["points"]}, doc
+
+
+def test_forward_backward_points_are_checked_by_their_gradients_before_and_after_timing():
+    """torch-eager's forward + backward call returns the gradients of output.sum(); bench compares a few rows of
+    each input's and weight's gradient, and each bias whole, with the float64 reference's under the conformance
+    gradient case's tolerance, before and after timing."""
+    from mha_harness.registry import load_registry
+    by, doc = _backward_points([load_registry().get("torch-eager").backend], causal="both")
+    for causal in (False, True):
+        check = by[("torch-eager", "forward+backward", causal)]["output_check"]
+        assert check["rows"] == 16 and set(check["gradients"]) >= {"query", "key", "value", "W_q", "W_k", "W_v", "W_o"}
+        assert 0 < check["max_error"] <= check["bound"] and check["worst"] in check["gradients"]
+        assert check["after_timing"]["max_error"] <= check["bound"]
+    line = output_check_line([BenchPoint(**p) for p in doc["points"]])
+    assert "(2 of them forward+backward, by their gradients; largest" in line
+
+
+def test_gradients_accumulated_over_calls_are_right_only_at_first_and_make_no_figure():
+    from tests.backward_plugins import AccumulatesGradients
+    by, _ = _backward_points([AccumulatesGradients()])
+    point = by[("bench-accumulates-gradients", "forward+backward", False)]
+    assert point["status"] == WRONG_OUTPUT and point["samples_s"] and point["median_s"] is None, point
+    assert point["output_check"]["max_error"] <= point["output_check"]["bound"]  # right at its first call
+    assert "gradients accumulated over calls" in point["output_check"]["after_timing"]["wrong"]
+    assert by[("bench-accumulates-gradients", "forward", False)]["status"] == "measured"
+
+
+def test_a_backward_that_leaves_the_parameters_out_is_wrong_output_naming_the_gradient():
+    from tests.backward_plugins import FreezesParameters
+    by, _ = _backward_points([FreezesParameters()])
+    point = by[("bench-freezes-parameters", "forward+backward", False)]
+    assert point["status"] == WRONG_OUTPUT and not point["samples_s"], point
+    assert "left no gradient for W_q (None): its backward did not reach it" in point["skipped"]
+
+
+def test_a_backward_fast_path_that_drops_the_causal_mask_is_wrong_output_at_its_causal_point():
+    from tests.backward_plugins import BackwardDropsCausalMask
+    by, _ = _backward_points([BackwardDropsCausalMask()], causal="both")
+    wrong = by[("bench-backward-drops-causal-mask", "forward+backward", True)]
+    assert wrong["status"] == WRONG_OUTPUT and "differs from the float64 reference" in wrong["skipped"], wrong
+    assert "runs the layer's vjp, never prepare()'s call" in wrong["skipped"]
+    assert by[("bench-backward-drops-causal-mask", "forward+backward", False)]["status"] == "measured"
+    assert by[("bench-backward-drops-causal-mask", "forward", True)]["status"] == "measured"
+
+
+def test_a_layer_that_does_not_read_its_gradients_is_timed_unchecked_saying_so():
+    from tests.backward_plugins import ReadsNoGradients
+    by, _ = _backward_points([ReadsNoGradients()])
+    point = by[("bench-reads-no-gradients", "forward+backward", False)]
+    assert point["status"] == "measured" and point["output_check"]["rows"] == 0
+    assert "no native_gradients" in point["output_check"]["unchecked"]
+
+
+def test_gradients_past_the_reference_size_limit_are_unchecked_saying_why(monkeypatch):
+    pytest.importorskip("torch")
+    from mha_harness.bench import verify
+    from mha_harness.registry import load_registry
+    backend = load_registry().get("torch-eager").backend
+    shape = Shape(1, 32, 32, 64, 4, "float32", False, True)
+    point = prepare_point(backend, shape)
+    values = point.checked_values(point.fn())
+    assert verify.check_point(backend, shape, values)["rows"] == 16
+    monkeypatch.setattr(verify, "GRADIENT_CHECK_SCORES", 4 * 32 * 32 - 1)
+    record = verify.check_point(backend, shape, values)
+    assert record["rows"] == 0 and "4,096 scores" in record["unchecked"]
+
+
+def test_a_long_plugin_name_keeps_the_table_columns_apart():
+    name = "my-mha-bug-fwdonly-bwd-readme-only"
+    point = BenchPoint(name, "prefill", 1, 32, 32, False, "forward", status="skipped", skipped="no gradients")
+    (row,) = [line for line in table([point]).splitlines() if line.strip().startswith(name)]
+    assert row.split()[:2] == [name, "fwd"], row

@@ -12,7 +12,7 @@ from mha_harness.contract.api import AttentionConfig, AttentionInputs
 from mha_harness.contract.params import make_params
 from mha_harness.contract.reference import reference_attention
 from mha_harness.implementations.mutants import MUTANTS
-from mha_harness.implementations.mutants.zoo import FullyMaskedRowsNaN, MutantBackend
+from mha_harness.implementations.mutants.zoo import FullyMaskedRowsNaN, Mutant, MutantBackend, _GradientMutant
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
 from mha_harness.toolkit.divergences import (
     FULLY_MASKED_CASE,
@@ -240,3 +240,17 @@ def test_zero_heads_are_not_read_as_w_o_left_out():
 
     [failure] = mha_harness.check(ZeroValues(), cases=["check_output_projection_mixes_heads"]).failures()
     assert "W_o was not applied" not in failure.message, failure.message
+
+
+class _ParametersFrozen(_GradientMutant):
+    def compute_vjp(self, inputs, cotangent):  # the weights do not require grad: their gradients stay zero
+        grads = super().compute_vjp(inputs, cotangent)
+        return {n: np.zeros_like(g) if n.startswith(("W_", "b_")) else g for n, g in grads.items()}
+
+
+def test_a_backward_that_never_reaches_the_parameters_is_named():
+    backend = MutantBackend(Mutant("parameters-frozen", "parameters do not require grad", _ParametersFrozen,
+                                   "every parameter's gradient", gradients=True), weights=False)
+    messages = _messages(backend, "check_gradients_match_reference")
+    assert messages and all("every parameter's gradient is zero or missing: the backward does not reach the "
+                            "parameters" in m for m in messages), messages[:2]

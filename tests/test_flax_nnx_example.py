@@ -46,3 +46,15 @@ def test_the_key_padding_mask_handed_over_uninverted_is_named(example):
     failures = report.failures()
     assert failures and all("the key_padding_mask read with the opposite polarity" in f.message for f in failures), \
         [f.message for f in failures]
+
+
+def test_the_flax_nnx_forward_backward_call_is_checked_by_its_gradients(example):
+    from mha_harness.bench.calls import prepare_point
+    from mha_harness.bench.metrics import Shape
+    from mha_harness.bench.verify import check_point
+    backend = example.NNXMultiHeadAttention()
+    shape = Shape(1, 32, 32, 64, 4, "float32", True, True)
+    point = prepare_point(backend, shape)
+    record = check_point(backend, shape, point.checked_values(point.fn()))
+    assert record["rows"] == 16 and {"query", "key", "value", "W_q", "W_o"} <= set(record["gradients"])
+    assert record["max_error"] <= record["bound"]

@@ -60,3 +60,19 @@ def test_the_gpt2_module_is_benchmarked_at_causal_on(tmp_path):
                           timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "gpt2-attention" in done.stdout
+
+
+def test_the_gpt2_training_step_is_checked_by_its_gradients_at_every_call():
+    """The example's forward + backward call zeroes the gradients before each backward and returns x, whose .grad
+    and the parameters' native_gradients reads: bench's check compares them with the reference's, and a second
+    call's are the same (not accumulated)."""
+    from mha_harness.bench.calls import prepare_point
+    from mha_harness.bench.metrics import Shape
+    from mha_harness.bench.verify import check_point
+    backend = _module(EXAMPLE, "gpt2_attention").GPT2Attention()
+    shape = Shape(1, 32, 32, 64, 4, "float32", True, True)
+    point = prepare_point(backend, shape)
+    first = check_point(backend, shape, point.checked_values(point.fn()))
+    again = check_point(backend, shape, point.checked_values(point.fn()))
+    assert first["rows"] == 16 and set(first["gradients"]) == {"query", "W_q", "W_k", "W_v", "W_o"}
+    assert again["max_error"] == first["max_error"] <= first["bound"]

@@ -112,16 +112,19 @@ class PreparedPoint:
     inputs: Any
     shape: Shape
 
-    def output_rows(self, value):
-        """The rows :func:`checked_rows` of the output a call returned, as float64 (batch, rows, d_model), read with
-        the loaded layer's ``native_output`` (``decode_step_output`` for a decode step); None for a forward +
-        backward call, whose return value is not read. Raises :class:`~mha_harness.bench.verify.WrongOutput` when
-        the value is not an output of the call's shape."""
+    def checked_values(self, value):
+        """What of one call's return ``value`` the float64 reference is compared with
+        (:func:`~mha_harness.bench.verify.check_point`): for a forward call or a decode step, its output at the rows
+        :func:`checked_rows`, float64 (batch, rows, d_model), read with the loaded layer's ``native_output``
+        (``decode_step_output`` for a decode step); for a forward + backward call, its gradients read with
+        ``native_gradients``, each as ``{"shape": its full shape, "part": gradient_part(it) as float64}``, or None
+        when the layer does not read them (its points are timed unchecked). Raises
+        :class:`~mha_harness.bench.verify.WrongOutput` when the value is not what the call should return."""
+        if self.shape.backward:
+            return self.checked_gradients(value)
         import numpy as np
 
         from mha_harness.bench.verify import WrongOutput
-        if self.shape.backward:
-            return None
         what = "decode step" if self.shape.cached else "prepare()'s call"
         expected = (self.inputs.batch, self.inputs.tq, self.loaded.config.d_model)
         accepted = (f"accepted: the layer's output, shape (batch, Tq, d_model) = {expected}, which the layer's "
@@ -142,6 +145,38 @@ class PreparedPoint:
             raise WrongOutput(f"{what} returned an array of dtype {out.dtype} that cannot be read as float64 "
                               f"({exc}); {accepted}") from None
 
+    def checked_gradients(self, value) -> dict | None:
+        """A forward + backward call's gradients as :meth:`checked_values` sends them; None without
+        ``native_gradients``."""
+        import numpy as np
+
+        from mha_harness.bench.verify import WrongOutput
+        accepted = ("accepted: a dict of the gradients of output.sum() under vjp's names (query, key, value per the "
+                    "declared input form; W_q ... b_o in the canonical layout), which native_gradients reads from "
+                    "what the forward + backward call returned")
+        try:
+            grads = self.loaded.native_gradients(value)
+        except NotImplementedError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - a plugin's value that cannot be read is that point's wrong output
+            raise WrongOutput(f"native_gradients could not read the forward + backward call's {type(value).__name__} "
+                              f"({type(exc).__name__}: {exc}); {accepted}") from None
+        if not isinstance(grads, dict):
+            raise WrongOutput(f"native_gradients returned a {type(grads).__name__}; {accepted}")
+        out = {}
+        for name, grad in grads.items():
+            if grad is None:
+                raise WrongOutput(f"the forward + backward call left no gradient for {name} (None): its backward did "
+                                  "not reach it (a parameter that does not require grad, an input detached or not "
+                                  f"requiring grad); {accepted}")
+            try:
+                array = np.asarray(grad)
+                out[str(name)] = {"shape": list(array.shape), "part": gradient_part(array).astype(np.float64)}
+            except (TypeError, ValueError) as exc:
+                raise WrongOutput(f"the gradient of {name} cannot be read as a float64 array ({exc}); "
+                                  f"{accepted}") from None
+        return out
+
 
 #: a benchmarked call's output is compared with the float64 reference at this many query rows (every row when Tq is
 #: at most this): the first and the last (one key and every key, under a causal mask) and others drawn by a seed
@@ -156,6 +191,18 @@ def checked_rows(tq: int) -> list[int]:
         return list(range(tq))
     inner = np.random.default_rng(tq).choice(np.arange(1, tq - 1), CHECKED_ROWS - 2, replace=False)
     return sorted({0, tq - 1, *map(int, inner)})
+
+
+def gradient_part(gradient):
+    """The entries of a gradient that bench compares with the reference's: an input's (batch, T, d_model) at the
+    positions :func:`checked_rows` (T), a weight's (d_in, d_out) at the rows :func:`checked_rows` (d_in), a bias
+    whole. Every gradient of ``output.sum()`` sums over all query positions, so a few rows of each still see every
+    row's contribution."""
+    if gradient.ndim == 3:
+        return gradient[:, checked_rows(gradient.shape[1])]
+    if gradient.ndim == 2:
+        return gradient[checked_rows(gradient.shape[0])]
+    return gradient
 
 
 def prepare_point(backend, shape: Shape) -> PreparedPoint:
@@ -173,12 +220,10 @@ def prepare_point(backend, shape: Shape) -> PreparedPoint:
 
 def prepared_call(backend, shape: Shape):
     """The backend's prepared callable for ``shape`` (:func:`prepare_point`), after one untimed call whose output
-    matched the float64 reference at :func:`checked_rows` (:func:`~mha_harness.bench.verify.check_output`,
-    here in the caller's process: asv and pytest-benchmark; the sweep's workers send the rows to the parent, which
+    (or gradients) matched the float64 reference at :func:`checked_rows` (:func:`~mha_harness.bench.verify.check_point`,
+    here in the caller's process: asv and pytest-benchmark; the sweep's workers send the values to the parent, which
     checks them). Raises :class:`~mha_harness.bench.verify.WrongOutput` when it did not."""
-    from mha_harness.bench.verify import check_output
+    from mha_harness.bench.verify import check_point
     point = prepare_point(backend, shape)
-    rows = point.output_rows(point.fn())
-    if rows is not None:
-        check_output(backend, shape, rows)
+    check_point(backend, shape, point.checked_values(point.fn()))
     return point.fn

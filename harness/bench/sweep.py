@@ -49,7 +49,7 @@ from mha_harness.bench.metrics import (
     over_roofs,
 )
 from mha_harness.bench.threads import DEFAULT_THREADS, apply_threads, thread_report
-from mha_harness.bench.verify import WRONG_OUTPUT, WrongOutput, check_output
+from mha_harness.bench.verify import WRONG_OUTPUT, WrongOutput, check_point
 from mha_harness.bench.worker import CRASHED, OUT_OF_MEMORY, TIMEOUT, BackendWorker, WorkerLost, wait_until_idle
 from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
 from mha_harness.util.install import install_hint
@@ -58,11 +58,12 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.4"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
+SCHEMA_VERSION = "2.5"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
 # 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured;
 # 2.3: decode points time a decode step over a filled KV cache (decode_step), not a call projecting all Tk keys; the
 # causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half); 2.4: points record
-# output_check (the first call's output at a few rows against the float64 reference) and can be "wrong-output"
+# output_check (the first call's output at a few rows against the float64 reference) and can be "wrong-output";
+# 2.5: a forward + backward point's output_check holds its gradients' check (gradients, worst) or why it is unchecked
 #: what a decode point times, recorded in its document
 DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (LoadedAttention.prepare_decode_step): "
                "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
@@ -275,34 +276,43 @@ class Sweep:
             point.call_mask = mask_in_call(self.backends[point.backend], shape_of(point, config))
             answer = self.ask(point, ("prepare", point.key, shape_of(point, config), config.warm_up_s,
                                       config.min_sample_s))
-            if answer is not None and self.output_is_right(point, answer.get("output_rows")):
+            if answer is not None and self.output_is_right(point, answer.get("checked")):
                 point.first_call_s = answer["first_call_s"]
                 point.calls_per_sample = answer["calls_per_sample"]
                 ready.append((point, answer["call_s"]))
         return ready
 
-    def output_is_right(self, point: BenchPoint, rows) -> bool:
-        """Check the rows of the point's first call's output that its worker sent against the float64 reference,
-        here in the parent, while every worker waits (:func:`~mha_harness.bench.verify.check_output`). A wrong
-        output marks the point ``wrong-output`` (it is not timed) and drops its prepared call; a forward +
-        backward point (``rows`` None) is timed unchecked, saying so."""
-        if rows is None:
-            point.output_check = {"rows": 0, "unchecked": "forward + backward: its return value is not read"}
-            return True
+    def output_is_right(self, point: BenchPoint, values) -> bool:
+        """Check what the point's worker sent of its first call (its output at a few rows, or its gradients) against
+        the float64 reference, here in the parent, while every worker waits
+        (:func:`~mha_harness.bench.verify.check_point`). A wrong one marks the point ``wrong-output`` (it is not
+        timed) and drops its prepared call; a forward + backward point whose gradients the layer does not read is
+        timed unchecked, saying so."""
         try:
-            point.output_check = check_output(self.backends[point.backend], shape_of(point, self.config), rows)
+            point.output_check = check_point(self.backends[point.backend], shape_of(point, self.config), values)
             return True
         except WrongOutput as exc:
-            point.status, point.skipped = WRONG_OUTPUT, str(exc)
-            point.output_check = {"rows": len(checked_rows(point.tq)), "wrong": str(exc)}
-            self.log(f"  {point.backend} {point.key}: {WRONG_OUTPUT}: {exc}")
+            self.mark_wrong(point, exc)
             self.ask(point, ("drop", point.key))
             return False
 
+    def mark_wrong(self, point: BenchPoint, exc: WrongOutput, *, after_timing: bool = False) -> None:
+        """Mark ``point`` wrong-output with the check's message: at its first call (``output_check.wrong``), or after
+        its timed calls (its samples kept, ``output_check.after_timing.wrong``)."""
+        point.status = WRONG_OUTPUT
+        if after_timing:
+            point.skipped = (f"its first call matched the reference, but the call after its {len(point.samples_s)} "
+                             f"timed samples did not: {exc}")
+            point.output_check["after_timing"] = {"wrong": str(exc)}
+        else:
+            point.skipped = str(exc)
+            point.output_check = {"rows": len(checked_rows(point.tq)), "wrong": str(exc)}
+        self.log(f"  {point.backend} {point.key}: {WRONG_OUTPUT}: {point.skipped}")
+
     def output_still_right(self, point: BenchPoint) -> None:
-        """After the point's timed calls, one more call's output is checked like the first (:meth:`output_is_right`):
-        a call whose output drifts over many calls (state kept between calls, a decode step writing one slot further
-        each time) turns the point ``wrong-output``, its samples kept but no figure made of them."""
+        """After the point's timed calls, one more call is checked like the first (:meth:`output_is_right`): a call
+        that drifts over many calls (state kept between calls, a decode step writing one slot further each time,
+        gradients accumulated) turns the point ``wrong-output``, its samples kept but no figure made of them."""
         if not (point.output_check or {}).get("rows"):
             return
         answer = self.ask(point, ("last_output", point.key))
@@ -310,14 +320,10 @@ class Sweep:
             point.output_check["after_timing"] = "not checked: the worker that timed it is gone"
             return
         try:
-            after = check_output(self.backends[point.backend], shape_of(point, self.config), answer["output_rows"])
+            after = check_point(self.backends[point.backend], shape_of(point, self.config), answer["checked"])
             point.output_check["after_timing"] = {"max_error": after["max_error"]}
         except WrongOutput as exc:
-            point.status = WRONG_OUTPUT
-            point.skipped = (f"its first call matched the reference, but the call after its {len(point.samples_s)} "
-                             f"timed samples did not: {exc}")
-            point.output_check["after_timing"] = {"wrong": str(exc)}
-            self.log(f"  {point.backend} {point.key}: {WRONG_OUTPUT}: {point.skipped}")
+            self.mark_wrong(point, exc, after_timing=True)
 
     def turn(self, point: BenchPoint, call_s: float) -> dict | None:
         """One turn of a prepared point: wait for the other workers to idle, then about ``turn_s`` of samples
@@ -512,11 +518,12 @@ _ROW_REASON = 90
 
 def table(points: list[BenchPoint]) -> str:
     lines = []
+    width = max([24, *(len(p.backend) + 2 for p in points)])  # a long plugin name keeps its columns apart
     for key in sorted({(p.workload, p.tq, p.tk) for p in points}, key=lambda k: (k[2], k[1])):
         workload, tq, tk = key
         label = "T" if workload == "prefill" else f"decode Tq = {tq}, KV"
         lines.append(f"\n{label} = {tk}")
-        lines.append(f"  {'backend':<24}{'mode':<9}{'mask':<13}{'median ms':>10}{'95% CI +-':>12}{'n':>5}"
+        lines.append(f"  {'backend':<{width}}{'mode':<9}{'mask':<13}{'median ms':>10}{'95% CI +-':>12}{'n':>5}"
                      f"{'x best':>8}{'calls':>7}{'peak MiB':>9}{'core GFLOP/s':>13} {'core %GEMM':>11}{'GB/s':>9}"
                      f"{'%BW':>9}")
         rows = [q for q in points if (q.workload, q.tq, q.tk) == key]
@@ -526,12 +533,12 @@ def table(points: list[BenchPoint]) -> str:
             if p.status != MEASURED:
                 reason = p.skipped or ""
                 shown = reason if len(reason) <= _ROW_REASON else reason[:80].rstrip() + " ... (in full below)"
-                lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}  {p.status}: {shown}")
+                lines.append(f"  {p.backend:<{width}}{mode:<9}{_mask_label(p):<13}  {p.status}: {shown}")
                 continue
             flag = _flags(p).ljust(2)
             compute = "!" if p.over_compute_roof else " "
             bandwidth = "~" if p.over_memory_bandwidth else " "
-            lines.append(f"  {p.backend:<24}{mode:<9}{_mask_label(p):<13}{p.median_s * 1e3:>10.3f}{_fmt_ci(p):>11}"
+            lines.append(f"  {p.backend:<{width}}{mode:<9}{_mask_label(p):<13}{p.median_s * 1e3:>10.3f}{_fmt_ci(p):>11}"
                          f"{flag}{p.n_samples:>4}{_fmt_ratio(p, best):>8}{p.calls_per_sample or 0:>7}"
                          f"{_fmt_memory(p):>9} {_num(p.gflops, 1):>12}"
                          f"{compute} {_num(100 * (p.fraction_of_gemm_peak or 0), 1):>9}% {_num(p.gbytes_per_s, 2):>8}"
@@ -681,12 +688,14 @@ def output_check_line(points: list[BenchPoint]) -> str | None:
     parts = []
     if checked:
         worst = max(p.output_check["max_error"] / p.output_check["bound"] for p in checked)
+        by_gradients = sum("gradients" in p.output_check for p in checked)
         parts.append(f"{len(checked)} measured point(s) matched the float64 reference at up to "
-                     f"{max(p.output_check['rows'] for p in checked)} query rows before they were timed (largest "
-                     f"error {worst:.2g} of its bound)")
+                     f"{max(p.output_check['rows'] for p in checked)} query rows before they were timed ("
+                     + (f"{by_gradients} of them forward+backward, by their gradients; " if by_gradients else "")
+                     + f"largest error {worst:.2g} of its bound)")
     if len(measured) > len(checked):
-        parts.append(f"{len(measured) - len(checked)} forward+backward point(s) unchecked (their return value is "
-                     "not read)")
+        parts.append(f"{len(measured) - len(checked)} forward+backward point(s) unchecked (each one's reason in "
+                     "bench.json's output_check)")
     if wrong:
         parts.append(f"{wrong} point(s) wrong-output at their first call, not timed (each one's error above)")
     if drifted:

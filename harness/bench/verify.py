@@ -1,5 +1,6 @@
-"""Bench times only calls it has seen compute the layer: one call's output, at a few query rows, against the float64
-reference under the tolerance the conformance cases use (``mha_harness.contract.expected``).
+"""Bench times only calls it has seen compute the layer: one call's output, at a few query rows, or a forward +
+backward call's gradients, a few rows of each, against the float64 reference under the tolerance the conformance
+cases use (``mha_harness.contract.expected``).
 
 A backend's prepared callable is its own code path, which conformance never runs (a jitted fast path, a fused
 kernel, a decode step): a fast wrong answer would otherwise be benchmarked as a figure. In ``mha-harness bench``
@@ -11,10 +12,10 @@ import contextlib
 
 import numpy as np
 
-from mha_harness.bench.calls import backend_arguments, checked_rows
+from mha_harness.bench.calls import backend_arguments, checked_rows, gradient_part
 from mha_harness.bench.metrics import Shape
-from mha_harness.contract.conventions import EPS, other_alignment
-from mha_harness.contract.expected import tolerance_for
+from mha_harness.contract.conventions import EPS, causal_offset, other_alignment
+from mha_harness.contract.expected import gradient_tolerances, tolerance_for
 from mha_harness.contract.mistakes import with_score_scale, without_output_projection, wrong_scales
 from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.tolerance import bound_of
@@ -23,36 +24,53 @@ from mha_harness.contract.tolerance import bound_of
 WRONG_OUTPUT = "wrong-output"
 #: the conformance case whose claim a benchmarked forward call repeats (a precision declared there applies here)
 OUTPUT_CASE = "check_output_matches_reference"
+#: the conformance case whose claim a benchmarked forward + backward call repeats
+GRADIENT_CASE = "check_gradients_match_reference"
+#: the largest batch x heads x Tq x Tk whose gradients bench checks: the float64 reference backward and the four
+#: same-dtype backwards of its tolerance hold several arrays of this many scores (about 3 GiB and 35 s of the
+#: harness's own time at 2**25, T = 2048 with 8 heads, on a 2-core box); larger points are timed unchecked, saying so
+GRADIENT_CHECK_SCORES = 2 ** 25
 
 
 class WrongOutput(Exception):
     """A benchmarked call's output is not the layer's output (None, another shape) or differs from the reference."""
 
 
-def declared_precision(backend, dtype: str) -> str | None:
+def declared_precision(backend, dtype: str, case: str = OUTPUT_CASE) -> str | None:
     """The dtype whose bound the backend's calls in ``dtype`` are held to, when it declares a ``precision:<bound>``
-    divergence for ``dtype`` on the output case (verified by conformance): the loosest such bound, else None."""
+    divergence for ``dtype`` on ``case`` (verified by conformance): the loosest such bound, else None."""
     bounds = [d.behaviour.split(":", 1)[1] for d in backend.divergences
-              if d.case == OUTPUT_CASE and d.behaviour.startswith("precision:") and d.when.get("dtype") == dtype]
+              if d.case == case and d.behaviour.startswith("precision:") and d.when.get("dtype") == dtype]
     return max(bounds, key=lambda b: EPS[b]) if bounds else None
 
 
 def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float) -> str:
     """The known mistake whose float64 output the checked ``rows`` of a wrong output ``got`` match, within
     ``max(10 * bound, 1e-3)`` (the conformance diagnoses' margin), as a message suffix; "" when none: the causal
-    mask not applied, the other causal alignment (Tq != Tk), a common wrong score scale, W_o left out."""
+    mask not applied, the other causal alignment (Tq != Tk), a causal mask one key too wide, reversed or without
+    its diagonal, a common wrong score scale, W_o left out."""
     margin = max(10 * bound, 1e-3)
 
     def matches(p, call) -> bool:
         return float(np.max(np.abs(got - reference_attention(p, call, rows=rows).output))) <= margin
     candidates = []
     if inputs.causal is not None:
-        candidates.append((params, inputs.replace(causal=None), f"the same call without its causal mask "
-                           f"({inputs.causal}): the call does not apply it"))
+        unmasked = inputs.replace(causal=None)
+        candidates.append((params, unmasked, f"the same call without its causal mask ({inputs.causal}): the call "
+                           "does not apply it"))
         if inputs.tq != inputs.tk:
             other = other_alignment(inputs.causal)
             candidates.append((params, inputs.replace(causal=other), f"the {other} causal alignment instead of "
                                f"{inputs.causal}"))
+        if inputs.attn_mask is None:
+            offset, tq, tk = causal_offset(inputs.causal, inputs.tq, inputs.tk), inputs.tq, inputs.tk
+            candidates += [
+                (params, unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool)),
+                 "a causal mask one key too wide (query i also sees key i + 1: tril(1) where tril belongs)"),
+                (params, unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool)),
+                 "a reversed causal mask (query i sees key i and every later key: triu where tril belongs)"),
+                (params, unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool)),
+                 "a causal mask that excludes the diagonal (query i cannot see its own key)")]
     candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of 1/sqrt(d_head)")
                    for factor, label in wrong_scales(params.config).items()]
     candidates.append((without_output_projection(params), inputs, "the heads' concatenation: W_o is not applied"))
@@ -67,8 +85,9 @@ def _where_to_look(shape: Shape) -> str:
     if shape.cached:
         return ("`mha-harness check` runs this decode step (prepare_decode_step) on a small cache and names known "
                 "mistakes (attending before writing, the causal alignment ...)")
-    return ("`mha-harness check` never runs prepare()'s call, so it cannot see this: compare the call with your "
-            "compute() on the same inputs (the mask, the scale, W_o)")
+    return ("`mha-harness check` runs your compute(), never prepare()'s call: if check passes, the mistake is in the "
+            "call's own path, so compare it with compute() on the same inputs (the mask, the scale, W_o); if check "
+            "fails too, its diagnosis names more")
 
 
 def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
@@ -99,3 +118,97 @@ def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
                           f"{known_mistake(got, params, inputs, rows, tol.bound)}; {_where_to_look(shape)}")
     return {"rows": len(rows), "max_error": err, "bound": tol.bound, "bound_dtype": tol.dtype,
             **({"declared_precision": precision} if precision else {})}
+
+
+def check_gradients(backend, shape: Shape, got: dict) -> dict:
+    """Compare the gradients of one forward + backward call for ``shape`` (as
+    :meth:`~mha_harness.bench.calls.PreparedPoint.checked_values` sends them: each name's full shape and its
+    :func:`~mha_harness.bench.calls.gradient_part`) with the float64 reference's gradients of ``output.sum()`` in the
+    backend's declared input form, under the conformance gradient case's tolerance
+    (:func:`~mha_harness.contract.expected.gradient_tolerances`). Returns the record bench keeps with the point
+    (the worst gradient's error and bound); raises :class:`WrongOutput` when a gradient is missing, of another
+    shape, not finite or past its bound. Past :data:`GRADIENT_CHECK_SCORES` the record says the point is
+    unchecked."""
+    params, inputs = backend_arguments(backend, shape)
+    scores = inputs.batch * params.config.num_heads * inputs.tq * inputs.tk
+    if scores > GRADIENT_CHECK_SCORES:
+        return {"rows": 0, "unchecked": f"forward + backward with batch x heads x Tq x Tk = {scores:,} scores: "
+                f"bench checks gradients up to {GRADIENT_CHECK_SCORES:,} (the float64 reference backward's memory "
+                "and time); check's gradient case verifies the layer's vjp"}
+    rows = checked_rows(inputs.tq)
+    cotangent = np.ones((inputs.batch, inputs.tq, params.config.d_model))
+    precision = declared_precision(backend, shape.dtype, GRADIENT_CASE)
+    with bound_of(precision) if precision else contextlib.nullcontext():
+        expected = gradient_tolerances(params, inputs, cotangent, shape.dtype, backend.capabilities.inputs,
+                                       select=lambda name, array: gradient_part(array))
+    checked = (f"gradients of output.sum() at {len(rows)} of its {inputs.tq} positions and weight rows, against the "
+               "float64 reference")
+    missing = sorted(set(expected) - set(got))
+    if missing:
+        raise WrongOutput(f"native_gradients returned no gradient for {', '.join(missing)} (returned "
+                          f"{', '.join(sorted(got)) or 'none'}): the call's backward must reach every input and "
+                          f"parameter, as a training step's does ({checked})")
+    worst = None
+    for name, (want, tol) in expected.items():
+        full = tuple(got[name]["shape"])
+        reference_shape = _full_shape(name, params, inputs, backend.capabilities.inputs)
+        if full != reference_shape:
+            raise WrongOutput(f"gradient of {name} has shape {full}, expected {reference_shape} ({checked})")
+        part = np.asarray(got[name]["part"], np.float64)
+        if not np.all(np.isfinite(part)):
+            raise WrongOutput(f"gradient of {name} holds {part[~np.isfinite(part)][0]}: expected finite values "
+                              f"({checked})")
+        diff = np.abs(part - want)
+        err = float(diff.max()) if diff.size else 0.0
+        if err > tol.bound:
+            at = np.unravel_index(int(diff.argmax()), diff.shape)
+            raise WrongOutput(f"gradient of {name} differs from the float64 reference: expected {want[at]:.6g}, got "
+                              f"{part[at]:.6g}; max error {err:.3g} ({err / tol.bound:.3g} x the bound) exceeds "
+                              f"{tol.describe()} ({checked}){_gradient_mistake(got, expected)}; `mha-harness check` "
+                              "runs the layer's vjp, never prepare()'s call: if its gradient case passes, compare "
+                              "the call's backward with your compute_vjp on the same inputs; if it fails too, its "
+                              "diagnosis names more")
+        if worst is None or err / tol.bound > worst[0]:
+            worst = (err / tol.bound, name, err, tol)
+    _, name, err, tol = worst
+    return {"rows": len(rows), "gradients": sorted(expected), "worst": name, "max_error": err, "bound": tol.bound,
+            "bound_dtype": tol.dtype, **({"declared_precision": precision} if precision else {})}
+
+
+def _full_shape(name: str, params, inputs, form: str) -> tuple:
+    """The shape of the reference's gradient ``name`` (an input's in ``form``, or a parameter's)."""
+    if name in params.arrays():
+        return tuple(np.shape(params.arrays()[name]))
+    if form == "kv_cache" and name == "key":
+        return (inputs.batch, inputs.tk - inputs.tq, params.config.d_model)
+    return tuple(np.shape(inputs.query if name == "query" else inputs.key))
+
+
+def _gradient_mistake(got: dict, expected: dict) -> str:
+    """A message suffix naming the known mistake the wrong gradients show: every gradient a whole multiple of the
+    reference's (accumulated over calls, never zeroed), or the parameters' all zero (they do not require grad)."""
+    ratios = []
+    for name, (want, _) in expected.items():
+        part = np.asarray(got[name]["part"], np.float64)
+        scale = float(np.vdot(want, want))
+        if scale > 0:
+            ratios.append(float(np.vdot(part, want)) / scale)
+    if ratios and min(ratios) > 1.5 and max(ratios) - min(ratios) < 0.01 * max(ratios):
+        return (f"; every gradient is {np.median(ratios):.3g} x the reference's: gradients accumulated over calls "
+                "(a torch leaf's .grad is summed into unless set to None before each backward)")
+    params = [n for n in expected if n.startswith(("W_", "b_"))]
+    if params and all(not np.any(np.asarray(got[n]["part"])) for n in params):
+        return "; every parameter's gradient is zero: the parameters do not take gradients in the call"
+    return ""
+
+
+def check_point(backend, shape: Shape, values) -> dict:
+    """Check what :meth:`~mha_harness.bench.calls.PreparedPoint.checked_values` took from one call: a forward's
+    output rows (:func:`check_output`), a forward + backward call's gradients (:func:`check_gradients`), or None (a
+    forward + backward call whose gradients the layer does not read): the record bench keeps with the point."""
+    if values is None:
+        return {"rows": 0, "unchecked": "forward + backward: the layer has no native_gradients to read its call's "
+                "gradients, so its return value is not read"}
+    if isinstance(values, dict):
+        return check_gradients(backend, shape, values)
+    return check_output(backend, shape, values)

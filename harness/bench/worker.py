@@ -121,8 +121,8 @@ class _Server:
 
     def do_prepare(self, key, shape, warm_up_s: float, min_sample_s: float):
         """Load, prepare and warm up the call for ``shape``; calibrate calls per sample. Returns timings and the
-        first call's output at the rows the parent checks against the reference (``output_rows``; None for a
-        forward + backward call)."""
+        first call's values the parent checks against the reference (``checked``: its output at a few rows, or a
+        forward + backward call's gradients, ``PreparedPoint.checked_values``)."""
         from mha_harness.bench.calls import prepare_point
         from mha_harness.bench.stats import calls_per_sample
         from mha_harness.bench.threads import apply_threads
@@ -132,7 +132,7 @@ class _Server:
         start = time.perf_counter()
         value = fn()
         first_s = time.perf_counter() - start
-        output_rows = point.output_rows(value)
+        checked = point.checked_values(value)
         del value
         # the call's cost is the fastest of the warm-up's timed calls (noise, a loaded machine, a slow first few
         # calls only add time): calibrating from one call sized a 0.39 ms call's samples at 1.2 ms, for a 20 ms
@@ -146,14 +146,14 @@ class _Server:
             call_s = min(call_s, min(_time_calls(fn, calls) / calls for _ in range(CALIBRATION_SAMPLES)))
             calls = calls_per_sample(call_s, min_sample_s)
         self.prepared[key], self.points[key] = (fn, calls), point
-        return {"first_call_s": first_s, "call_s": call_s, "calls_per_sample": calls, "output_rows": output_rows}
+        return {"first_call_s": first_s, "call_s": call_s, "calls_per_sample": calls, "checked": checked}
 
     def do_last_output(self, key):
-        """One more call after the point's timed calls, and its output at the rows the parent checks: a call that
-        drifts (a cache written one slot further each call, state kept between calls) is right only at first.
+        """One more call after the point's timed calls, and what of it the parent checks: a call that drifts (a cache
+        written one slot further each call, gradients accumulated over calls, state kept) is right only at first.
         None when this worker did not prepare the point (a restarted one)."""
         point = self.points.get(key)
-        return None if point is None else {"output_rows": point.output_rows(point.fn())}
+        return None if point is None else {"checked": point.checked_values(point.fn())}
 
     def do_sample(self, key, count: int):
         """One untimed call, then ``count`` samples of the calibrated size; a sample's value is its time per call.

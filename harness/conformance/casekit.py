@@ -31,16 +31,21 @@ from mha_harness.contract.api import (
     supported,
 )
 from mha_harness.contract.conventions import EPS
-from mha_harness.contract.expected import naive_forwards, tolerance_for  # noqa: F401 - part of casekit's API
+from mha_harness.contract.expected import (  # noqa: F401 - part of casekit's API
+    gradient_reduction_length,
+    gradient_tolerances,
+    input_gradient_terms,
+    input_gradients,
+    naive_forwards,
+    naive_gradients,
+    tolerance_for,
+)
 from mha_harness.contract.mistakes import with_score_scale, wrong_scales
 from mha_harness.contract.reference import (
-    hashed_once,
     reference_attention,
-    reference_vjp,
-    reference_vjp_magnitudes,
 )
 from mha_harness.contract.scoped import scoped
-from mha_harness.contract.tolerance import Tolerance, farthest, naive_dtype, score_error_dtype, tolerance_from
+from mha_harness.contract.tolerance import Tolerance, farthest, tolerance_from
 
 
 class CaseFailure(AssertionError):
@@ -626,11 +631,7 @@ def assert_gradients_close(got: Mapping[str, np.ndarray], exact: Mapping[str, np
     estimates = [naive] if isinstance(naive, Mapping) else list(naive)
     worst = 0.0
     for name, expected in exact.items():
-        if name not in got:
-            raise CaseFailure(f"gradients: the backend returned no gradient for {name}; returned {sorted(got)}")
-        actual = np.asarray(got[name], np.float64)
-        if actual.shape != expected.shape:
-            raise CaseFailure(f"gradient of {name}: expected shape {expected.shape}, got {actual.shape}")
+        actual = _gradient_of(got, name, expected.shape)
         labels = ("batch", "position", "feature") if expected.ndim == 3 else ("row", "column")[:expected.ndim]
         honest = farthest((e[name] for e in estimates), expected)
         size = None if terms is None else terms[name]
@@ -639,69 +640,27 @@ def assert_gradients_close(got: Mapping[str, np.ndarray], exact: Mapping[str, np
     return worst
 
 
+def _gradient_of(got: Mapping[str, np.ndarray], name: str, shape: tuple) -> np.ndarray:
+    """The backend's gradient ``name`` as float64, failing the case when it is missing or has another shape."""
+    if name not in got:
+        raise CaseFailure(f"gradients: the backend returned no gradient for {name}; returned {sorted(got)}")
+    actual = np.asarray(got[name], np.float64)
+    if actual.shape != shape:
+        raise CaseFailure(f"gradient of {name}: expected shape {shape}, got {actual.shape}")
+    return actual
+
+
 def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
                                      cotangent: np.ndarray, dtype: str, form: str) -> float:
     """A backend's gradients ``got`` (for ``sum(output * cotangent)``, per argument of its declared input ``form``)
-    against the reference under the tolerance rule: the exact gradients, the two valid same-dtype backwards
-    (:func:`naive_gradients`), the floor's terms (:func:`input_gradient_terms`) and its ``n``
-    (:func:`gradient_reduction_length`); returns the worst error, raises CaseFailure naming the gradient."""
-    with hashed_once(params, inputs):
-        exact = input_gradients(reference_vjp(params, inputs, cotangent), form)
-        terms = input_gradient_terms(reference_vjp_magnitudes(params, inputs, cotangent), form)
-        naive = naive_gradients(params, inputs, cotangent, dtype, form)
-    return assert_gradients_close(got, exact, naive, dtype, length=gradient_reduction_length(params, inputs),
-                                  terms=terms)
+    against the reference under the tolerance rule
+    (:func:`~mha_harness.contract.expected.gradient_tolerances`); returns the worst error, raises CaseFailure naming
+    the gradient."""
+    worst = 0.0
+    for name, (expected, tol) in gradient_tolerances(params, inputs, cotangent, dtype, form).items():
+        actual = _gradient_of(got, name, expected.shape)
+        labels = ("batch", "position", "feature") if expected.ndim == 3 else ("row", "column")[:expected.ndim]
+        worst = max(worst, assert_close(actual, expected, tol, f"gradient of {name}", labels=labels))
+    return worst
 
 
-def naive_gradients(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
-                    form: str) -> list[dict]:
-    """The same-dtype backwards whose errors bound a backend's in ``dtype`` (for :func:`assert_gradients_close`),
-    in ``form``: the textbook one and FlashAttention-2's (weights recomputed from the log-sum-exp, the softmax row
-    term from the output: torch's SDPA kernels compute it so), rounding in :func:`naive_dtype`, and each of the two
-    in float64 with the weights carrying the rounding of the scores in :func:`score_error_dtype` (the textbook
-    one's normalised, FlashAttention's ``exp(s - lse)`` not: at large logits the largest error, see
-    :func:`naive_forwards` and ``reference_vjp(..., score_error_of=)``)."""
-    low = naive_dtype(dtype)
-    with hashed_once(params, inputs):
-        return [input_gradients(reference_vjp(params, inputs, cotangent, dtype=low, flash=flash), form)
-                for flash in (False, True)] + \
-            [input_gradients(reference_vjp(params, inputs, cotangent, flash=flash,
-                                           score_error_of=score_error_dtype(dtype)), form) for flash in (False, True)]
-
-
-def input_gradient_terms(terms: dict, form: str) -> dict:
-    """:func:`~mha_harness.contract.reference.reference_vjp_magnitudes` per distinct input of ``form``, as
-    :func:`input_gradients` combines the gradients: the uses of one x add their terms, so their root-sum-squares
-    combine as the root of the summed squares."""
-    squared = input_gradients({name: np.square(t) for name, t in terms.items()}, form)
-    return {name: np.sqrt(t) for name, t in squared.items()}
-
-
-def gradient_reduction_length(params: AttentionParams, inputs: AttentionInputs) -> int:
-    """The longest sum a backward takes: a weight gradient over batch x positions, or a projection's over
-    d_model (the tolerance floor's ``n``)."""
-    return max(inputs.batch * max(inputs.tq, inputs.tk), params.config.d_model)
-
-
-def input_gradients(grads: dict, form: str) -> dict:
-    """The reference's per-array gradients (query, key, value) summed per distinct input of ``form``:
-    ``self`` -> ``query`` = d/dx; ``shared_kv`` -> ``query`` and ``key`` = d/dx_kv; ``kv_cache`` -> ``query`` =
-    d/dx_new (its query, key and value uses: x_new is also x_kv's last Tq rows) and ``key`` = d/dx_cached, the
-    gradient of the cached positions' input (batch, Tk - Tq, d_model), absent when nothing is cached; parameters
-    unchanged."""
-    out = dict(grads)
-    if form == "self":
-        out["query"] = grads["query"] + grads["key"] + grads["value"]
-        del out["key"], out["value"]
-    elif form == "shared_kv":
-        out["key"] = grads["key"] + grads["value"]
-        del out["value"]
-    elif form == "kv_cache":
-        kv = grads["key"] + grads["value"]
-        tq, tk = grads["query"].shape[1], kv.shape[1]
-        out["query"] = grads["query"] + kv[:, tk - tq:]
-        out["key"] = kv[:, :tk - tq]
-        del out["value"]
-        if tk == tq:
-            del out["key"]
-    return out

@@ -535,6 +535,14 @@ class LoadedAttention:
         framework's arrays as they are (a CUDA tensor, bfloat16, a tuple of output and weights)."""
         return np.asarray(value.output if isinstance(value, AttentionOutput) else value)
 
+    def native_gradients(self, value) -> dict[str, np.ndarray]:
+        """The gradients a prepared forward + backward call (:meth:`prepare` with ``backward=True``) returned, as
+        NumPy arrays under the names and in the layout :meth:`vjp` returns (``query``/``key``/``value`` per the
+        declared input form, ``W_q`` ... ``b_o`` as (d_in, d_out) and (d_out,)): the gradients of
+        ``output.sum()``. The default raises NotImplementedError: bench then times the call without checking it."""
+        raise NotImplementedError(f"{type(self).__name__} does not read its forward + backward call's gradients "
+                                  "(native_gradients)")
+
     def decode_step_output(self, value) -> np.ndarray:
         """The output a decode step returned, as a NumPy array: :meth:`native_output`. Override that one, which
         reads what :meth:`prepare`'s calls return too, unless a decode step returns something else."""
@@ -549,9 +557,15 @@ class LoadedAttention:
         call returns the layer's output, shape (batch, Tq, d_model), which :meth:`native_output` reads: before
         timing a point, bench compares one call's output at a few query rows (all of them when Tq <= 16) with the
         float64 reference, under the tolerance conformance uses, and times no call that returns something else or a
-        wrong output (the point is reported ``wrong-output``). A forward + backward call's return value is not
-        read. It is called many times, so it must not change its inputs. Without it (the default raises
-        NotImplementedError) the backend is not benchmarked; conformance never calls it.
+        wrong output (the point is reported ``wrong-output``). A forward + backward call runs the backward of
+        ``output.sum()`` (the cotangent all ones, as ``out.backward(torch.ones_like(out))`` or ``jax.grad`` of the
+        sum) to every input array and parameter, as a training step does, and returns those gradients, which
+        :meth:`native_gradients` reads: bench checks them like the forward's output (a few rows of each), before and
+        after timing, so each call must compute them afresh (set a torch leaf's ``.grad`` to None before its
+        backward: gradients that accumulate over calls are right only at the first). Without
+        :meth:`native_gradients` its return value is not read and its points are timed unchecked, saying so. It is
+        called many times, so it must not change its inputs. Without it (the default raises NotImplementedError)
+        the backend is not benchmarked; conformance never calls it.
         """
         raise NotImplementedError(f"{type(self).__name__} has no prepared callable")
 

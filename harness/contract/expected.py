@@ -1,12 +1,12 @@
-"""What a backend's output for one call is compared against: the float64 reference and the tolerance of a backend
-in a given dtype, the largest error of several valid same-dtype algorithms (:func:`naive_forwards`). The
-conformance cases and ``mha-harness bench``'s check of each benchmarked call share it."""
+"""What a backend's output and gradients for one call are compared against: the float64 reference and the tolerance
+of a backend in a given dtype, from the largest error of several valid same-dtype algorithms (:func:`naive_forwards`,
+:func:`naive_gradients`). The conformance cases and ``mha-harness bench``'s check of each benchmarked call share it."""
 from __future__ import annotations
 
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams
-from mha_harness.contract.reference import hashed_once, reference_attention
+from mha_harness.contract.reference import hashed_once, reference_attention, reference_vjp, reference_vjp_magnitudes
 from mha_harness.contract.tolerance import Tolerance, farthest, naive_dtype, score_error_dtype, tolerance_from
 
 
@@ -35,3 +35,78 @@ def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str,
         expected = reference_attention(params, inputs, rows=rows).output
         naive = farthest((n.output for n in naive_forwards(params, inputs, dtype, rows)), expected)
     return expected, tolerance_from(expected, naive, dtype, length=inputs.tk)
+
+
+def naive_gradients(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
+                    form: str) -> list[dict]:
+    """The same-dtype backwards whose errors bound a backend's in ``dtype`` (for :func:`assert_gradients_close`),
+    in ``form``: the textbook one and FlashAttention-2's (weights recomputed from the log-sum-exp, the softmax row
+    term from the output: torch's SDPA kernels compute it so), rounding in :func:`naive_dtype`, and each of the two
+    in float64 with the weights carrying the rounding of the scores in :func:`score_error_dtype` (the textbook
+    one's normalised, FlashAttention's ``exp(s - lse)`` not: at large logits the largest error, see
+    :func:`naive_forwards` and ``reference_vjp(..., score_error_of=)``)."""
+    low = naive_dtype(dtype)
+    with hashed_once(params, inputs):
+        return [input_gradients(reference_vjp(params, inputs, cotangent, dtype=low, flash=flash), form)
+                for flash in (False, True)] + \
+            [input_gradients(reference_vjp(params, inputs, cotangent, flash=flash,
+                                           score_error_of=score_error_dtype(dtype)), form) for flash in (False, True)]
+
+
+def input_gradient_terms(terms: dict, form: str) -> dict:
+    """:func:`~mha_harness.contract.reference.reference_vjp_magnitudes` per distinct input of ``form``, as
+    :func:`input_gradients` combines the gradients: the uses of one x add their terms, so their root-sum-squares
+    combine as the root of the summed squares."""
+    squared = input_gradients({name: np.square(t) for name, t in terms.items()}, form)
+    return {name: np.sqrt(t) for name, t in squared.items()}
+
+
+def gradient_reduction_length(params: AttentionParams, inputs: AttentionInputs) -> int:
+    """The longest sum a backward takes: a weight gradient over batch x positions, or a projection's over
+    d_model (the tolerance floor's ``n``)."""
+    return max(inputs.batch * max(inputs.tq, inputs.tk), params.config.d_model)
+
+
+def input_gradients(grads: dict, form: str) -> dict:
+    """The reference's per-array gradients (query, key, value) summed per distinct input of ``form``:
+    ``self`` -> ``query`` = d/dx; ``shared_kv`` -> ``query`` and ``key`` = d/dx_kv; ``kv_cache`` -> ``query`` =
+    d/dx_new (its query, key and value uses: x_new is also x_kv's last Tq rows) and ``key`` = d/dx_cached, the
+    gradient of the cached positions' input (batch, Tk - Tq, d_model), absent when nothing is cached; parameters
+    unchanged."""
+    out = dict(grads)
+    if form == "self":
+        out["query"] = grads["query"] + grads["key"] + grads["value"]
+        del out["key"], out["value"]
+    elif form == "shared_kv":
+        out["key"] = grads["key"] + grads["value"]
+        del out["value"]
+    elif form == "kv_cache":
+        kv = grads["key"] + grads["value"]
+        tq, tk = grads["query"].shape[1], kv.shape[1]
+        out["query"] = grads["query"] + kv[:, tk - tq:]
+        out["key"] = kv[:, :tk - tq]
+        del out["value"]
+        if tk == tq:
+            del out["key"]
+    return out
+
+
+def gradient_tolerances(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
+                        form: str, select=None) -> dict[str, tuple[np.ndarray, Tolerance]]:
+    """Per gradient of ``sum(output * cotangent)`` in ``form`` (:func:`input_gradients`): the float64 reference and
+    the tolerance for a backend in ``dtype``, from the valid same-dtype backwards (:func:`naive_gradients`), the
+    size of the terms each gradient sums (:func:`input_gradient_terms`) and the longest sum
+    (:func:`gradient_reduction_length`). ``select(name, array)``: the part of each gradient compared (e.g. a few
+    rows), applied to the reference, the estimates and the terms alike; all of it when None."""
+    with hashed_once(params, inputs):
+        exact = input_gradients(reference_vjp(params, inputs, cotangent), form)
+        terms = input_gradient_terms(reference_vjp_magnitudes(params, inputs, cotangent), form)
+        naive = naive_gradients(params, inputs, cotangent, dtype, form)
+    length = gradient_reduction_length(params, inputs)
+    pick = select or (lambda name, array: array)
+    out = {}
+    for name, full in exact.items():
+        expected = pick(name, full)
+        honest = farthest((pick(name, n[name]) for n in naive), expected)
+        out[name] = (expected, tolerance_from(expected, honest, dtype, length=length, terms=pick(name, terms[name])))
+    return out

@@ -8,7 +8,7 @@ where ``naive_error`` is the max error that the naive algorithm *in the same dty
 against that reference (the largest of several estimates: the textbook algorithm, the fused kernels' with the
 queries scaled first or FlashAttention's backward, and the float64 one whose scores carry float32's rounding,
 ``score_error_dtype``; ``mha_harness.contract.expected.naive_forwards`` and
-``mha_harness.conformance.casekit.naive_gradients`` list them), ``magnitude`` is max(1, max |reference|) and ``n``
+``mha_harness.contract.expected.naive_gradients`` list them), ``magnitude`` is max(1, max |reference|) and ``n``
 the length of the longest reduction (the number of keys). For gradients ``magnitude`` is max(1, max |reference|,
 the largest root-sum-square of the terms each gradient sums; see ``reference_vjp_magnitudes``),
 so the floor covers the softmax backward's cancellation. The floor is the typical rounding error

@@ -124,8 +124,11 @@ class LoadedNNXAttention(mha_harness.LoadedAttention):
         return mha_harness.AttentionOutput(self._np(out), None if weights is None else self._np(weights))
 
     def compute_vjp(self, inputs, cotangent):
-        dp, dxs = self._vjp(self.params, self._xs(inputs), self.to_mask(inputs),
-                            jnp.asarray(cotangent, self.dtype))
+        return self.native_gradients(self._vjp(self.params, self._xs(inputs), self.to_mask(inputs),
+                                               jnp.asarray(cotangent, self.dtype)))
+
+    def native_gradients(self, value):  # (parameter gradients, input gradients), from _vjp or _grad, as NumPy
+        dp, dxs = value
         d, flat = self.cfg.d_model, dict(dp.flat_state())
         g = lambda path: self._np(flat[path].get_value())  # noqa: E731
         grads = dict(zip(("query", "key", "value"), (self._np(x) for x in dxs)))
@@ -139,8 +142,8 @@ class LoadedNNXAttention(mha_harness.LoadedAttention):
     def prepare(self, inputs, *, backward=False):  # for mha-harness bench: the whole layer on every call
         xs, mask = self._xs(inputs), self.to_mask(inputs)
         if backward:
-            def step():
-                jax.block_until_ready(self._grad(self.params, xs, mask))
+            def step():  # returns the gradients of output.sum(), which native_gradients reads
+                return jax.block_until_ready(self._grad(self.params, xs, mask))
         else:
             def step():  # returns the output: bench checks one call's output against the reference
                 return self._run(self.params, xs, mask, False)[0].block_until_ready()

@@ -56,27 +56,35 @@ class LoadedGPT2Attention(mha_harness.LoadedAttention):
         x = _tensor(inputs.query, self.dtype).requires_grad_(True)
         self.module.zero_grad(set_to_none=True)
         self.module(x).backward(_tensor(cotangent, self.dtype))
+        return self.native_gradients(x)
+
+    def native_gradients(self, x):  # the .grad of x and of every parameter, as NumPy in the harness's layout
         d, attn, proj = x.shape[-1], self.module.c_attn, self.module.c_proj
-        w = attn.weight.grad.numpy().T  # (d_model, 3 d_model) = [W_q | W_k | W_v]
-        grads = {"query": x.grad.numpy(), "W_q": w[:, :d], "W_k": w[:, d:2 * d], "W_v": w[:, 2 * d:],
-                 "W_o": proj.weight.grad.numpy().T}
+        w = attn.weight.grad.double().numpy().T  # (d_model, 3 d_model) = [W_q | W_k | W_v]
+        grads = {"query": x.grad.double().numpy(), "W_q": w[:, :d], "W_k": w[:, d:2 * d], "W_v": w[:, 2 * d:],
+                 "W_o": proj.weight.grad.double().numpy().T}
         if attn.bias is not None:
-            b = attn.bias.grad.numpy()
-            grads.update(b_q=b[:d], b_k=b[d:2 * d], b_v=b[2 * d:], b_o=proj.bias.grad.numpy())
+            b = attn.bias.grad.double().numpy()
+            grads.update(b_q=b[:d], b_k=b[d:2 * d], b_v=b[2 * d:], b_o=proj.bias.grad.double().numpy())
         return grads
 
     def prepare(self, inputs, *, backward=False):  # for the benchmarks: tensors made once, one call per run
         x = _tensor(inputs.query, self.dtype).requires_grad_(backward)
         if backward:
-            return lambda: self.module(x).sum().backward()
+            def train_step():  # returns x, whose .grad and the parameters' native_gradients reads
+                self.module.zero_grad(set_to_none=True)
+                x.grad = None  # fresh gradients every call, as a training step's
+                self.module(x).sum().backward()
+                return x
+            return train_step
 
         def forward():  # returns the output: bench checks one call's output against the reference
             with torch.no_grad():
                 return self.module(x)
         return forward
 
-    def native_output(self, value):  # what forward() returned, as NumPy (bfloat16 has no NumPy dtype)
-        return value.float().numpy()
+    def native_output(self, value):  # what forward() returned, as NumPy (float64 reads bfloat16 too, which NumPy lacks)
+        return value.double().numpy()
 
 
 class GPT2Attention(mha_harness.AttentionBackend):
