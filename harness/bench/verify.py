@@ -104,18 +104,14 @@ def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
     checked = f"{len(rows)} of its {inputs.tq} query row(s) checked against the float64 reference"
     if got.shape != expected.shape:
         raise WrongOutput(f"output rows of shape {got.shape}, expected {expected.shape} ({checked})")
-    if not np.all(np.isfinite(got)):
-        b, r, f = (int(i) for i in np.argwhere(~np.isfinite(got))[0])
-        raise WrongOutput(f"output {got[b, r, f]} at batch {b}, position {rows[r]}, feature {f}: expected finite "
-                          f"values ({checked})")
-    diff = np.abs(got - expected)
-    err = float(diff.max()) if diff.size else 0.0
-    if err > tol.bound:
-        b, r, f = (int(i) for i in np.unravel_index(int(diff.argmax()), diff.shape))
-        raise WrongOutput(f"output differs from the float64 reference: expected {expected[b, r, f]:.6g}, got "
-                          f"{got[b, r, f]:.6g} at batch {b}, position {rows[r]}, feature {f}; max error {err:.3g} "
-                          f"({err / tol.bound:.3g} x the bound) exceeds {tol.describe()} ({checked})"
-                          f"{known_mistake(got, params, inputs, rows, tol.bound)}; {_where_to_look(shape)}")
+    err, wrong = _mismatch(got, expected, tol.bound, lambda at: f"batch {at[0]}, position {rows[at[1]]}, feature "
+                           f"{at[2]}")
+    if wrong and not np.isfinite(err):
+        raise WrongOutput(f"output {wrong} ({checked})")
+    if wrong:
+        raise WrongOutput(f"output {wrong}; max error {err:.3g} ({err / tol.bound:.3g} x the bound) exceeds "
+                          f"{tol.describe()} ({checked}){known_mistake(got, params, inputs, rows, tol.bound)}; "
+                          f"{_where_to_look(shape)}")
     return {"rows": len(rows), "max_error": err, "bound": tol.bound, "bound_dtype": tol.dtype,
             **({"declared_precision": precision} if precision else {})}
 
@@ -155,24 +151,45 @@ def check_gradients(backend, shape: Shape, got: dict) -> dict:
         if full != reference_shape:
             raise WrongOutput(f"gradient of {name} has shape {full}, expected {reference_shape} ({checked})")
         part = np.asarray(got[name]["part"], np.float64)
-        if not np.all(np.isfinite(part)):
-            raise WrongOutput(f"gradient of {name} holds {part[~np.isfinite(part)][0]}: expected finite values "
-                              f"({checked})")
-        diff = np.abs(part - want)
-        err = float(diff.max()) if diff.size else 0.0
-        if err > tol.bound:
-            at = np.unravel_index(int(diff.argmax()), diff.shape)
-            raise WrongOutput(f"gradient of {name} differs from the float64 reference: expected {want[at]:.6g}, got "
-                              f"{part[at]:.6g}; max error {err:.3g} ({err / tol.bound:.3g} x the bound) exceeds "
-                              f"{tol.describe()} ({checked}){_gradient_mistake(got, expected)}; `mha-harness check` "
-                              "runs the layer's vjp, never prepare()'s call: if its gradient case passes, compare "
-                              "the call's backward with your compute_vjp on the same inputs; if it fails too, its "
-                              "diagnosis names more")
+        err, wrong = _mismatch(part, want, tol.bound, lambda at, n=full: _gradient_entry(at, n))
+        if wrong and not np.isfinite(err):
+            raise WrongOutput(f"gradient of {name} {wrong} ({checked})")
+        if wrong:
+            raise WrongOutput(f"gradient of {name} {wrong}; max error {err:.3g} ({err / tol.bound:.3g} x the bound) "
+                              f"exceeds {tol.describe()} ({checked}){_gradient_mistake(got, expected)}; "
+                              "`mha-harness check` runs the layer's vjp, never prepare()'s call: if its gradient case "
+                              "passes, compare the call's backward with your compute_vjp on the same inputs; if it "
+                              "fails too, its diagnosis names more")
         if worst is None or err / tol.bound > worst[0]:
             worst = (err / tol.bound, name, err, tol)
     _, name, err, tol = worst
     return {"rows": len(rows), "gradients": sorted(expected), "worst": name, "max_error": err, "bound": tol.bound,
             "bound_dtype": tol.dtype, **({"declared_precision": precision} if precision else {})}
+
+
+def _mismatch(got: np.ndarray, expected: np.ndarray, bound: float, locate) -> tuple[float, str | None]:
+    """The largest |got - expected| (inf when an entry of ``got`` is not finite) and, when that passes ``bound``,
+    what is wrong at the entry ``locate(index)`` names; None when nothing is."""
+    if not np.all(np.isfinite(got)):
+        at = tuple(int(i) for i in np.argwhere(~np.isfinite(got))[0])
+        return float("inf"), f"{got[at]} at {locate(at)}: expected finite values"
+    diff = np.abs(got - expected)
+    err = float(diff.max()) if diff.size else 0.0
+    if err <= bound:
+        return err, None
+    at = tuple(int(i) for i in np.unravel_index(int(diff.argmax()), diff.shape))
+    return err, (f"differs from the float64 reference: expected {expected[at]:.6g}, got {got[at]:.6g} at "
+                 f"{locate(at)}")
+
+
+def _gradient_entry(at: tuple, full: tuple) -> str:
+    """Where an entry of a :func:`~mha_harness.bench.calls.gradient_part` lies in the whole gradient of shape
+    ``full``: an input's batch, position and feature, a weight's row and column, a bias's entry."""
+    if len(at) == 3:
+        return f"batch {at[0]}, position {checked_rows(full[1])[at[1]]}, feature {at[2]}"
+    if len(at) == 2:
+        return f"row {checked_rows(full[0])[at[0]]}, column {at[1]}"
+    return f"entry {at[0]}"
 
 
 def _full_shape(name: str, params, inputs, form: str) -> tuple:
