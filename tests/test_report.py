@@ -788,3 +788,11 @@ def test_policy_table_does_not_count_errors_timeouts_or_crashes_as_mask_failures
     mixed = [row(0, Status.FAILED), row(1, Status.CRASHED), row(2, Status.PASSED)]
     assert Report._alignments(mixed, ["top-left"]) == (
         "top-left FAILS (1 of 3 variants; 1 without an answer to judge (1 crashed): not a mask verdict)")
+
+
+def test_the_check_summary_says_prepared_calls_are_checked_by_bench_not_here():
+    """check never runs prepare(); its summary says so and names the command that checks those calls."""
+    from mha_harness.conformance.report import PREPARE_NOT_RUN
+    report = mha_harness.check(NumpyNaive(), cases=["check_output_matches_reference"])
+    assert f"  not run by check: {PREPARE_NOT_RUN}" in report.summary_lines()
+    assert "`mha-harness bench` checks each one's output or gradients" in PREPARE_NOT_RUN

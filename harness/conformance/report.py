@@ -439,10 +439,15 @@ class Report:
                     out.append(f"  {'':<28}      {diagnosed}")
         for case, why in self.left_out.items():
             out.append(f"  not run: {case} ({why})")
+        out.append(f"  not run by check: {PREPARE_NOT_RUN}")
         return out
 
 
 FAILING_CASES_HEAD = "failing cases: "
+
+#: what the summary says of the prepared calls the benchmarks time, which no case runs
+PREPARE_NOT_RUN = ("prepare()'s benchmarked calls (a separate code path): `mha-harness bench` checks each one's output "
+                   "or gradients against the reference before timing it")
 
 #: the reference grid: the case whose variants compare a backend's outputs with the reference across shapes
 GRID_CASE = "check_output_matches_reference"
