@@ -35,6 +35,13 @@ which shows the scale is the only loss). bfloat16 is not declared: there is no b
 body fails ("Could not find an implementation for Expand(13)"). No gradients: ONNX Runtime's inference session
 has no vector-Jacobian product.
 
+**Decode step.** The operator's own KV cache: ``past_key``/``past_value`` (batch, kv_heads, past_len, d_head) from a
+fill graph run once; each step's graph projects x_new, and ``Attention(q, k, v, [attn_mask], past_key, past_value)``
+attends over past and new keys and returns ``present_key``/``present_value`` with the new ones appended (a new buffer
+of all Tk positions per step: the standard operator has no in-place cache). Observed on onnxruntime 1.32.0 CPU with
+grouped-query heads and a boolean bottom-right mask over past_len + q_len keys: float32, float16 and float64 steps
+match the float64 reference (bench's decode check, 0.1-4 % of its bound at KV 1024 and 4096).
+
 **Benchmarks.** ``prepare`` returns ``session.run`` on inputs converted once. The session's intra-op thread pool
 takes ``$OMP_NUM_THREADS`` (set by the benchmark workers to ``--threads``), else onnxruntime's default. The CPU
 memory arena is off, so each call's buffers are fresh allocations that the ``rss`` memory method sees (with the
@@ -66,6 +73,10 @@ OPSET = 23
 PROVIDER = "CPUExecutionProvider"
 DTYPES = ("float32", "float64", "float16")
 MASK_KINDS = ("none", "bool", "float")
+#: the graphs a GraphKey names: the whole layer (query, key, value -> output); a KV cache's fill (the cached
+#: positions' x -> past_key, past_value, the operator's (batch, kv_heads, T, d_head) cache layout); a decode step
+#: (x_new, past_key, past_value -> output, present_key, present_value: the operator appends the new keys and values)
+GRAPHS = ("layer", "fill", "step")
 INSTALL_HINT = install_hint("onnx")
 
 _SCALE_IN_FLOAT32 = ("onnxruntime has no float64 Attention kernel and runs the operator's ONNX function body, whose "
@@ -131,6 +142,7 @@ class GraphKey:
     dtype: str
     mask: str  # one of MASK_KINDS: no attn_mask, a boolean one (True = take part) or an additive one
     is_causal: bool  # the operator's flag: top-left
+    graph: str = "layer"  # one of GRAPHS: the whole layer, a KV cache's fill, a decode step over it
 
     @property
     def kv_width(self) -> int:
@@ -160,18 +172,86 @@ def _linear(x: str, which: str, bias: bool) -> tuple[list, str]:
     return nodes, f"{which}_proj"
 
 
+def _model(nodes: list, inputs: list, outputs: list, name: str):
+    from onnx import helper
+    graph = helper.make_graph(nodes, name, inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="mha-harness")
+
+
+def _weight_inputs(key: GraphKey, names=None) -> list:
+    from onnx import helper
+    elem = _tensor_type(key.dtype)
+    return [helper.make_tensor_value_info(name, elem, list(shape)) for name, shape in key.parameter_shapes().items()
+            if names is None or name[2:] in names]
+
+
+def build_fill_model(key: GraphKey):
+    """A KV cache's fill (opset 23): ``cached`` (batch, past_len, d_model) projected by W_k and W_v (and b_k, b_v)
+    and split into the operator's cache layout, ``past_key`` and ``past_value`` (batch, kv_heads, past_len,
+    d_head)."""
+    from onnx import helper, numpy_helper
+    elem, d_head = _tensor_type(key.dtype), key.d_model // key.num_heads
+    inputs = [helper.make_tensor_value_info("cached", elem, ["batch", "past_len", key.d_model])]
+    inputs += _weight_inputs(key, "kv")
+    nodes = [helper.make_node("Constant", [], ["heads_shape"],
+                              value=numpy_helper.from_array(np.array([0, 0, key.kv_heads, d_head], np.int64)))]
+    outputs = []
+    for which, name in (("k", "past_key"), ("v", "past_value")):
+        more, out = _linear("cached", which, key.bias)
+        nodes += more
+        nodes.append(helper.make_node("Reshape", [out, "heads_shape"], [f"{which}_heads"]))
+        nodes.append(helper.make_node("Transpose", [f"{which}_heads"], [name], perm=[0, 2, 1, 3]))
+        outputs.append(helper.make_tensor_value_info(name, elem, ["batch", key.kv_heads, "past_len", d_head]))
+    return _model(nodes, inputs, outputs, "mha_harness_kv_cache_fill")
+
+
+def build_step_model(key: GraphKey):
+    """A decode step (opset 23): ``x_new`` (batch, q_len, d_model) projected to queries, keys and values;
+    ``Attention(q, k, v, [attn_mask], past_key, past_value)``, which attends over the past and the new keys and
+    outputs the cache with the new keys and values appended (``present_key``, ``present_value``: the operator's
+    write); the output projection. The ``attn_mask`` (bottom-right causal with more than one new query) spans
+    past_len + q_len keys."""
+    from onnx import TensorProto, helper
+    elem, d, d_head = _tensor_type(key.dtype), key.d_model, key.d_model // key.num_heads
+    cache = ["batch", key.kv_heads, "past_len", d_head]
+    inputs = [helper.make_tensor_value_info("x_new", elem, ["batch", "q_len", d])] + _weight_inputs(key)
+    nodes, projected = [], []
+    for which in "qkv":
+        more, out = _linear("x_new", which, key.bias)
+        nodes += more
+        projected.append(out)
+    if key.mask == "bool":
+        inputs.append(helper.make_tensor_value_info("attn_mask", TensorProto.BOOL,
+                                                    ["mask_batch", "mask_heads", "q_len", "total_len"]))
+    inputs += [helper.make_tensor_value_info(name, elem, cache) for name in ("past_key", "past_value")]
+    nodes.append(helper.make_node("Attention", projected + ["attn_mask" if key.mask == "bool" else "", "past_key",
+                                                            "past_value"],
+                                  ["attended", "present_key", "present_value"], q_num_heads=key.num_heads,
+                                  kv_num_heads=key.kv_heads, is_causal=0))
+    more, out = _linear("attended", "o", key.bias)
+    nodes += more
+    nodes.append(helper.make_node("Identity", [out], ["output"]))
+    present = ["batch", key.kv_heads, "total_len", d_head]
+    outputs = [helper.make_tensor_value_info("output", elem, ["batch", "q_len", d])]
+    outputs += [helper.make_tensor_value_info(name, elem, present) for name in ("present_key", "present_value")]
+    return _model(nodes, inputs, outputs, "mha_harness_decode_step")
+
+
 def build_model(key: GraphKey):
-    """The layer as an ONNX ModelProto (opset 23): projections, ``Attention``, output projection.
+    """The layer as an ONNX ModelProto (opset 23): projections, ``Attention``, output projection; a KV cache's fill
+    or a decode step for ``key.graph`` "fill" or "step" (:func:`build_fill_model`, :func:`build_step_model`).
 
     Inputs: ``query`` (batch, q_len, d_model), ``key``/``value`` (batch, kv_len, d_model), the weights (and biases)
     in the ``x @ W`` layout, and for masked keys ``attn_mask`` (mask_batch, mask_heads, q_len, kv_len). Output:
     ``output`` (batch, q_len, d_model)."""
+    if key.graph != "layer":
+        return {"fill": build_fill_model, "step": build_step_model}[key.graph](key)
     from onnx import TensorProto, helper
     elem, d = _tensor_type(key.dtype), key.d_model
     inputs = [helper.make_tensor_value_info("query", elem, ["batch", "q_len", d]),
               helper.make_tensor_value_info("key", elem, ["batch", "kv_len", d]),
               helper.make_tensor_value_info("value", elem, ["batch", "kv_len", d])]
-    inputs += [helper.make_tensor_value_info(name, elem, list(shape)) for name, shape in key.parameter_shapes().items()]
+    inputs += _weight_inputs(key)
     nodes, projected = [], []
     for x, which in (("query", "q"), ("key", "k"), ("value", "v")):
         more, out = _linear(x, which, key.bias)
@@ -187,10 +267,8 @@ def build_model(key: GraphKey):
     more, out = _linear("attended", "o", key.bias)
     nodes += more
     nodes.append(helper.make_node("Identity", [out], ["output"]))
-    graph = helper.make_graph(nodes, "mha_harness_attention", inputs,
-                              [helper.make_tensor_value_info("output", elem, ["batch", "q_len", d])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                             producer_name="mha-harness")
+    return _model(nodes, inputs, [helper.make_tensor_value_info("output", elem, ["batch", "q_len", d])],
+                  "mha_harness_attention")
 
 
 def session_options():
@@ -238,10 +316,10 @@ class OrtLoaded(LoadedAttention):
         self.config, self.dtype_name, self.dtype = params.config, dtype, np.dtype(dtype)
         self.weights = {name: np.ascontiguousarray(a, self.dtype) for name, a in params.arrays().items()}
 
-    def graph_key(self, mask: str, is_causal: bool) -> GraphKey:
+    def graph_key(self, mask: str, is_causal: bool, graph: str = "layer") -> GraphKey:
         c = self.config
         return GraphKey(d_model=c.d_model, num_heads=c.num_heads, kv_heads=c.kv_heads, bias=c.bias,
-                        dtype=self.dtype_name, mask=mask, is_causal=is_causal)
+                        dtype=self.dtype_name, mask=mask, is_causal=is_causal, graph=graph)
 
     def feeds(self, inputs: AttentionInputs) -> tuple[GraphKey, dict[str, np.ndarray]]:
         """The session key and the input feed of one call (inputs cast and made contiguous once)."""
@@ -263,6 +341,27 @@ class OrtLoaded(LoadedAttention):
         run_session = session(key).run
         run_session(["output"], feed)  # session creation and first-run planning, outside any timing
         return lambda: run_session(["output"], feed)[0]
+
+    def prepare_decode_step(self, inputs: AttentionInputs):
+        """The cached positions projected once by the fill graph into ``past_key``/``past_value`` (the operator's
+        cache layout); each step runs the step graph: x_new projected, ``Attention`` over the past and the new keys
+        (appending them: ``present_key``/``present_value``, which a model feeds to its next step) and W_o. Bottom-right
+        causal with more than one new query goes in as a boolean ``attn_mask`` over all Tk keys (the operator's
+        ``is_causal`` is top-left). Both sessions are made and run once here, outside any timing."""
+        kind, mask, _ = native_mask(inputs, self.dtype)
+        cached = np.ascontiguousarray(inputs.cached, self.dtype)
+        fill = {"cached": cached, **{n: w for n, w in self.weights.items() if n[2:] in "kv"}}
+        past_key, past_value = session(self.graph_key("none", False, "fill")).run(["past_key", "past_value"], fill)
+        feed = {"x_new": np.ascontiguousarray(inputs.query, self.dtype), **self.weights, "past_key": past_key,
+                "past_value": past_value}
+        if kind != "none":
+            feed["attn_mask"] = mask
+        run_session = session(self.graph_key(kind, False, "step")).run
+        run_session(None, feed)  # session creation and first-run planning, outside any timing
+
+        def step():  # present_key/present_value, the cache with x_new's keys and values appended, come back too
+            return run_session(None, feed)[0]
+        return step
 
 
 class OrtAttention(AttentionBackend):

@@ -119,3 +119,24 @@ def test_float64_loses_only_the_scale_rounded_to_float32():
     got = ort_attention.OrtAttention().load(params, dtype="float64").forward(inputs).output
     error = np.abs(got - mha_harness.reference_attention(params, inputs).output).max()
     assert 1e-12 < error < 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("tq, kv_heads", [(1, 8), (16, 2)])
+def test_the_decode_step_attends_over_the_operators_own_cache_and_matches_the_reference(dtype, tq, kv_heads):
+    """A fill graph projects the cached positions into past_key/past_value once; each step's Attention appends
+    x_new's keys and values (present_key/present_value) and attends over all Tk under bottom-right causal masking:
+    its output, checked the way bench checks a decode point, is within the conformance bound on every call."""
+    from mha_harness.bench.calls import prepare_point
+    from mha_harness.bench.metrics import Shape
+    from mha_harness.bench.verify import check_point
+    backend = load_registry(entry_points=False).get("onnxruntime-cpu").backend
+    if backend.availability():
+        pytest.skip(backend.availability())
+    shape = Shape(1, tq, 256, 64, 8, dtype, True, False, num_kv_heads=kv_heads, cached=True)
+    point = prepare_point(backend, shape)
+    for _ in range(2):  # every step writes the same slots: the same output each call
+        record = check_point(backend, shape, point.checked_values(point.fn()))
+        assert record["rows"] == tq and record["max_error"] <= record["bound"]
+    present = ort_attention.session(point.loaded.graph_key("bool", False, "step")).get_outputs()
+    assert [o.name for o in present] == ["output", "present_key", "present_value"]
