@@ -262,3 +262,54 @@ def test_a_long_plugin_name_keeps_the_table_columns_apart():
     point = BenchPoint(name, "prefill", 1, 32, 32, False, "forward", status="skipped", skipped="no gradients")
     (row,) = [line for line in table([point]).splitlines() if line.strip().startswith(name)]
     assert row.split()[:2] == [name, "fwd"], row
+
+
+def _gradients_as_sent(grads: dict) -> dict:
+    from mha_harness.bench.calls import gradient_part
+    return {name: {"shape": list(g.shape), "part": gradient_part(np.asarray(g, np.float64))}
+            for name, g in grads.items()}
+
+
+@pytest.mark.parametrize("mistake, says", [
+    ("float32_inside", "the error is within the float32 bound"),
+    ("one_key_too_wide", "the gradients match those of a causal mask one key too wide"),
+    ("no_causal_mask", "the gradients match those of the same call without its causal mask (top-left)"),
+    ("accumulated", "every gradient is 3 x the reference's: gradients accumulated over calls"),
+])
+def test_wrong_gradients_name_the_known_mistake_they_match(mistake, says):
+    """bench's gradient check names what the wrong gradients match: a float64 call computing in float32, a causal
+    mask missing or one key too wide in the backward, gradients accumulated over calls; the two values it quotes
+    differ in print (a float64 error of 1e-7 is shown with the digits that tell them apart)."""
+    from mha_harness.bench.calls import backend_arguments
+    from mha_harness.bench.verify import check_gradients
+    from mha_harness.contract.reference import reference_vjp
+    shape = Shape(1, 24, 24, 32, 4, "float64" if mistake == "float32_inside" else "float32", True, True)
+    backend = NumpyNaive()
+    params, inputs = backend_arguments(backend, shape)
+    ones = np.ones((1, 24, 32))
+    wrong = {"float32_inside": lambda: reference_vjp(params, inputs, ones, dtype="float32"),
+             "one_key_too_wide": lambda: reference_vjp(params, _with_mask(inputs, np.tri(24, 24, k=1, dtype=bool)),
+                                                       ones),
+             "no_causal_mask": lambda: reference_vjp(params, inputs.replace(causal=None), ones),
+             "accumulated": lambda: {n: 3 * g for n, g in reference_vjp(params, inputs, ones).items()}}[mistake]()
+    with pytest.raises(WrongOutput) as raised:
+        check_gradients(backend, shape, _gradients_as_sent(wrong))
+    message = str(raised.value)
+    assert says in message, message
+    import re
+    expected, got = re.search(r"expected (\S+), got (\S+) at", message).groups()
+    assert expected != got, message
+
+
+def test_a_gradient_reader_tripping_on_a_none_grad_is_told_to_return_none_for_it():
+    import types
+
+    from mha_harness.bench.calls import PreparedPoint
+
+    class Reader:
+        def native_gradients(self, value):
+            return {"W_k": value.grad.double()}  # value.grad is None: the backward did not reach it
+    point = PreparedPoint(fn=None, loaded=Reader(), params=None, inputs=None,
+                          shape=Shape(1, 8, 8, 32, 4, "float32", False, True))
+    with pytest.raises(WrongOutput, match="stays None .*: return None for it and bench names it"):
+        point.checked_values(types.SimpleNamespace(grad=None))

@@ -159,8 +159,10 @@ class PreparedPoint:
         except NotImplementedError:
             return None
         except Exception as exc:  # noqa: BLE001 - a plugin's value that cannot be read is that point's wrong output
+            none = ("; a gradient its backward did not reach stays None (a parameter that does not require grad): "
+                    "return None for it and bench names it" if "NoneType" in str(exc) else "")
             raise WrongOutput(f"native_gradients could not read the forward + backward call's {type(value).__name__} "
-                              f"({type(exc).__name__}: {exc}); {accepted}") from None
+                              f"({type(exc).__name__}: {exc}){none}; {accepted}") from None
         if not isinstance(grads, dict):
             raise WrongOutput(f"native_gradients returned a {type(grads).__name__}; {accepted}")
         out = {}

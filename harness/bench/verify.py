@@ -110,8 +110,8 @@ def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
         raise WrongOutput(f"output {wrong} ({checked})")
     if wrong:
         raise WrongOutput(f"output {wrong}; max error {err:.3g} ({err / tol.bound:.3g} x the bound) exceeds "
-                          f"{tol.describe()} ({checked}){known_mistake(got, params, inputs, rows, tol.bound)}; "
-                          f"{_where_to_look(shape)}")
+                          f"{tol.describe()} ({checked}){_float32_level(err, tol, shape.dtype, OUTPUT_CASE)}"
+                          f"{known_mistake(got, params, inputs, rows, tol.bound)}; {_where_to_look(shape)}")
     return {"rows": len(rows), "max_error": err, "bound": tol.bound, "bound_dtype": tol.dtype,
             **({"declared_precision": precision} if precision else {})}
 
@@ -156,7 +156,9 @@ def check_gradients(backend, shape: Shape, got: dict) -> dict:
             raise WrongOutput(f"gradient of {name} {wrong} ({checked})")
         if wrong:
             raise WrongOutput(f"gradient of {name} {wrong}; max error {err:.3g} ({err / tol.bound:.3g} x the bound) "
-                              f"exceeds {tol.describe()} ({checked}){_gradient_mistake(got, expected)}; "
+                              f"exceeds {tol.describe()} ({checked})"
+                              f"{_float32_level(err, tol, shape.dtype, GRADIENT_CASE)}"
+                              f"{_gradient_mistake(got, expected, params, inputs, backend.capabilities.inputs)}; "
                               "`mha-harness check` runs the layer's vjp, never prepare()'s call: if its gradient case "
                               "passes, compare the call's backward with your compute_vjp on the same inputs; if it "
                               "fails too, its diagnosis names more")
@@ -178,8 +180,33 @@ def _mismatch(got: np.ndarray, expected: np.ndarray, bound: float, locate) -> tu
     if err <= bound:
         return err, None
     at = tuple(int(i) for i in np.unravel_index(int(diff.argmax()), diff.shape))
-    return err, (f"differs from the float64 reference: expected {expected[at]:.6g}, got {got[at]:.6g} at "
-                 f"{locate(at)}")
+    want, have = _distinct(float(expected[at]), float(got[at]))
+    return err, f"differs from the float64 reference: expected {want}, got {have} at {locate(at)}"
+
+
+def _distinct(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` printed with 6 significant digits, or as many more as it takes to tell them apart (a float64
+    error of 1e-7 prints as the same 6 digits)."""
+    for digits in (6, 9, 12, 17):
+        shown = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if shown[0] != shown[1]:
+            return shown
+    return shown
+
+
+def _float32_level(err: float, tol, dtype: str, case: str) -> str:
+    """A message suffix when a float64 call's error passes the float64 bound but not the float32 one (the float64
+    bound is the float32 one scaled by the ratio of the unit roundoffs, both from the same estimates): it computes
+    in float32 somewhere."""
+    if dtype != "float64" or tol.dtype != "float64":
+        return ""
+    bound32 = tol.bound * EPS["float32"] / EPS["float64"]
+    if err > bound32:
+        return ""
+    return (f"; the error is within the float32 bound ({bound32:.3g}): the float64 call computes in float32 somewhere "
+            "(a cast of the inputs or weights, a float32 softmax or scale); compute in float64, or declare it: "
+            f"precision_divergences(\"float64\", \"float32\", \"why\", cases=[\"{case}\"]) from "
+            "mha_harness.toolkit.divergences")
 
 
 def _gradient_entry(at: tuple, full: tuple) -> str:
@@ -201,9 +228,11 @@ def _full_shape(name: str, params, inputs, form: str) -> tuple:
     return tuple(np.shape(inputs.query if name == "query" else inputs.key))
 
 
-def _gradient_mistake(got: dict, expected: dict) -> str:
+def _gradient_mistake(got: dict, expected: dict, params, inputs, form: str) -> str:
     """A message suffix naming the known mistake the wrong gradients show: every gradient a whole multiple of the
-    reference's (accumulated over calls, never zeroed), or the parameters' all zero (they do not require grad)."""
+    reference's (accumulated over calls, never zeroed), the parameters' all zero (they do not require grad), or, for
+    a causal call, the gradients of another mask (:func:`_gradient_mask_mistake`; ``form``: the backend's declared
+    input form, in which its gradients come)."""
     ratios = []
     for name, (want, _) in expected.items():
         part = np.asarray(got[name]["part"], np.float64)
@@ -213,10 +242,43 @@ def _gradient_mistake(got: dict, expected: dict) -> str:
     if ratios and min(ratios) > 1.5 and max(ratios) - min(ratios) < 0.01 * max(ratios):
         return (f"; every gradient is {np.median(ratios):.3g} x the reference's: gradients accumulated over calls "
                 "(a torch leaf's .grad is summed into unless set to None before each backward)")
-    params = [n for n in expected if n.startswith(("W_", "b_"))]
-    if params and all(not np.any(np.asarray(got[n]["part"])) for n in params):
+    names = [n for n in expected if n.startswith(("W_", "b_"))]
+    if names and all(not np.any(np.asarray(got[n]["part"])) for n in names):
         return "; every parameter's gradient is zero: the parameters do not take gradients in the call"
+    return _gradient_mask_mistake(got, expected, params, inputs, form)
+
+
+def _gradient_mask_mistake(got: dict, expected: dict, params, inputs, form: str) -> str:
+    """For a causal call: the causal-mask mistake whose float64 gradients (of output.sum()) every checked gradient
+    matches within ``max(10 * bound, 1e-3)``, as the output check's :func:`known_mistake` names them: the mask not
+    applied, one key too wide, reversed or without its diagonal, the other alignment (Tq != Tk). Each candidate
+    costs one float64 backward, on a failure only."""
+    if inputs.causal is None or inputs.attn_mask is not None:
+        return ""
+    from mha_harness.bench.calls import gradient_part
+    from mha_harness.contract.expected import input_gradients
+    from mha_harness.contract.reference import reference_vjp
+    offset, tq, tk = causal_offset(inputs.causal, inputs.tq, inputs.tk), inputs.tq, inputs.tk
+    unmasked = inputs.replace(causal=None)
+    candidates = [(unmasked, f"the same call without its causal mask ({inputs.causal}): the backward does not apply "
+                             "it"),
+                  (unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool)),
+                   "a causal mask one key too wide (query i also sees key i + 1)"),
+                  (unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool)), "a reversed causal mask"),
+                  (unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool)),
+                   "a causal mask that excludes the diagonal")]
+    if tq != tk:
+        other = other_alignment(inputs.causal)
+        candidates.append((inputs.replace(causal=other), f"the {other} causal alignment instead of {inputs.causal}"))
+    cotangent = np.ones((inputs.batch, tq, params.config.d_model))
+    for call, what in candidates:
+        grads = input_gradients(reference_vjp(params, call, cotangent), form)
+        if all(name in grads and np.max(np.abs(np.asarray(got[name]["part"], np.float64)
+                                               - gradient_part(grads[name])), initial=0.0)
+               <= max(10 * tol.bound, 1e-3) for name, (_, tol) in expected.items()):
+            return f"; the gradients match those of {what}"
     return ""
+
 
 
 def check_point(backend, shape: Shape, values) -> dict:

@@ -34,6 +34,10 @@ def _tensor(array, dtype):
     return torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
 
 
+def _np(grad, transpose=False):  # a .grad as float64 NumPy; None stays None (a backward that did not reach it)
+    return None if grad is None else (grad.T if transpose else grad).double().numpy()
+
+
 class LoadedGPT2Attention(mha_harness.LoadedAttention):
     def __init__(self, params, dtype):
         c, self.dtype = params.config, TORCH_DTYPES[dtype]
@@ -60,12 +64,13 @@ class LoadedGPT2Attention(mha_harness.LoadedAttention):
 
     def native_gradients(self, x):  # the .grad of x and of every parameter, as NumPy in the harness's layout
         d, attn, proj = x.shape[-1], self.module.c_attn, self.module.c_proj
-        w = attn.weight.grad.double().numpy().T  # (d_model, 3 d_model) = [W_q | W_k | W_v]
-        grads = {"query": x.grad.double().numpy(), "W_q": w[:, :d], "W_k": w[:, d:2 * d], "W_v": w[:, 2 * d:],
-                 "W_o": proj.weight.grad.double().numpy().T}
+        w = _np(attn.weight.grad, transpose=True)  # (d_model, 3 d_model) = [W_q | W_k | W_v]
+        grads = {"query": _np(x.grad), "W_o": _np(proj.weight.grad, transpose=True),
+                 **{n: None if w is None else w[:, i * d:(i + 1) * d] for i, n in enumerate(("W_q", "W_k", "W_v"))}}
         if attn.bias is not None:
-            b = attn.bias.grad.double().numpy()
-            grads.update(b_q=b[:d], b_k=b[d:2 * d], b_v=b[2 * d:], b_o=proj.bias.grad.double().numpy())
+            b = _np(attn.bias.grad)
+            grads.update({n: None if b is None else b[i * d:(i + 1) * d] for i, n in enumerate(("b_q", "b_k", "b_v"))},
+                         b_o=_np(proj.bias.grad))
         return grads
 
     def prepare(self, inputs, *, backward=False):  # for the benchmarks: tensors made once, one call per run
