@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--d-model", type=_positive_int, default=512)
     p.add_argument("--heads", type=_positive_int, default=8)
+    p.add_argument("--bias", action="store_true",
+                   help="the layer's four projections carry biases (b_q, b_k, b_v, b_o), as GPT-2's and "
+                        "nn.MultiheadAttention's do; default: none. Backends that declare bias=False are skipped")
     p.add_argument("--kv-heads", type=_positive_int, default=None, metavar="N",
                    help="key/value heads (grouped-query attention): N divides --heads, 1 <= N <= --heads; default: "
                         "as many as --heads (multi-head). Backends that do not declare grouped_query are skipped")
@@ -519,7 +522,7 @@ def cmd_bench(args) -> int:
     _require("matplotlib", "bench")
     _require("scipy", "bench")
     config = _usage(_bench_config, args, dtype=args.dtype, workload=args.workload, batch=args.batch,
-                    d_model=args.d_model, num_heads=args.heads, num_kv_heads=args.kv_heads)
+                    d_model=args.d_model, num_heads=args.heads, num_kv_heads=args.kv_heads, bias=args.bias)
     if args.d_model % args.heads:
         raise UsageError(f"--d-model: got {args.d_model}, not divisible by --heads {args.heads}; accepted: a multiple")
     backends = _available_backends(registry, names)
@@ -576,6 +579,8 @@ def _skip_hint(why: str) -> str:
                 "a step over a cache filled before it")
     if "grouped_query" in why:
         return "; leave out --kv-heads (multi-head), or declare grouped_query if the backend supports it"
+    if "no biases" in why:
+        return "; leave out --bias, or declare bias=True if the backend's layer takes biases"
     return ""
 
 

@@ -313,3 +313,19 @@ def test_a_gradient_reader_tripping_on_a_none_grad_is_told_to_return_none_for_it
                           shape=Shape(1, 8, 8, 32, 4, "float32", False, True))
     with pytest.raises(WrongOutput, match="stays None .*: return None for it and bench names it"):
         point.checked_values(types.SimpleNamespace(grad=None))
+
+
+def test_bias_times_a_layer_with_biases_and_checks_their_gradients():
+    """--bias (BenchConfig.bias): the layer's projections carry b_q ... b_o, whose gradients bench checks whole
+    beside the others; a backend declaring bias=False is skipped, saying so."""
+    pytest.importorskip("torch")
+    from mha_harness.registry import load_registry
+    from tests.bench_plugins import LlamaLikeGQA
+    doc = run_bench([load_registry().get("torch-eager").backend, LlamaLikeGQA()], None, seq_lens=[32], backward=True,
+                    causal="on", config=BenchConfig(bias=True, **SMALL))
+    assert doc["config"]["bias"] is True
+    by = {(p["backend"], p["mode"]): p for p in doc["points"]}
+    check = by[("torch-eager", "forward+backward")]["output_check"]
+    assert {"b_q", "b_k", "b_v", "b_o"} <= set(check["gradients"]) and check["max_error"] <= check["bound"]
+    assert by[("torch-eager", "forward")]["output_check"]["rows"] == 16
+    assert "no biases (declares bias=False)" in by[("llama-like-gqa", "forward")]["skipped"]

@@ -75,6 +75,8 @@ def unsupported(backend, shape: Shape) -> str | None:
         return "no cross-attention (Tq != Tk)"
     if shape.backward and not caps.gradients:
         return "no gradients"
+    if shape.bias and not caps.bias:
+        return "no biases (declares bias=False): --bias times a layer whose projections carry b_q ... b_o"
     if caps.max_seq_len and max(shape.tq, shape.tk) > caps.max_seq_len:
         return f"max_seq_len {caps.max_seq_len}"
     return None
@@ -86,7 +88,7 @@ def call_arguments(shape: Shape, causal: str | None, *, kv_cache: bool = False):
     one x_kv whose last Tq rows are it: see ``Capabilities(inputs="kv_cache")``)."""
     from mha_harness.contract.api import AttentionConfig, as_kv_cache_call
     from mha_harness.contract.params import make_inputs, make_params
-    attn = AttentionConfig(shape.d_model, shape.num_heads, shape.num_kv_heads)
+    attn = AttentionConfig(shape.d_model, shape.num_heads, shape.num_kv_heads, bias=shape.bias)
     inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal)
     if kv_cache and not inputs.is_self_attention:
         inputs = as_kv_cache_call(inputs)

@@ -57,6 +57,8 @@ class Shape:
     #: a decode step over a filled KV cache (LoadedAttention.prepare_decode_step): the keys and values of the first
     #: Tk - Tq positions were projected before the call; the call projects its Tq new rows only
     cached: bool = False
+    #: the layer has biases b_q ... b_o (AttentionConfig.bias); off by default
+    bias: bool = False
 
     @property
     def d_head(self) -> int:

@@ -63,7 +63,8 @@ SCHEMA_VERSION = "2.5"  # 2.1: points record call_mask, other_cores, over_comput
 # 2.3: decode points time a decode step over a filled KV cache (decode_step), not a call projecting all Tk keys; the
 # causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half); 2.4: points record
 # output_check (the first call's output at a few rows against the float64 reference) and can be "wrong-output";
-# 2.5: a forward + backward point's output_check holds its gradients' check (gradients, worst) or why it is unchecked
+# 2.5: a forward + backward point's output_check holds its gradients' check (gradients, worst) or why it is unchecked;
+# config.bias (--bias: the layer's projections carry biases)
 #: what a decode point times, recorded in its document
 DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (LoadedAttention.prepare_decode_step): "
                "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
@@ -81,6 +82,7 @@ class BenchConfig:
     d_model: int = 512
     num_heads: int = 8
     num_kv_heads: int | None = None  # key/value heads; None: num_heads (multi-head); fewer: grouped-query
+    bias: bool = False  # the layer's projections carry biases b_q ... b_o
     dtype: str = "float32"
     workload: str = "prefill"
     threads: int = DEFAULT_THREADS
@@ -104,7 +106,8 @@ class BenchConfig:
         """The layer's shape in words, for the printed header and the plots' titles."""
         kind = "multi-head" if self.kv_heads == self.num_heads else "grouped-query"
         return (f"batch {self.batch}, d_model {self.d_model}, {self.num_heads} heads, num_kv_heads {self.kv_heads} "
-                f"({kind}), {self.dtype}, {self.threads} thread{'' if self.threads == 1 else 's'}")
+                f"({kind}){', biases' if self.bias else ''}, {self.dtype}, {self.threads} "
+                f"thread{'' if self.threads == 1 else 's'}")
 
 
 def kv_heads_error(num_kv_heads, num_heads: int, name: str = "num_kv_heads",
@@ -177,7 +180,7 @@ class BenchPoint:
 
 def shape_of(point: BenchPoint, config: BenchConfig) -> Shape:
     return Shape(config.batch, point.tq, point.tk, config.d_model, config.num_heads, config.dtype, point.causal,
-                 point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode")
+                 point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode", bias=config.bias)
 
 
 def plan_points(names, config: BenchConfig, seq_lens, *, causal_modes=(False,), backward=False,
