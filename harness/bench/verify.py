@@ -15,9 +15,9 @@ import numpy as np
 from mha_harness.bench.calls import backend_arguments, checked_rows, gradient_part
 from mha_harness.bench.metrics import Shape
 from mha_harness.contract.conventions import EPS, causal_offset, other_alignment
-from mha_harness.contract.expected import gradient_tolerances, tolerance_for
+from mha_harness.contract.expected import gradient_tolerances, input_gradients, tolerance_for
 from mha_harness.contract.mistakes import with_score_scale, without_output_projection, wrong_scales
-from mha_harness.contract.reference import reference_attention
+from mha_harness.contract.reference import reference_attention, reference_vjp
 from mha_harness.contract.tolerance import bound_of
 
 #: a point whose call returned something other than the layer's output, or a wrong one: it is not timed
@@ -53,24 +53,7 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
 
     def matches(p, call) -> bool:
         return float(np.max(np.abs(got - reference_attention(p, call, rows=rows).output))) <= margin
-    candidates = []
-    if inputs.causal is not None:
-        unmasked = inputs.replace(causal=None)
-        candidates.append((params, unmasked, f"the same call without its causal mask ({inputs.causal}): the call "
-                           "does not apply it"))
-        if inputs.tq != inputs.tk:
-            other = other_alignment(inputs.causal)
-            candidates.append((params, inputs.replace(causal=other), f"the {other} causal alignment instead of "
-                               f"{inputs.causal}"))
-        if inputs.attn_mask is None:
-            offset, tq, tk = causal_offset(inputs.causal, inputs.tq, inputs.tk), inputs.tq, inputs.tk
-            candidates += [
-                (params, unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool)),
-                 "a causal mask one key too wide (query i also sees key i + 1: tril(1) where tril belongs)"),
-                (params, unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool)),
-                 "a reversed causal mask (query i sees key i and every later key: triu where tril belongs)"),
-                (params, unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool)),
-                 "a causal mask that excludes the diagonal (query i cannot see its own key)")]
+    candidates = [(params, call, what) for call, what in _causal_mask_mistakes(inputs, "call")]
     candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of 1/sqrt(d_head)")
                    for factor, label in wrong_scales(params.config).items()]
     candidates.append((without_output_projection(params), inputs, "the heads' concatenation: W_o is not applied"))
@@ -78,6 +61,30 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
         if matches(p, call):
             return f"; the output matches {what}"
     return ""
+
+
+def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
+    """(call, description) of the causal-mask mistakes a wrong ``what`` ("call": its output; "backward": its
+    gradients) of the causal call ``inputs`` is compared against: the mask not applied, the other alignment
+    (Tq != Tk), and without other masks one key too wide, reversed or without its diagonal; none without a causal
+    mask."""
+    if inputs.causal is None:
+        return []
+    unmasked = inputs.replace(causal=None)
+    mistakes = [(unmasked, f"the same call without its causal mask ({inputs.causal}): the {what} does not apply it")]
+    if inputs.tq != inputs.tk:
+        other = other_alignment(inputs.causal)
+        mistakes.append((inputs.replace(causal=other), f"the {other} causal alignment instead of {inputs.causal}"))
+    if inputs.attn_mask is None:
+        offset, tq, tk = causal_offset(inputs.causal, inputs.tq, inputs.tk), inputs.tq, inputs.tk
+        mistakes += [
+            (unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool)),
+             "a causal mask one key too wide (query i also sees key i + 1: tril(1) where tril belongs)"),
+            (unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool)),
+             "a reversed causal mask (query i sees key i and every later key: triu where tril belongs)"),
+            (unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool)),
+             "a causal mask that excludes the diagonal (query i cannot see its own key)")]
+    return mistakes
 
 
 def _where_to_look(shape: Shape) -> str:
@@ -249,36 +256,17 @@ def _gradient_mistake(got: dict, expected: dict, params, inputs, form: str) -> s
 
 
 def _gradient_mask_mistake(got: dict, expected: dict, params, inputs, form: str) -> str:
-    """For a causal call: the causal-mask mistake whose float64 gradients (of output.sum()) every checked gradient
-    matches within ``max(10 * bound, 1e-3)``, as the output check's :func:`known_mistake` names them: the mask not
-    applied, one key too wide, reversed or without its diagonal, the other alignment (Tq != Tk). Each candidate
-    costs one float64 backward, on a failure only."""
-    if inputs.causal is None or inputs.attn_mask is not None:
-        return ""
-    from mha_harness.bench.calls import gradient_part
-    from mha_harness.contract.expected import input_gradients
-    from mha_harness.contract.reference import reference_vjp
-    offset, tq, tk = causal_offset(inputs.causal, inputs.tq, inputs.tk), inputs.tq, inputs.tk
-    unmasked = inputs.replace(causal=None)
-    candidates = [(unmasked, f"the same call without its causal mask ({inputs.causal}): the backward does not apply "
-                             "it"),
-                  (unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool)),
-                   "a causal mask one key too wide (query i also sees key i + 1)"),
-                  (unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool)), "a reversed causal mask"),
-                  (unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool)),
-                   "a causal mask that excludes the diagonal")]
-    if tq != tk:
-        other = other_alignment(inputs.causal)
-        candidates.append((inputs.replace(causal=other), f"the {other} causal alignment instead of {inputs.causal}"))
-    cotangent = np.ones((inputs.batch, tq, params.config.d_model))
-    for call, what in candidates:
+    """For a causal call: the causal-mask mistake (:func:`_causal_mask_mistakes`, as the output check's
+    :func:`known_mistake` names them) whose float64 gradients of output.sum() every checked gradient matches within
+    ``max(10 * bound, 1e-3)``. Each candidate costs one float64 backward, on a failure only."""
+    cotangent = np.ones((inputs.batch, inputs.tq, params.config.d_model))
+    for call, what in _causal_mask_mistakes(inputs, "backward"):
         grads = input_gradients(reference_vjp(params, call, cotangent), form)
         if all(name in grads and np.max(np.abs(np.asarray(got[name]["part"], np.float64)
                                                - gradient_part(grads[name])), initial=0.0)
                <= max(10 * tol.bound, 1e-3) for name, (_, tol) in expected.items()):
             return f"; the gradients match those of {what}"
     return ""
-
 
 
 def check_point(backend, shape: Shape, values) -> dict:
