@@ -32,6 +32,7 @@ from mha_harness.contract.api import (
 )
 from mha_harness.contract.conventions import EPS
 from mha_harness.contract.expected import (  # noqa: F401 - part of casekit's API
+    gradient_bounds,
     gradient_reduction_length,
     gradient_tolerances,
     input_gradient_terms,
@@ -45,7 +46,7 @@ from mha_harness.contract.reference import (
     reference_attention,
 )
 from mha_harness.contract.scoped import scoped
-from mha_harness.contract.tolerance import Tolerance, farthest, tolerance_from
+from mha_harness.contract.tolerance import Tolerance
 
 
 class CaseFailure(AssertionError):
@@ -629,13 +630,16 @@ def assert_gradients_close(got: Mapping[str, np.ndarray], exact: Mapping[str, np
     floor scales with; without it, |exact| (too tight where the softmax backward
     cancels: correct backends then fail by a few times the bound)."""
     estimates = [naive] if isinstance(naive, Mapping) else list(naive)
+    return _assert_within(got, gradient_bounds(exact, estimates, dtype, length, terms))
+
+
+def _assert_within(got: Mapping[str, np.ndarray], bounds: Mapping[str, tuple]) -> float:
+    """Every gradient of ``bounds`` (name -> (reference, tolerance)) present in ``got`` with its shape and within its
+    tolerance; returns the worst error, raises CaseFailure naming the gradient."""
     worst = 0.0
-    for name, expected in exact.items():
+    for name, (expected, tol) in bounds.items():
         actual = _gradient_of(got, name, expected.shape)
         labels = ("batch", "position", "feature") if expected.ndim == 3 else ("row", "column")[:expected.ndim]
-        honest = farthest((e[name] for e in estimates), expected)
-        size = None if terms is None else terms[name]
-        tol = tolerance_from(expected, honest, dtype, length=length, terms=size)
         worst = max(worst, assert_close(actual, expected, tol, f"gradient of {name}", labels=labels))
     return worst
 
@@ -656,11 +660,6 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
     against the reference under the tolerance rule
     (:func:`~mha_harness.contract.expected.gradient_tolerances`); returns the worst error, raises CaseFailure naming
     the gradient."""
-    worst = 0.0
-    for name, (expected, tol) in gradient_tolerances(params, inputs, cotangent, dtype, form).items():
-        actual = _gradient_of(got, name, expected.shape)
-        labels = ("batch", "position", "feature") if expected.ndim == 3 else ("row", "column")[:expected.ndim]
-        worst = max(worst, assert_close(actual, expected, tol, f"gradient of {name}", labels=labels))
-    return worst
+    return _assert_within(got, gradient_tolerances(params, inputs, cotangent, dtype, form))
 
 

@@ -102,11 +102,19 @@ def gradient_tolerances(params: AttentionParams, inputs: AttentionInputs, cotang
         exact = input_gradients(reference_vjp(params, inputs, cotangent), form)
         terms = input_gradient_terms(reference_vjp_magnitudes(params, inputs, cotangent), form)
         naive = naive_gradients(params, inputs, cotangent, dtype, form)
-    length = gradient_reduction_length(params, inputs)
+    return gradient_bounds(exact, naive, dtype, gradient_reduction_length(params, inputs), terms, select)
+
+
+def gradient_bounds(exact: dict, estimates: list[dict], dtype: str, length: int, terms: dict | None = None,
+                    select=None) -> dict[str, tuple[np.ndarray, Tolerance]]:
+    """Per gradient in ``exact``: (the reference, its tolerance in ``dtype``) from the same-dtype ``estimates`` (the
+    one farthest from the reference), reductions of ``length`` terms and the size of the ``terms`` each gradient
+    sums (without them, |reference|). ``select(name, array)``: the part compared, applied to all alike."""
     pick = select or (lambda name, array: array)
     out = {}
     for name, full in exact.items():
         expected = pick(name, full)
-        honest = farthest((pick(name, n[name]) for n in naive), expected)
-        out[name] = (expected, tolerance_from(expected, honest, dtype, length=length, terms=pick(name, terms[name])))
+        honest = farthest((pick(name, e[name]) for e in estimates), expected)
+        size = None if terms is None else pick(name, terms[name])
+        out[name] = (expected, tolerance_from(expected, honest, dtype, length=length, terms=size))
     return out
