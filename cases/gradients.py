@@ -21,6 +21,7 @@ from mha_harness.conformance.casekit import (
     require,
 )
 from mha_harness.contract.api import AttentionConfig
+from mha_harness.contract.mistakes import frozen_parameters_hint
 from mha_harness.contract.params import make_params
 from mha_harness.contract.reference import reference_vjp
 
@@ -108,19 +109,9 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
         worst = assert_gradients_match_reference(got, params, inputs, cotangent, dtype, declared)
     except CaseFailure as failure:
         separate = reference_vjp(params, inputs, cotangent)
-        hint = _frozen_parameters_hint(got, params) or _gradient_form_hint(got, separate, declared)
+        hint = frozen_parameters_hint(got, params) or _gradient_form_hint(got, separate, declared)
         raise failure.with_hint(hint) from None
     return Measurement(max_error=worst)
-
-
-def _frozen_parameters_hint(got: dict, params) -> str:
-    """A message suffix when every parameter's gradient is zero (or absent) while the reference's are not: the
-    backward never reaches the parameters."""
-    names = list(params.arrays())
-    if names and all(not np.any(np.asarray(got.get(n, 0.0), np.float64)) for n in names):
-        return ("; every parameter's gradient is zero or missing: the backward does not reach the parameters (a "
-                "weight that does not require grad, a detached or no_grad projection)")
-    return ""
 
 
 def _gradient_form_hint(got: dict, separate: dict, declared: str) -> str:

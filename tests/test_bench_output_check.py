@@ -329,3 +329,64 @@ def test_bias_times_a_layer_with_biases_and_checks_their_gradients():
     assert {"b_q", "b_k", "b_v", "b_o"} <= set(check["gradients"]) and check["max_error"] <= check["bound"]
     assert by[("torch-eager", "forward")]["output_check"]["rows"] == 16
     assert "no biases (declares bias=False)" in by[("llama-like-gqa", "forward")]["skipped"]
+
+
+def _reference_gradient_parts(backend, shape: Shape) -> dict:
+    """What a correct layer's native_gradients would send for ``shape``: the float64 reference's gradients of
+    output.sum() in the backend's form, each as its full shape and gradient_part."""
+    from mha_harness.bench.calls import backend_arguments, gradient_part
+    from mha_harness.contract.expected import input_gradients
+    from mha_harness.contract.reference import reference_vjp
+    params, inputs = backend_arguments(backend, shape)
+    grads = input_gradients(reference_vjp(params, inputs, np.ones((shape.batch, shape.tq, shape.d_model))),
+                            backend.capabilities.inputs)
+    return {name: {"shape": list(g.shape), "part": gradient_part(g)} for name, g in grads.items()}
+
+
+GRADIENT_SHAPE = Shape(1, 32, 32, 64, 4, "float64", causal=False, backward=True)
+
+
+def test_gradient_names_are_exactly_the_gradients_the_tolerance_compares():
+    """bench names a missing gradient from gradient_names before paying for the reference: the names must be the
+    ones the comparison then needs, for every input form, with and without biases, cached positions or not."""
+    from mha_harness.contract.api import AttentionConfig, AttentionInputs
+    from mha_harness.contract.expected import gradient_names, gradient_tolerances
+    from mha_harness.contract.params import make_params
+    rng = np.random.default_rng(0)
+    for bias in (False, True):
+        params = make_params(AttentionConfig(16, 2, bias=bias))
+        for tq, tk in ((4, 4), (2, 6)):
+            x = rng.standard_normal((1, tk, 16))
+            for form in ("separate", "self", "shared_kv", "kv_cache"):
+                if form == "self" and tq != tk:
+                    continue
+                inputs = AttentionInputs(x[:, tk - tq:], x, x, causal="bottom-right" if form == "kv_cache" else None)
+                compared = gradient_tolerances(params, inputs, np.ones((1, tq, 16)), "float32", form)
+                assert sorted(gradient_names(params, inputs, form)) == sorted(compared), (form, bias, tq, tk)
+
+
+def test_a_missing_gradient_is_named_before_the_reference_is_computed(monkeypatch):
+    from mha_harness.bench import verify
+    backend = NumpyNaive()
+    got = _reference_gradient_parts(backend, GRADIENT_SHAPE)
+    del got["W_o"]
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the reference was computed for a call already known to be wrong")
+    monkeypatch.setattr(verify, "gradient_tolerances", no_reference)
+    with pytest.raises(WrongOutput, match="native_gradients returned no gradient for W_o"):
+        verify.check_gradients(backend, GRADIENT_SHAPE, got)
+
+
+def test_zero_parameter_gradients_are_named_as_a_backward_that_never_reaches_the_parameters():
+    """The same hint as check's gradient case (mha_harness.contract.mistakes.frozen_parameters_hint): every
+    weight's gradient zero while the inputs' are right."""
+    from mha_harness.bench import verify
+    backend = NumpyNaive()
+    got = _reference_gradient_parts(backend, GRADIENT_SHAPE)
+    assert verify.check_gradients(backend, GRADIENT_SHAPE, got)["max_error"] == 0.0
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        got[name]["part"] = np.zeros_like(got[name]["part"])
+    with pytest.raises(WrongOutput, match="every parameter's gradient is zero or missing: the backward does not "
+                                          "reach the parameters"):
+        verify.check_gradients(backend, GRADIENT_SHAPE, got)

@@ -15,8 +15,13 @@ import numpy as np
 from mha_harness.bench.calls import backend_arguments, checked_rows, gradient_part
 from mha_harness.bench.metrics import Shape
 from mha_harness.contract.conventions import EPS, causal_offset, other_alignment
-from mha_harness.contract.expected import gradient_tolerances, input_gradients, tolerance_for
-from mha_harness.contract.mistakes import with_score_scale, without_output_projection, wrong_scales
+from mha_harness.contract.expected import gradient_names, gradient_tolerances, input_gradients, tolerance_for
+from mha_harness.contract.mistakes import (
+    frozen_parameters_hint,
+    with_score_scale,
+    without_output_projection,
+    wrong_scales,
+)
 from mha_harness.contract.reference import reference_attention, reference_vjp
 from mha_harness.contract.tolerance import bound_of
 
@@ -140,17 +145,17 @@ def check_gradients(backend, shape: Shape, got: dict) -> dict:
                 "and time); check's gradient case verifies the layer's vjp"}
     rows = checked_rows(inputs.tq)
     cotangent = np.ones((inputs.batch, inputs.tq, params.config.d_model))
+    checked = (f"gradients of output.sum() at {len(rows)} of its {inputs.tq} positions and weight rows, against the "
+               "float64 reference")
+    missing = [name for name in gradient_names(params, inputs, backend.capabilities.inputs) if name not in got]
+    if missing:  # before the reference's cost
+        raise WrongOutput(f"native_gradients returned no gradient for {', '.join(missing)} (returned "
+                          f"{', '.join(sorted(got)) or 'none'}): the call's backward must reach every input and "
+                          f"parameter, as a training step's does ({checked})")
     precision = declared_precision(backend, shape.dtype, GRADIENT_CASE)
     with bound_of(precision) if precision else contextlib.nullcontext():
         expected = gradient_tolerances(params, inputs, cotangent, shape.dtype, backend.capabilities.inputs,
                                        select=lambda name, array: gradient_part(array))
-    checked = (f"gradients of output.sum() at {len(rows)} of its {inputs.tq} positions and weight rows, against the "
-               "float64 reference")
-    missing = sorted(set(expected) - set(got))
-    if missing:
-        raise WrongOutput(f"native_gradients returned no gradient for {', '.join(missing)} (returned "
-                          f"{', '.join(sorted(got)) or 'none'}): the call's backward must reach every input and "
-                          f"parameter, as a training step's does ({checked})")
     worst = None
     for name, (want, tol) in expected.items():
         full = tuple(got[name]["shape"])
@@ -249,10 +254,8 @@ def _gradient_mistake(got: dict, expected: dict, params, inputs, form: str) -> s
     if ratios and min(ratios) > 1.5 and max(ratios) - min(ratios) < 0.01 * max(ratios):
         return (f"; every gradient is {np.median(ratios):.3g} x the reference's: gradients accumulated over calls "
                 "(a torch leaf's .grad is summed into unless set to None before each backward)")
-    names = [n for n in expected if n.startswith(("W_", "b_"))]
-    if names and all(not np.any(np.asarray(got[n]["part"])) for n in names):
-        return "; every parameter's gradient is zero: the parameters do not take gradients in the call"
-    return _gradient_mask_mistake(got, expected, params, inputs, form)
+    frozen = frozen_parameters_hint({name: got[name]["part"] for name in expected}, params)
+    return frozen or _gradient_mask_mistake(got, expected, params, inputs, form)
 
 
 def _gradient_mask_mistake(got: dict, expected: dict, params, inputs, form: str) -> str:

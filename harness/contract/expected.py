@@ -91,6 +91,14 @@ def input_gradients(grads: dict, form: str) -> dict:
     return out
 
 
+def gradient_names(params: AttentionParams, inputs: AttentionInputs, form: str) -> list[str]:
+    """The gradients a backward of a layer taking ``form`` returns (:func:`input_gradients`' names: one per distinct
+    input, then one per parameter), known before any reference is computed."""
+    per_form = {"self": ["query"], "shared_kv": ["query", "key"],
+                "kv_cache": ["query"] + (["key"] if inputs.tk > inputs.tq else [])}
+    return per_form.get(form, ["query", "key", "value"]) + list(params.arrays())
+
+
 def gradient_tolerances(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
                         form: str, select=None) -> dict[str, tuple[np.ndarray, Tolerance]]:
     """Per gradient of ``sum(output * cotangent)`` in ``form`` (:func:`input_gradients`): the float64 reference and

@@ -1,6 +1,6 @@
-"""Known wrong layers that are the true layer with other parameters: what a wrong output is compared with to name
-the mistake behind it (a wrong score scale, W_o left out). Used by the conformance cases' diagnoses and by
-``mha-harness bench``'s check of a benchmarked call."""
+"""Known mistakes a wrong result is compared with to name it: wrong layers that are the true layer with other
+parameters (a wrong score scale, W_o left out), and a backward that never reaches the parameters. Used by the
+conformance cases' diagnoses and by ``mha-harness bench``'s check of a benchmarked call."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,3 +33,13 @@ def without_output_projection(params: AttentionParams) -> AttentionParams:
     layer's output: num_heads * d_head = d_model)."""
     return params.replace(W_o=np.eye(params.config.d_model, dtype=params.W_o.dtype),
                           b_o=None if params.b_o is None else np.zeros_like(params.b_o))
+
+
+def frozen_parameters_hint(gradients: dict, params: AttentionParams) -> str:
+    """A message suffix when every parameter's gradient in ``gradients`` (name -> array, or a part of it) is zero or
+    absent: the backward never reaches the parameters. Empty otherwise (a layer without parameters included)."""
+    names = list(params.arrays())
+    if names and all(not np.any(np.asarray(gradients.get(n, 0.0), np.float64)) for n in names):
+        return ("; every parameter's gradient is zero or missing: the backward does not reach the parameters (a "
+                "weight that does not require grad, a detached or no_grad projection)")
+    return ""
