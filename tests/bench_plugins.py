@@ -159,3 +159,19 @@ class _AccumulatesIntoItsOutputBuffer(NumpyNaiveLoaded):
 class AccumulatesIntoItsOutputBuffer(NumpyNaive):
     """Its first call returns the layer's output; every later one adds it again into the same buffer."""
     name, loaded_class = "bench-accumulates-into-its-buffer", _AccumulatesIntoItsOutputBuffer
+
+
+class _ReportsAQuarterOfItsTime(NumpyNaiveLoaded):
+    def prepare(self, inputs, *, backward=False):
+        if not getattr(time.perf_counter, "slowed", False):
+            real = time.perf_counter
+            started = real()
+            time.perf_counter = lambda: started + (real() - started) / 4  # every duration measured here shrinks 4x
+            time.perf_counter.slowed = True
+        return super().prepare(inputs, backward=backward)
+
+
+class ReportsAQuarterOfItsTime(NumpyNaive):
+    """A correct layer whose worker's clock runs at a quarter of its speed: its figures would be 4x faster than its
+    calls."""
+    name, loaded_class = "bench-reports-a-quarter-of-its-time", _ReportsAQuarterOfItsTime

@@ -206,6 +206,23 @@ def test_hanging_crashing_and_memory_hogging_plugins_are_reported_and_the_sweep_
             os.kill(info["pid"], 0)
 
 
+def test_figures_a_worker_cannot_account_for_with_the_harness_clock_are_not_figures(capsys):
+    """The samples are timed in the backend's worker, where the plugin runs: one whose clock runs at a quarter of
+    its speed would report calls 4x faster than they are. The parent's own clock around each sample request holds
+    them to account: its points are unaccounted-timing, with no median; an honest worker's points are measured and
+    record the share of that clock their samples fill."""
+    from tests.bench_plugins import ReportsAQuarterOfItsTime
+    config = BenchConfig(d_model=64, num_heads=4, budget_s=0.3, warm_up_s=0.05, min_sample_s=0.02, turn_s=0.1)
+    doc = run_bench([NumpyTiled(), ReportsAQuarterOfItsTime()], None, seq_lens=[64], config=config)
+    by = {p["backend"]: p for p in doc["points"]}
+    honest, fake = by["numpy-tiled"], by["bench-reports-a-quarter-of-its-time"]
+    assert honest["status"] == "measured" and honest["timed_fraction"] >= 0.8, honest
+    assert fake["status"] == "unaccounted-timing" and fake["median_s"] is None and fake["samples_s"], fake
+    assert fake["timed_fraction"] < 0.4
+    assert "the clock or the figures were altered in the worker" in fake["skipped"]
+    assert "unaccounted-timing" in capsys.readouterr().out
+
+
 def _bench_command(results, extra=()):
     return [sys.executable, "-m", "mha_harness", "bench", "--backend", "numpy-naive", "--backend", "numpy-tiled",
             "--seq-lens", ",".join(str(64 + 16 * i) for i in range(40)), "--d-model", "64", "--heads", "4",

@@ -58,13 +58,15 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.5"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
+SCHEMA_VERSION = "2.6"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
 # 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured;
 # 2.3: decode points time a decode step over a filled KV cache (decode_step), not a call projecting all Tk keys; the
 # causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half); 2.4: points record
 # output_check (the first call's output at a few rows against the float64 reference) and can be "wrong-output";
 # 2.5: a forward + backward point's output_check holds its gradients' check (gradients, worst) or why it is unchecked;
-# config.bias (--bias: the layer's projections carry biases)
+# config.bias (--bias: the layer's projections carry biases); 2.6: points record timed_fraction (the share of the
+# harness's own clock around the sample requests that the reported samples account for) and can be
+# "unaccounted-timing"
 #: what a decode point times, recorded in its document
 DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (LoadedAttention.prepare_decode_step): "
                "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
@@ -72,6 +74,15 @@ DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (L
                "(bottom-right causal) and applies W_o")
 MAX_CONSECUTIVE_LOSSES = 2  # crashes or out-of-memory in a row before a backend's remaining points are not run
 MEASURED, SKIPPED, NOT_RUN = "measured", "skipped", "not-run"
+#: a point whose reported samples add up to less than TIMED_FRACTION_MIN of the harness's own clock around the
+#: requests that took them, less REQUEST_LATENCY_S per request: the worker's clock or figures were altered (a plugin
+#: runs in that worker), not a figure
+UNACCOUNTED_TIMING = "unaccounted-timing"
+#: an honest worker's samples fill all of a sample request but its round trip: 0.89-0.99 of the clock with the
+#: default turns on 2 cores beside another user's load, 0.76 with 20-ms turns (the round trip waiting for a core)
+TIMED_FRACTION_MIN = 0.8
+#: what one sample request may spend outside its samples on a loaded box (waking the worker and the parent)
+REQUEST_LATENCY_S = 0.02
 
 
 @dataclass
@@ -150,6 +161,10 @@ class BenchPoint:
     min_s: float | None = None
     max_s: float | None = None
     first_call_s: float | None = None
+    timed_s: float = 0.0  # the reported samples' total: samples_s x calls_per_sample, summed
+    wall_s: float = 0.0  # the harness's own clock around the requests that took them
+    sample_requests: int = 0
+    timed_fraction: float | None = None  # timed_s / wall_s: below TIMED_FRACTION_MIN, UNACCOUNTED_TIMING
     settle_s: float = 0.0  # waited before this point's turns for the other workers' threads to stop spinning
     unsettled_turns: int = 0  # turns that began with another worker still busy after SETTLE_LIMIT_S
     peak_extra_bytes: int | None = None
@@ -328,16 +343,48 @@ class Sweep:
         except WrongOutput as exc:
             self.mark_wrong(point, exc, after_timing=True)
 
+    def timing_accounted_for(self, point: BenchPoint) -> None:
+        """A measured point's samples must account for the harness's own clock around the requests that took them,
+        each request's round trip aside (:data:`TIMED_FRACTION_MIN`, :data:`REQUEST_LATENCY_S`): the samples are
+        timed in the backend's worker, where the plugin runs and could patch the clock or scale the figures; this
+        check runs here, where it cannot (a worker whose figures are half its calls' time or less is caught at the
+        default turn length). A point that falls short is :data:`UNACCOUNTED_TIMING`, not a figure."""
+        if point.wall_s <= 0:
+            return
+        point.timed_fraction = round(point.timed_s / point.wall_s, 4)
+        allowed = max(point.wall_s - point.sample_requests * REQUEST_LATENCY_S, 0.0)
+        if point.timed_s >= TIMED_FRACTION_MIN * allowed:
+            return
+        point.status = UNACCOUNTED_TIMING
+        point.skipped = (f"its worker's {len(point.samples_s)} samples add up to {point.timed_s:.3g} s, "
+                         f"{point.timed_fraction:.0%} of the {point.wall_s:.3g} s the harness's own clock measured "
+                         f"around the {point.sample_requests} requests that took them (an honest worker's fill all "
+                         f"but each request's round trip: at least {TIMED_FRACTION_MIN:.0%} of the clock less "
+                         f"{REQUEST_LATENCY_S * 1e3:.0f} ms per request): the clock or the figures were altered in "
+                         "the worker, where the plugin runs (time.perf_counter patched, samples scaled); not a figure")
+        self.log(f"  {point.backend} {point.key}: {UNACCOUNTED_TIMING}: {point.skipped}")
+
     def turn(self, point: BenchPoint, call_s: float) -> dict | None:
         """One turn of a prepared point: wait for the other workers to idle, then about ``turn_s`` of samples
-        (at least one) in its worker. The worker's answer ({samples_s, spent_s}), or None when the point is lost."""
+        (at least one) in its worker. The worker's answer ({samples_s}) with the harness's own clock around the
+        samples (``wall_s``) and around the whole turn (``spent_s``, what the budget counts), or None when the
+        point is lost."""
         sample_s = call_s * point.calls_per_sample
         count = max(1, min(stats.MIN_SAMPLES, round(self.config.turn_s / max(sample_s, 1e-9))))
         self.settle(point)
-        # the worker starts each turn with one untimed call: after another backend's turn the caches, the
-        # thread pools and the kernel's recycled pages are cold; numpy-naive's first call at T = 2048 paid
-        # 1.3-2.5x for fresh transparent huge pages (measured by mha-harness fidelity), slower than alone
-        return self.ask(point, ("sample", point.key, count))
+        # each turn starts with one untimed call: after another backend's turn the caches, the thread pools and
+        # the kernel's recycled pages are cold; numpy-naive's first call at T = 2048 paid 1.3-2.5x for fresh
+        # transparent huge pages (measured by mha-harness fidelity), slower than alone. It is a request of its
+        # own, so that the sample request holds the timed calls alone and this clock can hold them to account
+        start = time.perf_counter()
+        if self.ask(point, ("warm", point.key)) is None:
+            return None
+        sampling = time.perf_counter()
+        answer = self.ask(point, ("sample", point.key, count))
+        if answer is not None:
+            answer["wall_s"] = time.perf_counter() - sampling
+            answer["spent_s"] = time.perf_counter() - start
+        return answer
 
     def run_group(self, group: list[BenchPoint]) -> None:
         """Interleave ``group``'s points turn by turn, in an order that rotates each round, until each point's CI
@@ -356,6 +403,9 @@ class Sweep:
                     open_.remove(point)
                     continue
                 point.samples_s += answer["samples_s"]
+                point.timed_s += sum(answer["samples_s"]) * point.calls_per_sample
+                point.wall_s += answer["wall_s"]
+                point.sample_requests += 1
                 spent[point.backend] += answer["spent_s"]
                 if answer["samples_s"]:  # calls slower than calibrated (a loaded box): the next turns stay ~turn_s
                     call_s[point.backend] = max(call_s[point.backend], statistics.median(answer["samples_s"]))
@@ -366,6 +416,8 @@ class Sweep:
                     open_.remove(point)
             r += 1
         for point in group:
+            if point.status == MEASURED:
+                self.timing_accounted_for(point)
             if point.status == MEASURED:
                 self.output_still_right(point)
         other = meter.conditions(time.perf_counter() - started)["other_cores"]

@@ -155,14 +155,18 @@ class _Server:
         point = self.points.get(key)
         return None if point is None else {"checked": point.checked_values(point.fn())}
 
-    def do_sample(self, key, count: int):
-        """One untimed call, then ``count`` samples of the calibrated size; a sample's value is its time per call.
-        The untimed call wakes what another backend's turn left cold: caches, thread pools, recycled pages."""
-        fn, calls = self.prepared[key]
-        start = time.perf_counter()
+    def do_warm(self, key):
+        """One untimed call before a turn's samples: it wakes what another backend's turn left cold (caches, thread
+        pools, recycled pages)."""
+        fn, _ = self.prepared[key]
         fn()
-        samples = [_time_calls(fn, calls) / calls for _ in range(count)]
-        return {"samples_s": samples, "spent_s": time.perf_counter() - start}
+        return True
+
+    def do_sample(self, key, count: int):
+        """``count`` samples of the calibrated size; a sample's value is its time per call. Nothing else runs in this
+        request: the parent's clock around it is what the samples must account for."""
+        fn, calls = self.prepared[key]
+        return {"samples_s": [_time_calls(fn, calls) / calls for _ in range(count)]}
 
     def do_memory(self, key, shape, warm_up_s: float, min_sample_s: float, method: str | None = None):
         """Peak extra memory of one call (prepared again if this worker is a restarted one); ``method`` overrides
