@@ -7,9 +7,13 @@ from mha_harness.contract.api import as_kv_cache_call
 from mha_harness.contract.conventions import BOTTOM_RIGHT
 from mha_harness.contract.params import make_inputs
 
-#: name: (new queries Tq, key/value heads or None, biases): one query (the token-by-token step) and a few (a
-#: speculative or chunked step, where the bottom-right causal mask matters), grouped-query heads where declared
-STEPS = {"one_new_query": (1, None, False), "five_new_queries": (5, 2, True)}
+#: name: (new queries Tq, key/value heads or None, biases, cached positions): one query (the token-by-token step)
+#: and a few (a speculative or chunked step, where the bottom-right causal mask matters), grouped-query heads where
+#: declared, over a cache filled across a tiled kernel's blocks; and a prompt's five tokens into an empty cache (a
+#: generate loop's first call: nothing cached, Tq = Tk)
+STEPS = {"one_new_query": (1, None, False, KEYS_ACROSS_BLOCKS - 1),
+         "five_new_queries": (5, 2, True, KEYS_ACROSS_BLOCKS - 5),
+         "prompt_into_empty_cache": (5, None, False, 0)}
 
 
 def _step_variants(backend):
@@ -18,8 +22,8 @@ def _step_variants(backend):
         return [{"unsupported": "declares no bottom-right causal mask: a decode step's new queries are the last "
                                 "positions of the cache"}]
     out = []
-    for name, (tq, kv_heads, bias) in STEPS.items():
-        v = {"dtype": primary_dtype(backend), "variant": name, "tq": tq, "bias": bias and caps.bias}
+    for name, (tq, kv_heads, bias, cached) in STEPS.items():
+        v = {"dtype": primary_dtype(backend), "variant": name, "tq": tq, "tk": tq + cached, "bias": bias and caps.bias}
         if kv_heads and caps.grouped_query:
             v["kv_heads"] = kv_heads
         out.append(v)
@@ -27,13 +31,14 @@ def _step_variants(backend):
 
 
 @case(variants=_step_variants, forms=("separate", "shared_kv", "kv_cache"))
-def check_decode_step_over_filled_cache_matches_reference(backend, *, dtype, variant, tq, bias, kv_heads=None):
+def check_decode_step_over_filled_cache_matches_reference(backend, *, dtype, variant, tq, tk, bias, kv_heads=None):
     """A decode step whose cache was filled from the first Tk - Tq positions (65 keys in all, across a tiled
-    kernel's blocks) returns, on its first and on its second call, the output the float64 reference gives for
-    the whole KV-cache call: the step writes x_new's keys and values into the cache before its queries attend,
-    and every call attends over the same Tk positions. Skips for a backend without a decode step."""
+    kernel's blocks; or none, a prompt into an empty cache) returns, on its first and on its second call, the
+    output the float64 reference gives for the whole KV-cache call: the step writes x_new's keys and values into
+    the cache before its queries attend, and every call attends over the same Tk positions. Skips for a backend
+    without a decode step."""
     params = small_layer(backend, bias=bias, num_kv_heads=kv_heads, seed=tq)
-    inputs = as_kv_cache_call(make_inputs(params.config, 2, tq, KEYS_ACROSS_BLOCKS, seed=tq, causal=BOTTOM_RIGHT))
+    inputs = as_kv_cache_call(make_inputs(params.config, 2, tq, tk, seed=tq, causal=BOTTOM_RIGHT))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     first, second = backend.load(params, dtype=dtype).decode_step(inputs)
     return Measurement(max_error=assert_decode_step_close(backend, params, inputs, dtype, first, second))

@@ -32,7 +32,7 @@ def test_a_step_that_attends_before_writing_is_caught_only_by_the_decode_step_ca
     report = mha_harness.check(MutantBackend(BY_NAME["mutant-decode-step-attends-before-writing"], weights=False),
                                include_slow=False)
     failures = [f for f in report.failures() if f.case != "check_search_regressions_still_pass"]
-    assert {f.case for f in failures} == {CASE} and len(failures) == 2
+    assert {f.case for f in failures} == {CASE} and len(failures) == 3  # its three variants
     assert all("decode step, first call" in f.message and "attends before it writes" in f.message
                for f in failures), failures[0].message
 
@@ -61,7 +61,7 @@ class _AddsIntoCache(NumpyNaiveLoaded):
 
 def test_a_step_whose_later_calls_attend_over_other_values_is_caught_on_its_second_call():
     failures = _step_report(_AddsIntoCache).failures()
-    assert len(failures) == 2
+    assert len(failures) == 3
     assert all("decode step, second call" in f.message and "writes past the last Tq slots" in f.message
                for f in failures), failures[0].message
 
@@ -121,6 +121,48 @@ def test_a_step_wrong_on_every_call_is_named_like_the_output_cases_name_the_mist
     failures = _step_report(_StepMasksTopLeft).failures()
     assert {f.params["variant"] for f in failures} == {"one_new_query", "five_new_queries"}
     assert all("the output matches top-left alignment instead" in f.message for f in failures), failures[0].message
+
+
+class _WritesOneSlotLate(NumpyNaiveLoaded):
+    """A stranger's step: the new keys and values written from position Tk - Tq + 1 (pos + 1), the slot before them
+    left zero, the queries attending the first Tk slots; its forward right."""
+
+    def prepare_decode_step(self, inputs):
+        c, start = self.config, inputs.tk - inputs.tq
+        x_new = np.asarray(inputs.query, self.dtype)
+        cache = {which: np.zeros((inputs.batch, c.kv_heads, inputs.tk, c.d_head), self.dtype) for which in "kv"}
+        for which, kv in cache.items():
+            kv[:, :, :start] = self.split_heads(self.project(np.asarray(inputs.cached, self.dtype), which),
+                                                c.kv_heads)
+        masks = self.masks(inputs)
+
+        def step():
+            for which, kv in cache.items():  # the last new position falls off the end of the cache
+                kv[:, :, start + 1:] = self.split_heads(self.project(x_new, which), c.kv_heads)[:, :, :inputs.tq - 1]
+            q = self.split_heads(self.project(x_new, "q"), c.num_heads)
+            return self.output_projection(self.merge_heads(self.attend_projected(q, cache["k"], cache["v"], masks,
+                                                                                 inputs)[0]))
+        return step
+
+
+def test_a_step_that_writes_one_slot_too_far_is_named_where_the_layer_can_express_it():
+    """check names the write one slot off where the layer has no key/value biases (an empty slot's zeros are then
+    the projection of a zero input); with one query and nothing cached it cannot be told apart from a step that
+    attends before it writes, and says both."""
+    by_variant = {f.params["variant"]: f.message for f in _step_report(_WritesOneSlotLate).failures()}
+    assert set(by_variant) == {"one_new_query", "five_new_queries", "prompt_into_empty_cache"}
+    late = "writes the new keys and values one slot too far"
+    assert late in by_variant["one_new_query"] and late in by_variant["prompt_into_empty_cache"], by_variant
+    assert "cannot tell" not in by_variant["one_new_query"]
+    assert late not in by_variant["five_new_queries"]  # biases there: not a call of this layer
+
+
+def test_bench_names_a_decode_step_written_one_slot_too_far():
+    shape = Shape(1, 1, 64, 32, 4, "float32", causal=True, cached=True)
+    backend = MutantBackend(dataclasses.replace(BY_NAME["mutant-decode-step-attends-before-writing"],
+                                                loaded=_WritesOneSlotLate), weights=False)
+    with pytest.raises(WrongOutput, match="writes the new keys and values one slot too far"):
+        prepared_call(backend, shape)
 
 
 class _ReturnsNone(NumpyNaiveLoaded):

@@ -54,8 +54,8 @@ def test_a_kv_cache_layers_gradients_are_d_x_new_and_d_x_cached():
                                                             "the cached ones"),
     (OffsetForgotten, "check_causal_output_matches_reference", "the output matches top-left alignment instead"),
     (OneTokenSkipsItself, "check_causal_output_matches_reference", "excludes the diagonal (query i cannot see its "
-                                                                   "own key, key i + 64): the step attends to the "
-                                                                   "cache before appending"),
+                                                                   "own key, key i + 64) (a step that attends to the "
+                                                                   "cache before it writes"),
 ])
 def test_kv_cache_bugs_are_caught(bug, failing, named):
     """The new keys put before the cached ones, the step's causal mask applied top-left (its offset forgotten),

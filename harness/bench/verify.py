@@ -14,12 +14,14 @@ import numpy as np
 
 from mha_harness.bench.calls import backend_arguments, checked_rows, gradient_part
 from mha_harness.bench.metrics import Shape
-from mha_harness.contract.conventions import EPS, causal_offset, other_alignment
+from mha_harness.contract.conventions import BOTTOM_RIGHT, EPS, causal_offset, other_alignment
 from mha_harness.contract.expected import gradient_names, gradient_tolerances, input_gradients, tolerance_for
 from mha_harness.contract.mistakes import (
+    WRITTEN_ONE_SLOT_LATE,
     frozen_parameters_hint,
     with_score_scale,
     without_output_projection,
+    written_one_slot_late,
     wrong_scales,
 )
 from mha_harness.contract.reference import reference_attention, reference_vjp
@@ -53,7 +55,8 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     """The known mistake whose float64 output the checked ``rows`` of a wrong output ``got`` match, within
     ``max(10 * bound, 1e-3)`` (the conformance diagnoses' margin), as a message suffix; "" when none: the causal
     mask not applied, the other causal alignment (Tq != Tk), a causal mask one key too wide, reversed or without
-    its diagonal, a common wrong score scale, W_o left out."""
+    its diagonal, a common wrong score scale, W_o left out, a decode step's new keys and values written one slot too
+    far; every one that matches (a decode step's one query against a long cache can match two)."""
     margin = max(10 * bound, 1e-3)
 
     def matches(p, call) -> bool:
@@ -62,10 +65,14 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of 1/sqrt(d_head)")
                    for factor, label in wrong_scales(params.config).items()]
     candidates.append((without_output_projection(params), inputs, "the heads' concatenation: W_o is not applied"))
-    for p, call, what in candidates:
-        if matches(p, call):
-            return f"; the output matches {what}"
-    return ""
+    late = written_one_slot_late(params, inputs) if inputs.causal == BOTTOM_RIGHT else None
+    if late is not None:
+        candidates.append((params, late, WRITTEN_ONE_SLOT_LATE))
+    found = [what for p, call, what in candidates if matches(p, call)]
+    if len(found) > 1:  # at some shapes (one query, a long cache) two mistakes give outputs alike at these rows
+        return (f"; the checked rows cannot tell {len(found)} mistakes apart, the output matches each: "
+                + "; or ".join(found))
+    return f"; the output matches {found[0]}" if found else ""
 
 
 def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
@@ -96,7 +103,7 @@ def _where_to_look(shape: Shape) -> str:
     """What the user can run or compare to find the bug behind a wrong benchmarked output."""
     if shape.cached:
         return ("`mha-harness check` runs this decode step (prepare_decode_step) on a small cache and names known "
-                "mistakes (attending before writing, the causal alignment ...)")
+                "mistakes (attending before writing, writing one slot too far, the causal alignment ...)")
     return ("`mha-harness check` runs your compute(), never prepare()'s call: if check passes, the mistake is in the "
             "call's own path, so compare it with compute() on the same inputs (the mask, the scale, W_o); if check "
             "fails too, its diagnosis names more")

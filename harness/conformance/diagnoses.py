@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
-from mha_harness.contract.conventions import causal_offset, other_alignment
+from mha_harness.contract.conventions import BOTTOM_RIGHT, causal_offset, other_alignment
+from mha_harness.contract.mistakes import WRITTEN_ONE_SLOT_LATE, written_one_slot_late
 from mha_harness.contract.reference import allowed_and_bias, empty_rows_convention, reference_attention
 
 
@@ -131,10 +132,13 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     no_diagonal = ~np.eye(tq, tk, k=offset, dtype=bool)
     if inputs.attn_mask is None and matches(inputs.replace(attn_mask=no_diagonal)):
         own_key = "key i" if offset == 0 else f"its own key, key i + {offset}"
-        step = (": the step attends to the cache before appending the new tokens' own keys"
+        step = (" (a step that attends to the cache before it writes the new tokens' keys and values)"
                 if inputs.form == "kv_cache" else "")
         hints.append(f"; the output matches a causal mask that excludes the diagonal (query i cannot see {own_key})"
                      + step)
+    late = written_one_slot_late(params, inputs) if alignment == BOTTOM_RIGHT else None
+    if late is not None and matches(late):
+        hints.append(f"; the output matches {WRITTEN_ONE_SLOT_LATE}")
     other = other_alignment(alignment)
     if tq != tk and matches(inputs.replace(causal=other)):
         hints.append(f"; the output matches {other} alignment instead")

@@ -1,11 +1,12 @@
 """Known mistakes a wrong result is compared with to name it: wrong layers that are the true layer with other
-parameters (a wrong score scale, W_o left out), and a backward that never reaches the parameters. Used by the
+parameters (a wrong score scale, W_o left out), a decode step that writes its new keys and values one slot too
+far, and a backward that never reaches the parameters. Used by the
 conformance cases' diagnoses and by ``mha-harness bench``'s check of a benchmarked call."""
 from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionConfig, AttentionParams
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 
 
 def with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
@@ -43,3 +44,24 @@ def frozen_parameters_hint(gradients: dict, params: AttentionParams) -> str:
         return ("; every parameter's gradient is zero or missing: the backward does not reach the parameters (a "
                 "weight that does not require grad, a detached or no_grad projection)")
     return ""
+
+
+#: what :func:`written_one_slot_late` stands for, as a diagnosis names it
+WRITTEN_ONE_SLOT_LATE = ("a decode step that writes the new keys and values one slot too far (from position Tk - Tq "
+                         "+ 1: the slot before them stays empty) and attends the first Tk slots, so query i sees an "
+                         "empty slot and not its own key: write at the step's position, not one past it")
+
+
+def written_one_slot_late(params: AttentionParams, inputs: AttentionInputs) -> AttentionInputs | None:
+    """For a KV-cache call (``inputs.form == "kv_cache"``, bottom-right causal): the call whose reference output is
+    a decode step's that writes its Tq new keys and values one slot past their positions, leaving the slot before
+    them zero, and attends the first Tk slots: query j sees the cached positions, the empty slot and the new keys
+    before its own. None where no call of this layer gives that: another form, other masks, or key/value biases
+    (an empty slot's zeros are then no projection of an input)."""
+    if (inputs.form != "kv_cache" or inputs.key_padding_mask is not None or inputs.attn_mask is not None
+            or params.b_k is not None or params.b_v is not None):
+        return None
+    start = inputs.tk - inputs.tq
+    x = inputs.key
+    shifted = np.concatenate([x[:, :start], np.zeros_like(x[:, :1]), x[:, start:inputs.tk - 1]], axis=1)
+    return inputs.replace(key=shifted, value=shifted)
