@@ -87,9 +87,6 @@ def _spec_module_not_found(info) -> bool:
     return any(f"No module named '{'.'.join(parts[:i])}'" in str(info.reason) for i in range(1, len(parts) + 1))
 
 
-def _resolve(specs) -> list:
-    return [t.backend for t in _resolve_targets(specs)]
-
 
 def _targets(config):
     cached = getattr(config, "_mha_targets", None)
@@ -154,9 +151,10 @@ def parametrize_with_cases(backends, *, cases=None, include_slow: bool = False):
     chosen = select_cases(cases, include_slow=True)
     slow = [pytest.mark.skip(reason="slow case (T = 8192): parametrize_with_cases(..., include_slow=True) runs it")]
     params = []
-    for backend in _resolve(backends if isinstance(backends, (list, tuple)) else [backends]):
+    for target in _resolve_targets(backends if isinstance(backends, (list, tuple)) else [backends]):
+        backend = target.backend
         for case, variant in plan(backend, chosen):
-            bound = CaseVariant(case.name, variant)
+            bound = CaseVariant(case.name, variant, target.repro_spec)  # a repro names an unregistered one's spec
             marks = slow if case.slow and not include_slow else ()
             params.append(pytest.param(backend, bound, id=bound.test_id(backend), marks=marks))
     return pytest.mark.parametrize(("backend", "case"), params)

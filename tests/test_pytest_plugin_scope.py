@@ -130,6 +130,16 @@ def test_parametrize_with_cases_fails_a_broken_backend_with_the_case_message(pyt
     result = pytester.runpytest("-q")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*failed: output vs concat(heads) @ W_o*", "*repro: python -c*"])
+    # a stranger's repro line from parametrize_with_cases named the backend by a name no registry knows: it names
+    # the object's module:object now, and reruns the failure from the test's folder
+    import re
+    import subprocess
+    import sys
+    repro = re.search(r"repro: (python -c '.*')", str(result.stdout))
+    assert repro and "test_broken:Doubled" in repro.group(1), repro
+    rerun = subprocess.run(repro.group(1).replace("python", sys.executable, 1), shell=True, cwd=pytester.path,
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 1 and "RegistryError" not in rerun.stderr, rerun.stderr[-1500:]
 
 
 def test_a_spec_backend_s_repro_under_the_plugin_names_the_spec_and_runs(tmp_path):

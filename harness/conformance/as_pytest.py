@@ -30,9 +30,11 @@ class CaseVariant:
 
     case: str
     params: dict[str, Any] = field(default_factory=dict)
+    #: the ``module:object`` the backend came from when it is not a registered name: its repro line names it
+    spec: str | None = None
 
     def __call__(self, backend: AttentionBackend) -> None:
-        run_as_test(self.case, backend, self.params)
+        run_as_test(self.case, backend, self.params, spec=self.spec)
 
     def test_id(self, backend: AttentionBackend) -> str:
         """``check_<property>[<backend>-<variant>]``, the id the plugin gives the same test."""
