@@ -118,8 +118,31 @@ def check_causal_output_matches_reference(backend, *, form, dtype, alignment, va
     equals the reference: the diagonal is kept, the future removed, and the alignment is the one declared."""
     params = small_layer(backend, bias=True)
     inputs = form_inputs(form, params.config, 2, seq, tk, causal=alignment)
-    return Measurement(max_error=check_against_reference(backend, params, inputs, dtype,
-                                                         what=f"{alignment} causal output"))
+    try:
+        return Measurement(max_error=check_against_reference(backend, params, inputs, dtype,
+                                                             what=f"{alignment} causal output"))
+    except CaseFailure as failure:
+        raise failure.with_hint(_empty_causal_rows_hint(backend, params, inputs, dtype)) from None
+
+
+def _empty_causal_rows_hint(backend, params, inputs, dtype: str) -> str:
+    """A message suffix when the output is NaN on exactly the rows a bottom-right mask leaves without a key (Tq > Tk)
+    and finite elsewhere: the kernel's convention for a row with no key, which the backend can declare; "" otherwise
+    or while a declared convention is verified. Calls the backend once more, on a failure only."""
+    empty = [r for r in range(inputs.tq) if key_limit(inputs.causal, r, inputs.tq, inputs.tk) < 0]
+    if not empty or expected_fully_masked_rows() != "zeros":
+        return ""
+    try:
+        got = np.asarray(run(backend, params, inputs, dtype).output, np.float64)
+    except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
+        return ""
+    nan_rows = np.isnan(got).all(axis=-1)
+    if not (nan_rows[:, empty].all() and np.isfinite(np.delete(got, empty, axis=1)).all()):
+        return ""
+    return (f"; rows {empty[0]}..{empty[-1]} see no key ({inputs.causal}, Tq {inputs.tq} > Tk {inputs.tk}) and output "
+            "NaN, the other rows are finite: a row with no key outputs NaN (softmax of a row of -inf); if that is the "
+            "kernel's convention, declare it: divergences = nan_fully_masked_divergences(\"why\") from "
+            "mha_harness.toolkit.divergences (it covers this variant and the fully-masked-rows case)")
 
 
 @case(requires=("causal", "gradients"), variants=causal_variants, forms=ALL_FORMS)
@@ -141,10 +164,26 @@ def check_causal_jacobian_zero_for_future_inputs(backend, *, form, dtype, alignm
                 b, t, f = np.argwhere(future != 0)[0]
                 shown = INPUT_NAMES[form][name]
                 seen = f"row {rows[0]}" if len(rows) == 1 else f"rows {rows[0]}..{rows[-1]}"
-                raise CaseFailure(f"{alignment} causal leak in gradients: d(output {seen}, which may see keys "
-                                  f"<= {cut})/d{shown} at position {cut + 1 + t} is {future[b, t, f]:.3g} (batch {b}, "
-                                  f"feature {f}); expected exactly 0")
+                what = (f"d(output {seen}, which may see keys <= {cut})/d{shown} at position {cut + 1 + t} is "
+                        f"{future[b, t, f]:.3g} (batch {b}, feature {f}); expected exactly 0")
+                if not np.isfinite(future[b, t, f]):
+                    raise CaseFailure(f"{alignment} causal gradients not finite: {what}"
+                                      f"{_nan_backward_hint(seq, tk, alignment)}")
+                raise CaseFailure(f"{alignment} causal leak in gradients: {what}")
     return Measurement(max_error=0.0)
+
+
+def _nan_backward_hint(tq: int, tk: int, alignment: str) -> str:
+    """Why a causal backward's gradients can be NaN without a leak: rows that see no key (bottom-right, Tq > Tk)
+    whose output is NaN spread NaN through the backward into every key's gradient (0 * NaN), whatever the cotangent;
+    "" when no row is without a key."""
+    empty = [r for r in range(tq) if key_limit(alignment, r, tq, tk) < 0]
+    if not empty:
+        return ""
+    return (f"; rows {empty[0]}..{empty[-1]} see no key: a layer whose rows with no key output NaN (softmax of a row "
+            "of -inf) spreads NaN through its backward into every key's gradient (0 * NaN), which hides whether the "
+            "mask holds there; this case checks a backward whose empty rows give zeros (torch's SDPA kernels do; "
+            "nn.MultiheadAttention takes that path with need_weights=False)")
 
 
 def future_cuts(alignment: str, tq: int, tk: int) -> list[int]:

@@ -254,3 +254,35 @@ def test_a_backward_that_never_reaches_the_parameters_is_named():
     messages = _messages(backend, "check_gradients_match_reference")
     assert messages and all("every parameter's gradient is zero or missing: the backward does not reach the "
                             "parameters" in m for m in messages), messages[:2]
+
+
+def test_nan_in_rows_without_a_key_is_named_as_a_convention_and_its_nan_backward_not_called_a_leak():
+    """A stranger's nn.MultiheadAttention wrapper called with need_weights=True (its default): rows a bottom-right
+    mask leaves without a key (Tq > Tk) output NaN, and the NaN spreads through the backward. The causal output
+    case names the convention and how to declare it; the causal Jacobian case says the gradients are not finite
+    and why, instead of calling the NaN a leak."""
+    pytest.importorskip("torch")
+    from mha_harness.implementations.torch_nn_mha import TorchNnMha, TorchNnMhaLoaded
+
+    class _NeedsWeights(TorchNnMhaLoaded):
+        def forward_tensors(self, q, k, v, inputs, need_weights):
+            out, weights = super().forward_tensors(q, k, v, inputs, True)
+            return out, weights if need_weights else None
+
+    class NnMhaNeedWeights(TorchNnMha):
+        def load_native(self, params, dtype):
+            return _NeedsWeights(self, params, dtype)
+
+    backend = NnMhaNeedWeights()
+    backend.name = "nn-mha-need-weights"
+    report = mha_harness.check(backend, cases=["check_causal_output_matches_reference",
+                                               "check_causal_jacobian_zero_for_future_inputs"], isolate=False)
+    empty = [r for r in report.results if r.params.get("variant") == "rows_without_visible_keys"]
+    output = [r for r in empty if r.case == "check_causal_output_matches_reference"]
+    jacobian = [r for r in empty if r.case == "check_causal_jacobian_zero_for_future_inputs"]
+    assert output and jacobian
+    for r in output:
+        assert r.status == "failed" and "nan_fully_masked_divergences" in r.message, r.message
+    for r in jacobian:
+        assert r.status == "failed" and "gradients not finite" in r.message and "leak" not in r.message.split(";")[0]
+        assert "need_weights=False" in r.message, r.message
