@@ -256,12 +256,9 @@ def test_a_backward_that_never_reaches_the_parameters_is_named():
                             "parameters" in m for m in messages), messages[:2]
 
 
-def test_nan_in_rows_without_a_key_is_named_as_a_convention_and_its_nan_backward_not_called_a_leak():
-    """A stranger's nn.MultiheadAttention wrapper called with need_weights=True (its default): rows a bottom-right
-    mask leaves without a key (Tq > Tk) output NaN, and the NaN spreads through the backward. The causal output
-    case names the convention and how to declare it; the causal Jacobian case says the gradients are not finite
-    and why, instead of calling the NaN a leak."""
-    pytest.importorskip("torch")
+def _nn_mha_needing_weights(divergences=()):
+    """torch-nn-mha called with need_weights=True whatever the case asks (nn.MultiheadAttention's default): its
+    rows with no key output NaN."""
     from mha_harness.implementations.torch_nn_mha import TorchNnMha, TorchNnMhaLoaded
 
     class _NeedsWeights(TorchNnMhaLoaded):
@@ -275,8 +272,19 @@ def test_nan_in_rows_without_a_key_is_named_as_a_convention_and_its_nan_backward
 
     backend = NnMhaNeedWeights()
     backend.name = "nn-mha-need-weights"
-    report = mha_harness.check(backend, cases=["check_causal_output_matches_reference",
-                                               "check_causal_jacobian_zero_for_future_inputs"], isolate=False)
+    backend.divergences = tuple(divergences)
+    return backend
+
+
+def test_nan_in_rows_without_a_key_is_named_as_a_convention_and_its_nan_backward_not_called_a_leak():
+    """A stranger's nn.MultiheadAttention wrapper called with need_weights=True (its default): rows a bottom-right
+    mask leaves without a key (Tq > Tk) output NaN, and the NaN spreads through the backward. The causal output
+    case names the convention and how to declare it; the causal Jacobian case says the gradients are not finite
+    and why, instead of calling the NaN a leak."""
+    pytest.importorskip("torch")
+    report = mha_harness.check(_nn_mha_needing_weights(), cases=["check_causal_output_matches_reference",
+                                                                 "check_causal_jacobian_zero_for_future_inputs"],
+                               isolate=False)
     empty = [r for r in report.results if r.params.get("variant") == "rows_without_visible_keys"]
     output = [r for r in empty if r.case == "check_causal_output_matches_reference"]
     jacobian = [r for r in empty if r.case == "check_causal_jacobian_zero_for_future_inputs"]
@@ -286,3 +294,22 @@ def test_nan_in_rows_without_a_key_is_named_as_a_convention_and_its_nan_backward
     for r in jacobian:
         assert r.status == "failed" and "gradients not finite" in r.message and "leak" not in r.message.split(";")[0]
         assert "need_weights=False" in r.message, r.message
+
+
+def test_declared_masked_poison_and_nan_empty_rows_combine_in_the_causal_leak_case():
+    """The same wrapper declaring both of its behaviours: NaN/inf held by masked keys reaches the output
+    (masked_poison), and rows with no key output NaN. The causal leak case's poisoned variants with rows that see no
+    key failed under the poison declaration ("NaN where no key held NaN/inf": the empty rows); they are verified
+    divergences now, while a stray NaN in a row that sees keys still fails (the masked_poison tests)."""
+    pytest.importorskip("torch")
+    from mha_harness.toolkit.divergences import masked_poison_divergences, nan_fully_masked_divergences
+    declared = (*masked_poison_divergences("0 * NaN in P @ V"),
+                *nan_fully_masked_divergences("softmax of a row of -inf"))
+    report = mha_harness.check(_nn_mha_needing_weights(declared), cases=["check_causal_mask_blocks_future_keys",
+                                                                         "check_causal_output_matches_reference"],
+                               isolate=False)
+    empty = [r for r in report.results if r.params.get("variant") == "rows_without_visible_keys"]
+    poisoned = [r for r in empty if r.params.get("poison") in ("nan", "inf")]
+    assert poisoned and all(r.status == "expected-divergence" for r in poisoned), [r.message for r in poisoned]
+    assert not [r for r in report.results if r.status == "failed"], [r.message for r in report.results
+                                                                        if r.status == "failed"]

@@ -14,7 +14,7 @@ import numpy as np
 
 from mha_harness.bench.calls import backend_arguments, checked_rows, gradient_part
 from mha_harness.bench.metrics import Shape
-from mha_harness.contract.conventions import BOTTOM_RIGHT, EPS, causal_offset, other_alignment
+from mha_harness.contract.conventions import EPS, causal_offset, other_alignment
 from mha_harness.contract.expected import gradient_names, gradient_tolerances, input_gradients, tolerance_for
 from mha_harness.contract.mistakes import (
     WRITTEN_ONE_SLOT_LATE,
@@ -65,7 +65,7 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of 1/sqrt(d_head)")
                    for factor, label in wrong_scales(params.config).items()]
     candidates.append((without_output_projection(params), inputs, "the heads' concatenation: W_o is not applied"))
-    late = written_one_slot_late(params, inputs) if inputs.causal == BOTTOM_RIGHT else None
+    late = written_one_slot_late(params, inputs)
     if late is not None:
         candidates.append((params, late, WRITTEN_ONE_SLOT_LATE))
     found = [what for p, call, what in candidates if matches(p, call)]

@@ -287,14 +287,20 @@ def expected_fully_masked_rows() -> str:
     return FULLY_MASKED_ROWS[empty_rows_convention()]
 
 
-def _accept_masked_poison(loaded, inputs: AttentionInputs, output: np.ndarray, need_weights: bool) -> np.ndarray:
+def _accept_masked_poison(loaded, params: AttentionParams, inputs: AttentionInputs, output: np.ndarray,
+                          need_weights: bool) -> np.ndarray:
     """Under a declared ``masked_poison``: NaN/inf may come out only in batch items where a key/value held
-    NaN/inf; those rows are replaced by the backend's own output with those inputs made finite (zeros), so the
-    case still checks that the masked positions do not leak."""
+    NaN/inf, or in rows with no key to attend at all (their output is the empty-row convention, which the
+    fully-masked-rows and causal output cases hold to the zeros or the declared one); those rows are replaced by the
+    backend's own output with those inputs made finite (zeros), so the case still checks that the masked positions
+    do not leak."""
+    from mha_harness.contract.reference import allowed_and_bias
     key, value = np.asarray(inputs.key, np.float64), np.asarray(inputs.value, np.float64)
     poisoned = ~np.isfinite(key).all(axis=(1, 2)) | ~np.isfinite(value).all(axis=(1, 2))
+    allowed, _ = allowed_and_bias(params, inputs)
+    keyless = np.broadcast_to(~allowed.any(axis=-1).any(axis=1), output.shape[:2])  # (batch, Tq): no key in any head
     bad_rows = ~np.isfinite(output).all(axis=-1)
-    stray = bad_rows & ~poisoned[:, None]
+    stray = bad_rows & ~poisoned[:, None] & ~keyless
     if stray.any():
         b, t = (int(i) for i in np.argwhere(stray)[0])
         raise CaseFailure(f"declared masked_poison (NaN/inf from a masked key/value); got {output[b, t, 0]:.6g} at "
@@ -325,7 +331,7 @@ def run(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInp
         raise CaseFailure(f"output shape: expected {expected}, got {output.shape}")
     output = output.astype(np.float64)
     if _DECLARED.get() == "masked_poison":
-        output = _accept_masked_poison(loaded, inputs, output, need_weights)
+        output = _accept_masked_poison(loaded, params, inputs, output, need_weights)
     weights = None
     if need_weights:
         if out.weights is None:

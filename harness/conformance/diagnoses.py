@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
-from mha_harness.contract.conventions import BOTTOM_RIGHT, causal_offset, other_alignment
+from mha_harness.contract.conventions import causal_offset, other_alignment
 from mha_harness.contract.mistakes import WRITTEN_ONE_SLOT_LATE, written_one_slot_late
 from mha_harness.contract.reference import allowed_and_bias, empty_rows_convention, reference_attention
 
@@ -136,7 +136,7 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
                 if inputs.form == "kv_cache" else "")
         hints.append(f"; the output matches a causal mask that excludes the diagonal (query i cannot see {own_key})"
                      + step)
-    late = written_one_slot_late(params, inputs) if alignment == BOTTOM_RIGHT else None
+    late = written_one_slot_late(params, inputs)
     if late is not None and matches(late):
         hints.append(f"; the output matches {WRITTEN_ONE_SLOT_LATE}")
     other = other_alignment(alignment)

@@ -1,7 +1,7 @@
 """Known mistakes a wrong result is compared with to name it: wrong layers that are the true layer with other
 parameters (a wrong score scale, W_o left out), a decode step that writes its new keys and values one slot too
-far, and a backward that never reaches the parameters. Used by the
-conformance cases' diagnoses and by ``mha-harness bench``'s check of a benchmarked call."""
+far, and a backward that never reaches the parameters. Used by the conformance cases' diagnoses and by
+``mha-harness bench``'s check of a benchmarked call."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,13 +53,14 @@ WRITTEN_ONE_SLOT_LATE = ("a decode step that writes the new keys and values one 
 
 
 def written_one_slot_late(params: AttentionParams, inputs: AttentionInputs) -> AttentionInputs | None:
-    """For a KV-cache call (``inputs.form == "kv_cache"``, bottom-right causal): the call whose reference output is
-    a decode step's that writes its Tq new keys and values one slot past their positions, leaving the slot before
-    them zero, and attends the first Tk slots: query j sees the cached positions, the empty slot and the new keys
-    before its own. None where no call of this layer gives that: another form, other masks, or key/value biases
-    (an empty slot's zeros are then no projection of an input)."""
-    if (inputs.form != "kv_cache" or inputs.key_padding_mask is not None or inputs.attn_mask is not None
-            or params.b_k is not None or params.b_v is not None):
+    """For a causal KV-cache call (``inputs.form == "kv_cache"``; bottom-right, or either alignment at Tq = Tk): the
+    call whose reference output is a decode step's that writes its Tq new keys and values one slot past their
+    positions, leaving the slot before them zero, and attends the first Tk slots: query j sees the cached positions,
+    the empty slot and the new keys before its own. None where no call of this layer gives that: another form or
+    mask, no causal mask, or key/value biases (an empty slot's zeros are then no projection of an input)."""
+    bottom_right = inputs.causal == "bottom-right" or (inputs.causal is not None and inputs.tq == inputs.tk)
+    if (inputs.form != "kv_cache" or not bottom_right or inputs.key_padding_mask is not None
+            or inputs.attn_mask is not None or params.b_k is not None or params.b_v is not None):
         return None
     start = inputs.tk - inputs.tq
     x = inputs.key

@@ -27,8 +27,9 @@ EMPTY_CAUSAL_ROWS = ("check_causal_output_matches_reference", {"variant": "rows_
 def masked_poison_divergences(reason: str, cases: Iterable[str] = POISON_CASES) -> tuple[Divergence, ...]:
     """NaN/inf stored in a masked key/value reaches the output (a dense P @ V computes 0 * NaN = NaN).
 
-    Verified: non-finite output only in batch items whose keys/values held NaN/inf, the right output once they
-    are finite, and the finite-value (``poison="random"``) variant of the case passing."""
+    Verified: non-finite output only in batch items whose keys/values held NaN/inf (or in rows with no key to
+    attend, which follow the empty-row convention), the right output once they are finite, and the finite-value
+    (``poison="random"``) variant of the case passing."""
     return tuple(Divergence(case, "masked_poison", reason, when={"poison": ("nan", "inf")}) for case in cases)
 
 
