@@ -22,6 +22,7 @@ In a test file of your own, the scikit-learn style (like ``parametrize_with_chec
 """
 from __future__ import annotations
 
+import sys
 import types
 
 import pytest
@@ -111,6 +112,42 @@ def pytest_pycollect_makeitem(collector, name, obj):
     if _is_search(obj):  # the search test exists only when --mha-search asks for it
         return list(collector._genfunctions(name, obj)) if collector.config.getoption("--mha-search") else []
     return None
+
+
+#: the user property a failed case variant's report carries its diagnosis under: (backend, case, diagnosis)
+DIAGNOSIS_PROPERTY = "mha_harness_diagnosis"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed case variant's report carries the known mistake its failure matched (a user property, which
+    pytest-xdist sends to the controller too), for the summary; nothing for any other test."""
+    outcome = yield
+    as_pytest = sys.modules.get("mha_harness.conformance.as_pytest")
+    if call.when != "call" or as_pytest is None or not as_pytest.LAST_DIAGNOSIS:
+        return
+    found = as_pytest.LAST_DIAGNOSIS.pop()
+    report = outcome.get_result()
+    if report.failed:
+        report.user_properties.append((DIAGNOSIS_PROPERTY, found))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After a run with failed case variants: per backend, the known mistakes their failures matched, the most
+    often matched first (the line ``mha-harness check`` prints under a FAIL): the first failure pytest shows can be
+    a case whose message has numbers only."""
+    by_backend: dict[str, list] = {}
+    for report in terminalreporter.stats.get("failed", []):
+        for key, value in getattr(report, "user_properties", ()):
+            if key == DIAGNOSIS_PROPERTY:
+                backend, case, diagnosis = value
+                by_backend.setdefault(backend, []).append((case, diagnosis))
+    if not by_backend:
+        return
+    from mha_harness.conformance.report import diagnoses_line
+    terminalreporter.section("mha-harness diagnoses")
+    for backend, failures in by_backend.items():
+        terminalreporter.write_line(f"{backend}: {diagnoses_line(failures)}")
 
 
 def pytest_generate_tests(metafunc):

@@ -163,3 +163,35 @@ def test_a_spec_backend_s_repro_under_the_plugin_names_the_spec_and_runs(tmp_pat
                             timeout=300)
     assert pasted.returncode == 1 and "failed:" in pasted.stdout and "Traceback" not in pasted.stderr, \
         pasted.stdout + pasted.stderr
+
+
+def test_a_run_with_diagnosed_failures_ends_with_the_mistakes_they_match(pytester):
+    """A stranger's pytest run showed each failure's message, but the line `mha-harness check` prints under a FAIL
+    ("diagnosed: ... in N variant(s) of ...") had no pytest equivalent: the first failure shown can be a case whose
+    message has numbers only. The run now ends with that line per backend."""
+    pytester.makepyfile(test_scaled='''
+        from mha_harness import parametrize_with_cases
+        from mha_harness.implementations.mutants import MUTANTS
+        from mha_harness.implementations.mutants.zoo import MutantBackend
+
+        SCALED = MutantBackend(next(m for m in MUTANTS if m.name == "mutant-scale-sqrt-d-model"), weights=False)
+
+
+        @parametrize_with_cases(SCALED, cases=["check_output_matches_reference"])
+        def test_scaled(backend, case):
+            case(backend)
+    ''')
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*mha-harness diagnoses*",
+                                 "mutant-scale-sqrt-d-model: diagnosed: the output matches scores scaled by "
+                                 "1/sqrt(d_model)* - in * variant(s) of check_output_matches_reference*"])
+
+
+def test_the_diagnoses_summary_stays_out_of_other_projects_runs(pytester):
+    pytester.makepyfile(test_plain='''
+        def test_fails():
+            assert 1 == 2
+    ''')
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider")
+    assert result.ret == 1 and "mha-harness diagnoses" not in str(result.stdout)

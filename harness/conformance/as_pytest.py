@@ -6,9 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mha_harness.conformance.casekit import all_cases, variant_id
-from mha_harness.conformance.results import EXPECTED_DIVERGENCE, PASSED, SKIPPED
+from mha_harness.conformance.results import EXPECTED_DIVERGENCE, FAILED, PASSED, SKIPPED
 from mha_harness.conformance.runner import run_case
 from mha_harness.contract.api import AttentionBackend
+
+#: the diagnosis of the failure the current test raised, as (backend, case, diagnosis): read and cleared by the
+#: pytest plugin's report hook, which carries it to the run's "mha-harness diagnoses" summary
+LAST_DIAGNOSIS: list[tuple[str, str, str]] = []
 
 
 def run_as_test(case_name: str, backend: AttentionBackend, params: dict, spec: str | None = None) -> None:
@@ -16,6 +20,8 @@ def run_as_test(case_name: str, backend: AttentionBackend, params: dict, spec: s
     ``module:object`` the backend came from, which its repro line must name (it is not a registered name)."""
     import pytest
     result = run_case(backend, all_cases()[case_name], params, spec=spec)
+    diagnosis = result.extra.get("diagnosis") if result.status == FAILED else None
+    LAST_DIAGNOSIS[:] = [(result.backend, result.case, diagnosis)] if diagnosis else []
     if result.status == SKIPPED:
         pytest.skip(result.message)
     if result.status == EXPECTED_DIVERGENCE:

@@ -56,6 +56,24 @@ class BackendInfo:
     divergences: list = field(default_factory=list)
 
 
+def diagnoses_line(failures) -> str:
+    """One backend's failed variants, as (case, diagnosis or None), summed into the line under its failing cases:
+    the known mistakes they match, the most often matched first, each with the cases it was found in ("diagnosed:
+    ..."); "" when none matched one. Shared by the check summary and the pytest plugin's."""
+    found: dict[str, dict[str, int]] = {}
+    for case, diagnosis in failures:
+        if diagnosis:
+            cases = found.setdefault(diagnosis, {})
+            cases[case] = cases.get(case, 0) + 1
+    if not found:
+        return ""
+    ranked = sorted(found.items(), key=lambda item: -sum(item[1].values()))
+    shown = [f"{clipped(text, DIAGNOSIS_CHARS)} - in {sum(cases.values())} variant(s) of {', '.join(cases)}"
+             for text, cases in ranked[:DIAGNOSES_SHOWN]]
+    more = len(ranked) - DIAGNOSES_SHOWN
+    return "diagnosed: " + "; ".join(shown) + (f"; {more} more in the failures above" if more > 0 else "")
+
+
 @dataclass
 class Report:
     """Results of one conformance run; ``ok`` is True only when the run completed, no backend failed to
@@ -317,19 +335,8 @@ class Report:
         """The known mistakes the failed outputs of ``backend`` match (the diagnoses the failures printed), the most
         often matched first, each with the cases it was found in; "" when no failure matched one. The line under
         the failing cases in the summary: the first failure printed can be a case whose message has numbers only."""
-        found: dict[str, dict[str, int]] = {}
-        for r in self.for_backend(backend):
-            diagnosis = r.extra.get("diagnosis") if r.status == Status.FAILED else None
-            if diagnosis:
-                cases = found.setdefault(diagnosis, {})
-                cases[r.case] = cases.get(r.case, 0) + 1
-        if not found:
-            return ""
-        ranked = sorted(found.items(), key=lambda item: -sum(item[1].values()))
-        shown = [f"{clipped(text, DIAGNOSIS_CHARS)} - in {sum(cases.values())} variant(s) of {', '.join(cases)}"
-                 for text, cases in ranked[:DIAGNOSES_SHOWN]]
-        more = len(ranked) - DIAGNOSES_SHOWN
-        return "diagnosed: " + "; ".join(shown) + (f"; {more} more in the failures above" if more > 0 else "")
+        return diagnoses_line([(r.case, r.extra.get("diagnosis")) for r in self.for_backend(backend)
+                               if r.status == Status.FAILED])
 
     def why_unverified(self, backend: str, declared: dict) -> str:
         """Why a declared divergence was verified on no variant here: its case did not run, no variant of the case
