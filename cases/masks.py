@@ -129,7 +129,7 @@ def _empty_causal_rows_hint(backend, params, inputs, dtype: str) -> str:
     """A message suffix when the output is NaN on exactly the rows a bottom-right mask leaves without a key (Tq > Tk)
     and finite elsewhere: the kernel's convention for a row with no key, which the backend can declare; "" otherwise
     or while a declared convention is verified. Calls the backend once more, on a failure only."""
-    empty = [r for r in range(inputs.tq) if key_limit(inputs.causal, r, inputs.tq, inputs.tk) < 0]
+    empty = _rows_without_keys(inputs.causal, inputs.tq, inputs.tk)
     if not empty or expected_fully_masked_rows() != "zeros":
         return ""
     try:
@@ -177,13 +177,18 @@ def _nan_backward_hint(tq: int, tk: int, alignment: str) -> str:
     """Why a causal backward's gradients can be NaN without a leak: rows that see no key (bottom-right, Tq > Tk)
     whose output is NaN spread NaN through the backward into every key's gradient (0 * NaN), whatever the cotangent;
     "" when no row is without a key."""
-    empty = [r for r in range(tq) if key_limit(alignment, r, tq, tk) < 0]
+    empty = _rows_without_keys(alignment, tq, tk)
     if not empty:
         return ""
     return (f"; rows {empty[0]}..{empty[-1]} see no key: a layer whose rows with no key output NaN (softmax of a row "
             "of -inf) spreads NaN through its backward into every key's gradient (0 * NaN), which hides whether the "
             "mask holds there; this case checks a backward whose empty rows give zeros (torch's SDPA kernels do; "
             "nn.MultiheadAttention takes that path with need_weights=False)")
+
+
+def _rows_without_keys(alignment: str, tq: int, tk: int) -> list[int]:
+    """The query rows the causal mask of ``alignment`` leaves without a key (bottom-right with Tq > Tk)."""
+    return [r for r in range(tq) if key_limit(alignment, r, tq, tk) < 0]
 
 
 def future_cuts(alignment: str, tq: int, tk: int) -> list[int]:
