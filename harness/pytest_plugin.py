@@ -88,7 +88,6 @@ def _spec_module_not_found(info) -> bool:
     return any(f"No module named '{'.'.join(parts[:i])}'" in str(info.reason) for i in range(1, len(parts) + 1))
 
 
-
 def _targets(config):
     cached = getattr(config, "_mha_targets", None)
     if cached is None:
