@@ -43,6 +43,7 @@ from mha_harness.contract.expected import (  # noqa: F401 - part of casekit's AP
 )
 from mha_harness.contract.mistakes import with_score_scale, wrong_scales
 from mha_harness.contract.reference import (
+    allowed_and_bias,
     reference_attention,
 )
 from mha_harness.contract.scoped import scoped
@@ -294,7 +295,6 @@ def _accept_masked_poison(loaded, params: AttentionParams, inputs: AttentionInpu
     fully-masked-rows and causal output cases hold to the zeros or the declared one); those rows are replaced by the
     backend's own output with those inputs made finite (zeros), so the case still checks that the masked positions
     do not leak."""
-    from mha_harness.contract.reference import allowed_and_bias
     key, value = np.asarray(inputs.key, np.float64), np.asarray(inputs.value, np.float64)
     poisoned = ~np.isfinite(key).all(axis=(1, 2)) | ~np.isfinite(value).all(axis=(1, 2))
     allowed, _ = allowed_and_bias(params, inputs)

@@ -93,10 +93,11 @@ def input_gradients(grads: dict, form: str) -> dict:
 
 def gradient_names(params: AttentionParams, inputs: AttentionInputs, form: str) -> list[str]:
     """The gradients a backward of a layer taking ``form`` returns (:func:`input_gradients`' names: one per distinct
-    input, then one per parameter), known before any reference is computed."""
-    per_form = {"self": ["query"], "shared_kv": ["query", "key"],
-                "kv_cache": ["query"] + (["key"] if inputs.tk > inputs.tq else [])}
-    return per_form.get(form, ["query", "key", "value"]) + list(params.arrays())
+    input, then one per parameter), known before any reference is computed: :func:`input_gradients` applied to
+    placeholders of the inputs' lengths."""
+    placeholders = {"query": np.zeros((1, inputs.tq, 1)), "key": np.zeros((1, inputs.tk, 1)),
+                    "value": np.zeros((1, inputs.tk, 1))}
+    return list(input_gradients(placeholders, form)) + list(params.arrays())
 
 
 def gradient_tolerances(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,

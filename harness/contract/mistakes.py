@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
+from mha_harness.contract.conventions import BOTTOM_RIGHT
 
 
 def with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
@@ -58,7 +59,7 @@ def written_one_slot_late(params: AttentionParams, inputs: AttentionInputs) -> A
     positions, leaving the slot before them zero, and attends the first Tk slots: query j sees the cached positions,
     the empty slot and the new keys before its own. None where no call of this layer gives that: another form or
     mask, no causal mask, or key/value biases (an empty slot's zeros are then no projection of an input)."""
-    bottom_right = inputs.causal == "bottom-right" or (inputs.causal is not None and inputs.tq == inputs.tk)
+    bottom_right = inputs.causal == BOTTOM_RIGHT or (inputs.causal is not None and inputs.tq == inputs.tk)
     if (inputs.form != "kv_cache" or not bottom_right or inputs.key_padding_mask is not None
             or inputs.attn_mask is not None or params.b_k is not None or params.b_v is not None):
         return None
