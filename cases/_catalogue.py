@@ -1,6 +1,6 @@
 """What a divergence's ``when`` can match, per case: the parameter keys of its variants and its named variants.
 
-    python -m mha_harness.cases._catalogue      # prints the README table "Case parameters and named variants"
+    python -m mha_harness.cases._catalogue      # prints the table "Case parameters and named variants" of docs/cases.md
 
 Computed from the variant generators on a backend that declares everything (every dtype, gradients, both causal
 alignments, every mask), so the table cannot drift from the code. ``form`` (the input form) is in every variant.

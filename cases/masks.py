@@ -68,7 +68,7 @@ def _poison_verdict(failure: CaseFailure, poison: str, finite_unchanged) -> Case
                        "multiplies the masked weights, exactly 0, by the masked values); the same positions set to "
                        "random finite values leave the output unchanged. Zero the masked values before P @ V, or "
                        "declare the divergence: divergences = masked_poison_divergences(\"why\") from "
-                       "mha_harness.toolkit.divergences (README, 'Good to know'). The strict check said: "
+                       "mha_harness.toolkit.divergences (docs/plugins.md, 'Good to know'). The strict check said: "
                        f"{failure}", failure.max_error)
 
 

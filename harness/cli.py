@@ -575,8 +575,8 @@ def _skip_hint(why: str) -> str:
                 "cache untimed, return the step) around the model's KV-cache step (inputs='kv_cache': "
                 "layer(x_new, cache)) or around the layer as one that takes x_q and x_kv (inputs='shared_kv')")
     if "no decode step" in why:
-        return ("; implement LoadedAttention.prepare_decode_step (README 'A decode step'): the decode workload times "
-                "a step over a cache filled before it")
+        return ("; implement LoadedAttention.prepare_decode_step (docs/plugins.md, 'A decode step'): the decode "
+                "workload times a step over a cache filled before it")
     if "grouped_query" in why:
         return "; leave out --kv-heads (multi-head), or declare grouped_query if the backend supports it"
     if "no biases" in why:

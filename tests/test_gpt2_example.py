@@ -1,5 +1,5 @@
-"""examples/gpt2_plugin: the README's worked torch example is the file, it passes the suite, and the one-word bug
-a stranger made in it (triu for tril) fails with the diagnosis the README quotes."""
+"""examples/gpt2_plugin: the worked torch example of docs/plugins.md is the file, it passes the suite, and the
+one-word bug a stranger made in it (triu for tril) fails with the diagnosis the docs quote."""
 from __future__ import annotations
 
 import importlib.util
@@ -26,8 +26,8 @@ def _module(path: Path, name: str):
     return module
 
 
-def test_the_readme_shows_the_example_file_verbatim():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_show_the_example_file_verbatim():
+    readme = (ROOT / "docs" / "plugins.md").read_text()
     shown = re.search(r"<!-- gpt2-example:start -->\n```python\n(.*?)```\n<!-- gpt2-example:end -->", readme, re.S)
     assert shown and shown.group(1) == EXAMPLE.read_text()
 

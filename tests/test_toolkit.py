@@ -76,10 +76,10 @@ def test_jax_cache_dir_follows_the_environment(monkeypatch):
     assert jax_cache_dir() == "/tmp/x"
 
 
-def test_readme_case_parameter_table_is_the_generated_one():
+def test_docs_case_parameter_table_is_the_generated_one():
     from mha_harness.cases._catalogue import markdown_table
-    readme = (ROOT / "README.md").read_text()
-    assert markdown_table() in readme, "regenerate with: python -m mha_harness.cases._catalogue"
+    page = (ROOT / "docs" / "cases.md").read_text()
+    assert markdown_table() in page, "regenerate with: python -m mha_harness.cases._catalogue"
 
 
 def test_named_variants_replace_shape_numbers_in_builtin_divergences():

@@ -82,7 +82,7 @@ class Capabilities:
     A call in a form the backend does not accept is refused by validation (ValueError naming ``inputs``);
     cases build their inputs in the backend's form, and a case defined only for another form skips naming it.
 
-    Defaults (the table in README "Adding an implementation" says why): ON for what the harness's convention says
+    Defaults (the table in docs/plugins.md says why): ON for what the harness's convention says
     every MHA layer takes -- both causal alignments, key padding, boolean and additive masks, Tq != Tk, biases and
     grouped-query heads -- so a backend that ignores one is caught, and leaving one out is a visible declaration;
     OFF for what needs code beyond ``compute``: ``attention_weights`` (returning per-head weights), ``gradients``

@@ -93,8 +93,8 @@ def function_backend(fn: Callable, *, name: str, inputs: str | None = None, caus
         inputs = _form_from_signature(fn)
     elif inputs not in FORM_ARRAYS:
         extra = (" (a KV-cache step declares only bottom-right causal masking, which a function backend does not "
-                 "offer: subclass AttentionBackend with Capabilities(inputs='kv_cache'), as the README's KV-cache "
-                 "section shows)" if inputs == "kv_cache" else "")
+                 "offer: subclass AttentionBackend with Capabilities(inputs='kv_cache'), as docs/cases.md's "
+                 "'KV-cache layers' shows)" if inputs == "kv_cache" else "")
         raise ValueError(f"inputs: got {inputs!r}; accepted: {', '.join(map(repr, FORM_ARRAYS))} or None "
                          f"(read from fn's signature){extra}")
     if causal not in (True, False, "always"):
