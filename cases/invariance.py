@@ -170,7 +170,7 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
         diagnosis = scale_hint(whole, params, inputs, tol.bound)
         if diagnosis:  # right for another scale: a scale bug (check_scores_scaled_by_sqrt_d_head), no overflow
             raise CaseFailure(f"{failure}{diagnosis}: a scale bug, not an {'underflow' if largest < 0 else 'overflow'}",
-                              failure.max_error) from None
+                              failure.max_error, diagnosis=diagnosis.removeprefix("; ").strip()) from None
         try:
             plain, _, plain_expected, plain_tol = _output_on_rows(backend, ordinary, inputs, dtype, real)
             assert_close(plain, plain_expected, plain_tol, "output with ordinary logits")

@@ -123,7 +123,8 @@ def check_head_split_keeps_features_together(backend, *, form, dtype):
 
 @case(forms=ALL_FORMS)
 def check_output_projection_mixes_heads(backend, *, form, dtype):
-    """The output is concat(heads) @ W_o + b_o with a random W_o, not the bare concatenation: W_o mixes the heads."""
+    """The output is concat(heads) @ W_o + b_o with a random W_o, not the bare concatenation: W_o mixes the heads.
+    Heads that are wrong themselves (a wrong score scale, heads split by tokens) fail it too, named as such."""
     params = short_layer(backend)
     inputs = form_inputs(form, params.config, SHORT_BATCH, SHORT_SEQ)
     no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
@@ -139,7 +140,11 @@ def check_output_projection_mixes_heads(backend, *, form, dtype):
                           max_error=float(np.max(np.abs(got - expected))))
     mixed = concat @ params.W_o + (0 if params.b_o is None else params.b_o)
     assert_close(got, mixed, tol, "output vs concat(heads) @ W_o")
-    return Measurement(max_error=assert_close(got, expected, tol, "output projection"))
+    try:
+        return Measurement(max_error=assert_close(got, expected, tol, "output projection"))
+    except CaseFailure as failure:  # W_o mixes the heads as it should, but the heads are wrong: say how, if known
+        hint = scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
+        raise failure.with_hint(hint) from None
 
 
 def _count_variants(backend):

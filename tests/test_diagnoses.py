@@ -90,8 +90,15 @@ def _messages(backend, case):
      "the heads merged without the transpose back"),
     (_backend("scaled-by-d-model", _ScaledByDModel), "check_scores_scaled_by_sqrt_d_head",
      "scores scaled by 1/d_model instead of 1/sqrt(d_head)"),
+    # W_o mixes the heads right, the heads are wrong: the W_o case says why, not numbers only (a stranger's ViT
+    # block with 1/sqrt(d_model) read its failure as a W_o bug)
+    (_backend("scaled-by-d-model", _ScaledByDModel), "check_output_projection_mixes_heads",
+     "scores scaled by 1/d_model instead of 1/sqrt(d_head)"),
+    (_backend("split-tokens-in", _SplitTokensOnTheWayIn), "check_output_projection_mixes_heads",
+     "'split tokens instead of features' mistake on the way in only"),
 ], ids=["softmax-axis", "no-w-o", "split-tokens", "padding-polarity", "heads-feature-major",
-        "split-tokens-in-head-split", "split-tokens-in-grid", "merged-without-transpose", "scale-1-over-d-model"])
+        "split-tokens-in-head-split", "split-tokens-in-grid", "merged-without-transpose", "scale-1-over-d-model",
+        "scale-in-w-o-case", "split-tokens-in-w-o-case"])
 def test_the_failure_names_the_wrong_layer_it_matches(backend, case, named):
     messages = _messages(backend, case)
     assert messages and all(named in m for m in messages), [m for m in messages if named not in m][:2]
@@ -179,6 +186,8 @@ def test_one_query_against_two_keys_names_both_mistakes_it_cannot_tell_apart():
 
 @pytest.mark.parametrize("loaded, case, named", [
     (_ScaledByDModel, "check_scores_scaled_by_sqrt_d_head", "scores scaled by 1/d_model"),
+    (_ScaledByDModel, "check_output_projection_mixes_heads", "scores scaled by 1/d_model"),
+    (_ScaledByDModel, "check_large_logits_stay_finite_and_correct", "scores scaled by 1/d_model"),
     (_SplitTokensOnTheWayIn, "check_head_split_keeps_features_together", "on the way in only"),
     (_SplitTokensOnTheWayIn, "check_heads_are_separated", "on the way in only"),
     (_PaddingReadInverted, "check_padding_mask_output_matches_reference", "opposite polarity"),
@@ -313,3 +322,25 @@ def test_declared_masked_poison_and_nan_empty_rows_combine_in_the_causal_leak_ca
     assert poisoned and all(r.status == "expected-divergence" for r in poisoned), [r.message for r in poisoned]
     assert not [r for r in report.results if r.status == "failed"], [r.message for r in report.results
                                                                         if r.status == "failed"]
+
+
+def test_causal_mask_mistakes_are_plain_calls_with_the_masks_they_name():
+    """The candidate calls check's diagnoses and bench's wrong-output check both compare with: each carries the mask
+    its name says and no causal mask of its own, also where every call is implicitly causal (always_causal)."""
+    from mha_harness.contract.api import implicitly_causal
+    from mha_harness.contract.mistakes import causal_mask_mistakes
+    rng = np.random.default_rng(0)
+    q, kv = rng.standard_normal((1, 3, 4)), rng.standard_normal((1, 5, 4))
+    call = AttentionInputs(q, kv, kv, causal="bottom-right")  # offset 2: query i sees keys up to i + 2
+    with implicitly_causal("bottom-right"):
+        got = causal_mask_mistakes(call)
+    assert list(got) == ["not_applied", "other_alignment", "one_key_too_wide", "reversed", "no_diagonal"]
+    assert got["other_alignment"].causal == "top-left"
+    assert all(c.causal is None for name, c in got.items() if name != "other_alignment")
+    assert got["not_applied"].attn_mask is None
+    np.testing.assert_array_equal(got["one_key_too_wide"].attn_mask, np.tri(3, 5, k=3, dtype=bool))
+    np.testing.assert_array_equal(got["reversed"].attn_mask, ~np.tri(3, 5, k=1, dtype=bool))
+    np.testing.assert_array_equal(got["no_diagonal"].attn_mask, np.tri(3, 5, k=1, dtype=bool))
+    square = AttentionInputs(q, q, q, causal="top-left", attn_mask=np.ones((3, 3), bool))
+    assert list(causal_mask_mistakes(square)) == ["not_applied"]  # no alignment to swap, a mask of its own
+    assert causal_mask_mistakes(AttentionInputs(q, q, q)) == {}

@@ -444,7 +444,8 @@ def test_a_causal_case_on_a_backend_without_causal_names_the_missing_capability(
 
     report = mha_harness.check(NoCausal(), cases=["check_causal_mask_blocks_future_keys"])
     assert report.results and all(r.status == "skipped" for r in report.results)
-    assert all("does not declare capability 'causal'" in r.message for r in report.results), report.results[0].message
+    assert all("does not declare capability 'causal': it declares no causal mask (Capabilities.causal_alignments=())"
+               in r.message for r in report.results), report.results[0].message
 
 
 def test_a_float64_run_computed_in_float32_fails_saying_so_and_naming_the_declaration():

@@ -14,10 +14,11 @@ import numpy as np
 
 from mha_harness.bench.calls import backend_arguments, checked_rows, gradient_part
 from mha_harness.bench.metrics import Shape
-from mha_harness.contract.conventions import EPS, causal_offset, other_alignment
+from mha_harness.contract.conventions import EPS, other_alignment
 from mha_harness.contract.expected import gradient_names, gradient_tolerances, input_gradients, tolerance_for
 from mha_harness.contract.mistakes import (
     WRITTEN_ONE_SLOT_LATE,
+    causal_mask_mistakes,
     frozen_parameters_hint,
     with_score_scale,
     without_output_projection,
@@ -82,21 +83,13 @@ def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
     mask."""
     if inputs.causal is None:
         return []
-    unmasked = inputs.replace(causal=None)
-    mistakes = [(unmasked, f"the same call without its causal mask ({inputs.causal}): the {what} does not apply it")]
-    if inputs.tq != inputs.tk:
-        other = other_alignment(inputs.causal)
-        mistakes.append((inputs.replace(causal=other), f"the {other} causal alignment instead of {inputs.causal}"))
-    if inputs.attn_mask is None:
-        offset, tq, tk = causal_offset(inputs.causal, inputs.tq, inputs.tk), inputs.tq, inputs.tk
-        mistakes += [
-            (unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool)),
-             "a causal mask one key too wide (query i also sees key i + 1: tril(1) where tril belongs)"),
-            (unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool)),
-             "a reversed causal mask (query i sees key i and every later key: triu where tril belongs)"),
-            (unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool)),
-             "a causal mask that excludes the diagonal (query i cannot see its own key)")]
-    return mistakes
+    words = {"not_applied": f"the same call without its causal mask ({inputs.causal}): the {what} does not apply it",
+             "other_alignment": f"the {other_alignment(inputs.causal)} causal alignment instead of {inputs.causal}",
+             "one_key_too_wide": "a causal mask one key too wide (query i also sees key i + 1: tril(1) where tril "
+                                 "belongs)",
+             "reversed": "a reversed causal mask (query i sees key i and every later key: triu where tril belongs)",
+             "no_diagonal": "a causal mask that excludes the diagonal (query i cannot see its own key)"}
+    return [(call, words[name]) for name, call in causal_mask_mistakes(inputs).items()]
 
 
 def _where_to_look(shape: Shape) -> str:

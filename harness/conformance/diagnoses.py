@@ -11,7 +11,7 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
 from mha_harness.contract.conventions import causal_offset, other_alignment
-from mha_harness.contract.mistakes import WRITTEN_ONE_SLOT_LATE, written_one_slot_late
+from mha_harness.contract.mistakes import WRITTEN_ONE_SLOT_LATE, causal_mask_mistakes, written_one_slot_late
 from mha_harness.contract.reference import allowed_and_bias, empty_rows_convention, reference_attention
 
 
@@ -114,23 +114,19 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if alignment is None:
         return ""
 
-    def matches(other: AttentionInputs) -> bool:
-        return _matches(got, params, other)
-    offset = causal_offset(alignment, tq, tk)
-    with implicitly_causal(None):  # the unmasked call, also for a backend that declares always_causal
-        unmasked = inputs.replace(causal=None)
-        next_key = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool))
-        reversed_mask = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool))
-    if unmasked.attn_mask is None and matches(unmasked):
+    def matches(other: AttentionInputs | None) -> bool:
+        return other is not None and _matches(got, params, other)
+    mistake = causal_mask_mistakes(inputs)
+    if inputs.attn_mask is None and matches(mistake.get("not_applied")):
         return "; the output matches attention without a causal mask: the mask is not applied"
-    if unmasked.attn_mask is None and matches(reversed_mask):
+    if matches(mistake.get("reversed")):
         return ("; the output matches a reversed causal mask: query i sees key i and every later key (the future) "
                 "instead of the keys up to i (triu where tril belongs: torch.triu, np.triu or jnp.triu)")
-    if unmasked.attn_mask is None and matches(next_key):
+    if matches(mistake.get("one_key_too_wide")):
         return "; the output matches a causal mask one key too wide (query i also sees key i + 1)"
     hints = []  # at some shapes (one query against two keys) these two give the same output: both are named
-    no_diagonal = ~np.eye(tq, tk, k=offset, dtype=bool)
-    if inputs.attn_mask is None and matches(inputs.replace(attn_mask=no_diagonal)):
+    if matches(mistake.get("no_diagonal")):
+        offset = causal_offset(alignment, tq, tk)
         own_key = "key i" if offset == 0 else f"its own key, key i + {offset}"
         step = (" (a step that attends to the cache before it writes the new tokens' keys and values)"
                 if inputs.form == "kv_cache" else "")
@@ -140,7 +136,7 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if late is not None and matches(late):
         hints.append(f"; the output matches {WRITTEN_ONE_SLOT_LATE}")
     other = other_alignment(alignment)
-    if tq != tk and matches(inputs.replace(causal=other)):
+    if matches(mistake.get("other_alignment")):
         hints.append(f"; the output matches {other} alignment instead")
     return _together(hints)
 

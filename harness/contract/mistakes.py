@@ -1,13 +1,13 @@
 """Known mistakes a wrong result is compared with to name it: wrong layers that are the true layer with other
-parameters (a wrong score scale, W_o left out), a decode step that writes its new keys and values one slot too
-far, and a backward that never reaches the parameters. Used by the conformance cases' diagnoses and by
-``mha-harness bench``'s check of a benchmarked call."""
+parameters (a wrong score scale, W_o left out), calls with a wrong causal mask, a decode step that writes its new
+keys and values one slot too far, and a backward that never reaches the parameters. Used by the conformance
+cases' diagnoses and by ``mha-harness bench``'s check of a benchmarked call."""
 from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
-from mha_harness.contract.conventions import BOTTOM_RIGHT
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, implicitly_causal
+from mha_harness.contract.conventions import BOTTOM_RIGHT, causal_offset, other_alignment
 
 
 def with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
@@ -35,6 +35,30 @@ def without_output_projection(params: AttentionParams) -> AttentionParams:
     layer's output: num_heads * d_head = d_model)."""
     return params.replace(W_o=np.eye(params.config.d_model, dtype=params.W_o.dtype),
                           b_o=None if params.b_o is None else np.zeros_like(params.b_o))
+
+
+def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
+    """For a causal call ``inputs``: the calls whose reference outputs are the common causal-mask mistakes, by name.
+    ``"not_applied"``: the same call without its causal mask; ``"other_alignment"`` (Tq != Tk only): the other
+    alignment; and, where the call has no ``attn_mask`` of its own to combine with, ``"one_key_too_wide"`` (query i
+    also sees key i + 1), ``"reversed"`` (query i sees key i and every later key: triu where tril belongs) and
+    ``"no_diagonal"`` (query i cannot see its own key), as boolean masks offset like the call's alignment. Empty
+    without a causal mask. The calls carry no causal mask of their own, also for a backend that declares
+    ``always_causal`` (they are made outside its implicit causal mask)."""
+    if inputs.causal is None:
+        return {}
+    tq, tk = inputs.tq, inputs.tk
+    offset = causal_offset(inputs.causal, tq, tk)
+    with implicitly_causal(None):
+        unmasked = inputs.replace(causal=None)
+        calls = {"not_applied": unmasked}
+        if tq != tk:
+            calls["other_alignment"] = inputs.replace(causal=other_alignment(inputs.causal))
+        if inputs.attn_mask is None:
+            calls["one_key_too_wide"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool))
+            calls["reversed"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool))
+            calls["no_diagonal"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool))
+    return calls
 
 
 def frozen_parameters_hint(gradients: dict, params: AttentionParams) -> str:
