@@ -344,3 +344,23 @@ def test_causal_mask_mistakes_are_plain_calls_with_the_masks_they_name():
     square = AttentionInputs(q, q, q, causal="top-left", attn_mask=np.ones((3, 3), bool))
     assert list(causal_mask_mistakes(square)) == ["not_applied"]  # no alignment to swap, a mask of its own
     assert causal_mask_mistakes(AttentionInputs(q, q, q)) == {}
+
+
+def test_a_mistake_that_leaves_this_input_unchanged_is_not_named_beside_the_one_that_fits():
+    """A stranger's cross-attention layer read its keep-mask inverted; the search shrank it to an input with nothing
+    padded and nearly equal scores, where the failure (5e-5) is below the diagnoses' margin (1e-3): "the mask is not
+    applied" and "the mask applied after the softmax", whose outputs there are the correct one, were named beside the
+    inverted polarity. Only a mistake that explains the output better than the correct layer is named."""
+    from mha_harness.conformance.diagnoses import mask_mistake
+    from mha_harness.contract.reference import empty_rows_as
+    config = AttentionConfig(1, 1)
+    params = make_params(config, seed=0, scale=0.05)  # nearly equal scores: every key's weight near 1/2
+    x = np.random.default_rng(1).standard_normal((1, 2, 1))
+    inputs = AttentionInputs(x, x, x, key_padding_mask=np.zeros((1, 2), bool))  # nothing padded
+    with empty_rows_as("uniform_average"):  # the layer masks with the most negative finite value, as declared
+        got = reference_attention(params, inputs.replace(key_padding_mask=~inputs.key_padding_mask)).output
+        error = float(np.max(np.abs(got - reference_attention(params, inputs).output)))
+        assert 0 < error < 1e-3  # a failure smaller than the margin: the case the rule is for
+        hint = mask_mistake(got, params, inputs)
+    assert "opposite polarity" in hint and "cannot tell" not in hint, hint
+    assert "not applied" not in hint and "after the softmax" not in hint, hint

@@ -19,6 +19,7 @@ from mha_harness.contract.expected import gradient_names, gradient_tolerances, i
 from mha_harness.contract.mistakes import (
     WRITTEN_ONE_SLOT_LATE,
     causal_mask_mistakes,
+    explains,
     frozen_parameters_hint,
     with_score_scale,
     without_output_projection,
@@ -57,11 +58,14 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     ``max(10 * bound, 1e-3)`` (the conformance diagnoses' margin), as a message suffix; "" when none: the causal
     mask not applied, the other causal alignment (Tq != Tk), a causal mask one key too wide, reversed or without
     its diagonal, a common wrong score scale, W_o left out, a decode step's new keys and values written one slot too
-    far; every one that matches (a decode step's one query against a long cache can match two)."""
+    far; every one that matches and explains ``got`` better than the correct layer
+    (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match two)."""
     margin = max(10 * bound, 1e-3)
+    truth = reference_attention(params, inputs, rows=rows).output
 
     def matches(p, call) -> bool:
-        return float(np.max(np.abs(got - reference_attention(p, call, rows=rows).output))) <= margin
+        wrong = reference_attention(p, call, rows=rows).output
+        return float(np.max(np.abs(got - wrong))) <= margin and explains(got, wrong, truth)
     candidates = [(params, call, what) for call, what in _causal_mask_mistakes(inputs, "call")]
     candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of 1/sqrt(d_head)")
                    for factor, label in wrong_scales(params.config).items()]

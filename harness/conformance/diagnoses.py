@@ -4,14 +4,24 @@ padding mask along the query axis or not applied, one of two masks dropped, mask
 split by tokens instead of features (on the way in, out, or both), heads concatenated feature-major, grouped-query
 key/value heads tiled, a softmax over the queries, no output projection, a KV-cache step's new keys put before the
 cached ones. The rows a wrong call leaves without a key are compared under the empty-row convention the backend's
-output follows there (zeros, or the uniform average of V or NaN that a ``fully_masked_rows`` divergence declares)."""
+output follows there (zeros, or the uniform average of V or NaN that a ``fully_masked_rows`` divergence declares).
+A mistake is named only where it explains the output better than the correct layer does
+(:func:`~mha_harness.contract.mistakes.explains`)."""
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
 from mha_harness.contract.conventions import causal_offset, other_alignment
-from mha_harness.contract.mistakes import WRITTEN_ONE_SLOT_LATE, causal_mask_mistakes, written_one_slot_late
+from mha_harness.contract.mistakes import (
+    WRITTEN_ONE_SLOT_LATE,
+    causal_mask_mistakes,
+    explains,
+    written_one_slot_late,
+)
 from mha_harness.contract.reference import allowed_and_bias, empty_rows_convention, reference_attention
 
 
@@ -59,8 +69,17 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     return merged @ params.W_o + (0.0 if params.b_o is None else params.b_o)
 
 
+def _truth(params: AttentionParams, inputs: AttentionInputs, weights: bool = False) -> Callable[[], np.ndarray]:
+    """The correct call's float64 output (with ``weights``: per-head weights), computed on first use only."""
+    @functools.cache
+    def compute() -> np.ndarray:
+        out = reference_attention(params, inputs, need_weights=weights)
+        return out.weights if weights else out.output
+    return compute
+
+
 def _matches(got: np.ndarray, params: AttentionParams, call: AttentionInputs, rows=None, atol: float = 1e-3,
-             weights: bool = False) -> bool:
+             weights: bool = False, truth: Callable[[], np.ndarray] | None = None) -> bool:
     """Whether ``got`` (on ``rows`` of (batch, Tq) if given) is, within ``atol``, the reference output of the wrong
     ``call`` (with ``weights``: its per-head weights (batch, heads, Tq, Tk), on whole arrays), with the rows that
     ``call``'s masks leave without a key under the empty-row convention the backend follows there: the reference's
@@ -68,7 +87,8 @@ def _matches(got: np.ndarray, params: AttentionParams, call: AttentionInputs, ro
     NaN where it has NaN, the uniform average of V where it is finite. So a backend that declares
     ``fully_masked_rows:uniform_average`` (flax, jax.nn.dot_product_attention) or ``:nan`` is diagnosed like one that
     gives zeros: a wrong mask that hides every key of a row shows its convention there, not zeros. NaN outside those
-    rows, or inf, matches nothing and costs no reference."""
+    rows, or inf, matches nothing and costs no reference. With ``truth`` (the correct call's output, :func:`_truth`)
+    the wrong call must also explain ``got`` better than it (:func:`~mha_harness.contract.mistakes.explains`)."""
     def pick(a: np.ndarray) -> np.ndarray:
         return a if rows is None else a[rows]
     compared = pick(np.asarray(got, np.float64))
@@ -84,9 +104,10 @@ def _matches(got: np.ndarray, params: AttentionParams, call: AttentionInputs, ro
         in_force = empty_rows_convention()
         conventions = sorted(("zeros", "uniform_average"), key=lambda c: c != in_force)[:2 if empty.any() else 1]
     for convention in conventions:
-        wrong = reference_attention(params, call, need_weights=weights, empty_rows=convention)
-        if np.allclose(compared, pick(wrong.weights if weights else wrong.output), atol=atol, equal_nan=True):
-            return True
+        out = reference_attention(params, call, need_weights=weights, empty_rows=convention)
+        wrong = pick(out.weights if weights else out.output)
+        if np.allclose(compared, wrong, atol=atol, equal_nan=True):
+            return truth is None or explains(compared, wrong, pick(truth()))
     return False
 
 
@@ -99,7 +120,8 @@ def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionI
     wrong = wrong_layer_output(params, inputs, mask_after_softmax=True)
     if rows is not None:
         wrong = wrong[rows]
-    if np.allclose(got, wrong, atol=1e-4, rtol=1e-4):
+    truth = reference_attention(params, inputs).output
+    if np.allclose(got, wrong, atol=1e-4, rtol=1e-4) and explains(got, wrong, truth if rows is None else truth[rows]):
         return ("; the output matches the mask applied after the softmax without renormalising (masked keys still "
                 "enter the softmax denominator)")
     return ""
@@ -114,8 +136,10 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if alignment is None:
         return ""
 
+    truth = _truth(params, inputs)
+
     def matches(other: AttentionInputs | None) -> bool:
-        return other is not None and _matches(got, params, other)
+        return other is not None and _matches(got, params, other, truth=truth)
     mistake = causal_mask_mistakes(inputs)
     if inputs.attn_mask is None and matches(mistake.get("not_applied")):
         return "; the output matches attention without a causal mask: the mask is not applied"
@@ -159,8 +183,9 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     if not candidates or (len(candidates) == 1 and inputs.key_padding_mask is None):
         return ""
     ending = "that mask is dropped when combined" if len(candidates) > 1 else "the mask is not applied"
+    truth = _truth(params, inputs)
     for label, other in candidates:
-        if _matches(got, params, other, rows):
+        if _matches(got, params, other, rows, truth=truth):
             return f"; the output matches the same call without {label}: {ending}"
     return ""
 
@@ -202,8 +227,14 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
     candidates.append(("concat(heads) without the output projection W_o (and b_o): W_o is missing",
                        lambda: reference_attention(params.replace(W_o=np.eye(c.d_model), b_o=no_bias), inputs).output))
-    return _together([f"; the output matches {label}" for label, output in candidates
-                      if np.max(np.abs(got - output())) <= max(10 * bound, 1e-4)])
+    truth = reference_attention(params, inputs).output
+    margin = max(10 * bound, 1e-4)
+    found = []
+    for label, output in candidates:
+        wrong = output()
+        if np.max(np.abs(got - wrong)) <= margin and explains(got, wrong, truth):
+            found.append(f"; the output matches {label}")
+    return _together(found)
 
 
 def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
@@ -220,8 +251,9 @@ def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     if inputs.attn_mask is not None and inputs.attn_mask.dtype == np.bool_:
         candidates.append(("INVERTED mask (True read as 'masked out'): mask polarity is reversed",
                            inputs.replace(attn_mask=~inputs.attn_mask)))
+    truth = _truth(params, inputs, weights)
     for label, inverted in candidates:
-        if _matches(got, params, inverted, rows, weights=weights):
+        if _matches(got, params, inverted, rows, weights=weights, truth=truth):
             return f"; the {'weights match' if weights else 'output matches'} the {label}"
     return ""
 
@@ -236,6 +268,7 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     if kpm is None or inputs.tq != inputs.tk or not kpm.any():
         return ""
     got = np.asarray(got, np.float64)
+    whole = _truth(params, inputs)
     for b in range(inputs.batch):
         row_allowed = np.broadcast_to(~kpm[b][:, None], (inputs.tq, inputs.tk))
         mask = inputs.attn_mask
@@ -247,7 +280,8 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
             mask = np.where(row_allowed, mask, -np.inf)
         call = inputs.replace(query=inputs.query[b:b + 1], key=inputs.key[b:b + 1], value=inputs.value[b:b + 1],
                               key_padding_mask=None, attn_mask=mask)
-        if not _matches(got[b:b + 1], params, call, None if rows is None else rows[b:b + 1]):
+        if not _matches(got[b:b + 1], params, call, None if rows is None else rows[b:b + 1],
+                        truth=lambda b=b: whole()[b:b + 1]):
             return ""
     return ("; the output matches key_padding_mask applied along the query axis instead of the key axis (padded "
             "positions' queries see no key, the others see the padded keys too: mask[:, None, :, None] where "
@@ -261,7 +295,7 @@ def cache_order_hint(got: np.ndarray, params: AttentionParams, inputs: Attention
         return ""
     start = inputs.tk - inputs.tq
     reordered = np.concatenate([inputs.key[:, start:], inputs.key[:, :start]], axis=1)
-    if _matches(got, params, inputs.replace(key=reordered, value=reordered)):
+    if _matches(got, params, inputs.replace(key=reordered, value=reordered), truth=_truth(params, inputs)):
         return ("; the output matches the new keys and values put before the cached ones (the step concatenates "
                 "[new, cached]): append them after the cache")
     return ""

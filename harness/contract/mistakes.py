@@ -10,6 +10,25 @@ from mha_harness.contract.api import AttentionConfig, AttentionInputs, Attention
 from mha_harness.contract.conventions import BOTTOM_RIGHT, causal_offset, other_alignment
 
 
+def distance(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest absolute difference of two arrays of one shape, NaN where both hold NaN counting as equal; inf
+    where only one holds NaN or inf."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    both_nan = np.isnan(a) & np.isnan(b)
+    diff = np.abs(np.where(both_nan, 0.0, a - b))
+    diff[~both_nan & ~np.isfinite(diff)] = np.inf
+    return float(diff.max(initial=0.0))
+
+
+def explains(got: np.ndarray, wrong: np.ndarray, truth: np.ndarray) -> bool:
+    """Whether a known mistake's output ``wrong`` explains a failed output ``got`` better than the correct output
+    ``truth`` does: less than half as far from it. A diagnosis compares with a margin wider than the failed
+    bound (float noise of the mistake's own path), so where a failure is smaller than that margin every mistake
+    that leaves this input's output unchanged (a padding mask not applied where nothing is padded) is within it too,
+    yet cannot be what differs; this keeps those out."""
+    return distance(got, wrong) < 0.5 * distance(got, truth)
+
+
 def with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
     """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
     b_q = None if params.b_q is None else params.b_q * factor
