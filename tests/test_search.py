@@ -52,6 +52,9 @@ def test_search_finds_a_mutant_and_shrinks_it_to_a_tiny_example(name, needs, tmp
     assert needs(e), outcome.lines()
     saved = load_regression(outcome.saved)
     assert saved["example"] == e and saved["backend"] == name and saved["repro"] == outcome.repro
+    # the folder the pytest route replays it from: the one that holds a folder per backend (a stranger pointed
+    # MHA_HARNESS_SEARCH_DIR at the --results folder and saw the regression skipped)
+    assert f"MHA_HARNESS_SEARCH_DIR={tmp_path / 'search'})" in outcome.lines()[-1], outcome.lines()[-1]
 
 
 def test_printed_repro_runs_when_pasted_into_bash(tmp_path):

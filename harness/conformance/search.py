@@ -23,7 +23,14 @@ from typing import Any
 from mha_harness.conformance.casekit import CaseFailure, CaseSkipped
 from mha_harness.conformance.isolation import Target, WorkerTransport, unsendable
 from mha_harness.conformance.proxy import BackendProxy, WorkerLost
-from mha_harness.conformance.search_examples import check_example, example_id, repro_line, save_regression, search_dir
+from mha_harness.conformance.search_examples import (
+    SEARCH_DIR_ENV,
+    check_example,
+    example_id,
+    repro_line,
+    save_regression,
+    search_dir,
+)
 from mha_harness.contract.api import Unsupported
 
 MUTANT_SPEC = "mha_harness.implementations.mutants:mutant_backends"
@@ -65,8 +72,12 @@ class SearchOutcome:
             return [f"{head}: no failure"]
         if self.example is None:  # nothing to shrink or replay: the message says why
             return [f"{head}: FAILED", f"  {self.message[:600]}"]
+        saved = []
+        if self.saved:  # <search dir>/<backend>/<id>.json: the folder the pytest route must be pointed at
+            saved = [f"  saved: {self.saved} (replayed by `mha-harness check` with the same --results, and by the "
+                     f"pytest route with {SEARCH_DIR_ENV}={Path(self.saved).parent.parent})"]
         return [f"{head}: FAILED", f"  {self.message[:600]}", f"  minimal example: {describe(self.example)}",
-                f"  repro: {self.repro}"] + ([f"  saved: {self.saved}"] if self.saved else [])
+                f"  repro: {self.repro}"] + saved
 
 
 def describe(example: dict[str, Any] | None) -> str:
