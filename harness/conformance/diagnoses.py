@@ -70,7 +70,8 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
 
 
 def _truth(params: AttentionParams, inputs: AttentionInputs, weights: bool = False) -> Callable[[], np.ndarray]:
-    """The correct call's float64 output (with ``weights``: per-head weights), computed on first use only."""
+    """The correct call's float64 output (with ``weights``: per-head weights), computed on first use only; the hints
+    take it as ``truth`` so that :func:`mask_mistake` computes it once for all of them."""
     @functools.cache
     def compute() -> np.ndarray:
         out = reference_attention(params, inputs, need_weights=weights)
@@ -111,7 +112,8 @@ def _matches(got: np.ndarray, params: AttentionParams, call: AttentionInputs, ro
     return False
 
 
-def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
+def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
+                    truth: Callable[[], np.ndarray] | None = None) -> str:
     """A message suffix when ``got`` matches the mask-after-softmax mistake (on ``rows`` of (batch, Tq) if given)."""
     if rows is not None:
         got = got[rows]
@@ -120,14 +122,17 @@ def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionI
     wrong = wrong_layer_output(params, inputs, mask_after_softmax=True)
     if rows is not None:
         wrong = wrong[rows]
-    truth = reference_attention(params, inputs).output
-    if np.allclose(got, wrong, atol=1e-4, rtol=1e-4) and explains(got, wrong, truth if rows is None else truth[rows]):
+    if np.allclose(got, wrong, atol=1e-4, rtol=1e-4):
+        correct = (truth or _truth(params, inputs))()
+        if not explains(got, wrong, correct if rows is None else correct[rows]):
+            return ""
         return ("; the output matches the mask applied after the softmax without renormalising (masked keys still "
                 "enter the softmax denominator)")
     return ""
 
 
-def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs) -> str:
+def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs,
+                truth: Callable[[], np.ndarray] | None = None) -> str:
     """A message suffix naming the causal-mask mistake a causal call's output ``got`` matches: the other alignment
     (Tq != Tk), a mask without the diagonal, no mask at all, a reversed mask (the future instead of the past), or a
     mask one key too wide; "" when none. Rows a candidate leaves without a key are compared under the backend's
@@ -136,7 +141,7 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if alignment is None:
         return ""
 
-    truth = _truth(params, inputs)
+    truth = truth or _truth(params, inputs)
 
     def matches(other: AttentionInputs | None) -> bool:
         return other is not None and _matches(got, params, other, truth=truth)
@@ -165,7 +170,8 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     return _together(hints)
 
 
-def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
+def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
+                      truth: Callable[[], np.ndarray] | None = None) -> str:
     """A message suffix naming the one mask that a call with several masks behaves as if it had dropped, or a lone
     key padding mask as not applied: ``got`` matches the reference of the same call without that mask (on ``rows`` of
     (batch, Tq) if given; rows left without a key under the backend's empty-row convention, :func:`_matches`); ""
@@ -183,7 +189,7 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     if not candidates or (len(candidates) == 1 and inputs.key_padding_mask is None):
         return ""
     ending = "that mask is dropped when combined" if len(candidates) > 1 else "the mask is not applied"
-    truth = _truth(params, inputs)
+    truth = truth or _truth(params, inputs)
     for label, other in candidates:
         if _matches(got, params, other, rows, truth=truth):
             return f"; the output matches the same call without {label}: {ending}"
@@ -238,7 +244,7 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
 
 
 def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
-                  weights: bool = False) -> str:
+                  weights: bool = False, truth: Callable[[], np.ndarray] | None = None) -> str:
     """A message suffix when ``got`` matches the call with its key_padding_mask or bool attn_mask inverted (read as
     the opposite convention); on ``rows`` of (batch, Tq) if given; with ``weights``, ``got`` is the per-head
     weights (batch, heads, Tq, Tk) (a masked entry that is not 0); "" when neither. The inverted mask hides every key
@@ -251,14 +257,15 @@ def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     if inputs.attn_mask is not None and inputs.attn_mask.dtype == np.bool_:
         candidates.append(("INVERTED mask (True read as 'masked out'): mask polarity is reversed",
                            inputs.replace(attn_mask=~inputs.attn_mask)))
-    truth = _truth(params, inputs, weights)
+    truth = truth or _truth(params, inputs, weights)
     for label, inverted in candidates:
         if _matches(got, params, inverted, rows, weights=weights, truth=truth):
             return f"; the {'weights match' if weights else 'output matches'} the {label}"
     return ""
 
 
-def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
+def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
+                      truth: Callable[[], np.ndarray] | None = None) -> str:
     """A message suffix when ``got`` (on ``rows`` of (batch, Tq) if given) matches the key padding mask broadcast
     along the query axis (``mask[:, None, :, None]`` where ``mask[:, None, None, :]`` belongs): the padded
     positions' query rows see no key, every other row sees every key, padded ones included; only with Tq == Tk,
@@ -268,7 +275,7 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     if kpm is None or inputs.tq != inputs.tk or not kpm.any():
         return ""
     got = np.asarray(got, np.float64)
-    whole = _truth(params, inputs)
+    whole = truth or _truth(params, inputs)
     for b in range(inputs.batch):
         row_allowed = np.broadcast_to(~kpm[b][:, None], (inputs.tq, inputs.tk))
         mask = inputs.attn_mask
@@ -322,6 +329,9 @@ def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
     backend's empty-row convention (:func:`_matches`)."""
     if inputs.causal is None and inputs.key_padding_mask is None and inputs.attn_mask is None:
         return ""
-    return _together([causal_hint(got, params, inputs) if rows is None else "",
-                      polarity_hint(got, params, inputs, rows), padding_axis_hint(got, params, inputs, rows),
-                      dropped_mask_hint(got, params, inputs, rows), normaliser_hint(got, params, inputs, rows)])
+    truth = _truth(params, inputs)  # the correct output, computed once for every hint that needs it
+    return _together([causal_hint(got, params, inputs, truth) if rows is None else "",
+                      polarity_hint(got, params, inputs, rows, truth=truth),
+                      padding_axis_hint(got, params, inputs, rows, truth),
+                      dropped_mask_hint(got, params, inputs, rows, truth),
+                      normaliser_hint(got, params, inputs, rows, truth)])

@@ -693,12 +693,11 @@ def supported(backend: AttentionBackend, features: Sequence[str] | set[str]) -> 
             if feature == "non_causal":
                 return (f"{backend.name} declares always_causal=True; the property holds only without a causal mask "
                         "(capability 'non_causal')")
-            declared = backend.capabilities.causal_alignments
             if feature == "causal":
                 return (f"{backend.name} does not declare capability 'causal': it declares no causal mask "
                         "(Capabilities.causal_alignments=())")
             if feature.startswith("causal:"):
                 return (f"{backend.name} does not declare capability {feature!r}: its Capabilities.causal_alignments "
-                        f"are {declared!r}")
+                        f"are {backend.capabilities.causal_alignments!r}")
             return f"{backend.name} does not declare capability {feature!r}"
     return None
