@@ -66,9 +66,13 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
         m = np.full((b, c.kv_heads, c.group, rows, 1), self.initial_max, dtype=self.dtype)
         l = np.zeros((b, c.kv_heads, c.group, rows, 1), dtype=self.dtype)
         acc = np.zeros((b, c.kv_heads, c.group, rows, c.d_head), dtype=self.dtype)
+        # one scores buffer per query block, reused by every full key block: the exponentials are taken in place, so
+        # a key block allocates no block-sized temporaries (fresh ones cost as much as the exp itself)
+        scores = np.empty((b, c.kv_heads, c.group, rows, self.block_k), dtype=self.dtype)
         for k0 in range(0, self.key_limit(inputs, q1), self.block_k):
             k1 = min(inputs.tk, k0 + self.block_k)
-            s = qb @ k[:, :, :, k0:k1].swapaxes(-1, -2)
+            keys = k[:, :, :, k0:k1].swapaxes(-1, -2)
+            s = np.matmul(qb, keys, out=scores) if k1 - k0 == self.block_k else qb @ keys
             allowed, additive = block_mask(inputs, q0, q1, k0, k1)
             if additive is not None:
                 s += self._group_view(additive).astype(self.dtype)
@@ -76,10 +80,12 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
                 np.copyto(s, -np.inf, where=~self._group_view(allowed))
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
             m_safe = np.where(np.isfinite(m_new), m_new, 0).astype(self.dtype)
-            p = np.exp(s - m_safe)
+            s -= m_safe
+            p = np.exp(s, out=s)
             correction = np.exp(np.where(np.isfinite(m), m - m_safe, -np.inf))
             l = l * correction + p.sum(axis=-1, keepdims=True)
-            acc = acc * correction + weighted_values(p, v[:, :, :, k0:k1])
+            acc *= correction
+            acc += weighted_values(p, v[:, :, :, k0:k1])
             m = m_new
         return acc / np.where(l == 0, 1, l)
 
