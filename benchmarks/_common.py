@@ -93,8 +93,15 @@ def half_dtype(backend) -> str:
     return next((d for d in ("bfloat16", "float16") if d in backend.capabilities.dtypes), "float32")
 
 
-def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = False, tq: int | None = None):
-    """(backend, prepared callable, Shape) or NotImplementedError with the reason; ``tq`` < seq_len is decode."""
+def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = False, tq: int | None = None, *,
+             for_memory: bool = False):
+    """(backend, prepared callable, Shape) or NotImplementedError with the reason; ``tq`` < seq_len is decode.
+
+    ``for_memory``: the call is prepared for a peak-memory reading, so glibc's mmap threshold is pinned first
+    (:func:`~mha_harness.bench.memory.pin_mmap_threshold`: every large buffer a fresh mapping the ``rss`` method
+    sees). Only then: pinned, every large allocation pays fresh pages, and a step that allocates per call (a KV
+    cache grown with a concat) was timed 3.2-3.8x slower here than in `mha-harness bench`'s timing workers, which
+    keep glibc's default."""
     from mha_harness.bench.calls import prepared_call, unsupported
     from mha_harness.bench.memory import pin_mmap_threshold
     from mha_harness.bench.metrics import Shape
@@ -109,7 +116,8 @@ def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = Fal
     if reason:
         raise NotImplementedError(reason)
     backend = entry.backend
-    pin_mmap_threshold()
+    if for_memory:
+        pin_mmap_threshold()
     if backend.device == "cpu" and seq_len > MAX_CPU_SEQ and tq is None:
         raise NotImplementedError(f"T={seq_len} is a GPU-only length (CPU sweep stops at {MAX_CPU_SEQ})")
     shape = Shape(1, tq or seq_len, seq_len, 512, 8, half_dtype(backend), causal, backward, cached=tq is not None)
@@ -146,6 +154,8 @@ class PreparedBenchmark:
     param_names = PARAM_NAMES
     timeout = 600
     backward = False
+    for_memory = False  # True: a peak-memory benchmark (:func:`prepared`'s for_memory); asv runs each in its process
 
     def setup(self, backend, seq_len, causal):
-        self.backend, self.fn, self.shape = prepared(backend, seq_len, causal, backward=self.backward)
+        self.backend, self.fn, self.shape = prepared(backend, seq_len, causal, backward=self.backward,
+                                                     for_memory=self.for_memory)
