@@ -150,7 +150,9 @@ def _rows_of(params, inputs, shape_rows):
     ("no_causal_mask", "matches the same call without its causal mask (top-left): the call does not apply it"),
     ("scale_1_sqrt_d_model", "matches scores scaled by 1/sqrt(d_model) instead of 1/sqrt(d_head)"),
     ("no_w_o", "matches the heads' concatenation: W_o is not applied"),
-    ("top_left_decode", "matches the top-left causal alignment instead of bottom-right"),
+    ("top_left_decode", "matches the causal mask's top-left alignment instead of bottom-right: query i sees keys 0..i, "
+                        "not keys 0..i + Tk - Tq (tril(ones(Tq, Tk)) where tril(ones(Tq, Tk), diagonal=Tk - Tq) "
+                        "belongs); in a KV-cache step the new queries then miss the cached keys"),
     ("one_key_too_wide", "matches a causal mask one key too wide (query i also sees key i + 1"),
     ("reversed_mask", "matches a reversed causal mask"),
     ("no_diagonal", "matches a causal mask that excludes the diagonal"),

@@ -52,7 +52,11 @@ def test_a_kv_cache_layers_gradients_are_d_x_new_and_d_x_cached():
 @pytest.mark.parametrize("bug, failing, named", [
     (NewKeysFirst, "check_causal_output_matches_reference", "the output matches the new keys and values put before "
                                                             "the cached ones"),
-    (OffsetForgotten, "check_causal_output_matches_reference", "the output matches top-left alignment instead"),
+    (OffsetForgotten, "check_causal_output_matches_reference", "the output matches top-left alignment instead of "
+                                                               "bottom-right: query i sees keys 0..i, not keys 0..i + "
+                                                               "Tk - Tq (tril(ones(Tq, Tk)) where tril(ones(Tq, Tk), "
+                                                               "diagonal=Tk - Tq) belongs); in a KV-cache step the new "
+                                                               "queries then miss the cached keys"),
     (OneTokenSkipsItself, "check_causal_output_matches_reference", "excludes the diagonal (query i cannot see its "
                                                                    "own key, key i + 64) (a step that attends to the "
                                                                    "cache before it writes"),

@@ -14,10 +14,11 @@ import numpy as np
 
 from mha_harness.bench.calls import backend_arguments, checked_rows, gradient_part
 from mha_harness.bench.metrics import Shape
-from mha_harness.contract.conventions import EPS, other_alignment
+from mha_harness.contract.conventions import EPS
 from mha_harness.contract.expected import gradient_names, gradient_tolerances, input_gradients, tolerance_for
 from mha_harness.contract.mistakes import (
     WRITTEN_ONE_SLOT_LATE,
+    alignment_mistake,
     causal_mask_mistakes,
     explains,
     frozen_parameters_hint,
@@ -88,7 +89,7 @@ def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
     if inputs.causal is None:
         return []
     words = {"not_applied": f"the same call without its causal mask ({inputs.causal}): the {what} does not apply it",
-             "other_alignment": f"the {other_alignment(inputs.causal)} causal alignment instead of {inputs.causal}",
+             "other_alignment": f"the causal mask's {alignment_mistake(inputs.causal, inputs.form)}",
              "one_key_too_wide": "a causal mask one key too wide (query i also sees key i + 1: tril(1) where tril "
                                  "belongs)",
              "reversed": "a reversed causal mask (query i sees key i and every later key: triu where tril belongs)",

@@ -15,9 +15,10 @@ from collections.abc import Callable
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
-from mha_harness.contract.conventions import causal_offset, other_alignment
+from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.mistakes import (
     WRITTEN_ONE_SLOT_LATE,
+    alignment_mistake,
     causal_mask_mistakes,
     explains,
     written_one_slot_late,
@@ -164,9 +165,8 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     late = written_one_slot_late(params, inputs)
     if late is not None and matches(late):
         hints.append(f"; the output matches {WRITTEN_ONE_SLOT_LATE}")
-    other = other_alignment(alignment)
     if matches(mistake.get("other_alignment")):
-        hints.append(f"; the output matches {other} alignment instead")
+        hints.append(f"; the output matches {alignment_mistake(alignment, inputs.form)}")
     return _together(hints)
 
 

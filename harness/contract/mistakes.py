@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, implicitly_causal
-from mha_harness.contract.conventions import BOTTOM_RIGHT, causal_offset, other_alignment
+from mha_harness.contract.conventions import BOTTOM_RIGHT, TOP_LEFT, causal_offset, other_alignment
 
 
 def distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -78,6 +78,23 @@ def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
             calls["reversed"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool))
             calls["no_diagonal"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool))
     return calls
+
+
+#: what each alignment lets query i see, and the mask that makes it
+_REACH = {TOP_LEFT: ("keys 0..i", "tril(ones(Tq, Tk))"),
+          BOTTOM_RIGHT: ("keys 0..i + Tk - Tq", "tril(ones(Tq, Tk), diagonal=Tk - Tq)")}
+
+
+def alignment_mistake(expected: str, form: str) -> str:
+    """The causal mask aligned the other way than ``expected`` (Tq != Tk), in words and as the mask that was built:
+    "top-left alignment instead of bottom-right: query i sees ...". A KV-cache call (``form`` "kv_cache") that
+    should be bottom-right says what that means for a step: its new queries miss the cached keys."""
+    other = other_alignment(expected)
+    text = (f"{other} alignment instead of {expected}: query i sees {_REACH[other][0]}, not {_REACH[expected][0]} "
+            f"({_REACH[other][1]} where {_REACH[expected][1]} belongs)")
+    if form == "kv_cache" and expected == BOTTOM_RIGHT:
+        text += "; in a KV-cache step the new queries then miss the cached keys: offset the mask by the cache length"
+    return text
 
 
 def frozen_parameters_hint(gradients: dict, params: AttentionParams) -> str:
