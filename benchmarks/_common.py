@@ -99,9 +99,9 @@ def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = Fal
 
     ``for_memory``: the call is prepared for a peak-memory reading, so glibc's mmap threshold is pinned first
     (:func:`~mha_harness.bench.memory.pin_mmap_threshold`: every large buffer a fresh mapping the ``rss`` method
-    sees). Only then: pinned, every large allocation pays fresh pages, and a step that allocates per call (a KV
-    cache grown with a concat) was timed 3.2-3.8x slower here than in `mha-harness bench`'s timing workers, which
-    keep glibc's default."""
+    sees). Timings keep glibc's default, as `mha-harness bench`'s timing workers do: pinned, every large allocation
+    pays fresh pages, and a step that allocates per call (a KV cache grown with a concat) timed 3.2-3.8x slower here
+    than in bench."""
     from mha_harness.bench.calls import prepared_call, unsupported
     from mha_harness.bench.memory import pin_mmap_threshold
     from mha_harness.bench.metrics import Shape
