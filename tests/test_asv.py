@@ -163,6 +163,18 @@ def test_the_regenerate_scripts_asv_step_passes_extra_asv_arguments_such_as_show
     assert "ASV_ARGS='--quick -b TimeForward.time_forward --show-stderr'" in out.stdout, out.stdout
 
 
+def test_the_regenerate_scripts_asv_step_records_asvs_own_samples_with_asv_sampling_repeats(tmp_path):
+    """``--quick`` is one call per point; ``ASV_SAMPLING=repeats`` (what recorded this host's committed asv results)
+    drops it for asv's own calibrated samples in one round, and a value it does not know is refused, naming the
+    accepted ones, before anything runs."""
+    out = _regenerate_asv(tmp_path, {"ASV_BENCH": "Decode.time_decode", "ASV_SAMPLING": "repeats"}, "--dry-run")
+    assert "ASV_ARGS='-a rounds=1 -b Decode.time_decode'" in out.stdout, out.stdout
+    bad = _regenerate_asv(tmp_path, {"ASV_SAMPLING": "many"}, "--dry-run")
+    assert bad.returncode == 2
+    assert "ASV_SAMPLING: got 'many'; accepted: quick, repeats" in bad.stderr, bad.stderr
+    assert "== asv" not in bad.stdout
+
+
 def test_the_readmes_plugin_route_into_asv_leaves_the_committed_results_alone(tmp_path):
     """The README's route for a plugin that is not installed (MHA_ASV_BACKEND_SPECS, ASV_PYTHONPATH) run with asv
     directly rewrote the committed results/asv/benchmarks.json with the plugin's backend alone; the documented route,
