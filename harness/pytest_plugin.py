@@ -175,8 +175,9 @@ def pytest_generate_tests(metafunc):
 
 def parametrize_with_cases(backends, *, cases=None, include_slow: bool = False):
     """Decorator for a test of your own: one test per (backend, case, variant), ids like
-    ``check_scores_scaled_by_sqrt_d_head[my-mha-float32]``. The test receives ``backend`` and ``case``; its body is
-    ``case(backend)``, which skips, xfails (a declared divergence) or fails exactly as ``mha-harness check`` would.
+    ``test_mine[check_scores_scaled_by_sqrt_d_head-my-mha-float32]``. The test receives ``backend`` and ``case``; its
+    body is ``case(backend)``, which skips (reported at your test's line), xfails (a declared divergence) or fails
+    exactly as ``mha-harness check`` would.
 
     ``backends``: a backend instance or class, a registered name, a ``module:object`` spec, or a list of these.
     ``cases``: case names (None, the default: every case). The slow T = 8192 cases are collected and skipped with

@@ -23,7 +23,9 @@ def run_as_test(case_name: str, backend: AttentionBackend, params: dict, spec: s
     diagnosis = result.extra.get("diagnosis") if result.status == FAILED else None
     LAST_DIAGNOSIS[:] = [(result.backend, result.case, diagnosis)] if diagnosis else []
     if result.status == SKIPPED:
-        pytest.skip(result.message)
+        skip = pytest.skip.Exception(result.message)
+        skip._use_item_location = True  # pytest reports the skip at the test (the user's), not at this line
+        raise skip
     if result.status == EXPECTED_DIVERGENCE:
         pytest.xfail(result.message)
     if result.status != PASSED:
@@ -43,9 +45,10 @@ class CaseVariant:
         run_as_test(self.case, backend, self.params, spec=self.spec)
 
     def test_id(self, backend: AttentionBackend) -> str:
-        """``check_<property>[<backend>-<variant>]``, the id the plugin gives the same test."""
+        """``check_<property>-<backend>-<variant>``: the case's name, then the variant id the plugin gives the same
+        test (``check_<property>[<backend>-<variant>]``); flat, since pytest puts it inside the test's brackets."""
         shown = {k: v for k, v in self.params.items() if k != "unsupported"}
-        return f"{self.case}[{variant_id(backend.name, shown)}]"
+        return f"{self.case}-{variant_id(backend.name, shown)}"
 
 
 def run_search_as_test(backend: AttentionBackend, config) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mha_harness.conformance.diagnoses import cache_order_hint, layer_mistake, mask_mistake
+from mha_harness.conformance.gradient_diagnoses import gradient_hint
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -667,7 +668,12 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
     """A backend's gradients ``got`` (for ``sum(output * cotangent)``, per argument of its declared input ``form``)
     against the reference under the tolerance rule
     (:func:`~mha_harness.contract.expected.gradient_tolerances`); returns the worst error, raises CaseFailure naming
-    the gradient."""
-    return _assert_within(got, gradient_tolerances(params, inputs, cotangent, dtype, form))
+    the gradient and what the backward got wrong
+    (:func:`~mha_harness.conformance.gradient_diagnoses.gradient_hint`)."""
+    bounds = gradient_tolerances(params, inputs, cotangent, dtype, form)
+    try:
+        return _assert_within(got, bounds)
+    except CaseFailure as failure:
+        raise failure.with_hint(gradient_hint(got, params, inputs, cotangent, form, bounds)) from None
 
 

@@ -481,12 +481,31 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
     return np.where(visible, np.where(allowed, r(np.exp(exponent)), 0.0), empty)
 
 
+def vjp_without_softmax_row_term(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
+                                 ) -> dict[str, np.ndarray]:
+    """A known wrong backward, for diagnoses: :func:`reference_vjp` in float64 with the softmax's backward taken
+    as ``dS = P * dP``, its row term ``- P * rowsum(dP * P)`` left out (the softmax differentiated as if each weight
+    depended on its own score alone). The value and output-projection gradients stay right; the query and key
+    gradients, and their projections', do not."""
+    cotangent = np.asarray(cotangent)
+
+    def compute():
+        grads = _vjp(params, inputs, cotangent, "float64", row_term=False)
+        _read_only(*grads.values())
+        return grads
+
+    key = _content_key("vjp-no-row-term", params, inputs, cotangent, empty_rows_convention())
+    grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
+    return {name: grad.copy() for name, grad in grads.items()}
+
+
 def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
-         flash: bool = False, score_error_of: str | None = None) -> dict:
+         flash: bool = False, score_error_of: str | None = None, row_term: bool = True) -> dict:
     """The backward, rounding after every stage in ``dtype``. ``flash``: as FlashAttention-2 computes it (and
     torch's SDPA kernels and nn.MultiheadAttention's fused path do): the queries scaled first, the weights
     recomputed from the row's log-sum-exp, and the softmax backward's row term taken as ``rowsum(dO * O)`` instead
-    of ``rowsum(dP * P)`` (equal in exact arithmetic, not after rounding)."""
+    of ``rowsum(dP * P)`` (equal in exact arithmetic, not after rounding). ``row_term=False``: the known mistake
+    of :func:`vjp_without_softmax_row_term`."""
     c = params.config
     r = lambda x: round_to(x, dtype)  # noqa: E731
     q, k, v, p, concat, scale, _ = _forward_parts(params, inputs, None, dtype, scale_first=flash,
@@ -501,7 +520,7 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
     else:
         row = r((d_p * p).sum(axis=-1, keepdims=True))
     d_v = r(p.transpose(0, 1, 3, 2) @ d_o)
-    d_s = r(p * r(d_p - row))
+    d_s = r(p * r(d_p - row)) if row_term else r(p * d_p)
     d_q = r(d_s @ k * scale)
     d_k = r(d_s.transpose(0, 1, 3, 2) @ q * scale)
 

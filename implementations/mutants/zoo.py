@@ -403,10 +403,17 @@ class TiledRunningMaxFromZero(_TiledLoaded):
     initial_max = 0.0
 
 
-class TiledBackwardBlockSoftmax(_TiledLoaded):
-    """A FlashAttention-2-style backward over key blocks whose weights are each block's own softmax (the block's
-    maximum and sum) where they must be exp(s - lse) with the row's log-sum-exp: exact while one block holds
-    every key."""
+class _HandWrittenBackward(NumpyTiledLoaded):
+    """numpy-tiled (16-query blocks) with a FlashAttention-2-style backward written by hand over key blocks, each
+    block's weights its own softmax: right while one block holds every key, as its default 4096-key blocks do at
+    the mutants' lengths; each mutant below changes one step of it."""
+
+    def __init__(self, params, dtype, block_k: int = 4096):
+        super().__init__(params, dtype, block_q=16, block_k=block_k)
+
+    def score_gradient(self, p, d_p, row):
+        """The softmax's backward: dS = P * (dP - rowsum(dO * O)), zero where a weight is zero."""
+        return np.where(p != 0, p * (d_p - row), 0)
 
     def compute_vjp(self, inputs, cotangent):
         c, w, dt = self.config, self.weights, self.dtype
@@ -424,7 +431,7 @@ class TiledBackwardBlockSoftmax(_TiledLoaded):
                 p = self.masked_softmax(q @ k[..., k0:k1, :].swapaxes(-1, -2),
                                         *(None if m is None else self._group_view(m) for m in masks))
                 d_p = d_o @ v[..., k0:k1, :].swapaxes(-1, -2)
-                d_s = np.where(p != 0, p * (d_p - row), 0)
+                d_s = self.score_gradient(p, d_p, row)
                 d_v[..., k0:k1, :] = (p.swapaxes(-1, -2) @ d_o).sum(axis=2, keepdims=True)
                 d_k[..., k0:k1, :] = (d_s.swapaxes(-1, -2) @ q).sum(axis=2, keepdims=True)
                 d_q += d_s @ k[..., k0:k1, :]
@@ -440,6 +447,25 @@ class TiledBackwardBlockSoftmax(_TiledLoaded):
             if "b_o" in w:
                 grads["b_o"] = g.sum(axis=(0, 1))
         return grads
+
+
+class TiledBackwardBlockSoftmax(_HandWrittenBackward):
+    """A FlashAttention-2-style backward over 16-key blocks whose weights are each block's own softmax (the block's
+    maximum and sum) where they must be exp(s - lse) with the row's log-sum-exp: exact while one block holds
+    every key."""
+
+    def __init__(self, params, dtype):
+        super().__init__(params, dtype, block_k=16)
+
+
+class GradientWithoutSoftmaxRowTerm(_HandWrittenBackward):
+    def score_gradient(self, p, d_p, row):  # the softmax differentiated as if each weight saw only its own score
+        return p * d_p
+
+
+class GradientScoreScaleLeftOut(_HandWrittenBackward):
+    def score_gradient(self, p, d_p, row):  # dQ = dS K and dK = dS^T Q, the forward's 1/sqrt(d_head) left out
+        return super().score_gradient(p, d_p, row) / self.dtype.type(self.scale())
 
 
 def _full_width_kv(config: AttentionConfig):
@@ -497,9 +523,9 @@ MUTANTS = (
            "causal leak in gradients", gradients=True),
     Mutant("mutant-gradient-ignores-padding", "backward ignores the key padding mask the forward applies (a "
            "stranger's Flax copy passed check before the gradient case had mask variants)", GradientIgnoresPadding,
-           "gradient of", gradients=True),
+           "ignores the key padding mask", gradients=True),
     Mutant("mutant-gradient-w-o-transposed", "returns the W_o gradient transposed", GradientOfWoTransposed,
-           "gradient of W_o", gradients=True),
+           "W_o is the reference's transposed", gradients=True),
     Mutant("mutant-one-x-gradient-summed", "a separate-form layer given one x (query is key is value) returns the "
            "total d/dx as each of the query, key and value gradients (one leaf used three times)", OneXGradientSummed,
            "total d/dx", gradients=True),
@@ -508,6 +534,12 @@ MUTANTS = (
     Mutant("mutant-tiled-backward-block-softmax", "a tiled backward (16-key blocks) recomputes each block's weights "
            "as that block's own softmax instead of exp(s - lse) with the row's log-sum-exp",
            TiledBackwardBlockSoftmax, "gradient of", gradients=True),
+    Mutant("mutant-gradient-no-softmax-row-term", "a hand-written backward takes the softmax's backward as dS = P * "
+           "dP, leaving out its row term - P * rowsum(dP * P) (the forward is right)", GradientWithoutSoftmaxRowTerm,
+           "no row term", gradients=True),
+    Mutant("mutant-gradient-score-scale-left-out", "a hand-written backward leaves the 1/sqrt(d_head) score scale "
+           "out of dQ and dK (the forward applies it)", GradientScoreScaleLeftOut, "leaves out the 1/sqrt(d_head)",
+           gradients=True),
     Mutant("mutant-tiled-running-max-from-zero", "a tiled kernel (16-key blocks) starts its running row maximum at 0 "
            "instead of -inf (a stranger's kernel): rows whose every score is far below 0 underflow to zeros",
            TiledRunningMaxFromZero, "far below 0"),

@@ -1,0 +1,179 @@
+"""What a failed backward computes, in words: a backward that never reaches the parameters, input gradients in
+another form's convention than the declared one, which gradients are wrong and which are right (so where in the
+backward the error lies: the softmax's backward, the value path or the output projection), a gradient that is zero,
+transposed or a constant multiple of the true one (the score scale left out or applied twice, the sign flipped),
+the softmax's backward without its row term, and a backward that ignores a mask the forward applies (the causal
+mask, the key padding mask, the attn_mask). Computed in NumPy from the float64 reference; a mistake is named only
+where it explains the gradients better than the correct backward does
+(:func:`~mha_harness.contract.mistakes.explains`)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from mha_harness.contract.api import AttentionInputs, AttentionParams
+from mha_harness.contract.expected import gradient_names, input_gradients
+from mha_harness.contract.mistakes import distance, explains, frozen_parameters_hint
+from mha_harness.contract.reference import reference_vjp, vjp_without_softmax_row_term
+
+#: the parameter gradients each part of the backward produces: a wrong group with the others right places the error
+#: (the input gradients of a one-x or shared-K/V layer sum several paths, so they place nothing)
+_PATHS = (("the softmax's backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK from it)", ("W_q", "b_q", "W_k", "b_k")),
+          ("the value path (dV = P^T dO)", ("W_v", "b_v")),
+          ("the output projection (dW_o)", ("W_o", "b_o")))
+
+#: the multiples of a gradient that have a name whatever the shape (the score scale's are added per d_head)
+_MULTIPLES = {-1.0: "the sign flipped (the negative gradient returned)", 2.0: "twice the gradient (summed twice)",
+              0.5: "half the gradient"}
+
+#: how close a fitted multiple of the reference must come to a gradient, relative to the reference's own distance
+_MULTIPLE_FIT = 0.1
+
+
+def gradient_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
+                  cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple]) -> str:
+    """The diagnosis suffix ("; ...") of gradients ``got`` that failed their ``bounds``: every parameter's gradient
+    zero (:func:`~mha_harness.contract.mistakes.frozen_parameters_hint`), else input gradients that follow another
+    form's convention than ``form`` (:func:`form_mixup`), else :func:`gradient_mistake`."""
+    return frozen_parameters_hint(got, params) or form_mixup(got, reference_vjp(params, inputs, cotangent), form) \
+        or gradient_mistake(got, params, inputs, cotangent, form, bounds)
+
+
+def form_mixup(got: Mapping[str, np.ndarray], separate: dict, declared: str) -> str:
+    """A message suffix when the input gradients ``got`` match another form's convention than the ``declared`` one
+    (``separate``: the reference's d/dquery, d/dkey, d/dvalue): a KV-cache step's d/dx_new through its queries alone,
+    a separate-form layer's total d/dx per argument, a one-x layer's d/dquery alone."""
+    if declared == "kv_cache" and "query" in got and np.shape(got["query"]) == separate["query"].shape \
+            and np.allclose(got["query"], separate["query"], atol=1e-4):
+        return ("; the x_new gradient is through its queries alone: x_new also makes the new keys and values (the "
+                "last Tq rows of x_kv), so with inputs='kv_cache' return d/dx_new, the sum of its query, key and "
+                "value parts (a cache that stores the new keys and values detached drops the last two)")
+    if separate["query"].shape != separate["key"].shape:  # Tq != Tk: no one-x call, no mix-up to name
+        return ""
+    total = input_gradients(separate, "self")["query"]  # d/dx: the query, key and value parts summed
+    if declared == "separate" and "query" in got and np.shape(got["query"]) == total.shape \
+            and np.allclose(got["query"], total, atol=1e-4):
+        return ("; the query gradient is the total d/dx (query, key and value parts summed): a separate-form "
+                "backend returns d/dquery, d/dkey and d/dvalue, also when query is key is value (three leaves)")
+    if declared == "self" and "query" in got and np.shape(got["query"]) == total.shape \
+            and np.allclose(got["query"], separate["query"], atol=1e-4):
+        return ("; the query gradient is d/dquery alone: with one x (inputs='self') return d/dx, the sum of the "
+                "query, key and value parts")
+    return ""
+
+
+def gradient_mistake(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
+                     cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple]) -> str:
+    """A message suffix ("; ...") for gradients ``got`` (per argument of ``form``) that failed their ``bounds`` (name
+    -> (float64 reference, tolerance), as :func:`~mha_harness.contract.expected.gradient_tolerances` gives): the
+    wrong and right gradients, where in the backward the wrong parameter gradients place the error, and the known
+    mistake that explains the wrong ones, if any; empty when nothing can be said (a gradient missing or of another
+    shape is named by the comparison itself)."""
+    order = [n for n in gradient_names(params, inputs, form) if n in bounds]  # the inputs, then the parameters
+    arrays = {name: np.asarray(got[name], np.float64) for name in order
+              if name in got and np.shape(got[name]) == np.shape(bounds[name][0])}
+    wrong = [n for n, a in arrays.items() if not _within(a, *bounds[n])]
+    if not wrong:
+        return ""
+    right = [n for n in arrays if n not in wrong]
+    parts = [f"wrong gradients: {', '.join(wrong)}" + (f"; right: {', '.join(right)}" if right else "")]
+    # a gradient that is zero for every layer (the key bias's: softmax ignores a per-row constant) places nothing
+    telling = {n for n in arrays if np.abs(bounds[n][0]).max(initial=0.0) > bounds[n][1].bound}
+    parts += _placed([n for n in wrong if n in telling], [n for n in right if n in telling])
+    whole = _whole_backward_mistake(arrays, wrong, params, inputs, cotangent, form, bounds)
+    parts += [whole] if whole else _each_gradient_mistake(wrong, arrays, bounds, params)
+    return "; " + "; ".join(parts)
+
+
+def _within(actual: np.ndarray, expected: np.ndarray, tol) -> bool:
+    """Whether ``actual`` is within the tolerance of ``expected`` and finite."""
+    return bool(np.all(np.isfinite(actual))) and distance(actual, expected) <= tol.bound
+
+
+def _placed(wrong: list[str], right: list[str]) -> list[str]:
+    """Where the error lies: the parts of the backward whose parameter gradients are wrong, when another part's
+    are all right."""
+    def part_of(names):
+        return [label for label, members in _PATHS if any(n in members for n in names)]
+    bad = part_of(wrong)
+    good = [label for label in part_of(right) if label not in bad]
+    if not bad or not good:
+        return []
+    return [f"the parameters' gradients place the error in {' and '.join(bad)}; right in {' and '.join(good)}"]
+
+
+def _whole_backward_mistake(arrays: dict, wrong: list[str], params: AttentionParams, inputs: AttentionInputs,
+                            cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple]) -> str:
+    """The known wrong backward, of several gradients at once, that explains every wrong gradient; empty if none."""
+    truth = {n: bounds[n][0] for n in wrong}
+    for text, compute in _backward_mistakes(params, inputs, cotangent):
+        candidate = input_gradients(compute(), form)
+        if all(n in candidate and explains(arrays[n], candidate[n], truth[n]) for n in wrong):
+            return text
+    return ""
+
+
+def _backward_mistakes(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray):
+    """(what the mistake is, its gradients computed when called) for each backward mistake that applies to this
+    call: the softmax's row term left out; each mask the call applies ignored by the backward."""
+    yield ("the softmax's backward has no row term: dS = P * dP where dS = P * (dP - rowsum(dP * P)) belongs (the "
+           "softmax differentiated as if each weight depended on its own score alone)",
+           lambda: vjp_without_softmax_row_term(params, inputs, cotangent))
+    ignored = (("causal", "the causal mask", "future keys"),
+               ("key_padding_mask", "the key padding mask", "padded keys"),
+               ("attn_mask", "the attn_mask", "masked keys"))
+    for field, what, where in ignored:
+        if getattr(inputs, field) is not None:
+            without = inputs.replace(**{field: None})
+            yield (f"the backward ignores {what} the forward applies: gradient flows to and from {where} (a custom "
+                   f"backward that recomputes the weights without the mask)",
+                   lambda without=without: reference_vjp(params, without, cotangent))
+
+
+def _each_gradient_mistake(wrong: list[str], arrays: dict, bounds: Mapping[str, tuple],
+                           params: AttentionParams) -> list[str]:
+    """What each wrong gradient is, when it is the reference zeroed, transposed or times a constant; gradients
+    that are the same thing are named together."""
+    alike: dict[str, list[str]] = {}
+    for name in wrong:
+        what = _one_gradient_mistake(arrays[name], bounds[name][0], params)
+        if what:
+            alike.setdefault(what, []).append(name)
+    return [(f"the gradient of {names[0]} is " if len(names) == 1 else f"the gradients of {', '.join(names)} are ")
+            + what for what, names in alike.items()]
+
+
+def _one_gradient_mistake(got: np.ndarray, expected: np.ndarray, params: AttentionParams) -> str:
+    """What one wrong gradient is, when it is the reference zeroed, transposed or multiplied by a constant."""
+    if not np.all(np.isfinite(got)):
+        return ""
+    if not np.any(got) and np.any(expected):
+        return ("zero everywhere: nothing flows there (detached, stop_gradient, a no_grad block, an input that does "
+                "not require grad)")
+    if got.ndim == 2 and got.shape[0] == got.shape[1] and explains(got, expected.T, expected) \
+            and distance(got, expected.T) <= _MULTIPLE_FIT * distance(got, expected):
+        return "the reference's transposed (d_in x d_out where d_out x d_in belongs)"
+    norm = float(np.vdot(expected, expected))
+    if norm == 0.0:
+        return ""
+    factor = float(np.vdot(got, expected)) / norm
+    if distance(got, factor * expected) > _MULTIPLE_FIT * distance(got, expected):
+        return ""
+    return _multiple_named(factor, params)
+
+
+def _multiple_named(factor: float, params: AttentionParams) -> str:
+    """The reference times ``factor``, with the common reason for that factor."""
+    root = float(np.sqrt(params.config.d_head))
+    named = {value: f"{value:g} x the reference's: {text}" for value, text in _MULTIPLES.items()}
+    if root != 1.0:  # the score scale's factors win where they coincide with another (d_head = 4: 2 and 1/2)
+        named[root] = (f"sqrt(d_head) = {root:.4g} x the reference's: the backward leaves out the 1/sqrt(d_head) "
+                       f"score scale (dQ = dS K / sqrt(d_head), dK = dS^T Q / sqrt(d_head))")
+        named[1 / root] = (f"1/sqrt(d_head) = {1 / root:.4g} x the reference's: the backward applies the score "
+                           f"scale twice")
+    for value, text in named.items():
+        if np.isclose(factor, value, rtol=1e-2):
+            return text
+    return (f"{factor:.4g} x the reference's: a constant multiple of the true gradient (a scale, a mean where a sum "
+            f"belongs, or a count applied twice)")

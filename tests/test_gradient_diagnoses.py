@@ -1,0 +1,125 @@
+"""A failed gradient comparison names what the backward got wrong: the wrong and right gradients, where the wrong
+parameter gradients place the error, and the known mistake (a backward without the softmax's row term, one that
+ignores a mask, a gradient zeroed, transposed or times a constant) only when it explains the gradients; an error no
+known mistake explains is not given a name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mha_harness.cases._fixtures import form_inputs
+from mha_harness.conformance.gradient_diagnoses import gradient_mistake
+from mha_harness.contract.api import AttentionConfig
+from mha_harness.contract.expected import gradient_tolerances, input_gradients
+from mha_harness.contract.params import make_params
+from mha_harness.contract.reference import reference_vjp, vjp_without_softmax_row_term
+
+CONFIG = AttentionConfig(16, 2, bias=True)  # d_head 8: sqrt(d_head) = 2.83
+PARAMS = make_params(CONFIG, seed=3)
+
+
+def _call(form="separate", tq=6, tk=9, **masks):
+    inputs = form_inputs(form, CONFIG, 2, tq, tk, seed=4, **masks)
+    cotangent = np.random.default_rng(5).standard_normal((2, tq, CONFIG.d_model))
+    return inputs, cotangent
+
+
+def _diagnose(got, inputs, cotangent, form="separate"):
+    bounds = gradient_tolerances(PARAMS, inputs, cotangent, "float32", form)
+    return gradient_mistake(got, PARAMS, inputs, cotangent, form, bounds)
+
+
+def _true(inputs, cotangent, form="separate"):
+    return input_gradients(reference_vjp(PARAMS, inputs, cotangent), form)
+
+
+def test_right_gradients_get_no_diagnosis():
+    inputs, cotangent = _call()
+    assert _diagnose(_true(inputs, cotangent), inputs, cotangent) == ""
+
+
+@pytest.mark.parametrize("form", ["separate", "self"])
+def test_a_backward_without_the_softmax_row_term_is_named_and_placed_in_the_softmax_backward(form):
+    inputs, cotangent = _call(form, tq=7, tk=7)
+    got = input_gradients(vjp_without_softmax_row_term(PARAMS, inputs, cotangent), form)
+    text = _diagnose(got, inputs, cotangent, form)
+    assert "the softmax's backward has no row term: dS = P * dP" in text
+    assert "place the error in the softmax's backward" in text
+    assert "right in the value path (dV = P^T dO) and the output projection" in text
+
+
+@pytest.mark.parametrize(("field", "masks", "words"), [
+    ("causal", {"causal": "bottom-right"}, "ignores the causal mask the forward applies"),
+    ("key_padding_mask", {"key_padding_mask": np.arange(9)[None, :] >= np.array([[9], [4]])},
+     "ignores the key padding mask the forward applies: gradient flows to and from padded keys"),
+    ("attn_mask", {"attn_mask": np.random.default_rng(6).random((6, 9)) < 0.6},
+     "ignores the attn_mask the forward applies"),
+])
+def test_a_backward_that_ignores_a_mask_the_forward_applies_is_named(field, masks, words):
+    if field == "attn_mask":
+        masks["attn_mask"][:, 0] = True
+    inputs, cotangent = _call(**masks)
+    got = reference_vjp(PARAMS, inputs.replace(**{field: None}), cotangent)
+    assert words in _diagnose(got, inputs, cotangent)
+
+
+@pytest.mark.parametrize(("factor", "words"), [
+    (np.sqrt(8.0), "are sqrt(d_head) = 2.828 x the reference's: the backward leaves out the 1/sqrt(d_head) score"),
+    (1 / np.sqrt(8.0), "are 1/sqrt(d_head) = 0.3536 x the reference's: the backward applies the score scale twice"),
+    (-1.0, "are -1 x the reference's: the sign flipped"),
+    (3.7, "are 3.7 x the reference's: a constant multiple"),
+])
+def test_query_and_key_gradients_off_by_a_factor_name_it_and_group_the_gradients(factor, words):
+    inputs, cotangent = _call()
+    got = _true(inputs, cotangent)
+    for name in ("query", "key", "W_q", "W_k", "b_q"):
+        got[name] = got[name] * factor
+    text = _diagnose(got, inputs, cotangent)
+    assert "wrong gradients: query, key, W_q, W_k, b_q; right: value, W_v, W_o, b_k, b_v, b_o" in text
+    assert f"the gradients of query, key, W_q, W_k, b_q {words}" in text
+
+
+def test_a_zero_and_a_transposed_gradient_are_named_each():
+    inputs, cotangent = _call()
+    got = _true(inputs, cotangent)
+    got["W_v"] = np.zeros_like(got["W_v"])
+    got["W_o"] = got["W_o"].T.copy()
+    text = _diagnose(got, inputs, cotangent)
+    assert "the gradient of W_v is zero everywhere: nothing flows there" in text
+    assert "the gradient of W_o is the reference's transposed" in text
+    assert "place the error in the value path (dV = P^T dO) and the output projection (dW_o); right in the " \
+           "softmax's backward" in text
+
+
+def test_an_error_no_known_mistake_explains_is_listed_but_not_named():
+    inputs, cotangent = _call()
+    got = _true(inputs, cotangent)
+    got["W_v"] = got["W_v"] + np.random.default_rng(7).standard_normal(got["W_v"].shape)
+    text = _diagnose(got, inputs, cotangent)
+    assert text == ("; wrong gradients: W_v; right: query, key, value, W_q, W_k, W_o, b_q, b_k, b_v, b_o; the "
+                    "parameters' gradients place the error in the value path (dV = P^T dO); right in the softmax's "
+                    "backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK from it) and the output projection (dW_o)")
+
+
+def test_the_gradient_case_appends_the_diagnosis_to_its_failure():
+    """The case's own failure message carries it (a mutant of the zoo: a hand-written backward without the row
+    term)."""
+    import mha_harness
+    from mha_harness.implementations.mutants import MUTANTS
+    from mha_harness.implementations.mutants.zoo import MutantBackend
+    mutant = next(m for m in MUTANTS if m.name == "mutant-gradient-no-softmax-row-term")
+    report = mha_harness.check(MutantBackend(mutant, weights=False), cases=["check_gradients_match_reference"])
+    messages = [f.message for f in report.failures()]
+    assert messages and all("the softmax's backward has no row term" in m for m in messages), messages
+
+
+def test_every_gradient_comparison_carries_the_diagnosis_the_search_replays_too():
+    """casekit's assert_gradients_match_reference, which the gradient case and the search's examples both call,
+    raises the failure with the diagnosis appended and kept as its diagnosis."""
+    from mha_harness.conformance.casekit import CaseFailure, assert_gradients_match_reference
+    inputs, cotangent = _call(key_padding_mask=np.arange(9)[None, :] >= np.array([[9], [4]]))
+    got = reference_vjp(PARAMS, inputs.replace(key_padding_mask=None), cotangent)
+    with pytest.raises(CaseFailure) as caught:
+        assert_gradients_match_reference(got, PARAMS, inputs, cotangent, "float32", "separate")
+    assert str(caught.value).startswith("gradient of ")
+    assert "the backward ignores the key padding mask" in caught.value.diagnosis
