@@ -66,8 +66,10 @@ def _poison_verdict(failure: CaseFailure, poison: str, finite_unchanged) -> Case
     value = "NaN" if poison == "nan" else "inf"
     return CaseFailure(f"not a leak: {value} held by masked positions propagated through 0 * {value} (a dense P @ V "
                        "multiplies the masked weights, exactly 0, by the masked values); the same positions set to "
-                       "random finite values leave the output unchanged. Zero the masked values before P @ V, or "
-                       "declare the divergence: divergences = masked_poison_divergences(\"why\") from "
+                       "random finite values leave the output unchanged. Zero the values of keys no query may see "
+                       "(padded keys) before P @ V; a key hidden only from some queries (causal, attn_mask) cannot "
+                       "be zeroed for all, so a dense P @ V there needs the declaration: "
+                       "divergences = masked_poison_divergences(\"why\") from "
                        "mha_harness.toolkit.divergences (docs/plugins.md, 'Good to know'). The strict check said: "
                        f"{failure}", failure.max_error)
 

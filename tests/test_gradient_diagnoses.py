@@ -12,7 +12,7 @@ from mha_harness.conformance.gradient_diagnoses import gradient_mistake
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.expected import gradient_tolerances, input_gradients
 from mha_harness.contract.params import make_params
-from mha_harness.contract.reference import reference_vjp, vjp_without_softmax_row_term
+from mha_harness.contract.reference import mistaken_vjp, reference_vjp
 
 CONFIG = AttentionConfig(16, 2, bias=True)  # d_head 8: sqrt(d_head) = 2.83
 PARAMS = make_params(CONFIG, seed=3)
@@ -41,7 +41,7 @@ def test_right_gradients_get_no_diagnosis():
 @pytest.mark.parametrize("form", ["separate", "self"])
 def test_a_backward_without_the_softmax_row_term_is_named_and_placed_in_the_softmax_backward(form):
     inputs, cotangent = _call(form, tq=7, tk=7)
-    got = input_gradients(vjp_without_softmax_row_term(PARAMS, inputs, cotangent), form)
+    got = input_gradients(mistaken_vjp(PARAMS, inputs, cotangent, row_term=False), form)
     text = _diagnose(got, inputs, cotangent, form)
     assert "the softmax's backward has no row term: dS = P * dP" in text
     assert "place the error in the softmax's backward" in text
@@ -61,6 +61,51 @@ def test_a_backward_that_ignores_a_mask_the_forward_applies_is_named(field, mask
     inputs, cotangent = _call(**masks)
     got = reference_vjp(PARAMS, inputs.replace(**{field: None}), cotangent)
     assert words in _diagnose(got, inputs, cotangent)
+
+
+@pytest.mark.parametrize("row_from", ["weights", "output"])
+@pytest.mark.parametrize(("recompute", "words"), [
+    ("softmax", "the backward recomputes the weights without {what} (a softmax over every key"),
+    ("lse", "the backward recomputes the weights as exp(s - lse) without re-applying {what} (FlashAttention-2"),
+])
+@pytest.mark.parametrize(("masks", "what"), [
+    ({"causal": "bottom-right"}, "the causal mask"),
+    ({"causal": "bottom-right", "key_padding_mask": np.arange(9)[None, :] >= np.array([[9], [4]])},
+     "the causal mask and the key padding mask"),
+])
+def test_a_backward_that_recomputes_the_weights_without_the_masks_is_named(recompute, words, masks, what, row_from):
+    """A stranger's FlashAttention-2-style backward that recomputed exp(s - lse) without re-applying its masks was
+    not named: only a backward ignoring a mask throughout (W_o's gradient wrong too) was a candidate."""
+    inputs, cotangent = _call(**masks)
+    got = mistaken_vjp(PARAMS, inputs, cotangent, recomputed_without=tuple(masks), recompute=recompute,
+                       row_from=row_from)
+    text = _diagnose(got, inputs, cotangent)
+    assert words.format(what=what) in text, text
+    assert "right: W_o" in text or ", W_o," in text.split("; right: ")[1]
+
+
+def test_a_bug_that_only_resembles_a_known_mistake_is_not_named_after_it():
+    """A stranger's backward summed the row term over the wrong axis and was told it had no row term: a known
+    mistake is named only where its gradients are at most 1/20 as far from the backend's as the true ones."""
+    inputs, cotangent = _call()
+    truth, no_row = _true(inputs, cotangent), mistaken_vjp(PARAMS, inputs, cotangent, row_term=False)
+    resembling = {n: no_row[n] + 0.2 * (truth[n] - no_row[n]) for n in truth}  # 4x nearer to no_row than to truth
+    text = _diagnose(resembling, inputs, cotangent)
+    assert "wrong gradients: query, key, W_q, W_k, b_q" in text and "place the error in the softmax's backward" in text
+    assert "row term" not in text.split("place the error")[1].split(")", 1)[1], text
+    exact = _diagnose(no_row, inputs, cotangent)
+    assert "the softmax's backward has no row term" in exact
+
+
+def test_the_summary_keeps_the_named_mistake_alone():
+    """The summary's "diagnosed:" line clipped the lists and formulas mid-way; it now gets the named mistake only."""
+    from mha_harness.conformance.gradient_diagnoses import gradient_hint
+    inputs, cotangent = _call()
+    got = mistaken_vjp(PARAMS, inputs, cotangent, row_term=False)
+    bounds = gradient_tolerances(PARAMS, inputs, cotangent, "float32", "separate")
+    message, summary = gradient_hint(got, PARAMS, inputs, cotangent, "separate", bounds)
+    assert message.startswith("; wrong gradients: ") and "no row term" in message
+    assert summary.startswith("the softmax's backward has no row term"), summary
 
 
 @pytest.mark.parametrize(("factor", "words"), [

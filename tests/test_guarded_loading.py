@@ -138,3 +138,13 @@ def test_an_import_error_names_the_plugin_line_that_raised():
         f"{os.sep}tests{os.sep}hostile_import.py:2)" in raised, raised
     missing = entry["nosuchmod_h9a:X"].error
     assert missing.endswith("No module named 'nosuchmod_h9a'"), missing  # no harness or importlib frame shown
+
+
+def test_a_syntax_error_in_a_plugin_names_its_file_and_line(tmp_path, monkeypatch):
+    """A stranger's syntax slip printed "import raised SyntaxError: invalid syntax. Maybe you meant '==' ..." with
+    no file or line: a SyntaxError's traceback ends in the import machinery, so its own filename and lineno say it."""
+    (tmp_path / "slip_mod_q3.py").write_text("import numpy\n\nif numpy = 1:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    raised = load_registry(["slip_mod_q3:X"], entry_points=False, builtins=False).entries["slip_mod_q3:X"].error
+    assert "import raised SyntaxError" in raised, raised
+    assert raised.endswith(f"(at {tmp_path / 'slip_mod_q3.py'}:3)"), raised

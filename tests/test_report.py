@@ -728,7 +728,7 @@ def test_the_summary_names_the_mistake_the_failed_outputs_match():
     lines = report.summary_lines()
     fail = next(i for i, line in enumerate(lines) if "mutant-causal-one-future-token" in line)
     assert lines[fail + 2].strip().startswith("diagnosed: the output matches a causal mask one key too wide"), lines
-    assert lines[fail + 2].rstrip().endswith(" variant(s) of check_causal_output_matches_reference"), lines
+    assert lines[fail + 2].rstrip().endswith(" variant(s) of check_causal_output_matches_reference]"), lines
     [row] = [r for r in report.to_json()["results"] if r["status"] == "failed" and r["extra"].get("diagnosis")][:1]
     assert row["case"] == "check_causal_output_matches_reference"
     leak_only = mha_harness.check(mutant, cases=["check_causal_mask_blocks_future_keys"])

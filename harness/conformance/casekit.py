@@ -61,11 +61,12 @@ class CaseFailure(AssertionError):
         self.observed = observed
         self.diagnosis = diagnosis  # the known mistake the output matches, when one does (also in the message)
 
-    def with_hint(self, hint: str) -> CaseFailure:
+    def with_hint(self, hint: str, diagnosis: str | None = None) -> CaseFailure:
         """This failure with ``hint``, a diagnosis suffix ("; the output matches ..."), appended to its message and
-        kept as its diagnosis (the diagnosis it had when ``hint`` is empty)."""
+        kept as its diagnosis (the diagnosis it had when ``hint`` is empty); ``diagnosis``: a shorter one to keep
+        instead, for the summary's "diagnosed:" line."""
         return CaseFailure(str(self) + hint, self.max_error, self.observed,
-                           hint.removeprefix("; ").strip() or self.diagnosis)
+                           diagnosis or hint.removeprefix("; ").strip() or self.diagnosis)
 
 
 class CaseSkipped(Exception):
@@ -674,6 +675,6 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
     try:
         return _assert_within(got, bounds)
     except CaseFailure as failure:
-        raise failure.with_hint(gradient_hint(got, params, inputs, cotangent, form, bounds)) from None
+        raise failure.with_hint(*gradient_hint(got, params, inputs, cotangent, form, bounds)) from None
 
 

@@ -3,9 +3,10 @@ another form's convention than the declared one, which gradients are wrong and w
 backward the error lies: the softmax's backward, the value path or the output projection), a gradient that is zero,
 transposed or a constant multiple of the true one (the score scale left out or applied twice, the sign flipped),
 the softmax's backward without its row term, and a backward that ignores a mask the forward applies (the causal
-mask, the key padding mask, the attn_mask). Computed in NumPy from the float64 reference; a mistake is named only
-where it explains the gradients better than the correct backward does
-(:func:`~mha_harness.contract.mistakes.explains`)."""
+mask, the key padding mask, the attn_mask; in the whole backward, or only where it recomputes the weights, as a
+softmax or as FlashAttention-2's exp(s - lse)). Computed in NumPy from the float64 reference; a mistake is named
+only where its gradients are at most 1/20 as far from the backend's as the true ones are (a bug that merely
+resembles one, such as a row term summed over the wrong axis, is not named after it)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -14,8 +15,8 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.expected import gradient_names, input_gradients
-from mha_harness.contract.mistakes import distance, explains, frozen_parameters_hint
-from mha_harness.contract.reference import reference_vjp, vjp_without_softmax_row_term
+from mha_harness.contract.mistakes import distance, frozen_parameters_hint
+from mha_harness.contract.reference import MASK_FIELDS, mistaken_vjp, reference_vjp
 
 #: the parameter gradients each part of the backward produces: a wrong group with the others right places the error
 #: (the input gradients of a one-x or shared-K/V layer sum several paths, so they place nothing)
@@ -27,17 +28,29 @@ _PATHS = (("the softmax's backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK f
 _MULTIPLES = {-1.0: "the sign flipped (the negative gradient returned)", 2.0: "twice the gradient (summed twice)",
               0.5: "half the gradient"}
 
-#: how close a fitted multiple of the reference must come to a gradient, relative to the reference's own distance
-_MULTIPLE_FIT = 0.1
+#: how close a known mistake's gradient must come to the backend's, relative to the true gradient's distance
+_CLOSE = 0.05
+
+#: how each mask reads in a diagnosis, and the keys it hides
+_MASK_WORDS = {"causal": ("the causal mask", "future keys"),
+               "key_padding_mask": ("the key padding mask", "padded keys"),
+               "attn_mask": ("the attn_mask", "masked keys")}
 
 
 def gradient_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
-                  cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple]) -> str:
-    """The diagnosis suffix ("; ...") of gradients ``got`` that failed their ``bounds``: every parameter's gradient
-    zero (:func:`~mha_harness.contract.mistakes.frozen_parameters_hint`), else input gradients that follow another
-    form's convention than ``form`` (:func:`form_mixup`), else :func:`gradient_mistake`."""
-    return frozen_parameters_hint(got, params) or form_mixup(got, reference_vjp(params, inputs, cotangent), form) \
-        or gradient_mistake(got, params, inputs, cotangent, form, bounds)
+                  cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple]) -> tuple[str, str]:
+    """(the message suffix "; ...", the diagnosis a summary shows) of gradients ``got`` that failed their
+    ``bounds``: every parameter's gradient zero (:func:`~mha_harness.contract.mistakes.frozen_parameters_hint`),
+    else input gradients that follow another form's convention than ``form`` (:func:`form_mixup`), else
+    :func:`gradient_mistake`'s lists, placement and named mistake, whose summary is the named mistake alone (else
+    the placement, else the lists)."""
+    early = frozen_parameters_hint(got, params) or form_mixup(got, reference_vjp(params, inputs, cotangent), form)
+    if early:
+        return early, early.removeprefix("; ")
+    parts = gradient_mistake_parts(got, params, inputs, cotangent, form, bounds)
+    if not parts:
+        return "", ""
+    return "; " + "; ".join(p for part in parts for p in part), "; ".join(parts[-1])
 
 
 def form_mixup(got: Mapping[str, np.ndarray], separate: dict, declared: str) -> str:
@@ -70,20 +83,38 @@ def gradient_mistake(got: Mapping[str, np.ndarray], params: AttentionParams, inp
     wrong and right gradients, where in the backward the wrong parameter gradients place the error, and the known
     mistake that explains the wrong ones, if any; empty when nothing can be said (a gradient missing or of another
     shape is named by the comparison itself)."""
+    parts = gradient_mistake_parts(got, params, inputs, cotangent, form, bounds)
+    return "; " + "; ".join(p for part in parts for p in part) if parts else ""
+
+
+def gradient_mistake_parts(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
+                           cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple]) -> list[list[str]]:
+    """:func:`gradient_mistake`'s clauses, most specific last: [the lists], [the placement] if any, [the named
+    mistakes] if any; [] when no gradient is wrong."""
     order = [n for n in gradient_names(params, inputs, form) if n in bounds]  # the inputs, then the parameters
     arrays = {name: np.asarray(got[name], np.float64) for name in order
               if name in got and np.shape(got[name]) == np.shape(bounds[name][0])}
     wrong = [n for n, a in arrays.items() if not _within(a, *bounds[n])]
     if not wrong:
-        return ""
+        return []
     right = [n for n in arrays if n not in wrong]
-    parts = [f"wrong gradients: {', '.join(wrong)}" + (f"; right: {', '.join(right)}" if right else "")]
+    parts = [[f"wrong gradients: {', '.join(wrong)}" + (f"; right: {', '.join(right)}" if right else "")]]
     # a gradient that is zero for every layer (the key bias's: softmax ignores a per-row constant) places nothing
     telling = {n for n in arrays if np.abs(bounds[n][0]).max(initial=0.0) > bounds[n][1].bound}
-    parts += _placed([n for n in wrong if n in telling], [n for n in right if n in telling])
+    placed = _placed([n for n in wrong if n in telling], [n for n in right if n in telling])
+    if placed:
+        parts.append(placed)
     whole = _whole_backward_mistake(arrays, wrong, params, inputs, cotangent, form, bounds)
-    parts += [whole] if whole else _each_gradient_mistake(wrong, arrays, bounds, params)
-    return "; " + "; ".join(parts)
+    named = [whole] if whole else _each_gradient_mistake(wrong, arrays, bounds, params)
+    if named:
+        parts.append(named)
+    return parts
+
+
+def _close(got: np.ndarray, candidate: np.ndarray, truth: np.ndarray) -> bool:
+    """Whether a known mistake's gradient ``candidate`` is the backend's: at most :data:`_CLOSE` as far from it as
+    the true gradient is."""
+    return distance(got, candidate) <= _CLOSE * distance(got, truth)
 
 
 def _within(actual: np.ndarray, expected: np.ndarray, tol) -> bool:
@@ -105,30 +136,43 @@ def _placed(wrong: list[str], right: list[str]) -> list[str]:
 
 def _whole_backward_mistake(arrays: dict, wrong: list[str], params: AttentionParams, inputs: AttentionInputs,
                             cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple]) -> str:
-    """The known wrong backward, of several gradients at once, that explains every wrong gradient; empty if none."""
+    """The known wrong backward, of several gradients at once, that explains every wrong gradient and leaves the
+    right ones right (within their tolerance); empty if none."""
     truth = {n: bounds[n][0] for n in wrong}
+    right = [n for n in arrays if n not in wrong]
     for text, compute in _backward_mistakes(params, inputs, cotangent):
         candidate = input_gradients(compute(), form)
-        if all(n in candidate and explains(arrays[n], candidate[n], truth[n]) for n in wrong):
+        if all(n in candidate and _close(arrays[n], candidate[n], truth[n]) for n in wrong) \
+                and all(n in candidate and _within(candidate[n], *bounds[n]) for n in right):
             return text
     return ""
 
 
 def _backward_mistakes(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray):
     """(what the mistake is, its gradients computed when called) for each backward mistake that applies to this
-    call: the softmax's row term left out; each mask the call applies ignored by the backward."""
+    call: the softmax's row term left out; each set of the masks the call applies ignored by the whole backward,
+    or only where it recomputes the weights (as a softmax, or as exp(s - lse) with the forward's log-sum-exp)."""
     yield ("the softmax's backward has no row term: dS = P * dP where dS = P * (dP - rowsum(dP * P)) belongs (the "
            "softmax differentiated as if each weight depended on its own score alone)",
-           lambda: vjp_without_softmax_row_term(params, inputs, cotangent))
-    ignored = (("causal", "the causal mask", "future keys"),
-               ("key_padding_mask", "the key padding mask", "padded keys"),
-               ("attn_mask", "the attn_mask", "masked keys"))
-    for field, what, where in ignored:
-        if getattr(inputs, field) is not None:
-            without = inputs.replace(**{field: None})
-            yield (f"the backward ignores {what} the forward applies: gradient flows to and from {where} (a custom "
-                   f"backward that recomputes the weights without the mask)",
-                   lambda without=without: reference_vjp(params, without, cotangent))
+           lambda: mistaken_vjp(params, inputs, cotangent, row_term=False))
+    present = [f for f in MASK_FIELDS if getattr(inputs, f) is not None]
+    subsets = [tuple(f for i, f in enumerate(present) if bits >> i & 1) for bits in range(1, 2 ** len(present))]
+    for fields in sorted(subsets, key=len):
+        what = " and ".join(_MASK_WORDS[f][0] for f in fields)
+        where = " and ".join(_MASK_WORDS[f][1] for f in fields)
+        yield (f"the backward ignores {what} the forward applies: gradient flows to and from {where} (the whole "
+               f"backward computed as if unmasked)",
+               lambda fields=fields: reference_vjp(params, inputs.replace(**dict.fromkeys(fields)), cotangent))
+        for row_from in ("weights", "output"):  # the row term from the recomputed weights, or from dO * O
+            yield (f"the backward recomputes the weights without {what} (a softmax over every key; the forward "
+                   f"applies it, so W_o's gradient is right): gradient flows to and from {where}",
+                   lambda fields=fields, row_from=row_from: mistaken_vjp(
+                       params, inputs, cotangent, recomputed_without=fields, row_from=row_from))
+            yield (f"the backward recomputes the weights as exp(s - lse) without re-applying {what} "
+                   f"(FlashAttention-2 style: {where} get exp(s - lse) instead of 0; the forward applies it, so W_o's "
+                   f"gradient is right)",
+                   lambda fields=fields, row_from=row_from: mistaken_vjp(
+                       params, inputs, cotangent, recomputed_without=fields, recompute="lse", row_from=row_from))
 
 
 def _each_gradient_mistake(wrong: list[str], arrays: dict, bounds: Mapping[str, tuple],
@@ -151,14 +195,13 @@ def _one_gradient_mistake(got: np.ndarray, expected: np.ndarray, params: Attenti
     if not np.any(got) and np.any(expected):
         return ("zero everywhere: nothing flows there (detached, stop_gradient, a no_grad block, an input that does "
                 "not require grad)")
-    if got.ndim == 2 and got.shape[0] == got.shape[1] and explains(got, expected.T, expected) \
-            and distance(got, expected.T) <= _MULTIPLE_FIT * distance(got, expected):
+    if got.ndim == 2 and got.shape[0] == got.shape[1] and _close(got, expected.T, expected):
         return "the reference's transposed (d_in x d_out where d_out x d_in belongs)"
     norm = float(np.vdot(expected, expected))
     if norm == 0.0:
         return ""
     factor = float(np.vdot(got, expected)) / norm
-    if distance(got, factor * expected) > _MULTIPLE_FIT * distance(got, expected):
+    if not _close(got, factor * expected, expected):
         return ""
     return _multiple_named(factor, params)
 

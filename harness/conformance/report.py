@@ -68,7 +68,8 @@ def diagnoses_line(failures) -> str:
     if not found:
         return ""
     ranked = sorted(found.items(), key=lambda item: -sum(item[1].values()))
-    shown = [f"{clipped(text, DIAGNOSIS_CHARS)} - in {sum(cases.values())} variant(s) of {', '.join(cases)}"
+    # bracketed: a " - " separator read as the minus of a diagnosis's formula (dS = P * (dP - ...)
+    shown = [f"{clipped(text, DIAGNOSIS_CHARS)} [in {sum(cases.values())} variant(s) of {', '.join(cases)}]"
              for text, cases in ranked[:DIAGNOSES_SHOWN]]
     more = len(ranked) - DIAGNOSES_SHOWN
     return "diagnosed: " + "; ".join(shown) + (f"; {more} more in the failures above" if more > 0 else "")

@@ -481,37 +481,79 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
     return np.where(visible, np.where(allowed, r(np.exp(exponent)), 0.0), empty)
 
 
-def vjp_without_softmax_row_term(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
-                                 ) -> dict[str, np.ndarray]:
-    """A known wrong backward, for diagnoses: :func:`reference_vjp` in float64 with the softmax's backward taken
-    as ``dS = P * dP``, its row term ``- P * rowsum(dP * P)`` left out (the softmax differentiated as if each weight
-    depended on its own score alone). The value and output-projection gradients stay right; the query and key
-    gradients, and their projections', do not."""
+#: the fields of :class:`AttentionInputs` that mask keys, which a wrong backward can leave out
+MASK_FIELDS = ("causal", "key_padding_mask", "attn_mask")
+
+
+def mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, *, row_term: bool = True,
+                 recomputed_without: tuple[str, ...] = (), recompute: str = "softmax",
+                 row_from: str = "weights") -> dict[str, np.ndarray]:
+    """A known wrong backward of the correct forward, in float64, for diagnoses. ``row_term=False``: the softmax's
+    backward taken as ``dS = P * dP``, its row term left out (each weight differentiated as if it depended on its
+    own score alone). ``recomputed_without``: the backward recomputes the weights without these masks
+    (:data:`MASK_FIELDS`) while the forward applied them (its output, and so W_o's gradient, stays right):
+    ``recompute="softmax"``, a softmax without them; ``"lse"``, as FlashAttention-2 recomputes, ``exp(s - lse)``
+    with the forward's (masked) log-sum-exp, the dropped masks' keys no longer zeroed. ``row_from``: the row term
+    as ``rowsum(dP * P)`` of the weights the backward has (``"weights"``) or as FlashAttention-2 takes it,
+    ``rowsum(dO * O)`` of the forward's output (``"output"``)."""
+    for field in recomputed_without:
+        if field not in MASK_FIELDS:
+            raise ValueError(f"recomputed_without: got {field!r}; accepted: {', '.join(MASK_FIELDS)}")
+    if recompute not in ("softmax", "lse"):
+        raise ValueError(f"recompute: got {recompute!r}; accepted: softmax, lse")
+    if row_from not in ("weights", "output"):
+        raise ValueError(f"row_from: got {row_from!r}; accepted: weights, output")
     cotangent = np.asarray(cotangent)
 
     def compute():
-        grads = _vjp(params, inputs, cotangent, "float64", row_term=False)
+        grads = _mistaken_vjp(params, inputs, cotangent, row_term, tuple(recomputed_without), recompute, row_from)
         _read_only(*grads.values())
         return grads
 
-    key = _content_key("vjp-no-row-term", params, inputs, cotangent, empty_rows_convention())
+    key = _content_key("vjp-mistaken", params, inputs, cotangent, empty_rows_convention(), row_term,
+                       tuple(recomputed_without), recompute, row_from)
     grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
     return {name: grad.copy() for name, grad in grads.items()}
 
 
+def _mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, row_term: bool,
+                  without: tuple[str, ...], recompute: str, row_from: str) -> dict:
+    """:func:`mistaken_vjp`'s backward, in float64."""
+    c = params.config
+    q, k, v, p, concat, scale, allowed = _forward_parts(params, inputs, None, "float64")
+    d_o = _heads(cotangent @ params.W_o.T, c.num_heads)
+    d_p = d_o @ v.transpose(0, 1, 3, 2)
+    if without and recompute == "softmax":
+        p = _forward_parts(params, inputs.replace(**dict.fromkeys(without)), None, "float64")[3]
+    elif without:  # exp(s - lse): the forward's lse, the scores without the dropped masks' -inf or bias
+        scores, allowed = _scores(params, inputs, None, q, k, scale, "float64", False)[:2]
+        masked = np.where(np.broadcast_to(allowed, scores.shape), scores, -np.inf)
+        row_max = masked.max(axis=-1, keepdims=True)
+        visible = np.isfinite(row_max)
+        with np.errstate(divide="ignore"):
+            lse = np.where(visible, row_max, 0.0) + np.log(
+                np.exp(masked - np.where(visible, row_max, 0.0)).sum(axis=-1, keepdims=True))
+        loose, kept = _scores(params, inputs.replace(**dict.fromkeys(without)), None, q, k, scale, "float64",
+                              False)[:2]
+        with np.errstate(over="ignore"):
+            p = np.where(visible & np.broadcast_to(kept, loose.shape), np.exp(loose - lse), 0.0)
+    row = (d_o * _heads(concat, c.num_heads)).sum(axis=-1, keepdims=True) if row_from == "output" \
+        else (d_p * p).sum(axis=-1, keepdims=True)
+    return _vjp_from_weights(params, inputs, cotangent, q, k, v, p, concat, scale, d_o, d_p,
+                             row if row_term else 0.0, lambda x: x)
+
+
 def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
-         flash: bool = False, score_error_of: str | None = None, row_term: bool = True) -> dict:
+         flash: bool = False, score_error_of: str | None = None) -> dict:
     """The backward, rounding after every stage in ``dtype``. ``flash``: as FlashAttention-2 computes it (and
     torch's SDPA kernels and nn.MultiheadAttention's fused path do): the queries scaled first, the weights
     recomputed from the row's log-sum-exp, and the softmax backward's row term taken as ``rowsum(dO * O)`` instead
-    of ``rowsum(dP * P)`` (equal in exact arithmetic, not after rounding). ``row_term=False``: the known mistake
-    of :func:`vjp_without_softmax_row_term`."""
+    of ``rowsum(dP * P)`` (equal in exact arithmetic, not after rounding)."""
     c = params.config
     r = lambda x: round_to(x, dtype)  # noqa: E731
     q, k, v, p, concat, scale, _ = _forward_parts(params, inputs, None, dtype, scale_first=flash,
                                                   score_error_of=None if flash else score_error_of)
     g = r(cotangent)
-    grads = {"W_o": r(np.einsum("btd,bte->de", concat, g))}
     d_o = _heads(r(g @ r(params.W_o).T), c.num_heads)
     d_p = r(d_o @ v.transpose(0, 1, 3, 2))
     if flash:
@@ -519,8 +561,17 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
         row = r(r(d_o * _heads(concat, c.num_heads)).sum(axis=-1, keepdims=True))
     else:
         row = r((d_p * p).sum(axis=-1, keepdims=True))
+    return _vjp_from_weights(params, inputs, g, q, k, v, p, concat, scale, d_o, d_p, row, r)
+
+
+def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k, v, p, concat, scale, d_o, d_p,
+                      row, r) -> dict:
+    """The backward from the softmax weights ``p`` and its row term ``row`` on: dV, dS = P * (dP - row), dQ, dK,
+    then through the projections to the inputs and parameters; ``r`` rounds after every stage."""
+    c = params.config
+    grads = {"W_o": r(np.einsum("btd,bte->de", concat, g))}
     d_v = r(p.transpose(0, 1, 3, 2) @ d_o)
-    d_s = r(p * r(d_p - row)) if row_term else r(p * d_p)
+    d_s = r(p * r(d_p - row))
     d_q = r(d_s @ k * scale)
     d_k = r(d_s.transpose(0, 1, 3, 2) @ q * scale)
 

@@ -57,7 +57,10 @@ _HARNESS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def where(exc: BaseException) -> str:
     """`` (at FILE:LINE)``: the last frame of ``exc``'s traceback outside the harness and importlib's bootstrap,
-    i.e. the line of plugin (or library) code that raised; empty when there is none (``No module named ...``)."""
+    i.e. the line of plugin (or library) code that raised; empty when there is none (``No module named ...``). A
+    SyntaxError's own file and line (its traceback ends in the import machinery, never in the file that failed)."""
+    if isinstance(exc, SyntaxError) and exc.filename and not exc.filename.startswith("<"):
+        return f" (at {exc.filename}:{exc.lineno})"
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(_HARNESS_DIR + os.sep)
               and not os.path.abspath(f.filename).startswith(os.path.dirname(os.path.abspath(traceback.__file__))

@@ -415,6 +415,10 @@ class _HandWrittenBackward(NumpyTiledLoaded):
         """The softmax's backward: dS = P * (dP - rowsum(dO * O)), zero where a weight is zero."""
         return np.where(p != 0, p * (d_p - row), 0)
 
+    def backward_masks(self, inputs, tq, k0, k1):
+        """The masks the backward recomputes the weights of keys k0..k1 with: the forward's."""
+        return block_mask(inputs, 0, tq, k0, k1)
+
     def compute_vjp(self, inputs, cotangent):
         c, w, dt = self.config, self.weights, self.dtype
         b, tq = inputs.batch, inputs.tq
@@ -427,7 +431,7 @@ class _HandWrittenBackward(NumpyTiledLoaded):
             d_q, d_k, d_v = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
             for k0 in range(0, self.key_limit(inputs, tq), self.block_k):
                 k1 = min(inputs.tk, k0 + self.block_k)
-                masks = block_mask(inputs, 0, tq, k0, k1)
+                masks = self.backward_masks(inputs, tq, k0, k1)
                 p = self.masked_softmax(q @ k[..., k0:k1, :].swapaxes(-1, -2),
                                         *(None if m is None else self._group_view(m) for m in masks))
                 d_p = d_o @ v[..., k0:k1, :].swapaxes(-1, -2)
@@ -466,6 +470,11 @@ class GradientWithoutSoftmaxRowTerm(_HandWrittenBackward):
 class GradientScoreScaleLeftOut(_HandWrittenBackward):
     def score_gradient(self, p, d_p, row):  # dQ = dS K and dK = dS^T Q, the forward's 1/sqrt(d_head) left out
         return super().score_gradient(p, d_p, row) / self.dtype.type(self.scale())
+
+
+class GradientRecomputedWithoutMasks(_HandWrittenBackward):
+    def backward_masks(self, inputs, tq, k0, k1):  # the forward masks; the backward's recomputed softmax does not
+        return None, None
 
 
 def _full_width_kv(config: AttentionConfig):
@@ -540,6 +549,9 @@ MUTANTS = (
     Mutant("mutant-gradient-score-scale-left-out", "a hand-written backward leaves the 1/sqrt(d_head) score scale "
            "out of dQ and dK (the forward applies it)", GradientScoreScaleLeftOut, "leaves out the 1/sqrt(d_head)",
            gradients=True),
+    Mutant("mutant-gradient-recomputed-without-masks", "a hand-written backward recomputes the softmax weights "
+           "without the masks the forward applied (its forward output is right)", GradientRecomputedWithoutMasks,
+           "recomputes the weights without", gradients=True),
     Mutant("mutant-tiled-running-max-from-zero", "a tiled kernel (16-key blocks) starts its running row maximum at 0 "
            "instead of -inf (a stranger's kernel): rows whose every score is far below 0 underflow to zeros",
            TiledRunningMaxFromZero, "far below 0"),
