@@ -21,7 +21,8 @@
 # The asv step's lengths are MHA_ASV_SEQ_LENS and MHA_ASV_DECODE_KV_LENS when set in the environment (default
 # 256,1024 and 1024,16384); ASV_BENCH=all records every asv benchmark, ASV_BENCH=REGEX those asv's -b REGEX matches
 # (e.g. ASV_BENCH=TimeForward.time_forward); ASV_SAMPLING=repeats replaces asv's one-call smoke mode (--quick, the
-# default) by asv's own calibrated samples, one setup per benchmark (the time figures then carry asv's spread); ASV_EXTRA_ARGS is added to asv run's arguments (ASV_EXTRA_ARGS=
+# default) by asv's own calibrated samples, one setup per benchmark (the time figures then carry asv's spread);
+# ASV_EXTRA_ARGS is added to asv run's arguments (ASV_EXTRA_ARGS=
 # --show-stderr prints why a row is n/a); MHA_ASV_BACKENDS, MHA_ASV_BACKEND_SPECS and ASV_PYTHONPATH pass
 # through to asv, so
 #   ASV_PYTHONPATH=$PWD MHA_ASV_BACKEND_SPECS=my_attention:MyAttention benchmarks/regenerate_results.sh \
@@ -53,10 +54,18 @@ all="conformance bench decode long fidelity asv search"
 for s in ${steps//,/ }; do
     case " $all " in *" $s "*) ;; *) echo "regenerate_results.sh: --steps: got '$s'; accepted: ${all// /, }" >&2; exit 2 ;; esac
 done
-case "${ASV_SAMPLING:-quick}" in
-    quick|repeats) ;;
-    *) echo "regenerate_results.sh: ASV_SAMPLING: got '${ASV_SAMPLING}'; accepted: quick, repeats" >&2; exit 2 ;;
-esac
+# how asv samples a time benchmark: ASV_SAMPLING=quick (default) is asv's smoke mode, one call after setup per
+# point; ASV_SAMPLING=repeats is asv's own calibration (calls per sample until a sample lasts 10 ms, up to 10
+# samples within 20 s after a warm-up), in one process per benchmark (rounds=1: its setup, the dear part, runs once)
+asv_sampling() {
+    case "${ASV_SAMPLING:-quick}" in
+        quick) echo "--quick" ;;
+        repeats) echo "-a rounds=1" ;;
+    esac
+}
+if [ -z "$(asv_sampling)" ]; then
+    echo "regenerate_results.sh: ASV_SAMPLING: got '${ASV_SAMPLING}'; accepted: quick, repeats" >&2; exit 2
+fi
 if [ -z "$results" ]; then
     results=$(mktemp -d "${TMPDIR:-/tmp}/mha-results.XXXXXX")
 fi
@@ -90,16 +99,6 @@ asv_benchmarks() {
         all) ;;
         "") echo " -b TimeForward.time_forward -b Decode.time_decode -b PeakMemory -b ThreadSettings" ;;
         *) echo " -b ${ASV_BENCH}" ;;
-    esac
-}
-
-# how asv samples a time benchmark: ASV_SAMPLING=quick (default) is asv's smoke mode, one call after setup per
-# point; ASV_SAMPLING=repeats is asv's own calibration (calls per sample until a sample lasts 10 ms, up to 10
-# samples within 20 s after a warm-up), in one process per benchmark (rounds=1: its setup, the dear part, runs once)
-asv_sampling() {
-    case "${ASV_SAMPLING:-quick}" in
-        quick) echo "--quick" ;;
-        repeats) echo "-a rounds=1" ;;
     esac
 }
 

@@ -48,9 +48,7 @@ def gradient_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs
     if early:
         return early, early.removeprefix("; ")
     parts = gradient_mistake_parts(got, params, inputs, cotangent, form, bounds)
-    if not parts:
-        return "", ""
-    return "; " + "; ".join(p for part in parts for p in part), "; ".join(parts[-1])
+    return _message(parts), "; ".join(parts[-1]) if parts else ""
 
 
 def form_mixup(got: Mapping[str, np.ndarray], separate: dict, declared: str) -> str:
@@ -83,7 +81,11 @@ def gradient_mistake(got: Mapping[str, np.ndarray], params: AttentionParams, inp
     wrong and right gradients, where in the backward the wrong parameter gradients place the error, and the known
     mistake that explains the wrong ones, if any; empty when nothing can be said (a gradient missing or of another
     shape is named by the comparison itself)."""
-    parts = gradient_mistake_parts(got, params, inputs, cotangent, form, bounds)
+    return _message(gradient_mistake_parts(got, params, inputs, cotangent, form, bounds))
+
+
+def _message(parts: list[list[str]]) -> str:
+    """:func:`gradient_mistake_parts`' clauses as a message suffix ("; ..."); empty when there are none."""
     return "; " + "; ".join(p for part in parts for p in part) if parts else ""
 
 
@@ -104,7 +106,7 @@ def gradient_mistake_parts(got: Mapping[str, np.ndarray], params: AttentionParam
     placed = _placed([n for n in wrong if n in telling], [n for n in right if n in telling])
     if placed:
         parts.append(placed)
-    whole = _whole_backward_mistake(arrays, wrong, params, inputs, cotangent, form, bounds)
+    whole = _whole_backward_mistake(arrays, wrong, right, params, inputs, cotangent, form, bounds)
     named = [whole] if whole else _each_gradient_mistake(wrong, arrays, bounds, params)
     if named:
         parts.append(named)
@@ -134,15 +136,14 @@ def _placed(wrong: list[str], right: list[str]) -> list[str]:
     return [f"the parameters' gradients place the error in {' and '.join(bad)}; right in {' and '.join(good)}"]
 
 
-def _whole_backward_mistake(arrays: dict, wrong: list[str], params: AttentionParams, inputs: AttentionInputs,
-                            cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple]) -> str:
+def _whole_backward_mistake(arrays: dict, wrong: list[str], right: list[str], params: AttentionParams,
+                            inputs: AttentionInputs, cotangent: np.ndarray, form: str,
+                            bounds: Mapping[str, tuple]) -> str:
     """The known wrong backward, of several gradients at once, that explains every wrong gradient and leaves the
     right ones right (within their tolerance); empty if none."""
-    truth = {n: bounds[n][0] for n in wrong}
-    right = [n for n in arrays if n not in wrong]
     for text, compute in _backward_mistakes(params, inputs, cotangent):
         candidate = input_gradients(compute(), form)
-        if all(n in candidate and _close(arrays[n], candidate[n], truth[n]) for n in wrong) \
+        if all(n in candidate and _close(arrays[n], candidate[n], bounds[n][0]) for n in wrong) \
                 and all(n in candidate and _within(candidate[n], *bounds[n]) for n in right):
             return text
     return ""

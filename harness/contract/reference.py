@@ -450,6 +450,18 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     return {name: np.sqrt(grad) for name, grad in grads.items()}
 
 
+def _row_lse(scores: np.ndarray, allowed: np.ndarray, r=lambda x: x):
+    """The scores with disallowed ones set to -inf, each row's log-sum-exp over its allowed scores (0 in a row with
+    none) and which rows have a visible key, rounding after each stage with ``r``."""
+    scores = np.where(allowed, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    visible = np.isfinite(row_max)
+    shifted = r(scores - np.where(visible, row_max, 0.0))
+    total = r(np.where(allowed, np.exp(shifted), 0.0).sum(axis=-1, keepdims=True))
+    lse = r(np.where(visible, row_max, 0.0) + np.log(np.where(total > 0, total, 1.0)))
+    return scores, lse, visible
+
+
 def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale, dtype: str,
                    score_error_of: str | None = None) -> np.ndarray:
     """The softmax weights as a FlashAttention backward recomputes them, rounding in ``dtype``: scores again (the
@@ -460,12 +472,7 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
     r = lambda x: round_to(x, dtype)  # noqa: E731
     scores, allowed, additive = _scores(params, inputs, None, q, k, scale, dtype, scale_first=True)
     allowed = np.broadcast_to(allowed, scores.shape)
-    scores = np.where(allowed, scores, -np.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    visible = np.isfinite(row_max)
-    shifted = r(scores - np.where(visible, row_max, 0.0))
-    total = r(np.where(allowed, np.exp(shifted), 0.0).sum(axis=-1, keepdims=True))
-    lse = r(np.where(visible, row_max, 0.0) + np.log(np.where(total > 0, total, 1.0)))
+    scores, lse, visible = _row_lse(scores, allowed, r)
     exponent = r(scores - lse)
     if score_error_of is not None:
         # per entry: the score's (two roundings of its dot product's terms, one of s + mask) and one rounding of
@@ -527,12 +534,7 @@ def _mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
         p = _forward_parts(params, inputs.replace(**dict.fromkeys(without)), None, "float64")[3]
     elif without:  # exp(s - lse): the forward's lse, the scores without the dropped masks' -inf or bias
         scores, allowed = _scores(params, inputs, None, q, k, scale, "float64", False)[:2]
-        masked = np.where(np.broadcast_to(allowed, scores.shape), scores, -np.inf)
-        row_max = masked.max(axis=-1, keepdims=True)
-        visible = np.isfinite(row_max)
-        with np.errstate(divide="ignore"):
-            lse = np.where(visible, row_max, 0.0) + np.log(
-                np.exp(masked - np.where(visible, row_max, 0.0)).sum(axis=-1, keepdims=True))
+        _, lse, visible = _row_lse(scores, np.broadcast_to(allowed, scores.shape))
         loose, kept = _scores(params, inputs.replace(**dict.fromkeys(without)), None, q, k, scale, "float64",
                               False)[:2]
         with np.errstate(over="ignore"):
