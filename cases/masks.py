@@ -25,6 +25,7 @@ from mha_harness.conformance.casekit import (
     case,
     check_against_reference,
     expected_fully_masked_rows,
+    gradient_mistake_hint,
     on_primary_dtype,
     primary_dtype,
     require,
@@ -150,7 +151,10 @@ def _empty_causal_rows_hint(backend, params, inputs, dtype: str) -> str:
 @case(requires=("causal", "gradients"), variants=causal_variants, forms=ALL_FORMS)
 def check_causal_jacobian_zero_for_future_inputs(backend, *, form, dtype, alignment, variant, seq, tk):
     """The Jacobian of outputs at positions <= i with respect to keys and values after i is exactly zero
-    (with one x: with respect to x after i; with shared K/V: with respect to x_kv after i)."""
+    (with one x: with respect to x after i; with shared K/V: with respect to x_kv after i). A failure also says
+    which of the call's gradients are wrong against the reference and where that places the error: a backward
+    that ignores the causal mask is named so, one with a bug elsewhere that makes a gradient depend on the future
+    (dV from P where P^T belongs) is placed where it is."""
     params = small_layer(backend)
     inputs = form_inputs(form, params.config, 2, seq, tk, causal=alignment)
     require(backend, *inputs.features(), f"dtype:{dtype}")
@@ -171,7 +175,8 @@ def check_causal_jacobian_zero_for_future_inputs(backend, *, form, dtype, alignm
                 if not np.isfinite(future[b, t, f]):
                     raise CaseFailure(f"{alignment} causal gradients not finite: {what}"
                                       f"{_nan_backward_hint(seq, tk, alignment)}")
-                raise CaseFailure(f"{alignment} causal leak in gradients: {what}")
+                hint = gradient_mistake_hint(grads, params, inputs, cotangent, dtype, form)
+                raise CaseFailure(f"{alignment} causal leak in gradients: {what}").with_hint(*hint)
     return Measurement(max_error=0.0)
 
 

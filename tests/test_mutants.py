@@ -192,6 +192,35 @@ def test_every_variant_of_the_causal_jacobian_case_catches_a_backward_that_ignor
     assert "d(output row 0, which may see keys <= 60)" in shapes[("bottom-right", "more_keys")].message
 
 
+class _ValueGradientFromUntransposedWeights(zoo._HandWrittenBackward):
+    """A hand-written backward whose dV is P @ dO where P^T @ dO belongs (defined for square calls only): its forward
+    and causal mask are right, yet the value gradients of early rows reach later positions."""
+
+    def value_gradient(self, p, d_o):
+        if p.shape[-1] != p.shape[-2]:
+            raise mha_harness.Unsupported("square calls only")
+        return p @ d_o
+
+
+def test_the_causal_jacobian_case_tells_a_backward_that_ignores_the_mask_from_a_bug_in_the_value_path():
+    """Both make a gradient depend on the future; the failure says which is which. The mutant whose backward drops the
+    causal mask is named so; a dV computed from P instead of P^T (a stranger took it for a mask bug from the old
+    message alone) is placed in the value path, with the gradients it leaves right listed."""
+    def messages(mutant):
+        report = mha_harness.check(MutantBackend(mutant), cases=["check_causal_jacobian_zero_for_future_inputs"],
+                                   include_slow=False, isolate=False)
+        return [r.message for r in report.results if r.status == "failed"]
+
+    masked = messages(BY_NAME["mutant-gradient-flows-to-future"])
+    assert masked and all("causal leak in gradients" in m and "ignores the causal mask" in m for m in masked), masked
+    transposed = messages(dataclasses.replace(BY_NAME["mutant-gradient-no-softmax-row-term"],
+                                              loaded=_ValueGradientFromUntransposedWeights))
+    assert transposed, "the untransposed dV passed the causal Jacobian case"
+    for message in transposed:
+        assert "causal leak in gradients" in message and "wrong gradients: value, W_v" in message, message
+        assert "the value path" in message and "ignores the causal mask" not in message, message
+
+
 def test_a_running_maximum_started_at_zero_is_caught_only_where_every_score_is_far_below_zero():
     """A tiled kernel whose running row maximum starts at 0 is right on every other case (each of their rows has a
     score above the underflow point); the large-logits case's negative rows (every score near -1000) catch it and

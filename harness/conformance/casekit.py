@@ -664,6 +664,25 @@ def _gradient_of(got: Mapping[str, np.ndarray], name: str, shape: tuple) -> np.n
     return actual
 
 
+def gradient_mistake_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
+                          cotangent: np.ndarray, dtype: str, form: str) -> tuple[str, str | None]:
+    """For a case that found a backward wrong by another property (a gradient where the causal mask says exactly 0):
+    what the same call's gradients get wrong against the reference, as ``(hint, diagnosis)`` for
+    :meth:`CaseFailure.with_hint` -- which gradients are wrong and which right, where that places the error, the
+    known mistake that explains them (:func:`~mha_harness.conformance.gradient_diagnoses.gradient_hint`); ``("",
+    None)`` when every gradient is within the tolerance or the comparison cannot be made (a diagnosis only)."""
+    try:
+        bounds = gradient_tolerances(params, inputs, cotangent, dtype, form)
+        try:
+            _assert_within(got, bounds)
+        except CaseFailure:
+            hint, diagnosis = gradient_hint(got, params, inputs, cotangent, form, bounds)
+            return hint, diagnosis
+    except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
+        pass
+    return "", None
+
+
 def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
                                      cotangent: np.ndarray, dtype: str, form: str) -> float:
     """A backend's gradients ``got`` (for ``sum(output * cotangent)``, per argument of its declared input ``form``)

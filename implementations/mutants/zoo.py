@@ -419,6 +419,10 @@ class _HandWrittenBackward(NumpyTiledLoaded):
         """The masks the backward recomputes the weights of keys k0..k1 with: the forward's."""
         return block_mask(inputs, 0, tq, k0, k1)
 
+    def value_gradient(self, p, d_o):
+        """dV of a key block: P^T @ dO."""
+        return p.swapaxes(-1, -2) @ d_o
+
     def compute_vjp(self, inputs, cotangent):
         c, w, dt = self.config, self.weights, self.dtype
         b, tq = inputs.batch, inputs.tq
@@ -436,7 +440,7 @@ class _HandWrittenBackward(NumpyTiledLoaded):
                                         *(None if m is None else self._group_view(m) for m in masks))
                 d_p = d_o @ v[..., k0:k1, :].swapaxes(-1, -2)
                 d_s = self.score_gradient(p, d_p, row)
-                d_v[..., k0:k1, :] = (p.swapaxes(-1, -2) @ d_o).sum(axis=2, keepdims=True)
+                d_v[..., k0:k1, :] = self.value_gradient(p, d_o).sum(axis=2, keepdims=True)
                 d_k[..., k0:k1, :] = (d_s.swapaxes(-1, -2) @ q).sum(axis=2, keepdims=True)
                 d_q += d_s @ k[..., k0:k1, :]
             heads = {"q": d_q.reshape(b, c.num_heads, tq, c.d_head) * dt.type(self.scale()), "k": d_k[:, :, 0],

@@ -1,0 +1,108 @@
+"""examples/annotated_transformer_plugin: the worked separate-form torch example of docs/plugins.md is the file; the
+Annotated Transformer's MultiHeadedAttention, wrapped as it is, passes every case it declares with its two
+divergences verified (a finite -1e9 mask value, a dense P @ V); and the bugs the docs quote fail with the diagnoses
+they quote: the module's masked_fill without its assignment, and the wrapper's weight gradients left in nn.Linear's
+(out, in) layout."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import mha_harness
+
+pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "annotated_transformer_plugin" / "annotated_attention" / "__init__.py"
+
+
+def _module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # the isolated workers rebuild the backend from this module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _variant(path: Path, name: str, old: str, new: str):
+    """The example with one line changed, as a module of its own."""
+    text = EXAMPLE.read_text()
+    assert text.count(old) == 1, old
+    path.write_text(text.replace(old, new))
+    return _module(path, name)
+
+
+def test_the_docs_show_the_example_file_verbatim():
+    docs = (ROOT / "docs" / "plugins.md").read_text()
+    shown = re.search(r"<!-- annotated-example:start -->\n```python\n(.*?)```\n<!-- annotated-example:end -->", docs,
+                      re.S)
+    assert shown and shown.group(1) == EXAMPLE.read_text()
+
+
+@pytest.fixture(scope="module")
+def quick_report():
+    backend = _module(EXAMPLE, "annotated_attention").AnnotatedAttention()
+    return mha_harness.check(backend, include_slow=False, isolate=False)
+
+
+def test_the_module_passes_every_case_it_declares_with_its_divergences_verified(quick_report):
+    assert quick_report.ok, "\n".join(quick_report.summary_lines())
+    by_status = {}
+    for r in quick_report.results:
+        by_status.setdefault(r.status.value, set()).add(r.case)
+    assert "error" not in by_status and "failed" not in by_status and "unexpected-pass" not in by_status
+    assert by_status["passed"] >= {
+        "check_gradients_match_reference", "check_causal_jacobian_zero_for_future_inputs",
+        "check_padding_mask_blocks_padded_keys", "check_causal_mask_blocks_future_keys",
+        "check_bool_attn_mask_matches_reference", "check_attention_weights_match_reference",
+        "check_parameter_count_is_4_d_model_squared", "check_output_matches_reference"}
+    # the finite -1e9 (rows with no key to attend: the average of V) and the dense P @ V (0 * NaN), each verified
+    assert by_status["expected-divergence"] >= {"check_fully_masked_rows_output_zeros",
+                                                "check_padding_mask_blocks_padded_keys",
+                                                "check_causal_mask_blocks_future_keys"}
+
+
+def test_a_per_head_mask_and_a_bias_free_count_skip_with_the_modules_reason(quick_report):
+    reasons = {r.message for r in quick_report.results if r.status.value == "skipped"}
+    assert "the module's mask is the same for every head (no per-head mask)" in reasons
+    assert "nn.Linear(d_model, d_model) always allocates a bias" in reasons
+
+
+def test_masked_fill_without_its_assignment_fails_as_masks_ignored(tmp_path):
+    """`scores.masked_fill(...)` returns a new tensor: without `scores = ` every mask is dropped."""
+    broken = _variant(tmp_path / "annotated_unassigned.py", "annotated_unassigned",
+                      "scores = scores.masked_fill(mask == 0, -1e9)", "scores.masked_fill(mask == 0, -1e9)")
+    report = mha_harness.check(broken.AnnotatedAttention(), include_slow=False, isolate=False,
+                               cases=["check_padding_mask_output_matches_reference",
+                                      "check_causal_mask_blocks_future_keys"])
+    failed = {r.case: r.message for r in report.results if r.status.value == "failed"}
+    assert "the output matches the same call without key_padding_mask: the mask is not applied" in \
+        failed["check_padding_mask_output_matches_reference"], failed
+    assert "causal leak" in failed["check_causal_mask_blocks_future_keys"], failed
+
+
+def test_weight_gradients_left_in_nn_linears_layout_are_named_transposed(tmp_path):
+    broken = _variant(tmp_path / "annotated_untransposed.py", "annotated_untransposed",
+                      'grads[f"W_{p}"] = _np(linear.weight.grad, transpose=True)',
+                      'grads[f"W_{p}"] = _np(linear.weight.grad)')
+    report = mha_harness.check(broken.AnnotatedAttention(), include_slow=False, isolate=False,
+                               cases=["check_gradients_match_reference"])
+    failures = report.failures()
+    assert failures and all("the reference's transposed" in f.message for f in failures), \
+        [f.message for f in failures]
+
+
+def test_the_forward_backward_call_is_checked_by_its_gradients():
+    from mha_harness.bench.calls import prepare_point
+    from mha_harness.bench.metrics import Shape
+    from mha_harness.bench.verify import check_point
+    backend = _module(EXAMPLE, "annotated_attention").AnnotatedAttention()
+    shape = Shape(1, 32, 32, 64, 4, "float32", True, True)
+    point = prepare_point(backend, shape)
+    first = check_point(backend, shape, point.checked_values(point.fn()))
+    again = check_point(backend, shape, point.checked_values(point.fn()))
+    assert {"query", "key", "value", "W_q", "W_k", "W_v", "W_o"} <= set(first["gradients"])
+    assert again["max_error"] == first["max_error"] <= first["bound"]
