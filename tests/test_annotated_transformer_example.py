@@ -5,26 +5,16 @@ they quote: the module's masked_fill without its assignment, and the wrapper's w
 (out, in) layout."""
 from __future__ import annotations
 
-import importlib.util
-import re
-import sys
 from pathlib import Path
 
 import pytest
 
 import mha_harness
+from tests.example_modules import module_from_file, shown_in_plugins_docs
 
 pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "annotated_transformer_plugin" / "annotated_attention" / "__init__.py"
-
-
-def _module(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # the isolated workers rebuild the backend from this module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def _variant(path: Path, name: str, old: str, new: str):
@@ -32,19 +22,16 @@ def _variant(path: Path, name: str, old: str, new: str):
     text = EXAMPLE.read_text()
     assert text.count(old) == 1, old
     path.write_text(text.replace(old, new))
-    return _module(path, name)
+    return module_from_file(path, name)
 
 
 def test_the_docs_show_the_example_file_verbatim():
-    docs = (ROOT / "docs" / "plugins.md").read_text()
-    shown = re.search(r"<!-- annotated-example:start -->\n```python\n(.*?)```\n<!-- annotated-example:end -->", docs,
-                      re.S)
-    assert shown and shown.group(1) == EXAMPLE.read_text()
+    assert shown_in_plugins_docs("annotated-example") == EXAMPLE.read_text()
 
 
 @pytest.fixture(scope="module")
 def quick_report():
-    backend = _module(EXAMPLE, "annotated_attention").AnnotatedAttention()
+    backend = module_from_file(EXAMPLE, "annotated_attention").AnnotatedAttention()
     return mha_harness.check(backend, include_slow=False, isolate=False)
 
 
@@ -99,7 +86,7 @@ def test_the_forward_backward_call_is_checked_by_its_gradients():
     from mha_harness.bench.calls import prepare_point
     from mha_harness.bench.metrics import Shape
     from mha_harness.bench.verify import check_point
-    backend = _module(EXAMPLE, "annotated_attention").AnnotatedAttention()
+    backend = module_from_file(EXAMPLE, "annotated_attention").AnnotatedAttention()
     shape = Shape(1, 32, 32, 64, 4, "float32", True, True)
     point = prepare_point(backend, shape)
     first = check_point(backend, shape, point.checked_values(point.fn()))

@@ -2,9 +2,7 @@
 one-word bug a stranger made in it (triu for tril) fails with the diagnosis the docs quote."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,28 +10,19 @@ from pathlib import Path
 import pytest
 
 import mha_harness
+from tests.example_modules import module_from_file, shown_in_plugins_docs
 
 pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gpt2_plugin" / "gpt2_attention" / "__init__.py"
 
 
-def _module(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # the isolated workers rebuild the backend from this module by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_docs_show_the_example_file_verbatim():
-    readme = (ROOT / "docs" / "plugins.md").read_text()
-    shown = re.search(r"<!-- gpt2-example:start -->\n```python\n(.*?)```\n<!-- gpt2-example:end -->", readme, re.S)
-    assert shown and shown.group(1) == EXAMPLE.read_text()
+    assert shown_in_plugins_docs("gpt2-example") == EXAMPLE.read_text()
 
 
 def test_the_gpt2_module_passes_every_case_it_declares():
-    backend = _module(EXAMPLE, "gpt2_attention").GPT2Attention()
+    backend = module_from_file(EXAMPLE, "gpt2_attention").GPT2Attention()
     report = mha_harness.check(backend, include_slow=False, isolate=False)
     assert report.ok, "\n".join(report.summary_lines())
     statuses = [r.status.value for r in report.results]
@@ -46,7 +35,7 @@ def test_the_gpt2_module_passes_every_case_it_declares():
 def test_the_gpt2_module_with_triu_for_tril_fails_naming_the_reversed_mask(tmp_path):
     broken = tmp_path / "gpt2_triu.py"
     broken.write_text(EXAMPLE.read_text().replace("torch.tril(", "torch.triu("))
-    report = mha_harness.check(_module(broken, "gpt2_triu").GPT2Attention(), include_slow=False, isolate=False)
+    report = mha_harness.check(module_from_file(broken, "gpt2_triu").GPT2Attention(), include_slow=False, isolate=False)
     failed = {r.case: r.message for r in report.results if r.status.value == "failed"}
     assert "a reversed causal mask: query i sees key i and every later key" in \
         failed["check_causal_output_matches_reference"]
@@ -69,7 +58,7 @@ def test_the_gpt2_training_step_is_checked_by_its_gradients_at_every_call():
     from mha_harness.bench.calls import prepare_point
     from mha_harness.bench.metrics import Shape
     from mha_harness.bench.verify import check_point
-    backend = _module(EXAMPLE, "gpt2_attention").GPT2Attention()
+    backend = module_from_file(EXAMPLE, "gpt2_attention").GPT2Attention()
     shape = Shape(1, 32, 32, 64, 4, "float32", True, True)
     point = prepare_point(backend, shape)
     first = check_point(backend, shape, point.checked_values(point.fn()))
