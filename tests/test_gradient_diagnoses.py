@@ -168,3 +168,18 @@ def test_every_gradient_comparison_carries_the_diagnosis_the_search_replays_too(
         assert_gradients_match_reference(got, PARAMS, inputs, cotangent, "float32", "separate")
     assert str(caught.value).startswith("gradient of ")
     assert "the backward ignores the key padding mask" in caught.value.diagnosis
+
+
+def test_a_case_that_found_a_backward_wrong_otherwise_gets_the_diagnosis_only_when_a_gradient_is_wrong():
+    """gradient_mistake_hint (for cases that test a backward by another property, as the causal Jacobian case does):
+    right gradients, or gradients it cannot compare (one missing), give no hint and never raise; a backward that
+    ignores the causal mask is named, with its short diagnosis for the summary."""
+    from mha_harness.conformance.casekit import gradient_mistake_hint
+    inputs, cotangent = _call(tq=7, tk=7, causal="top-left")
+    right = _true(inputs, cotangent)
+    assert gradient_mistake_hint(right, PARAMS, inputs, cotangent, "float32", "separate") == ("", None)
+    missing = {k: v for k, v in right.items() if k != "value"}
+    assert gradient_mistake_hint(missing, PARAMS, inputs, cotangent, "float32", "separate") == ("", None)
+    unmasked = _true(inputs.replace(causal=None), cotangent)
+    hint, diagnosis = gradient_mistake_hint(unmasked, PARAMS, inputs, cotangent, "float32", "separate")
+    assert hint.startswith("; wrong gradients: ") and "ignores the causal mask the forward applies" in diagnosis

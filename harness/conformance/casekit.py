@@ -677,7 +677,8 @@ def gradient_mistake_hint(got: Mapping[str, np.ndarray], params: AttentionParams
             _assert_within(got, bounds)
             return "", None
         except CaseFailure:
-            return gradient_hint(got, params, inputs, cotangent, form, bounds)
+            hint, diagnosis = gradient_hint(got, params, inputs, cotangent, form, bounds)
+            return hint, diagnosis or None
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return "", None
 
