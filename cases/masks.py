@@ -313,30 +313,37 @@ def check_additive_attn_mask_matches_reference(backend, *, form, dtype, variant,
     return Measurement(max_error=check_against_reference(backend, params, inputs, dtype, "additive-masked output"))
 
 
-def classify_fully_masked_rows(rows: np.ndarray, zero_out: np.ndarray, uniform_out: np.ndarray) -> str:
-    """Name what a backend outputs for fully masked query rows."""
+def classify_fully_masked_rows(rows: np.ndarray, zero_out: np.ndarray, uniform_out: np.ndarray,
+                               zero_bound: float, uniform_bound: float) -> str:
+    """Name what a backend outputs for fully masked query rows: zeros (before W_o) or the uniform average of V
+    when within the bound the tolerance rule gives the layer's dtype for that output (a bfloat16 layer's uniform
+    rows are a bfloat16 computation of the average: a fixed float32-sized bound could never name them)."""
     if np.all(np.isnan(rows)):
         return "NaN"
     if np.any(np.isnan(rows)):
         return "partly NaN"
-    if np.allclose(rows, zero_out, atol=1e-4):
+    if np.allclose(rows, zero_out, rtol=0, atol=zero_bound):
         return "zeros"
-    if np.allclose(rows, uniform_out, atol=1e-4):
+    if np.allclose(rows, uniform_out, rtol=0, atol=uniform_bound):
         return "uniform average of V"
     return "other"
 
 
-def _other_rows_detail(got: np.ndarray, zeros: np.ndarray, params, inputs, rows) -> str:
+def _other_rows_detail(got: np.ndarray, zeros: np.ndarray, uniform: np.ndarray, uniform_bound: float, params,
+                       inputs, dtype: str, rows) -> str:
     """What fully masked rows that are neither zeros, NaN nor the uniform average of V are: how far from the zero
-    rows, and whether they equal the same rows with no mask at all (every key seen: the mask not applied to them,
-    or read with the opposite polarity)."""
-    far = float(np.max(np.abs(np.asarray(got, np.float64) - zeros)))
-    unmasked = reference_attention(params, inputs.replace(key_padding_mask=None, attn_mask=None)).output[rows]
-    if np.allclose(got, unmasked, atol=1e-4):
+    rows and from the uniform average (with its bound), and whether they equal the same rows with no mask at all
+    (every key seen: the mask not applied to them, or read with the opposite polarity)."""
+    got = np.asarray(got, np.float64)
+    far = float(np.max(np.abs(got - zeros)))
+    from_uniform = float(np.max(np.abs(got - uniform)))
+    unmasked, unmasked_tol = tolerance_for(params, inputs.replace(key_padding_mask=None, attn_mask=None), dtype)
+    if np.allclose(got, unmasked[rows], rtol=0, atol=unmasked_tol.bound):
         return (f" (up to {far:.3g} from the zero rows; they equal the same rows with no mask: every key is seen, "
                 "so the mask is not applied to them, or is read with the opposite polarity)")
-    return (f" (neither zeros, NaN nor the uniform average of V: up to {far:.3g} from the zero rows, and not the "
-            "unmasked rows either)")
+    return (f" (neither zeros, NaN nor the uniform average of V: up to {far:.3g} from the zero rows and "
+            f"{from_uniform:.3g} from the uniform average of V, whose {dtype} bound is {uniform_bound:.3g}, and not "
+            "the unmasked rows either)")
 
 
 #: the ways a row can lose every key, each a separate variant: a backend may handle one and not another (a layer that
@@ -375,18 +382,20 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_pad
         raise ValueError(f"route: got {route!r}; accepted: {', '.join(FULLY_MASKED_ROUTES)}")
     got = run(backend, params, inputs, dtype).output
     expected = reference_attention(params, inputs, empty_rows="zeros").output
+    _, zero_tol = tolerance_for(params, inputs, dtype)
     # uniform weights over every key: zero queries (and no b_q) make every score 0, with no mask
     flat = params if params.b_q is None else params.replace(b_q=np.zeros_like(params.b_q))
-    uniform = reference_attention(flat, inputs.replace(key_padding_mask=None, attn_mask=None,
-                                                       query=np.zeros_like(inputs.query))).output
-    observed = classify_fully_masked_rows(got[rows], expected[rows], uniform[rows])
+    uniform, uniform_tol = tolerance_for(flat, inputs.replace(key_padding_mask=None, attn_mask=None,
+                                                              query=np.zeros_like(inputs.query)), dtype)
+    observed = classify_fully_masked_rows(got[rows], expected[rows], uniform[rows], zero_tol.bound, uniform_tol.bound)
     wanted = expected_fully_masked_rows()  # zeros, or the backend's declared alternative while it is verified
     if observed != wanted:
         builder = {"NaN": "nan_fully_masked_divergences", "uniform average of V": "uniform_fully_masked_divergences"}
         advice = (f"; if that is the kernel's convention, declare it: divergences = {builder[observed]}(\"why\") from "
                   "mha_harness.toolkit.divergences" if wanted == "zeros" and observed in builder else "")
         if observed == "other":
-            advice = _other_rows_detail(got[rows], expected[rows], params, inputs, rows)
+            advice = _other_rows_detail(got[rows], expected[rows], uniform[rows], uniform_tol.bound, params, inputs,
+                                        dtype, rows)
         raise CaseFailure(f"fully masked rows: expected {wanted}"
                           f"{' before W_o (output = b_o)' if wanted == 'zeros' else ''}, observed {observed}{advice}",
                           observed=observed)

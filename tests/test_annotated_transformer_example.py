@@ -5,6 +5,7 @@ they quote: the module's masked_fill without its assignment, and the wrapper's w
 (out, in) layout."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,17 @@ def test_the_forward_backward_call_is_checked_by_its_gradients():
     again = check_point(backend, shape, point.checked_values(point.fn()))
     assert {"query", "key", "value", "W_q", "W_k", "W_v", "W_o"} <= set(first["gradients"])
     assert again["max_error"] == first["max_error"] <= first["bound"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_layer_whose_first_dtype_is_bfloat16_gets_its_uniform_rows_verified(dtype):
+    """The fully-masked case runs in the layer's first declared dtype and names its rows within that dtype's bound:
+    a bfloat16 layer's uniform average of V is one bfloat16 rounding away from the float64 one (a stranger's BERT
+    layer there was refused as "other" by a fixed float32-sized bound, 0.0083 from the average)."""
+    example = module_from_file(EXAMPLE, "annotated_attention")
+    caps = dataclasses.replace(example.AnnotatedAttention.capabilities, dtypes=(dtype,))
+    backend = type("FirstDtype", (example.AnnotatedAttention,), {"capabilities": caps})()
+    report = mha_harness.check(backend, cases=["check_fully_masked_rows_output_zeros"], include_slow=False,
+                               isolate=False)
+    assert report.results and {r.status.value for r in report.results} == {"expected-divergence"}, \
+        [(r.status.value, r.message) for r in report.results]
