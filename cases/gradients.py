@@ -99,9 +99,12 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     cotangent = np.random.default_rng(22).standard_normal((2, tq, 32))
     if inputs.key_padding_mask is not None and tq == tk:
         cotangent[inputs.key_padding_mask] = 0.0
-    got = backend.load(params, dtype=dtype).vjp(inputs, cotangent)
+    loaded = backend.load(params, dtype=dtype)
+    got = loaded.vjp(inputs, cotangent)
     declared = backend.capabilities.inputs  # the gradients come per argument of the module's own call
-    # a failure names what the backward got wrong (harness/conformance/gradient_diagnoses.py)
-    worst = assert_gradients_match_reference(got, params, inputs, cotangent, dtype, declared)
+    # a failure names what the backward got wrong (harness/conformance/gradient_diagnoses.py), or that the call's
+    # forward is wrong too (run on a failure only)
+    worst = assert_gradients_match_reference(got, params, inputs, cotangent, dtype, declared,
+                                             forward=lambda: loaded.forward(inputs).output)
     return Measurement(max_error=worst)
 

@@ -154,7 +154,8 @@ def check_causal_jacobian_zero_for_future_inputs(backend, *, form, dtype, alignm
     (with one x: with respect to x after i; with shared K/V: with respect to x_kv after i). A failure also says
     which of the call's gradients are wrong against the reference and where that places the error: a backward
     that ignores the causal mask is named so, one with a bug elsewhere that makes a gradient depend on the future
-    (dV from P where P^T belongs) is placed where it is."""
+    (dV from P where P^T belongs) is placed where it is, and a forward that is itself wrong (a mask read inverted)
+    is named instead of the backward."""
     params = small_layer(backend)
     inputs = form_inputs(form, params.config, 2, seq, tk, causal=alignment)
     require(backend, *inputs.features(), f"dtype:{dtype}")
@@ -175,7 +176,8 @@ def check_causal_jacobian_zero_for_future_inputs(backend, *, form, dtype, alignm
                 if not np.isfinite(future[b, t, f]):
                     raise CaseFailure(f"{alignment} causal gradients not finite: {what}"
                                       f"{_nan_backward_hint(seq, tk, alignment)}")
-                hint = gradient_mistake_hint(grads, params, inputs, cotangent, dtype, form)
+                hint = gradient_mistake_hint(grads, params, inputs, cotangent, dtype, form,
+                                             forward=lambda: loaded.forward(inputs).output)
                 raise CaseFailure(f"{alignment} causal leak in gradients: {what}").with_hint(*hint)
     return Measurement(max_error=0.0)
 

@@ -177,9 +177,46 @@ def test_a_case_that_found_a_backward_wrong_otherwise_gets_the_diagnosis_only_wh
     from mha_harness.conformance.casekit import gradient_mistake_hint
     inputs, cotangent = _call(tq=7, tk=7, causal="top-left")
     right = _true(inputs, cotangent)
-    assert gradient_mistake_hint(right, PARAMS, inputs, cotangent, "float32", "separate") == ("", None)
+    assert gradient_mistake_hint(right, PARAMS, inputs, cotangent, "float32", "separate") == ("", "")
     missing = {k: v for k, v in right.items() if k != "value"}
-    assert gradient_mistake_hint(missing, PARAMS, inputs, cotangent, "float32", "separate") == ("", None)
+    assert gradient_mistake_hint(missing, PARAMS, inputs, cotangent, "float32", "separate") == ("", "")
     unmasked = _true(inputs.replace(causal=None), cotangent)
     hint, diagnosis = gradient_mistake_hint(unmasked, PARAMS, inputs, cotangent, "float32", "separate")
     assert hint.startswith("; wrong gradients: ") and "ignores the causal mask the forward applies" in diagnosis
+
+
+def test_a_wrong_forward_is_blamed_before_any_backward_mistake():
+    """A forward that reads its causal mask inverted gives gradients that resemble a backward ignoring the mask
+    (a stranger's BERT copy was told "the backward ignores the causal mask" of a correct autograd backward): with
+    the call's forward output wrong, the hint keeps the lists and says to fix the forward first, and leaves the
+    summary to the forward's own cases."""
+    from mha_harness.conformance.casekit import gradient_mistake_hint
+    inputs, cotangent = _call(tq=7, tk=7, causal="top-left")
+    unmasked = _true(inputs.replace(causal=None), cotangent)
+    hint, diagnosis = gradient_mistake_hint(unmasked, PARAMS, inputs, cotangent, "float32", "separate",
+                                            forward=lambda: _forward(inputs.replace(causal=None)))  # mask ignored
+    assert hint.startswith("; wrong gradients: ") and "ignores the causal mask" not in hint, hint
+    assert "; the forward's output for this call is wrong too" in hint and "fix the forward first" in hint, hint
+    assert diagnosis == ""  # the summary's diagnosed: line keeps the forward cases' own diagnosis
+    right_forward = gradient_mistake_hint(unmasked, PARAMS, inputs, cotangent, "float32", "separate",
+                                          forward=lambda: _forward(inputs))[1]
+    assert "ignores the causal mask the forward applies" in right_forward
+
+
+def test_a_list_of_wrong_gradients_alone_is_no_summary_diagnosis():
+    """The summary's diagnosed: line shows named mistakes; a gradient failure that names none (a random error: only
+    the lists) leaves the failure's diagnosis empty, so it does not push a named one off the line."""
+    from mha_harness.conformance.casekit import CaseFailure
+    from mha_harness.conformance.gradient_diagnoses import gradient_hint
+    inputs, cotangent = _call()
+    got = _true(inputs, cotangent)
+    got["value"] = got["value"] + np.random.default_rng(9).standard_normal(got["value"].shape)
+    bounds = gradient_tolerances(PARAMS, inputs, cotangent, "float32", "separate")
+    hint, diagnosis = gradient_hint(got, PARAMS, inputs, cotangent, "separate", bounds)
+    assert hint.startswith("; wrong gradients: value") and diagnosis == ""
+    assert CaseFailure("gradient of value: ...").with_hint(hint, diagnosis).diagnosis in (None, "")
+
+
+def _forward(inputs):
+    from mha_harness.contract.reference import reference_attention
+    return reference_attention(PARAMS, inputs).output

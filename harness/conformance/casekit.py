@@ -64,9 +64,11 @@ class CaseFailure(AssertionError):
     def with_hint(self, hint: str, diagnosis: str | None = None) -> CaseFailure:
         """This failure with ``hint``, a diagnosis suffix ("; the output matches ..."), appended to its message and
         kept as its diagnosis (the diagnosis it had when ``hint`` is empty); ``diagnosis``: a shorter one to keep
-        instead, for the summary's "diagnosed:" line."""
-        return CaseFailure(str(self) + hint, self.max_error, self.observed,
-                           diagnosis or hint.removeprefix("; ").strip() or self.diagnosis)
+        instead, for the summary's "diagnosed:" line, or "" when the hint names no mistake (a list of the wrong
+        gradients): the failure keeps the diagnosis it had."""
+        if diagnosis is None:
+            diagnosis = hint.removeprefix("; ").strip()
+        return CaseFailure(str(self) + hint, self.max_error, self.observed, diagnosis or self.diagnosis)
 
 
 class CaseSkipped(Exception):
@@ -664,27 +666,50 @@ def _gradient_of(got: Mapping[str, np.ndarray], name: str, shape: tuple) -> np.n
     return actual
 
 
+def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: AttentionParams, inputs: AttentionInputs,
+                       dtype: str) -> str:
+    """A sentence for a gradient failure when the same call's forward output (``forward()``, run on a failure only)
+    is outside its tolerance too: the gradients follow the forward, so the backward is not to blame first; "" when
+    the forward is right, not given, or cannot be run (a diagnosis only)."""
+    if forward is None:
+        return ""
+    try:
+        output = np.asarray(forward(), np.float64)
+        expected, tol = tolerance_for(params, inputs, dtype)
+        error = float(np.max(np.abs(output - expected), initial=0.0)) if np.all(np.isfinite(output)) else np.inf
+    except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
+        return ""
+    if error <= tol.bound:
+        return ""
+    return (f"the forward's output for this call is wrong too (max error {error:.3g}, bound {tol.bound:.3g}): the "
+            "gradients follow it, so fix the forward first (the output and mask cases say what it matches)")
+
+
 def gradient_mistake_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
-                          cotangent: np.ndarray, dtype: str, form: str) -> tuple[str, str | None]:
+                          cotangent: np.ndarray, dtype: str, form: str,
+                          forward: Callable[[], np.ndarray] | None = None) -> tuple[str, str]:
     """For a case that found a backward wrong by another property (a gradient where the causal mask says exactly 0):
     what the same call's gradients get wrong against the reference, as ``(hint, diagnosis)`` for
     :meth:`CaseFailure.with_hint` -- which gradients are wrong and which right, where that places the error, the
-    known mistake that explains them (:func:`~mha_harness.conformance.gradient_diagnoses.gradient_hint`); ``("",
-    None)`` when every gradient is within the tolerance or the comparison cannot be made (a diagnosis only)."""
+    known mistake that explains them (:func:`~mha_harness.conformance.gradient_diagnoses.gradient_hint`), or that
+    the call's forward output (``forward()``) is wrong too (:func:`forward_also_wrong`); the diagnosis is "" when
+    the hint names no mistake; ``("", "")`` when every gradient is within the tolerance or the comparison cannot be
+    made (a diagnosis only)."""
     try:
         bounds = gradient_tolerances(params, inputs, cotangent, dtype, form)
         try:
             _assert_within(got, bounds)
-            return "", None
+            return "", ""
         except CaseFailure:
-            hint, diagnosis = gradient_hint(got, params, inputs, cotangent, form, bounds)
-            return hint, diagnosis or None
+            return gradient_hint(got, params, inputs, cotangent, form, bounds,
+                                 forward_also_wrong(forward, params, inputs, dtype))
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
-        return "", None
+        return "", ""
 
 
 def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
-                                     cotangent: np.ndarray, dtype: str, form: str) -> float:
+                                     cotangent: np.ndarray, dtype: str, form: str,
+                                     forward: Callable[[], np.ndarray] | None = None) -> float:
     """A backend's gradients ``got`` (for ``sum(output * cotangent)``, per argument of its declared input ``form``)
     against the reference under the tolerance rule
     (:func:`~mha_harness.contract.expected.gradient_tolerances`); returns the worst error, raises CaseFailure naming
@@ -694,6 +719,7 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
     try:
         return _assert_within(got, bounds)
     except CaseFailure as failure:
-        raise failure.with_hint(*gradient_hint(got, params, inputs, cotangent, form, bounds)) from None
+        raise failure.with_hint(*gradient_hint(got, params, inputs, cotangent, form, bounds,
+                                               forward_also_wrong(forward, params, inputs, dtype))) from None
 
 

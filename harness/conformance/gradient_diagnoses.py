@@ -38,17 +38,26 @@ _MASK_WORDS = {"causal": ("the causal mask", "future keys"),
 
 
 def gradient_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
-                  cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple]) -> tuple[str, str]:
+                  cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple],
+                  forward_wrong: str = "") -> tuple[str, str]:
     """(the message suffix "; ...", the diagnosis a summary shows) of gradients ``got`` that failed their
     ``bounds``: every parameter's gradient zero (:func:`~mha_harness.contract.mistakes.frozen_parameters_hint`),
     else input gradients that follow another form's convention than ``form`` (:func:`form_mixup`), else
     :func:`gradient_mistake`'s lists, placement and named mistake, whose summary is the named mistake alone (else
-    the placement, else the lists)."""
+    the placement; the lists alone name nothing, so no summary). ``forward_wrong``: the caller found the same
+    call's forward output wrong, and says so in these words: the lists are kept, and that sentence replaces the
+    placement and the named backward mistake, which presuppose a right forward (a forward that reads its mask
+    inverted gives gradients that resemble a backward ignoring the mask); no summary then, since the forward's own
+    cases name what it got wrong."""
     early = frozen_parameters_hint(got, params) or form_mixup(got, reference_vjp(params, inputs, cotangent), form)
     if early:
         return early, early.removeprefix("; ")
     parts = gradient_mistake_parts(got, params, inputs, cotangent, form, bounds)
-    return _message(parts), "; ".join(parts[-1]) if parts else ""
+    if not parts:
+        return "", ""
+    if forward_wrong:
+        return _message([parts[0], [forward_wrong]]), ""  # the forward's own cases carry its diagnosis
+    return _message(parts), "; ".join(parts[-1]) if len(parts) > 1 else ""
 
 
 def form_mixup(got: Mapping[str, np.ndarray], separate: dict, declared: str) -> str:

@@ -232,7 +232,8 @@ def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> floa
             and (empty is None or not empty.any()):
         cotangent = np.random.default_rng(int(example["seed"]) + 3).standard_normal(got.shape)
         declared = backend.capabilities.inputs  # per argument of the module's own call, whatever the call's form
-        assert_gradients_match_reference(loaded.vjp(inputs, cotangent), params, inputs, cotangent, dtype, declared)
+        assert_gradients_match_reference(loaded.vjp(inputs, cotangent), params, inputs, cotangent, dtype, declared,
+                                         forward=lambda: got)
     if example.get("decode_step") and dtype in coverage.output_dtypes:
         worst = max(worst, _check_decode_step(backend, params, inputs, dtype, loaded))
     return worst
