@@ -108,3 +108,22 @@ def test_a_layer_whose_first_dtype_is_bfloat16_gets_its_uniform_rows_verified(dt
                                isolate=False)
     assert report.results and {r.status.value for r in report.results} == {"expected-divergence"}, \
         [(r.status.value, r.message) for r in report.results]
+
+
+def test_the_mask_read_with_its_polarity_flipped_is_named_in_the_causal_and_padding_cases(tmp_path):
+    """`masked_fill(mask == 1, ...)` hides the keys a query may attend and shows the others: the causal mask becomes
+    its complement (query i sees only the keys after i, the last none: rows the module's -1e9 turns into the
+    average of V) and the padding mask its opposite; each case names what it sees (a stranger's BERT copy with its
+    extended mask inverted got numbers only from the causal case)."""
+    broken = _variant(tmp_path / "annotated_inverted.py", "annotated_inverted",
+                      "scores.masked_fill(mask == 0, -1e9)", "scores.masked_fill(mask == 1, -1e9)")
+    report = mha_harness.check(broken.AnnotatedAttention(), include_slow=False, isolate=False,
+                               cases=["check_causal_output_matches_reference",
+                                      "check_padding_mask_output_matches_reference"])
+    failed = {}
+    for r in report.results:
+        if r.status.value == "failed":
+            failed.setdefault(r.case, []).append(r.message)
+    causal = [m for m in failed["check_causal_output_matches_reference"] if "top-left" in m]
+    assert causal and all("the causal mask inverted: query i sees only the keys after i" in m for m in causal), causal
+    assert all("read with the opposite polarity" in m for m in failed["check_padding_mask_output_matches_reference"])

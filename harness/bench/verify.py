@@ -84,8 +84,8 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
 def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
     """(call, description) of the causal-mask mistakes a wrong ``what`` ("call": its output; "backward": its
     gradients) of the causal call ``inputs`` is compared against: the mask not applied, the other alignment
-    (Tq != Tk), and without other masks one key too wide, reversed or without its diagonal; none without a causal
-    mask."""
+    (Tq != Tk), and without other masks one key too wide, reversed, without its diagonal or inverted; none without
+    a causal mask."""
     if inputs.causal is None:
         return []
     words = {"not_applied": f"the same call without its causal mask ({inputs.causal}): the {what} does not apply it",
@@ -93,7 +93,9 @@ def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
              "one_key_too_wide": "a causal mask one key too wide (query i also sees key i + 1: tril(1) where tril "
                                  "belongs)",
              "reversed": "a reversed causal mask (query i sees key i and every later key: triu where tril belongs)",
-             "no_diagonal": "a causal mask that excludes the diagonal (query i cannot see its own key)"}
+             "no_diagonal": "a causal mask that excludes the diagonal (query i cannot see its own key)",
+             "inverted": "the causal mask inverted (query i sees only the keys after i: the mask's polarity "
+                         "flipped)"}
     return [(call, words[name]) for name, call in causal_mask_mistakes(inputs).items()]
 
 

@@ -135,9 +135,9 @@ def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionI
 def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs,
                 truth: Callable[[], np.ndarray] | None = None) -> str:
     """A message suffix naming the causal-mask mistake a causal call's output ``got`` matches: the other alignment
-    (Tq != Tk), a mask without the diagonal, no mask at all, a reversed mask (the future instead of the past), or a
-    mask one key too wide; "" when none. Rows a candidate leaves without a key are compared under the backend's
-    empty-row convention (:func:`_matches`)."""
+    (Tq != Tk), a mask without the diagonal, no mask at all, a reversed mask (the future instead of the past), an
+    inverted one (its polarity flipped: only the future), or a mask one key too wide; "" when none. Rows a
+    candidate leaves without a key are compared under the backend's empty-row convention (:func:`_matches`)."""
     alignment, tq, tk = inputs.causal, inputs.tq, inputs.tk
     if alignment is None:
         return ""
@@ -152,6 +152,11 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if matches(mistake.get("reversed")):
         return ("; the output matches a reversed causal mask: query i sees key i and every later key (the future) "
                 "instead of the keys up to i (triu where tril belongs: torch.triu, np.triu or jnp.triu)")
+    if matches(mistake.get("inverted")):
+        return ("; the output matches the causal mask inverted: query i sees only the keys after i (the future), "
+                "none of the keys up to i (the mask's polarity flipped: keys masked where they may be attended, as "
+                "masked_fill(mask == 1, ...) where mask == 0 belongs, or a keep-mask passed where a mask of the keys "
+                "to hide is read)")
     if matches(mistake.get("one_key_too_wide")):
         return "; the output matches a causal mask one key too wide (query i also sees key i + 1)"
     hints = []  # at some shapes (one query against two keys) these two give the same output: both are named

@@ -60,8 +60,9 @@ def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
     """For a causal call ``inputs``: the calls whose reference outputs are the common causal-mask mistakes, by name.
     ``"not_applied"``: the same call without its causal mask; ``"other_alignment"`` (Tq != Tk only): the other
     alignment; and, where the call has no ``attn_mask`` of its own to combine with, ``"one_key_too_wide"`` (query i
-    also sees key i + 1), ``"reversed"`` (query i sees key i and every later key: triu where tril belongs) and
-    ``"no_diagonal"`` (query i cannot see its own key), as boolean masks offset like the call's alignment. Empty
+    also sees key i + 1), ``"reversed"`` (query i sees key i and every later key: triu where tril belongs),
+    ``"no_diagonal"`` (query i cannot see its own key) and ``"inverted"`` (the mask's polarity flipped: query i sees
+    only the keys after i, the last query none), as boolean masks offset like the call's alignment. Empty
     without a causal mask. The calls carry no causal mask of their own, also for a backend that declares
     ``always_causal`` (they are made outside its implicit causal mask)."""
     if inputs.causal is None:
@@ -77,6 +78,7 @@ def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
             calls["one_key_too_wide"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool))
             calls["reversed"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool))
             calls["no_diagonal"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool))
+            calls["inverted"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset, dtype=bool))
     return calls
 
 
