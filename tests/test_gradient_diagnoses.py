@@ -220,3 +220,19 @@ def test_a_list_of_wrong_gradients_alone_is_no_summary_diagnosis():
 def _forward(inputs):
     from mha_harness.contract.reference import reference_attention
     return reference_attention(PARAMS, inputs).output
+
+
+def test_a_forward_row_the_cotangent_leaves_out_does_not_count_as_a_wrong_forward():
+    """The gradient case leaves padded queries' outputs unspecified (their cotangent is zero): a layer that zeroes
+    them has a right forward for the gradients, and a backward mistake is still named."""
+    from mha_harness.conformance.casekit import gradient_mistake_hint
+    inputs, cotangent = _call(tq=7, tk=7, causal="top-left")
+    cotangent[:, 3] = 0.0
+
+    def forward_with_row_3_zeroed():
+        out = _forward(inputs).copy()
+        out[:, 3] = 0.0
+        return out
+    hint, diagnosis = gradient_mistake_hint(_true(inputs.replace(causal=None), cotangent), PARAMS, inputs, cotangent,
+                                            "float32", "separate", forward=forward_with_row_3_zeroed)
+    assert "wrong too" not in hint and "ignores the causal mask the forward applies" in diagnosis, hint

@@ -667,16 +667,19 @@ def _gradient_of(got: Mapping[str, np.ndarray], name: str, shape: tuple) -> np.n
 
 
 def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: AttentionParams, inputs: AttentionInputs,
-                       dtype: str) -> str:
+                       dtype: str, cotangent: np.ndarray) -> str:
     """A sentence for a gradient failure when the same call's forward output (``forward()``, run on a failure only)
-    is outside its tolerance too: the gradients follow the forward, so the backward is not to blame first; "" when
-    the forward is right, not given, or cannot be run (a diagnosis only)."""
+    is outside its tolerance too, on the rows the ``cotangent`` weighs (a padded query's output, which a gradient
+    case leaves unspecified, is not compared): the gradients follow the forward, so the backward is not to blame
+    first; "" when the forward is right, not given, or cannot be run (a diagnosis only)."""
     if forward is None:
         return ""
     try:
-        output = np.asarray(forward(), np.float64)
+        weighed = np.any(cotangent != 0, axis=-1)  # (batch, Tq)
+        output = np.asarray(forward(), np.float64)[weighed]
         expected, tol = tolerance_for(params, inputs, dtype)
-        error = float(np.max(np.abs(output - expected), initial=0.0)) if np.all(np.isfinite(output)) else np.inf
+        error = float(np.max(np.abs(output - expected[weighed]), initial=0.0)) if np.all(np.isfinite(output)) \
+            else np.inf
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return ""
     if error <= tol.bound:
@@ -702,7 +705,7 @@ def gradient_mistake_hint(got: Mapping[str, np.ndarray], params: AttentionParams
             return "", ""
         except CaseFailure:
             return gradient_hint(got, params, inputs, cotangent, form, bounds,
-                                 forward_also_wrong(forward, params, inputs, dtype))
+                                 forward_also_wrong(forward, params, inputs, dtype, cotangent))
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return "", ""
 
@@ -720,6 +723,6 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
         return _assert_within(got, bounds)
     except CaseFailure as failure:
         raise failure.with_hint(*gradient_hint(got, params, inputs, cotangent, form, bounds,
-                                               forward_also_wrong(forward, params, inputs, dtype))) from None
+                                               forward_also_wrong(forward, params, inputs, dtype, cotangent))) from None
 
 
