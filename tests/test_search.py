@@ -64,7 +64,7 @@ def test_printed_repro_runs_when_pasted_into_bash(tmp_path):
                           capture_output=True, text=True, env=ENV, timeout=120)
     # like check's repro: one "failed: ..." line naming the mistake, exit 1, no traceback
     assert done.returncode == 1 and "failed: output: expected" in done.stdout, done.stdout[-800:] + done.stderr[-800:]
-    assert "the output matches scores scaled by no scaling (1)" in done.stdout, done.stdout[-800:]
+    assert "the output matches scores scaled by 1 (no scaling)" in done.stdout, done.stdout[-800:]
     assert "Traceback" not in done.stderr, done.stderr[-800:]
     fixed = repro_line("numpy-naive", None, outcome.example)
     done = subprocess.run(["bash", "-c", fixed.replace("python", sys.executable, 1)], cwd=tmp_path,
@@ -95,7 +95,7 @@ def test_replay_called_from_code_raises_the_failure():
     example = {"dtype": "float32", "form": "separate", "batch": 1, "tq": 1, "tk": 2, "heads": 1, "kv_heads": 1,
                "d_head": 2, "bias": False, "causal": None, "padding": None, "attn_mask": None, "logit_scale": 1,
                "cut": 1, "poison": "random", "gradients": False, "malformed": None, "seed": 0}
-    with pytest.raises(CaseFailure, match=r"scaled by no scaling \(1\)"):
+    with pytest.raises(CaseFailure, match=r"scaled by 1 \(no scaling\)"):
         replay("mha_harness.implementations.mutants:mutant_backends", example, name="mutant-no-scale")
 
 

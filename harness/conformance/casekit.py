@@ -509,9 +509,21 @@ def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
 
 
 def scale_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
-    """The diagnosis of an output right for another of the common score scales (:func:`wrong_scale`); "" if none."""
+    """The diagnosis of an output right for another of the common score scales (:func:`wrong_scale`); "" if none.
+    Unscaled scores also say how to wrap a layer built without the scale on purpose (T5 folds it into W_q)."""
     label = wrong_scale(got, params, inputs, bound)
-    return f"; the output matches scores scaled by {label} instead of 1/sqrt(d_head)" if label else ""
+    if not label:
+        return ""
+    hint = f"; the output matches scores scaled by {label} instead of 1/sqrt(d_head)"
+    if "1 (no scaling)" in label:
+        hint += UNSCALED_LAYER
+    return hint
+
+
+#: unscaled scores are a bug, unless the layer folds the scale into its weights by design (T5): how to wrap that one
+UNSCALED_LAYER = (" (a layer that folds the scale into its query weights by design, as T5 does, is wrapped by "
+                  "loading W_q / sqrt(d_head) and b_q / sqrt(d_head), and returning its W_q and b_q gradients times "
+                  "1/sqrt(d_head): \"A layer without the score scale\" in docs/plugins.md)")
 
 
 def zero_input_hint(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str) -> str:

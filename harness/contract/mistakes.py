@@ -40,7 +40,7 @@ def wrong_scales(config: AttentionConfig) -> dict[float, str]:
     1/sqrt(d_head) -> their label; scales that coincide for this shape (d_head = sqrt(d_model): 1/d_head and
     1/sqrt(d_model)) are one entry ("1/sqrt(d_model) = 1/d_head"), the true scale is left out (empty when
     d_model = d_head = 1: every common wrong scale is the right one)."""
-    candidates = {"1/sqrt(d_model)": np.sqrt(config.d_head / config.d_model), "no scaling (1)": np.sqrt(config.d_head),
+    candidates = {"1/sqrt(d_model)": np.sqrt(config.d_head / config.d_model), "1 (no scaling)": np.sqrt(config.d_head),
                   "1/d_head": 1 / np.sqrt(config.d_head), "1/d_model": np.sqrt(config.d_head) / config.d_model}
     same: dict[float, list[str]] = {}
     for label, factor in candidates.items():
