@@ -248,6 +248,14 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     return _together(found)
 
 
+#: where an inverted mask comes from when a wrapper converts the harness's mask for its layer: either the conversion
+#: or the layer's own reading of its mask; flipping the wrapper to pass a layer that reads its mask inverted passes
+#: here and breaks the layer for its real callers (a stranger's BERT encoder passed so)
+_POLARITY_ADVICE = (" -- where a wrapper converts the harness's mask, either that conversion or the layer's own "
+                    "reading of its mask is inverted: fix the layer when it is the layer (its real callers pass its "
+                    "own convention), not by flipping the wrapper")
+
+
 def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
                   weights: bool = False, truth: Callable[[], np.ndarray] | None = None) -> str:
     """A message suffix when ``got`` matches the call with its key_padding_mask or bool attn_mask inverted (read as
@@ -267,14 +275,6 @@ def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
         if _matches(got, params, inverted, rows, weights=weights, truth=truth):
             return f"; the {'weights match' if weights else 'output matches'} the {label}{_POLARITY_ADVICE}"
     return ""
-
-
-#: where an inverted mask comes from when a wrapper converts the harness's mask for its layer: either the conversion
-#: or the layer's own reading of its mask; flipping the wrapper to pass a layer that reads its mask inverted passes
-#: here and breaks the layer for its real callers (a stranger's BERT encoder passed so)
-_POLARITY_ADVICE = (" -- where a wrapper converts the harness's mask, either that conversion or the layer's own "
-                    "reading of its mask is inverted: fix the layer when it is the layer (its real callers pass its "
-                    "own convention), not by flipping the wrapper")
 
 
 def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
