@@ -3,13 +3,13 @@ declares (its divergences verified), and the bug that user planted in a copy (th
 to nnx without inverting it) fails with the diagnosis naming it, under the uniform-average rows flax declares."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 import mha_harness
+from tests.example_modules import module_from_file
 
 pytest.importorskip("flax.nnx")
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,12 +19,7 @@ EXAMPLE = ROOT / "examples" / "flax_nnx_plugin" / "flax_nnx_attention" / "__init
 @pytest.fixture(scope="module")
 def example():
     name = "flax_nnx_attention"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, EXAMPLE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return sys.modules.get(name) or module_from_file(EXAMPLE, name)
 
 
 def test_the_flax_nnx_layer_passes_every_case_it_declares_with_its_divergences_verified(example):

@@ -508,6 +508,12 @@ def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     return label if explains(got, wrong, reference_attention(params, inputs).output) else None
 
 
+#: unscaled scores are a bug, unless the layer folds the scale into its weights by design (T5): how to wrap that one
+UNSCALED_LAYER = (" (a layer that folds the scale into its query weights by design, as T5 does, is wrapped by "
+                  "loading W_q / sqrt(d_head) and b_q / sqrt(d_head), and returning its W_q and b_q gradients times "
+                  "1/sqrt(d_head): \"A layer without the score scale\" in docs/plugins.md)")
+
+
 def scale_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
     """The diagnosis of an output right for another of the common score scales (:func:`wrong_scale`); "" if none.
     Unscaled scores also say how to wrap a layer built without the scale on purpose (T5 folds it into W_q)."""
@@ -518,12 +524,6 @@ def scale_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs
     if "1 (no scaling)" in label:
         hint += UNSCALED_LAYER
     return hint
-
-
-#: unscaled scores are a bug, unless the layer folds the scale into its weights by design (T5): how to wrap that one
-UNSCALED_LAYER = (" (a layer that folds the scale into its query weights by design, as T5 does, is wrapped by "
-                  "loading W_q / sqrt(d_head) and b_q / sqrt(d_head), and returning its W_q and b_q gradients times "
-                  "1/sqrt(d_head): \"A layer without the score scale\" in docs/plugins.md)")
 
 
 def zero_input_hint(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str) -> str:
@@ -716,8 +716,7 @@ def gradient_mistake_hint(got: Mapping[str, np.ndarray], params: AttentionParams
             _assert_within(got, bounds)
             return "", ""
         except CaseFailure:
-            return gradient_hint(got, params, inputs, cotangent, form, bounds,
-                                 forward_also_wrong(forward, params, inputs, dtype, cotangent))
+            return _gradient_diagnosis(got, params, inputs, cotangent, dtype, form, bounds, forward)
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return "", ""
 
@@ -734,7 +733,16 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
     try:
         return _assert_within(got, bounds)
     except CaseFailure as failure:
-        raise failure.with_hint(*gradient_hint(got, params, inputs, cotangent, form, bounds,
-                                               forward_also_wrong(forward, params, inputs, dtype, cotangent))) from None
+        raise failure.with_hint(*_gradient_diagnosis(got, params, inputs, cotangent, dtype, form, bounds,
+                                                     forward)) from None
+
+
+def _gradient_diagnosis(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
+                        cotangent: np.ndarray, dtype: str, form: str, bounds: Mapping[str, tuple],
+                        forward: Callable[[], np.ndarray] | None) -> tuple[str, str]:
+    """:func:`~mha_harness.conformance.gradient_diagnoses.gradient_hint` of gradients that failed ``bounds``, with
+    the call's forward output checked (:func:`forward_also_wrong`) only where a backward mistake would be named."""
+    return gradient_hint(got, params, inputs, cotangent, form, bounds,
+                         lambda: forward_also_wrong(forward, params, inputs, dtype, cotangent))
 
 

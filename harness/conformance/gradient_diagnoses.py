@@ -9,7 +9,7 @@ only where its gradients are at most 1/20 as far from the backend's as the true 
 resembles one, such as a row term summed over the wrong axis, is not named after it)."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -39,13 +39,14 @@ _MASK_WORDS = {"causal": ("the causal mask", "future keys"),
 
 def gradient_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
                   cotangent: np.ndarray, form: str, bounds: Mapping[str, tuple],
-                  forward_wrong: str = "") -> tuple[str, str]:
+                  forward_wrong: Callable[[], str] | None = None) -> tuple[str, str]:
     """(the message suffix "; ...", the diagnosis a summary shows) of gradients ``got`` that failed their
     ``bounds``: every parameter's gradient zero (:func:`~mha_harness.contract.mistakes.frozen_parameters_hint`),
     else input gradients that follow another form's convention than ``form`` (:func:`form_mixup`), else
     :func:`gradient_mistake`'s lists, placement and named mistake, whose summary is the named mistake alone (else
-    the placement; the lists alone name nothing, so no summary). ``forward_wrong``: the caller found the same
-    call's forward output wrong, and says so in these words: the lists are kept, and that sentence replaces the
+    the placement; the lists alone name nothing, so no summary). ``forward_wrong()``, asked only when some gradient
+    is wrong: a sentence when the same call's forward output is wrong too (else ""): the lists are kept, and that
+    sentence replaces the
     placement and the named backward mistake, which presuppose a right forward (a forward that reads its mask
     inverted gives gradients that resemble a backward ignoring the mask); no summary then, since the forward's own
     cases name what it got wrong."""
@@ -55,8 +56,9 @@ def gradient_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs
     parts = gradient_mistake_parts(got, params, inputs, cotangent, form, bounds)
     if not parts:
         return "", ""
-    if forward_wrong:
-        return _message([parts[0], [forward_wrong]]), ""  # the forward's own cases carry its diagnosis
+    forward = forward_wrong() if forward_wrong else ""
+    if forward:
+        return _message([parts[0], [forward]]), ""  # the forward's own cases carry its diagnosis
     return _message(parts), "; ".join(parts[-1]) if len(parts) > 1 else ""
 
 
