@@ -89,6 +89,9 @@ def check_batch_items_are_independent(backend, *, form, dtype):
 #: key padding mask). A negative variant's largest entry is the offset.
 LARGE_LOGITS = {"short_rows": (2, 6, 1e4), "long_rows": (1, 256, 120.0), "negative_rows": (1, 256, -1000.0),
                 "negative_rows_after_padded_keys": (1, 256, -1000.0)}
+#: the largest logit of the control call a large-logit failure is compared with: the same layer and inputs with
+#: its scores of order 1 (the negative variants' control: every score near -1, within 4)
+ORDINARY_LOGIT = 4.0
 #: the keys padded in ``negative_rows_after_padded_keys``
 NEGATIVE_ROWS_PADDED_KEYS = 200
 
@@ -155,15 +158,17 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
         q = (inputs.query @ params.W_q).reshape(batch, length, 2, d)
         k = (inputs.key @ params.W_k).reshape(batch, length, 2, d)
         scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
-        boost = np.sqrt(largest / np.abs(scores).max())
+        boost, calm = (np.sqrt(logit / np.abs(scores).max()) for logit in (largest, ORDINARY_LOGIT))
         params = params.replace(W_q=params.W_q * boost, W_k=params.W_k * boost)
+        ordinary = ordinary.replace(W_q=ordinary.W_q * calm, W_k=ordinary.W_k * calm)
         what = f"output with logits up to {largest:g} over {length} keys"
         fix = "softmax must subtract the row maximum"
     real = ~masks["key_padding_mask"][0] if masks and inputs.tq == length else None  # padded queries: unspecified
     got, whole, expected, tol = _output_on_rows(backend, params, inputs, dtype, real)
     if not np.all(np.isfinite(got)):
-        raise CaseFailure(f"numerical stability: {what} has {int(np.sum(~np.isfinite(got)))} non-finite entries; "
-                          f"{fix}")
+        failure = CaseFailure(f"{what} has {int(np.sum(~np.isfinite(got)))} non-finite entries")
+        _wrong_with_ordinary_logits(backend, ordinary, inputs, dtype, real, failure)
+        raise CaseFailure(f"numerical stability: {failure}; {fix}")
     try:
         return Measurement(max_error=assert_close(got, expected, tol, what))
     except CaseFailure as failure:
@@ -171,15 +176,23 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
         if diagnosis:  # right for another scale: a scale bug (check_scores_scaled_by_sqrt_d_head), no overflow
             raise CaseFailure(f"{failure}{diagnosis}: a scale bug, not an {'underflow' if largest < 0 else 'overflow'}",
                               failure.max_error, diagnosis=diagnosis.removeprefix("; ").strip()) from None
-        try:
-            plain, _, plain_expected, plain_tol = _output_on_rows(backend, ordinary, inputs, dtype, real)
-            assert_close(plain, plain_expected, plain_tol, "output with ordinary logits")
-        except CaseFailure as wrong_anyway:  # wrong without large logits too: another bug, which other cases name
-            raise CaseFailure(f"{failure}; the output is also wrong with ordinary logits (with the unscaled weights: "
-                              f"{wrong_anyway}): not a large-logit problem, see the other cases' failures",
-                              failure.max_error) from None
+        _wrong_with_ordinary_logits(backend, ordinary, inputs, dtype, real, failure)
         why = ("an overflowing normaliser gives wrong finite values; " if largest > 0 else "")
         raise CaseFailure(f"numerical stability: {failure}; {fix} ({why}with ordinary logits the output is right)",
+                          failure.max_error) from None
+
+
+def _wrong_with_ordinary_logits(backend, ordinary, inputs, dtype, real, failure: CaseFailure) -> None:
+    """Raise ``failure`` as another bug's when the same call with the ``ordinary`` layer (scores of order 1) is wrong
+    too, or not finite: the large logits then are not what breaks it, and the max-subtraction advice would send the
+    user after the wrong fix (a stranger's layer that added its mask after the softmax got NaN here, with ordinary
+    logits as well). Returns when the ordinary call is right."""
+    try:
+        plain, _, plain_expected, plain_tol = _output_on_rows(backend, ordinary, inputs, dtype, real)
+        assert_close(plain, plain_expected, plain_tol, "output with ordinary logits")
+    except CaseFailure as wrong_anyway:  # wrong without large logits too: another bug, which other cases name
+        raise CaseFailure(f"{failure}; the output is also wrong with ordinary logits (largest {ORDINARY_LOGIT:g}: "
+                          f"{wrong_anyway}): not a large-logit problem, see the other cases' failures",
                           failure.max_error) from None
 
 

@@ -377,3 +377,48 @@ def test_unscaled_scores_say_how_to_wrap_a_layer_unscaled_by_design(mutant, advi
     messages = [f.message for f in report.failures()]
     assert messages and all("instead of 1/sqrt(d_head)" in m for m in messages), messages
     assert all(("loading W_q / sqrt(d_head)" in m) == advised for m in messages), messages
+
+
+class _KeyValueInputsSwapped(NumpyNaiveLoaded):
+    def heads(self, inputs):  # W_k applied to the value input, W_v to the key input
+        return super().heads(inputs.replace(key=inputs.value, value=inputs.key))
+
+
+def test_keys_projected_from_the_query_input_are_named_on_every_grid_row_they_change():
+    """A shared-K/V layer computing k = W_k(x_q) is named on every grid row it fails (Tq = Tk above one key: with one
+    key the weight is 1 whatever the key)."""
+    mutant = MutantBackend(next(m for m in MUTANTS if m.name == "mutant-keys-from-query"), weights=False)
+    report = mha_harness.check(mutant, cases=["check_output_matches_reference"], isolate=False)
+    failures = report.failures()
+    assert len(failures) >= 5 and [r.params["variant"] for r in report.results
+                                   if r.status == Status.PASSED] == ["single_token"]
+    named = "the output matches keys projected from the query input (W_k applied to the query input, not x_kv)"
+    assert all(named in f.message for f in failures), [f.message for f in failures][:2]
+
+
+def test_a_separate_form_layer_with_its_key_and_value_inputs_swapped_is_named():
+    """The grid's Tq != Tk rows give a separate-form layer three arrays: swapped key and value inputs are named there
+    (its Tq = Tk rows pass one x, where the swap changes nothing)."""
+    backend = _backend("key-value-swapped", _KeyValueInputsSwapped)
+    failures = mha_harness.check(backend, cases=["check_output_matches_reference"], isolate=False).failures()
+    assert failures and all("the key and value inputs swapped (W_k applied to value, W_v to key)" in f.message
+                            for f in failures), [f.message for f in failures][:2]
+
+
+def test_an_output_no_nearer_a_small_scale_than_uniform_weights_is_not_named_a_scale():
+    """Keys projected from x_q over the grid's 1000-key row in float16 (a stranger's T5 copy): with the wider
+    diagnosis margin the output came within it of scores scaled by 1/d_model and nearer that than the right layer,
+    so it was named that scale; it is nearer still to uniform weights, which no scale explains better."""
+    from mha_harness.cases._fixtures import form_inputs
+    from mha_harness.conformance.casekit import wrong_scale
+    from mha_harness.contract.expected import tolerance_for
+    from mha_harness.contract.mistakes import distance, explains, with_score_scale
+    params = make_params(AttentionConfig(128, 2), seed=2000)  # the grid's long row on a bias-free layer
+    inputs = form_inputs("shared_kv", params.config, 1, 1000, 1000, seed=3)
+    got = reference_attention(params, inputs.replace(key=inputs.query)).output
+    _, tol = tolerance_for(params, inputs, "float16")
+    small = reference_attention(with_score_scale(params, np.sqrt(64) / 128), inputs).output  # 1/d_model
+    truth = reference_attention(params, inputs).output
+    assert distance(got, small) <= 10 * tol.bound and explains(got, small, truth)  # what named it before
+    assert wrong_scale(got, params, inputs, tol.bound) is None
+    assert "keys projected from the query input" in layer_mistake(got, params, inputs, tol.bound)

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import inspect
 
+import numpy as np
 import pytest
 
 import mha_harness
@@ -230,6 +231,32 @@ def test_a_running_maximum_started_at_zero_is_caught_only_where_every_score_is_f
     assert {f.case for f in failures} == {"check_large_logits_stay_finite_and_correct"}
     assert {f.params["variant"] for f in failures} == {"negative_rows", "negative_rows_after_padded_keys"}
     assert all("running maximum must start at -inf" in f.message for f in failures), failures[0].message
+
+
+class _MaskAddedAfterSoftmax(zoo.NumpyNaiveLoaded):
+    """Adds its masks (-inf where a key is masked) to the softmax's weights instead of its scores, as a stranger's
+    copy did: every row with a masked key holds -inf, whatever the logits."""
+
+    def masked_softmax(self, scores, allowed, additive):
+        weights = self.softmax(scores)
+        if additive is not None:
+            weights += additive.astype(self.dtype)
+        if allowed is not None:
+            weights[np.broadcast_to(~allowed, weights.shape)] = -np.inf
+        return weights
+
+
+def test_non_finite_output_with_ordinary_logits_too_gets_no_max_subtraction_advice():
+    """The large-logits case blames the softmax's max subtraction only when the same call with ordinary logits is
+    right: a mask added after the softmax is NaN with any logits, and is sent to the other cases' failures."""
+    mutant = dataclasses.replace(BY_NAME["mutant-padding-ignored"], loaded=_MaskAddedAfterSoftmax)
+    report = mha_harness.check(MutantBackend(mutant, weights=False),
+                               cases=["check_large_logits_stay_finite_and_correct"], isolate=False)
+    failures = report.failures()
+    assert [f.params["variant"] for f in failures] == ["negative_rows_after_padded_keys"], failures
+    message = failures[0].message
+    assert "non-finite entries" in message and "not a large-logit problem" in message, message
+    assert "maximum" not in message, message
 
 
 class _MaskedBlockLeavesZero(zoo._TiledLoaded):

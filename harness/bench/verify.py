@@ -9,6 +9,7 @@ reach it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from mha_harness.contract.mistakes import (
     alignment_mistake,
     causal_mask_mistakes,
     explains,
+    explains_as_a_scale,
     frozen_parameters_hint,
     with_score_scale,
     without_output_projection,
@@ -60,21 +62,27 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     mask not applied, the other causal alignment (Tq != Tk), a causal mask one key too wide, reversed or without
     its diagonal, a common wrong score scale, W_o left out, a decode step's new keys and values written one slot too
     far; every one that matches and explains ``got`` better than the correct layer
-    (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match two)."""
+    (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match two),
+    a wrong scale also better than uniform weights (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`)."""
     margin = max(10 * bound, 1e-3)
     truth = reference_attention(params, inputs, rows=rows).output
 
-    def matches(p, call) -> bool:
+    uniform = functools.cache(lambda: reference_attention(with_score_scale(params, 0.0), inputs, rows=rows).output)
+
+    def matches(p, call, scale: bool) -> bool:
         wrong = reference_attention(p, call, rows=rows).output
-        return float(np.max(np.abs(got - wrong))) <= margin and explains(got, wrong, truth)
-    candidates = [(params, call, what) for call, what in _causal_mask_mistakes(inputs, "call")]
-    candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of 1/sqrt(d_head)")
-                   for factor, label in wrong_scales(params.config).items()]
-    candidates.append((without_output_projection(params), inputs, "the heads' concatenation: W_o is not applied"))
+        if float(np.max(np.abs(got - wrong))) > margin:
+            return False
+        return explains_as_a_scale(got, wrong, truth, uniform()) if scale else explains(got, wrong, truth)
+    candidates = [(params, call, what, False) for call, what in _causal_mask_mistakes(inputs, "call")]
+    candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of 1/sqrt(d_head)",
+                    True) for factor, label in wrong_scales(params.config).items()]
+    candidates.append((without_output_projection(params), inputs, "the heads' concatenation: W_o is not applied",
+                       False))
     late = written_one_slot_late(params, inputs)
     if late is not None:
-        candidates.append((params, late, WRITTEN_ONE_SLOT_LATE))
-    found = [what for p, call, what in candidates if matches(p, call)]
+        candidates.append((params, late, WRITTEN_ONE_SLOT_LATE, False))
+    found = [what for p, call, what, scale in candidates if matches(p, call, scale)]
     if len(found) > 1:  # at some shapes (one query, a long cache) two mistakes give outputs alike at these rows
         return (f"; the checked rows cannot tell {len(found)} mistakes apart, the output matches each: "
                 + "; or ".join(found))

@@ -42,7 +42,7 @@ from mha_harness.contract.expected import (  # noqa: F401 - part of casekit's AP
     naive_gradients,
     tolerance_for,
 )
-from mha_harness.contract.mistakes import explains, with_score_scale, wrong_scales
+from mha_harness.contract.mistakes import explains_as_a_scale, with_score_scale, wrong_scales
 from mha_harness.contract.reference import (
     allowed_and_bias,
     reference_attention,
@@ -496,8 +496,8 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
 
 def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str | None:
     """The common wrong score scale (1/sqrt(d_model), none, 1/d_head, 1/d_model) whose float64 output ``got``
-    matches within ``max(10 * bound, 1e-3)`` and explains better than the right scale does
-    (:func:`~mha_harness.contract.mistakes.explains`), or None when it matches none of them."""
+    matches within ``max(10 * bound, 1e-3)`` and explains better than the right scale and uniform weights do
+    (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`), or None when it matches none of them."""
     scales = wrong_scales(params.config)
     if not np.all(np.isfinite(got)) or not scales:
         return None
@@ -505,7 +505,9 @@ def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     label, wrong = min(outputs.items(), key=lambda item: float(np.max(np.abs(got - item[1]))))
     if float(np.max(np.abs(got - wrong))) > max(bound * 10, 1e-3):
         return None
-    return label if explains(got, wrong, reference_attention(params, inputs).output) else None
+    truth = reference_attention(params, inputs).output
+    uniform = reference_attention(with_score_scale(params, 0.0), inputs).output
+    return label if explains_as_a_scale(got, wrong, truth, uniform) else None
 
 
 #: unscaled scores are a bug, unless the layer folds the scale into its weights by design (T5): how to wrap that one

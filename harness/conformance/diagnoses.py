@@ -2,11 +2,11 @@
 reversed, misaligned, missing, diagonal-free or one-off causal mask, a mask read with the opposite polarity, the key
 padding mask along the query axis or not applied, one of two masks dropped, masks applied after the softmax, heads
 split by tokens instead of features (on the way in, out, or both), heads concatenated feature-major, grouped-query
-key/value heads tiled, a softmax over the queries, no output projection, a KV-cache step's new keys put before the
-cached ones. The rows a wrong call leaves without a key are compared under the empty-row convention the backend's
-output follows there (zeros, or the uniform average of V or NaN that a ``fully_masked_rows`` divergence declares).
-A mistake is named only where it explains the output better than the correct layer does
-(:func:`~mha_harness.contract.mistakes.explains`)."""
+key/value heads tiled, keys or values projected from the wrong input, a softmax over the queries, no output
+projection, a KV-cache step's new keys put before the cached ones. The rows a wrong call leaves without a key are
+compared under the empty-row convention the backend's output follows there (zeros, or the uniform average of V or
+NaN that a ``fully_masked_rows`` divergence declares). A mistake is named only where it explains the output better
+than the correct layer does (:func:`~mha_harness.contract.mistakes.explains`)."""
 from __future__ import annotations
 
 import functools
@@ -203,10 +203,40 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
 
 
 
+def wrong_input_calls(inputs: AttentionInputs) -> list[tuple[str, AttentionInputs]]:
+    """(description, call) of a cross-attention layer that projects its keys or values from the wrong input, for a
+    ``shared_kv`` or ``separate`` call: the key and value inputs swapped, keys from the value input, values from the
+    key input (``separate``), and, where the query input has the key input's shape (Tq = Tk), keys, values or both
+    from the query input (the last is self-attention over the queries). Each call's reference output is that
+    layer's; empty for the other forms (one x, or a KV-cache step whose keys are its own input)."""
+    form = inputs.form
+    if form not in ("shared_kv", "separate"):
+        return []
+    kv = "x_kv" if form == "shared_kv" else "the key input"
+    calls = []
+    if form == "separate":
+        calls += [("the key and value inputs swapped (W_k applied to value, W_v to key)",
+                   inputs.replace(key=inputs.value, value=inputs.key)),
+                  ("keys projected from the value input (W_k applied to value, not key)",
+                   inputs.replace(key=inputs.value)),
+                  ("values projected from the key input (W_v applied to key, not value)",
+                   inputs.replace(value=inputs.key))]
+    if inputs.query.shape == inputs.key.shape:
+        values = "x_kv" if form == "shared_kv" else "the value input"
+        calls += [(f"keys projected from the query input (W_k applied to the query input, not {kv})",
+                   inputs.replace(key=inputs.query)),
+                  (f"values projected from the query input (W_v applied to the query input, not {values})",
+                   inputs.replace(value=inputs.query)),
+                  ("keys and values projected from the query input: self-attention over the queries where "
+                   f"attention to {kv} belongs", inputs.replace(key=inputs.query, value=inputs.query))]
+    return calls
+
+
 def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
     """The diagnosis of a whole output that matches, within ``max(10 * bound, 1e-4)``, the layer with its heads
     split by tokens (on the way in, out, or both), its heads concatenated feature-major, its grouped-query key/value
-    heads tiled, its softmax over the queries, or no output projection; "" when none. A candidate is tried only where
+    heads tiled, its keys or values projected from the wrong input (:func:`wrong_input_calls`), its softmax over the
+    queries, or no output projection; "" when none. A candidate is tried only where
     it differs from the correct layer; every one that matches is named (with one key, a split by tokens on the way
     in changes nothing, so it cannot be told from the correct split)."""
     if not np.all(np.isfinite(got)):
@@ -235,6 +265,8 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
                            lambda: wrong_layer_output(params, inputs, kv_tiled=True)))
     candidates.append(("a softmax over the queries (axis -2: each key's weights sum to 1) instead of over the keys",
                        lambda: wrong_layer_output(params, inputs, softmax_axis=-2)))
+    candidates += [(label, functools.partial(lambda call: reference_attention(params, call).output, call))
+                   for label, call in wrong_input_calls(inputs)]
     no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
     candidates.append(("concat(heads) without the output projection W_o (and b_o): W_o is missing",
                        lambda: reference_attention(params.replace(W_o=np.eye(c.d_model), b_o=no_bias), inputs).output))

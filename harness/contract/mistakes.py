@@ -29,6 +29,16 @@ def explains(got: np.ndarray, wrong: np.ndarray, truth: np.ndarray) -> bool:
     return distance(got, wrong) < 0.5 * distance(got, truth)
 
 
+def explains_as_a_scale(got: np.ndarray, wrong: np.ndarray, truth: np.ndarray, uniform: np.ndarray) -> bool:
+    """Whether a wrong score scale's output ``wrong`` explains a failed output ``got``: better than the correct
+    output ``truth`` (:func:`explains`) and better than ``uniform``, the layer's output with every score 0 (uniform
+    weights over the visible keys, :func:`with_score_scale` by 0). The small wrong scales' outputs approach uniform
+    weights, and so does any output whose weights are spread over many keys: over a thousand keys in half precision,
+    with the diagnosis's wider margin, keys projected from the wrong input came within it of scores scaled by
+    1/d_model (a stranger's T5 layer). An output no nearer the wrong scale than uniform weights shows no scale."""
+    return explains(got, wrong, truth) and explains(got, wrong, uniform)
+
+
 def with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
     """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
     b_q = None if params.b_q is None else params.b_q * factor

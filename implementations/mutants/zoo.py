@@ -28,6 +28,9 @@ class Mutant:
     parameter_shapes: object = None
     #: the input form the mutant module takes (Capabilities.inputs)
     inputs: str = "separate"
+    #: whether it declares Tq != Tk calls (Capabilities.cross_attention); a mutant whose shapes only fit at Tq = Tk
+    #: declares no cross_attention, as such a layer's author would, so it is caught by a named failure, not a crash
+    cross_attention: bool = True
 
 
 class SelfAttentionModule(NumpyNaiveLoaded):
@@ -286,6 +289,18 @@ class OutputKernelHeadsSwapped(NumpyNaiveLoaded):
         return out if bias is None else out + bias
 
 
+class KeysFromQuery(NumpyNaiveLoaded):
+    """An encoder-decoder cross-attention that projects its keys from x_q where x_kv belongs (``k = W_k(x_q)``; the
+    values from x_kv): right for self-attention, where x_q is x_kv; with Tq != Tk its shapes do not fit (it raises),
+    so its mutant declares no cross_attention, as its author would have found."""
+
+    def heads(self, inputs):
+        c = self.config
+        return tuple(self.split_heads(self.project(np.asarray(x, self.dtype), which), n)
+                     for x, which, n in ((inputs.query, "q", c.num_heads), (inputs.query, "k", c.kv_heads),
+                                         (inputs.value, "v", c.kv_heads)))
+
+
 class KVHeadsTiled(NumpyNaiveLoaded):
     """Grouped-query key/value heads expanded by tiling (torch ``k.repeat(1, group, 1, 1)``, ``np.tile``) where
     each belongs to its group of consecutive query heads (``repeat_interleave``): query head h reads key/value head
@@ -520,6 +535,9 @@ MUTANTS = (
            OutputKernelHeadsSwapped, "heads concatenated in the wrong order"),
     Mutant("mutant-kv-heads-tiled", "expands grouped-query key/value heads by tiling (query head h reads key/value "
            "head h % kv_heads; torch .repeat where repeat_interleave belongs)", KVHeadsTiled, "h % kv_heads"),
+    Mutant("mutant-keys-from-query", "a shared-K/V attention layer projects its keys from x_q instead of x_kv (k = "
+           "W_k(x_q); the values from x_kv; Tq = Tk only, where its shapes fit)", KeysFromQuery,
+           "keys projected from the query input", inputs="shared_kv", cross_attention=False),
     Mutant("mutant-batch-normalised-together", "softmax normaliser shared across batch items",
            BatchNormalisedTogether, "batch"),
     Mutant("mutant-value-bias-dropped", "drops the bias of the V projection", ValueBiasDropped, "output"),
@@ -614,7 +632,8 @@ class MutantBackend(NumpyNaive):
         self.name = mutant.name
         # float32 only and T <= 512 keep the zoo fast: no mutant's bug depends on float64 or on T = 1000
         self.capabilities = Capabilities(dtypes=("float32",), gradients=mutant.gradients, max_seq_len=512,
-                                         inputs=mutant.inputs, attention_weights=weights)
+                                         inputs=mutant.inputs, attention_weights=weights,
+                                         cross_attention=mutant.cross_attention)
         self.loaded_class = mutant.loaded
 
     def native_parameter_shapes(self, config):
