@@ -236,9 +236,9 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     """The diagnosis of a whole output that matches, within ``max(10 * bound, 1e-4)``, the layer with its heads
     split by tokens (on the way in, out, or both), its heads concatenated feature-major, its grouped-query key/value
     heads tiled, its keys or values projected from the wrong input (:func:`wrong_input_calls`), its softmax over the
-    queries, or no output projection; "" when none. A candidate is tried only where
-    it differs from the correct layer; every one that matches is named (with one key, a split by tokens on the way
-    in changes nothing, so it cannot be told from the correct split)."""
+    queries, or no output projection; "" when none. A candidate is tried only where it differs from the correct
+    layer; every one that matches is named (with one key, a split by tokens on the way in changes nothing, so it
+    cannot be told from the correct split)."""
     if not np.all(np.isfinite(got)):
         return ""
     c = params.config
