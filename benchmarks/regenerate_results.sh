@@ -6,7 +6,8 @@
 #   --results DIR   where to write (default: a new temporary folder, printed at the start). Only
 #                   `--results results` writes into the repository's results/: a normal run never touches it.
 #   --steps LIST    a subset, in the order below (default: all)
-#   --machine NAME  the asv machine name (default cpu-2core-box, as in the README)
+#   --machine NAME  the asv machine name (default: this host's name, `hostname`; the committed results name theirs:
+#                   cpu-2core-avx2-box for this 2-core host, cpu-2core-box for an earlier one)
 #   --dry-run       print the commands, run nothing
 #
 # Steps (the README's "What you get" table; minutes are estimates for a quiet 2-core box, each step's real
@@ -38,7 +39,7 @@ root=$(pwd)
 
 results=""
 steps="conformance,bench,decode,long,fidelity,asv,search"
-machine="cpu-2core-box"
+machine="$(hostname)"
 dry=0
 while [ $# -gt 0 ]; do
     case "$1" in

@@ -182,18 +182,49 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
                           failure.max_error) from None
 
 
+#: what a run of padded keys that breaks a layer whatever its logits says about a tiled kernel
+PADDED_RUN_BREAKS_STATE = ("a key block with no visible key corrupts the online softmax's running state: while a row "
+                           "has seen no key its running maximum is -inf, and exp(m_old - m_new) with both -inf is NaN "
+                           "(subtract 0 instead, or skip the block): the block must leave the maximum at -inf and the "
+                           "accumulator and row sum untouched")
+
+
 def _wrong_with_ordinary_logits(backend, ordinary, inputs, dtype, real, failure: CaseFailure) -> None:
     """Raise ``failure`` as another bug's when the same call with the ``ordinary`` layer (scores of order 1) is wrong
     too, or not finite: the large logits then are not what breaks it, and the max-subtraction advice would send the
     user after the wrong fix (a stranger's layer that added its mask after the softmax got NaN here, with ordinary
-    logits as well). Returns when the ordinary call is right."""
+    logits as well). With padded keys, when the ordinary call with only its first key padded is right, the run of
+    padded keys is what breaks it, and the failure says so (:data:`PADDED_RUN_BREAKS_STATE`; a stranger's flash
+    kernel NaN after a fully masked key block was sent to the other cases, none of which pad a whole block).
+    Returns when the ordinary call is right."""
     try:
         plain, _, plain_expected, plain_tol = _output_on_rows(backend, ordinary, inputs, dtype, real)
         assert_close(plain, plain_expected, plain_tol, "output with ordinary logits")
     except CaseFailure as wrong_anyway:  # wrong without large logits too: another bug, which other cases name
-        raise CaseFailure(f"{failure}; the output is also wrong with ordinary logits (largest {ORDINARY_LOGIT:g}: "
-                          f"{wrong_anyway}): not a large-logit problem, see the other cases' failures",
+        also = (f"{failure}; the output is also wrong with ordinary logits (largest {ORDINARY_LOGIT:g}: "
+                f"{wrong_anyway})")
+        if inputs.key_padding_mask is not None and _right_with_one_padded_key(backend, ordinary, inputs, dtype):
+            run = int(inputs.key_padding_mask[0].sum())
+            raise CaseFailure(f"{also}, yet right with only its first key padded: the run of {run} padded keys breaks "
+                              f"it, not the logits; {PADDED_RUN_BREAKS_STATE}", failure.max_error,
+                              diagnosis=PADDED_RUN_BREAKS_STATE) from None
+        raise CaseFailure(f"{also}: not a large-logit problem, see the other cases' failures",
                           failure.max_error) from None
+
+
+def _right_with_one_padded_key(backend, ordinary, inputs, dtype) -> bool:
+    """Whether the ``ordinary`` layer's call with only the first key padded (no key block without a visible key) is
+    right on its real query rows."""
+    one = np.zeros_like(inputs.key_padding_mask)
+    one[:, 0] = True
+    call = inputs.replace(key_padding_mask=one)
+    try:
+        got, _, expected, tol = _output_on_rows(backend, ordinary, call, dtype,
+                                                ~one[0] if call.tq == one.shape[1] else None)
+        assert_close(got, expected, tol, "output with one padded key")
+    except CaseFailure:
+        return False
+    return True
 
 
 def _output_on_rows(backend, params, inputs, dtype, real=None):

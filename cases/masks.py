@@ -36,6 +36,11 @@ from mha_harness.conformance.diagnoses import mask_mistake
 from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.validation import causal_future_poison_allowed
 
+#: the other reading of NaN in rows without a key: a layer that means zeros there, where NaN comes from a mistake
+_NOT_MEANT = ("; if it means zeros there: an online softmax gets NaN from exp(m_old - m_new) with both -inf in a key "
+              "block with no visible key (subtract 0 while a row has seen no key), a plain one from 0 / 0 (divide by "
+              "max(sum, tiny))")
+
 
 def _unchanged(before, after, rows, tol, what):
     """Rows of ``after`` must equal ``before`` within the tolerance (NaN counts as a change)."""
@@ -145,7 +150,7 @@ def _empty_causal_rows_hint(backend, params, inputs, dtype: str) -> str:
     return (f"; rows {empty[0]}..{empty[-1]} see no key ({inputs.causal}, Tq {inputs.tq} > Tk {inputs.tk}) and output "
             "NaN, the other rows are finite: a row with no key outputs NaN (softmax of a row of -inf); if that is the "
             "kernel's convention, declare it: divergences = nan_fully_masked_divergences(\"why\") from "
-            "mha_harness.toolkit.divergences (it covers this variant and the fully-masked-rows case)")
+            f"mha_harness.toolkit.divergences (it covers this variant and the fully-masked-rows case){_NOT_MEANT}")
 
 
 @case(requires=("causal", "gradients"), variants=causal_variants, forms=ALL_FORMS)
@@ -394,7 +399,8 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_pad
     if observed != wanted:
         builder = {"NaN": "nan_fully_masked_divergences", "uniform average of V": "uniform_fully_masked_divergences"}
         advice = (f"; if that is the kernel's convention, declare it: divergences = {builder[observed]}(\"why\") from "
-                  "mha_harness.toolkit.divergences" if wanted == "zeros" and observed in builder else "")
+                  "mha_harness.toolkit.divergences" + (_NOT_MEANT if observed == "NaN" else "")
+                  if wanted == "zeros" and observed in builder else "")
         if observed == "other":
             advice = _other_rows_detail(got[rows], expected[rows], uniform[rows], uniform_tol.bound, params, inputs,
                                         dtype, rows)

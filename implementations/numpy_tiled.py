@@ -79,15 +79,21 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
             if allowed is not None:
                 np.copyto(s, -np.inf, where=~self._group_view(allowed))
             m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
-            m_safe = np.where(np.isfinite(m_new), m_new, 0).astype(self.dtype)
+            m_safe, correction = self.rescale(m, m_new)
             s -= m_safe
             p = np.exp(s, out=s)
-            correction = np.exp(np.where(np.isfinite(m), m - m_safe, -np.inf))
             l = l * correction + p.sum(axis=-1, keepdims=True)
             acc *= correction
             acc += weighted_values(p, v[:, :, :, k0:k1])
             m = m_new
         return acc / np.where(l == 0, 1, l)
+
+    def rescale(self, m: np.ndarray, m_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the maximum a key block's scores are shifted by, the factor the accumulator and row sum are rescaled by)
+        when the running maximum goes from ``m`` to ``m_new``: a row that has seen no key yet (-inf) shifts by 0 and
+        keeps its zeros, so a key block with no visible key changes nothing."""
+        m_safe = np.where(np.isfinite(m_new), m_new, 0).astype(self.dtype)
+        return m_safe, np.exp(np.where(np.isfinite(m), m - m_safe, -np.inf))
 
     def _group_view(self, mask: np.ndarray) -> np.ndarray:
         """Reshape a (B|1, H|1, q, k) mask to broadcast against (B, kv, group, q, k)."""

@@ -236,3 +236,17 @@ def test_a_forward_row_the_cotangent_leaves_out_does_not_count_as_a_wrong_forwar
     hint, diagnosis = gradient_mistake_hint(_true(inputs.replace(causal=None), cotangent), PARAMS, inputs, cotangent,
                                             "float32", "separate", forward=forward_with_row_3_zeroed)
     assert "wrong too" not in hint and "ignores the causal mask the forward applies" in diagnosis, hint
+
+
+def test_every_gradient_but_w_o_times_one_constant_is_named_as_weights_that_constant_times_the_forward():
+    """A flash backward recomputing exp(s - lse) from a log-sum-exp off by log 2 doubles every gradient upstream of
+    the weights and leaves W_o's right: named as weights 2 x the forward's, not as a gradient summed twice (which
+    would double W_o's too)."""
+    inputs, cotangent = _call()
+    true = _true(inputs, cotangent)
+    got = {name: g if name in ("W_o", "b_o") else 2 * g for name, g in true.items()}
+    text = _diagnose(got, inputs, cotangent)
+    assert "are all 2 x the reference's while W_o's is right: the backward's weights are 2 x the forward's" in text
+    assert "log-sum-exp off by -0.693" in text and "summed twice" not in text, text
+    everything = {name: 2 * g for name, g in true.items()}  # W_o doubled too: no weights to blame
+    assert "while W_o's is right" not in _diagnose(everything, inputs, cotangent)

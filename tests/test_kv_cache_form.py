@@ -58,8 +58,8 @@ def test_a_kv_cache_layers_gradients_are_d_x_new_and_d_x_cached():
                                                                "diagonal=Tk - Tq) belongs); in a KV-cache step the new "
                                                                "queries then miss the cached keys"),
     (OneTokenSkipsItself, "check_causal_output_matches_reference", "excludes the diagonal (query i cannot see its "
-                                                                   "own key, key i + 64) (a step that attends to the "
-                                                                   "cache before it writes"),
+                                                                   "own key, key i + 64) (in a KV-cache step: one that "
+                                                                   "attends to the cache before it writes"),
 ])
 def test_kv_cache_bugs_are_caught(bug, failing, named):
     """The new keys put before the cached ones, the step's causal mask applied top-left (its offset forgotten),

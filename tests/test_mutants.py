@@ -259,6 +259,24 @@ def test_non_finite_output_with_ordinary_logits_too_gets_no_max_subtraction_advi
     assert "maximum" not in message, message
 
 
+class _CausalKeyRangeOneShort(zoo._TiledLoaded):
+    """A tiled kernel whose causal key range stops one key short of each query block's last query (a stranger's
+    bound): with 16-key blocks only a query block starting at a block boundary past the last key block misses its
+    own key."""
+
+    def key_limit(self, inputs, q1):
+        return super().key_limit(inputs, q1) - 1 if inputs.causal else inputs.tk
+
+
+def test_rows_failing_only_at_a_block_boundary_say_so():
+    mutant = dataclasses.replace(BY_NAME["mutant-tiled-running-max-from-zero"], loaded=_CausalKeyRangeOneShort)
+    report = mha_harness.check(MutantBackend(mutant, weights=False), cases=["check_causal_output_matches_reference"],
+                               isolate=False)
+    square = [f.message for f in report.failures() if f.params["variant"] == "square"]
+    assert square and all("(batch:position 0:64, 1:64); every row outside it is the first of a 64-row block" in m
+                          for m in square), square[:1]
+
+
 class _MaskedBlockLeavesZero(zoo._TiledLoaded):
     """A tiled kernel right on rows of negative scores that leaves a finite placeholder (0) as the running maximum
     when a row's first key block has no visible key (here: the first 16 keys padded), as a stranger's kernel did."""

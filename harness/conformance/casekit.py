@@ -395,8 +395,27 @@ def _rows_outside(diff: np.ndarray, bound: float, labels, row_ids=None, shown: i
     listed = outside if 2 * count <= total else ~outside  # the fewer: the rows outside, or those within
     rows = [(int(b), int(row_ids[t]) if row_ids is not None else int(t)) for b, t in np.argwhere(listed)]
     text = ", ".join(f"{b}:{t}" for b, t in rows[:shown]) + (", ..." if len(rows) > shown else "")
+    boundary = _at_block_boundary({t for _, t in rows}) if listed is outside else ""
     return (f"; {count} of {total} (batch, position) rows are outside it ("
-            f"{'' if listed is outside else 'within it: '}batch:position {text})")
+            f"{'' if listed is outside else 'within it: '}batch:position {text}){boundary}")
+
+
+#: the block sizes a tiled kernel's rows are compared with when only some rows fail
+_TILE_ROWS = (256, 128, 64, 32, 16)
+
+
+def _at_block_boundary(positions: set[int]) -> str:
+    """A clause when every failing position is the first or last row of a block of 16 to 256 rows (the largest such
+    size): an error at a tiled kernel's block bound, as a causal key range one key short at each query block's
+    first row; "" otherwise."""
+    for size in _TILE_ROWS:
+        if all(t > 0 and t % size == 0 for t in positions):
+            return (f"; every row outside it is the first of a {size}-row block: if the kernel is tiled, check the "
+                    "bounds at a block's start (the keys a block's first query may see)")
+        if all((t + 1) % size == 0 for t in positions):
+            return (f"; every row outside it is the last of a {size}-row block: if the kernel is tiled, check the "
+                    "bounds at a block's end")
+    return ""
 
 
 #: a float64 error at least this fraction of the float32 bound is float32-sized: a float32 computation errs by about

@@ -2,11 +2,11 @@
 reversed, misaligned, missing, diagonal-free or one-off causal mask, a mask read with the opposite polarity, the key
 padding mask along the query axis or not applied, one of two masks dropped, masks applied after the softmax, heads
 split by tokens instead of features (on the way in, out, or both), heads concatenated feature-major, grouped-query
-key/value heads tiled, keys or values projected from the wrong input, a softmax over the queries, no output
-projection, a KV-cache step's new keys put before the cached ones. The rows a wrong call leaves without a key are
-compared under the empty-row convention the backend's output follows there (zeros, or the uniform average of V or
-NaN that a ``fully_masked_rows`` divergence declares). A mistake is named only where it explains the output better
-than the correct layer does (:func:`~mha_harness.contract.mistakes.explains`)."""
+key/value heads tiled, keys or values projected from the wrong input, a softmax over the queries, an online softmax
+that never rescales its accumulator, no output projection, a KV-cache step's new keys put before the cached ones. The
+rows a wrong call leaves without a key are compared under the empty-row convention the backend's output follows there
+(zeros, or the uniform average of V or NaN that a ``fully_masked_rows`` divergence declares). A mistake is named only
+where it explains the output better than the correct layer does (:func:`~mha_harness.contract.mistakes.explains`)."""
 from __future__ import annotations
 
 import functools
@@ -28,7 +28,8 @@ from mha_harness.contract.reference import allowed_and_bias, empty_rows_conventi
 
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
                        heads_feature_major: bool = False, softmax_axis: int = -1,
-                       mask_after_softmax: bool = False, kv_tiled: bool = False) -> np.ndarray:
+                       mask_after_softmax: bool = False, kv_tiled: bool = False,
+                       unrescaled_block: int = 0) -> np.ndarray:
     """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``, the
     lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
     block of tokens instead of its own features of every token, merged back the same way; a module masks its score
@@ -41,7 +42,10 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     after the softmax without renormalising (masked keys get weight 0 but stay in every row's normaliser);
     ``kv_tiled``, grouped-query key/value heads expanded by tiling (query head h reads key/value head h % kv_heads,
     as torch ``.repeat`` or ``np.tile`` give) instead of each repeated for its group of consecutive query heads (h
-    // group). Masked values never reach it (a NaN stored there is read as 0)."""
+    // group); ``unrescaled_block``, an online softmax over key blocks of that many keys that never rescales its
+    accumulator and row sum when the running maximum grows (each key weighted exp(s - m) with the running maximum
+    m after its own block, :func:`unrescaled_block_weights`). Masked values never reach it (a NaN stored there is
+    read as 0)."""
     c = params.config
     split_in, merge_out = split_tokens in (True, "split"), split_tokens in (True, "merge")
 
@@ -58,8 +62,11 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head) + (0.0 if additive is None else additive)
     if not mask_after_softmax:
         scores = np.where(allowed, scores, -np.inf)
-    top = scores.max(axis=softmax_axis, keepdims=True)
-    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    if unrescaled_block:
+        weights = unrescaled_block_weights(scores, unrescaled_block)
+    else:
+        top = scores.max(axis=softmax_axis, keepdims=True)
+        weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
     weights /= np.maximum(weights.sum(axis=softmax_axis, keepdims=True), np.finfo(np.float64).tiny)  # empty: zeros
     if mask_after_softmax:
         weights = np.where(allowed, weights, 0.0)
@@ -68,6 +75,24 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     order = (0, 2, 3, 1) if heads_feature_major else (0, 2, 1, 3)  # (B, T, d_head, h) or (B, T, h, d_head)
     merged = out.reshape(b, t, h * dh) if merge_out else out.transpose(order).reshape(b, t, h * dh)
     return merged @ params.W_o + (0.0 if params.b_o is None else params.b_o)
+
+
+def unrescaled_block_weights(scores: np.ndarray, block: int) -> np.ndarray:
+    """The unnormalised weights of an online softmax over key blocks of ``block`` keys that never rescales what it
+    has accumulated: each key's exp(s - m_b), m_b the running row maximum after the key's block b (-inf scores,
+    masked keys, weigh 0). Normalised by their row sum, they are that kernel's output weights: its accumulator and
+    row sum both hold each block in the units of the maximum it saw then."""
+    tk = scores.shape[-1]
+    blocks = -(-tk // block)
+    padded = np.concatenate([scores, np.full((*scores.shape[:-1], blocks * block - tk), -np.inf)], axis=-1)
+    running = np.maximum.accumulate(padded.reshape(*scores.shape[:-1], blocks, block).max(axis=-1), axis=-1)
+    per_key = np.repeat(running, block, axis=-1)[..., :tk]
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(scores), np.exp(scores - np.where(np.isfinite(per_key), per_key, 0.0)), 0.0)
+
+
+#: the key block sizes an online softmax's missing rescale is looked for at (powers of two of tiled CPU and GPU kernels)
+UNRESCALED_BLOCKS = (16, 32, 64, 128, 256)
 
 
 def _truth(params: AttentionParams, inputs: AttentionInputs, weights: bool = False) -> Callable[[], np.ndarray]:
@@ -163,7 +188,8 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if matches(mistake.get("no_diagonal")):
         offset = causal_offset(alignment, tq, tk)
         own_key = "key i" if offset == 0 else f"its own key, key i + {offset}"
-        step = (" (a step that attends to the cache before it writes the new tokens' keys and values)"
+        step = (" (in a KV-cache step: one that attends to the cache before it writes the new tokens' keys and "
+                "values, or a key range that stops one key short of the step's own)"
                 if inputs.form == "kv_cache" else "")
         hints.append(f"; the output matches a causal mask that excludes the diagonal (query i cannot see {own_key})"
                      + step)
@@ -236,9 +262,9 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     """The diagnosis of a whole output that matches, within ``max(10 * bound, 1e-4)``, the layer with its heads
     split by tokens (on the way in, out, or both), its heads concatenated feature-major, its grouped-query key/value
     heads tiled, its keys or values projected from the wrong input (:func:`wrong_input_calls`), its softmax over the
-    queries, or no output projection; "" when none. A candidate is tried only where it differs from the correct
-    layer; every one that matches is named (with one key, a split by tokens on the way in changes nothing, so it
-    cannot be told from the correct split)."""
+    queries or over key blocks never rescaled (:data:`UNRESCALED_BLOCKS`), or no output projection; "" when none.
+    A candidate is tried only where it differs from the correct layer; every one that matches is named (with one
+    key, a split by tokens on the way in changes nothing, so it cannot be told from the correct split)."""
     if not np.all(np.isfinite(got)):
         return ""
     c = params.config
@@ -267,6 +293,10 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
                        lambda: wrong_layer_output(params, inputs, softmax_axis=-2)))
     candidates += [(label, functools.partial(lambda call: reference_attention(params, call).output, call))
                    for label, call in wrong_input_calls(inputs)]
+    candidates += [(f"an online softmax over {b}-key blocks that never rescales its accumulator and row sum when the "
+                    "running maximum grows (multiply both by exp(m_old - m_new) before adding a block)",
+                    functools.partial(lambda b: wrong_layer_output(params, inputs, unrescaled_block=b), b))
+                   for b in UNRESCALED_BLOCKS if b < inputs.tk]
     no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
     candidates.append(("concat(heads) without the output projection W_o (and b_o): W_o is missing",
                        lambda: reference_attention(params.replace(W_o=np.eye(c.d_model), b_o=no_bias), inputs).output))

@@ -2,9 +2,10 @@
 another form's convention than the declared one, which gradients are wrong and which are right (so where in the
 backward the error lies: the softmax's backward, the value path or the output projection), a gradient that is zero,
 transposed or a constant multiple of the true one (the score scale left out or applied twice, the sign flipped),
-the softmax's backward without its row term, and a backward that ignores a mask the forward applies (the causal
-mask, the key padding mask, the attn_mask; in the whole backward, or only where it recomputes the weights, as a
-softmax or as FlashAttention-2's exp(s - lse)). Computed in NumPy from the float64 reference; a mistake is named
+the softmax's backward without its row term, weights recomputed as exp(s - m) without the log of the row sum, or a
+constant times the forward's (W_o's gradient right), and a backward that ignores a mask the forward applies (the
+causal mask, the key padding mask, the attn_mask; in the whole backward, or only where it recomputes the weights, as
+a softmax or as FlashAttention-2's exp(s - lse)). Computed in NumPy from the float64 reference; a mistake is named
 only where its gradients are at most 1/20 as far from the backend's as the true ones are (a bug that merely
 resembles one, such as a row term summed over the wrong axis, is not named after it)."""
 from __future__ import annotations
@@ -117,8 +118,10 @@ def gradient_mistake_parts(got: Mapping[str, np.ndarray], params: AttentionParam
     placed = _placed([n for n in wrong if n in telling], [n for n in right if n in telling])
     if placed:
         parts.append(placed)
-    whole = _whole_backward_mistake(arrays, wrong, right, params, inputs, cotangent, form, bounds)
-    named = [whole] if whole else _each_gradient_mistake(wrong, arrays, bounds, params)
+    whole = _whole_backward_mistake(arrays, [n for n in wrong if n in telling] or wrong, right, params, inputs,
+                                    cotangent, form, bounds)
+    named = [whole] if whole else (_weights_multiple(wrong, right, arrays, bounds)
+                                   or _each_gradient_mistake(wrong, arrays, bounds, params))
     if named:
         parts.append(named)
     return parts
@@ -150,8 +153,10 @@ def _placed(wrong: list[str], right: list[str]) -> list[str]:
 def _whole_backward_mistake(arrays: dict, wrong: list[str], right: list[str], params: AttentionParams,
                             inputs: AttentionInputs, cotangent: np.ndarray, form: str,
                             bounds: Mapping[str, tuple]) -> str:
-    """The known wrong backward, of several gradients at once, that explains every wrong gradient and leaves the
-    right ones right (within their tolerance); empty if none."""
+    """The known wrong backward, of several gradients at once, that explains every ``wrong`` gradient and leaves the
+    right ones right (within their tolerance); empty if none. The caller leaves out of ``wrong`` a gradient that is
+    zero for every layer (the key bias's): a backward's float noise there, amplified by a mistake, is what no
+    mistake's float64 gradient can match."""
     for text, compute in _backward_mistakes(params, inputs, cotangent):
         candidate = input_gradients(compute(), form)
         if all(n in candidate and _close(arrays[n], candidate[n], bounds[n][0]) for n in wrong) \
@@ -167,6 +172,11 @@ def _backward_mistakes(params: AttentionParams, inputs: AttentionInputs, cotange
     yield ("the softmax's backward has no row term: dS = P * dP where dS = P * (dP - rowsum(dP * P)) belongs (the "
            "softmax differentiated as if each weight depended on its own score alone)",
            lambda: mistaken_vjp(params, inputs, cotangent, row_term=False))
+    for row_from in ("output", "weights"):
+        yield ("the backward recomputes the weights as exp(s - m) with the row maximum m where the log-sum-exp "
+               "belongs (the forward saves its running maximum without + log(rowsum): the weights are not "
+               "normalised; the forward is right, so W_o's gradient is right)",
+               lambda row_from=row_from: mistaken_vjp(params, inputs, cotangent, recompute="max", row_from=row_from))
     present = [f for f in MASK_FIELDS if getattr(inputs, f) is not None]
     subsets = [tuple(f for i, f in enumerate(present) if bits >> i & 1) for bits in range(1, 2 ** len(present))]
     for fields in sorted(subsets, key=len):
@@ -185,6 +195,32 @@ def _backward_mistakes(params: AttentionParams, inputs: AttentionInputs, cotange
                    f"gradient is right)",
                    lambda fields=fields, row_from=row_from: mistaken_vjp(
                        params, inputs, cotangent, recomputed_without=fields, recompute="lse", row_from=row_from))
+
+
+def _weights_multiple(wrong: list[str], right: list[str], arrays: dict, bounds: Mapping[str, tuple]) -> list[str]:
+    """The backward's weights a constant c times the forward's, when W_o's gradient is right and every wrong one, the
+    value path's among them, is one c times its reference: dV = P^T dO and dS = P * (dP - rowsum(dO * O)) both
+    scale with P, W_o's gradient does not (a stranger's flash backward from a log-sum-exp off by log 2 was named
+    "twice the gradient (summed twice)", which W_o's right gradient rules out). Empty otherwise."""
+    if "W_o" not in right or "W_v" not in wrong:
+        return []
+    factors = []
+    for name in wrong:
+        got, expected = arrays[name], bounds[name][0]
+        norm = float(np.vdot(expected, expected))
+        if norm == 0.0 or not np.all(np.isfinite(got)):
+            return []
+        factor = float(np.vdot(got, expected)) / norm
+        if not _close(got, factor * expected, expected):
+            return []
+        factors.append(factor)
+    c = factors[0]
+    if c <= 0 or not np.allclose(factors, c, rtol=1e-2):
+        return []
+    return [f"the gradients of {', '.join(wrong)} are all {c:.4g} x the reference's while W_o's is right: the "
+            f"backward's weights are {c:.4g} x the forward's (recomputed as exp(s - lse) from a log-sum-exp off by "
+            f"{-np.log(c):+.3g}, not the one the forward saved), or dO is scaled by {c:.4g} on its way back through "
+            "W_o"]
 
 
 def _each_gradient_mistake(wrong: list[str], arrays: dict, bounds: Mapping[str, tuple],

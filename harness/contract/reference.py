@@ -500,14 +500,16 @@ def mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np
     own score alone). ``recomputed_without``: the backward recomputes the weights without these masks
     (:data:`MASK_FIELDS`) while the forward applied them (its output, and so W_o's gradient, stays right):
     ``recompute="softmax"``, a softmax without them; ``"lse"``, as FlashAttention-2 recomputes, ``exp(s - lse)``
-    with the forward's (masked) log-sum-exp, the dropped masks' keys no longer zeroed. ``row_from``: the row term
+    with the forward's (masked) log-sum-exp, the dropped masks' keys no longer zeroed. ``recompute="max"`` (with
+    every mask): the weights recomputed as ``exp(s - m)`` with the row maximum where the log-sum-exp belongs (a
+    tiled forward that saves its running maximum without ``+ log(rowsum)``): unnormalised. ``row_from``: the row term
     as ``rowsum(dP * P)`` of the weights the backward has (``"weights"``) or as FlashAttention-2 takes it,
     ``rowsum(dO * O)`` of the forward's output (``"output"``)."""
     for field in recomputed_without:
         if field not in MASK_FIELDS:
             raise ValueError(f"recomputed_without: got {field!r}; accepted: {', '.join(MASK_FIELDS)}")
-    if recompute not in ("softmax", "lse"):
-        raise ValueError(f"recompute: got {recompute!r}; accepted: softmax, lse")
+    if recompute not in ("softmax", "lse", "max"):
+        raise ValueError(f"recompute: got {recompute!r}; accepted: softmax, lse, max")
     if row_from not in ("weights", "output"):
         raise ValueError(f"row_from: got {row_from!r}; accepted: weights, output")
     cotangent = np.asarray(cotangent)
@@ -530,7 +532,12 @@ def _mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
     q, k, v, p, concat, scale, allowed = _forward_parts(params, inputs, None, "float64")
     d_o = _heads(cotangent @ params.W_o.T, c.num_heads)
     d_p = d_o @ v.transpose(0, 1, 3, 2)
-    if without and recompute == "softmax":
+    if recompute == "max":  # exp(s - m): the row maximum saved where the log-sum-exp belongs
+        scores, allowed = _scores(params, inputs, None, q, k, scale, "float64", False)[:2]
+        masked, _, visible = _row_lse(scores, np.broadcast_to(allowed, scores.shape))
+        top = np.where(visible, masked.max(axis=-1, keepdims=True), 0.0)
+        p = np.where(np.isfinite(masked), np.exp(masked - top), 0.0)
+    elif without and recompute == "softmax":
         p = _forward_parts(params, inputs.replace(**dict.fromkeys(without)), None, "float64")[3]
     elif without:  # exp(s - lse): the forward's lse, the scores without the dropped masks' -inf or bias
         scores, allowed = _scores(params, inputs, None, q, k, scale, "float64", False)[:2]

@@ -418,6 +418,24 @@ class TiledRunningMaxFromZero(_TiledLoaded):
     initial_max = 0.0
 
 
+class TiledNoRescale(_TiledLoaded):
+    """Never rescales the accumulator and row sum when the running maximum grows: each 16-key block stays in the
+    units of the maximum seen when it was added, so rows whose keys span blocks weigh the early blocks too much."""
+
+    def rescale(self, m, m_new):
+        m_safe, _ = super().rescale(m, m_new)
+        return m_safe, np.ones_like(m_safe)
+
+
+class TiledMaskedBlockNaN(_TiledLoaded):
+    """Shifts and rescales by the running maximum unguarded (a stranger's kernel): in a 16-key block with no visible
+    key, while the row has seen none, -inf - -inf is NaN, and the NaN stays in the row whatever keys follow."""
+
+    def rescale(self, m, m_new):
+        with np.errstate(invalid="ignore"):
+            return m_new, np.exp(m - m_new)
+
+
 class _HandWrittenBackward(NumpyTiledLoaded):
     """numpy-tiled (16-query blocks) with a FlashAttention-2-style backward written by hand over key blocks, each
     block's weights its own softmax: right while one block holds every key, as its default 4096-key blocks do at
@@ -433,6 +451,10 @@ class _HandWrittenBackward(NumpyTiledLoaded):
     def backward_masks(self, inputs, tq, k0, k1):
         """The masks the backward recomputes the weights of keys k0..k1 with: the forward's."""
         return block_mask(inputs, 0, tq, k0, k1)
+
+    def recompute_weights(self, scores, allowed, additive):
+        """The weights the backward recomputes from a key block's scores and the masks: the block's softmax."""
+        return self.masked_softmax(scores, allowed, additive)
 
     def value_gradient(self, p, d_o):
         """dV of a key block: P^T @ dO."""
@@ -451,8 +473,8 @@ class _HandWrittenBackward(NumpyTiledLoaded):
             for k0 in range(0, self.key_limit(inputs, tq), self.block_k):
                 k1 = min(inputs.tk, k0 + self.block_k)
                 masks = self.backward_masks(inputs, tq, k0, k1)
-                p = self.masked_softmax(q @ k[..., k0:k1, :].swapaxes(-1, -2),
-                                        *(None if m is None else self._group_view(m) for m in masks))
+                p = self.recompute_weights(q @ k[..., k0:k1, :].swapaxes(-1, -2),
+                                           *(None if m is None else self._group_view(m) for m in masks))
                 d_p = d_o @ v[..., k0:k1, :].swapaxes(-1, -2)
                 d_s = self.score_gradient(p, d_p, row)
                 d_v[..., k0:k1, :] = self.value_gradient(p, d_o).sum(axis=2, keepdims=True)
@@ -489,6 +511,19 @@ class GradientWithoutSoftmaxRowTerm(_HandWrittenBackward):
 class GradientScoreScaleLeftOut(_HandWrittenBackward):
     def score_gradient(self, p, d_p, row):  # dQ = dS K and dK = dS^T Q, the forward's 1/sqrt(d_head) left out
         return super().score_gradient(p, d_p, row) / self.dtype.type(self.scale())
+
+
+class GradientWeightsFromRowMax(_HandWrittenBackward):
+    """Recomputes the weights as exp(s - m) with the row maximum where the log-sum-exp belongs (a forward that saves
+    its running maximum without + log(rowsum)): unnormalised, each row's weights sum to its rowsum."""
+
+    def recompute_weights(self, scores, allowed, additive):
+        if additive is not None:
+            scores = scores + additive.astype(self.dtype)
+        if allowed is not None:
+            scores = np.where(allowed, scores, -np.inf)
+        top = scores.max(axis=-1, keepdims=True)
+        return np.exp(scores - np.where(np.isfinite(top), top, 0))
 
 
 class GradientRecomputedWithoutMasks(_HandWrittenBackward):
@@ -574,6 +609,14 @@ MUTANTS = (
     Mutant("mutant-gradient-recomputed-without-masks", "a hand-written backward recomputes the softmax weights "
            "without the masks the forward applied (its forward output is right)", GradientRecomputedWithoutMasks,
            "recomputes the weights without", gradients=True),
+    Mutant("mutant-tiled-no-rescale", "a tiled kernel (16-key blocks) never rescales its accumulator and row sum "
+           "when the running maximum grows", TiledNoRescale, "never rescales its accumulator"),
+    Mutant("mutant-tiled-masked-block-nan", "a tiled kernel (16-key blocks) shifts and rescales by an unguarded "
+           "running maximum: a block with no visible key makes -inf - -inf = NaN (a stranger's kernel)",
+           TiledMaskedBlockNaN, "a key block with no visible key corrupts"),
+    Mutant("mutant-gradient-weights-from-row-max", "a hand-written backward recomputes the weights as exp(s - m) with "
+           "the row maximum where the log-sum-exp belongs (the forward is right)", GradientWeightsFromRowMax,
+           "exp(s - m) with the row maximum", gradients=True),
     Mutant("mutant-tiled-running-max-from-zero", "a tiled kernel (16-key blocks) starts its running row maximum at 0 "
            "instead of -inf (a stranger's kernel): rows whose every score is far below 0 underflow to zeros",
            TiledRunningMaxFromZero, "far below 0"),
