@@ -59,17 +59,27 @@ def _what_changed(form: str) -> str:
             "kv_cache": "x_kv rows (keys and values; in the new rows, x_new and their queries too)"}[form]
 
 
-def _poison_verdict(failure: CaseFailure, poison: str, finite_unchanged) -> CaseFailure:
+def _poison_verdict(failure: CaseFailure, poison: str, finite_unchanged, changed_finite: bool = False) -> CaseFailure:
     """The failure of a NaN/inf poison case, told apart from a leak: ``finite_unchanged()`` says whether random
     finite values at the same masked positions leave the output unchanged. Then the NaN/inf reached the output
     only as 0 * NaN in a dense P @ V (the masked weight is exactly 0), which is not a leak, and the message says
-    so and points to the declaration; otherwise it is a leak whatever the values."""
+    so and points to the declaration, unless the changed outputs are finite (``changed_finite``): 0 * NaN in P @ V
+    leaves NaN, so finite wrong values mean the poison entered a computation before the mask (a row maximum over
+    scores masked by a where that later zeroes the row: a stranger's JAX layer), which the declaration does not
+    cover; otherwise it is a leak whatever the values."""
     if poison == "random":
         return failure
     if not finite_unchanged():
         return CaseFailure(f"{failure}; the same positions set to random finite values change the output too: a "
                            "real leak, not only NaN/inf propagation", failure.max_error)
     value = "NaN" if poison == "nan" else "inf"
+    if changed_finite:
+        return CaseFailure(f"{failure}; the changed outputs are finite: {value} held by masked positions reached a "
+                           f"computation before the mask, not only 0 * {value} in P @ V (which leaves {value}), e.g. "
+                           "a row maximum or sum over scores the mask had not yet replaced, whose row a later where "
+                           "then zeroes or rewrites; random finite values there leave the output unchanged, so only "
+                           "non-finite ones show it. Mask the scores (where(mask, s, -inf)) before any reduction over "
+                           "them; masked_poison_divergences does not cover this", failure.max_error)
     return CaseFailure(f"not a leak: {value} held by masked positions propagated through 0 * {value} (a dense P @ V "
                        "multiplies the masked weights, exactly 0, by the masked values); the same positions set to "
                        "random finite values leave the output unchanged. Zero the values of keys no query may see "
@@ -115,7 +125,8 @@ def check_causal_mask_blocks_future_keys(backend, *, form, dtype, alignment, var
             def finite_unchanged(future=future, rows=rows):
                 finite = run(backend, params, with_keys_replaced(inputs, future, "random"), dtype, loaded=loaded).output
                 return bool(np.all(np.abs(finite[:, rows] - base[:, rows]) <= tol.bound))
-            raise _poison_verdict(failure, poison, finite_unchanged) from None
+            raise _poison_verdict(failure, poison, finite_unchanged,
+                                  bool(np.all(np.isfinite(poisoned[:, rows])))) from None
         worst = max(worst, float(np.max(np.abs(poisoned[:, rows] - base[:, rows]))))
     return Measurement(max_error=worst)
 
@@ -180,20 +191,34 @@ def check_causal_jacobian_zero_for_future_inputs(backend, *, form, dtype, alignm
                         f"{future[b, t, f]:.3g} (batch {b}, feature {f}); expected exactly 0")
                 if not np.isfinite(future[b, t, f]):
                     raise CaseFailure(f"{alignment} causal gradients not finite: {what}"
-                                      f"{_nan_backward_hint(seq, tk, alignment)}")
+                                      f"{_nan_backward_hint(seq, tk, alignment, loaded, inputs)}")
                 hint = gradient_mistake_hint(grads, params, inputs, cotangent, dtype, form,
                                              forward=lambda: loaded.forward(inputs).output)
                 raise CaseFailure(f"{alignment} causal leak in gradients: {what}").with_hint(*hint)
     return Measurement(max_error=0.0)
 
 
-def _nan_backward_hint(tq: int, tk: int, alignment: str) -> str:
+def _nan_backward_hint(tq: int, tk: int, alignment: str, loaded=None, inputs=None) -> str:
     """Why a causal backward's gradients can be NaN without a leak: rows that see no key (bottom-right, Tq > Tk)
     whose output is NaN spread NaN through the backward into every key's gradient (0 * NaN), whatever the cotangent;
-    "" when no row is without a key."""
+    "" when no row is without a key. When the forward (``loaded`` on ``inputs``) is finite on those rows, the NaN is
+    the backward's own: a where that selects 0 over a NaN branch still differentiates that branch (a stranger's JAX
+    layer passed every forward case so)."""
     empty = _rows_without_keys(alignment, tq, tk)
     if not empty:
         return ""
+    if loaded is not None:
+        try:
+            finite = bool(np.all(np.isfinite(np.asarray(loaded.forward(inputs).output, np.float64)[:, empty])))
+        except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
+            finite = False
+        if finite:
+            return (f"; rows {empty[0]}..{empty[-1]} see no key and the forward's output there is finite: the NaN is "
+                    "the backward's own. A where (masked_fill, jnp.where) that selects 0 over a branch computing "
+                    "0 / 0 or exp(-inf - -inf) still differentiates that branch, and its NaN gradient times 0 is NaN "
+                    "(the double-where trap): make the branch's input finite before the operation (divide by "
+                    "where(sum > 0, sum, 1), subtract where(isfinite(max), max, 0)), or guard the custom backward "
+                    "the same way")
     return (f"; rows {empty[0]}..{empty[-1]} see no key: a layer whose rows with no key output NaN (softmax of a row "
             "of -inf) spreads NaN through its backward into every key's gradient (0 * NaN), which hides whether the "
             "mask holds there; this case checks a backward whose empty rows give zeros (torch's SDPA kernels do; "
@@ -270,7 +295,7 @@ def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
         def finite_unchanged():
             finite = run(backend, params, with_keys_replaced(inputs, where, "random"), dtype, loaded=loaded).output
             return bool(np.all(np.where(real, np.abs(finite - base), 0) <= tol.bound))
-        raise _poison_verdict(failure, poison, finite_unchanged)
+        raise _poison_verdict(failure, poison, finite_unchanged, bool(np.all(np.isfinite(np.where(real, after, 0)))))
     worst = float(np.max(diff))
     return Measurement(max_error=worst)
 

@@ -130,7 +130,7 @@ def test_a_zero_and_a_transposed_gradient_are_named_each():
     got["W_v"] = np.zeros_like(got["W_v"])
     got["W_o"] = got["W_o"].T.copy()
     text = _diagnose(got, inputs, cotangent)
-    assert "the gradient of W_v is zero everywhere: nothing flows there" in text
+    assert "the gradient of W_v is zero everywhere (to float noise): nothing flows there" in text
     assert "the gradient of W_o is the reference's transposed" in text
     assert "place the error in the value path (dV = P^T dO) and the output projection (dW_o); right in the " \
            "softmax's backward" in text
@@ -250,3 +250,13 @@ def test_every_gradient_but_w_o_times_one_constant_is_named_as_weights_that_cons
     assert "log-sum-exp off by -0.693" in text and "summed twice" not in text, text
     everything = {name: 2 * g for name, g in true.items()}  # W_o doubled too: no weights to blame
     assert "while W_o's is right" not in _diagnose(everything, inputs, cotangent)
+
+
+def test_a_gradient_of_float_noise_where_the_reference_is_not_zero_is_named_zero_not_a_tiny_multiple():
+    """b_v holding an always-zero gradient's float noise (b_k's, returned in its place) read "-7.568e-09 x the
+    reference's: a constant multiple" to a stranger; within its tolerance of zero it is named zero."""
+    inputs, cotangent = _call()
+    got = _true(inputs, cotangent)
+    got["b_v"] = 1e-9 * np.abs(got["b_v"]).max() * np.random.default_rng(7).standard_normal(got["b_v"].shape)
+    text = _diagnose(got, inputs, cotangent)
+    assert "the gradient of b_v is zero everywhere (to float noise)" in text and "x the reference's" not in text, text

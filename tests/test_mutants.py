@@ -259,6 +259,49 @@ def test_non_finite_output_with_ordinary_logits_too_gets_no_max_subtraction_advi
     assert "maximum" not in message, message
 
 
+class _MaskAddedThenMaxTaken(zoo.NumpyNaiveLoaded):
+    """Adds -inf to the masked scores, takes each row's maximum, then keeps the visible keys' exps with a where and
+    zeroes a row whose sum is not positive (a stranger's JAX layer): NaN + -inf is NaN, so a NaN key makes the
+    maximum NaN and the row zeros, finite and wrong; finite values leave it right."""
+
+    def masked_softmax(self, scores, allowed, additive):
+        if additive is not None:
+            scores = scores + additive.astype(self.dtype)
+        if allowed is not None:
+            scores = scores + np.where(allowed, 0, -np.inf).astype(self.dtype)
+        top = scores.max(axis=-1, keepdims=True)
+        e = np.exp(scores - top) if allowed is None else np.where(allowed, np.exp(scores - top), 0)
+        total = e.sum(axis=-1, keepdims=True)
+        return np.where(total > 0, e / np.where(total > 0, total, 1), 0)
+
+
+def test_poison_that_changes_outputs_to_finite_values_is_not_called_0_times_nan():
+    """0 * NaN in P @ V leaves NaN; finite wrong outputs under NaN keys mean the poison entered a reduction before
+    the mask, which the message says, instead of "not a leak" and the masked_poison declaration."""
+    mutant = dataclasses.replace(BY_NAME["mutant-padding-ignored"], loaded=_MaskAddedThenMaxTaken)
+    report = mha_harness.check(MutantBackend(mutant, weights=False),
+                               cases=["check_padding_mask_blocks_padded_keys"], isolate=False)
+    failed = {f.params["poison"]: f.message for f in report.failures()}
+    assert set(failed) == {"nan", "inf"}, failed
+    assert all("the changed outputs are finite" in m and "before any reduction" in m and "not a leak" not in m
+               for m in failed.values()), failed
+
+
+class _SoftmaxInHalfPrecision(zoo.NumpyNaiveLoaded):
+    def softmax(self, scores):  # the weights rounded to float16, whatever the call's dtype
+        return super().softmax(scores).astype(np.float16).astype(self.dtype)
+
+
+def test_a_float32_error_of_half_precision_size_says_so_and_a_wrong_scale_does_not():
+    mutant = dataclasses.replace(BY_NAME["mutant-padding-ignored"], loaded=_SoftmaxInHalfPrecision)
+    failures = mha_harness.check(MutantBackend(mutant, weights=False), cases=["check_output_matches_reference"],
+                                 isolate=False).failures()
+    assert failures and all("the float32 call may compute in float16 or bfloat16 somewhere" in f.message
+                            for f in failures), [f.message for f in failures][:1]
+    scale = quick_report("mutant-scale-sqrt-d-model", cases=("check_output_matches_reference",)).failures()
+    assert scale and not [f.message for f in scale if "half precision's size" in f.message]
+
+
 class _CausalKeyRangeOneShort(zoo._TiledLoaded):
     """A tiled kernel whose causal key range stops one key short of each query block's last query (a stranger's
     bound): with 16-key blocks only a query block starting at a block boundary past the last key block misses its

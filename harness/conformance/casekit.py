@@ -426,15 +426,38 @@ FLOAT32_LEVEL_FRACTION = 1e-3
 def _float32_level_hint(err: float, tol: Tolerance) -> str:
     """A message suffix when a float64 run misses its bound with an error of float32 size: within the float32 bound
     of the same call (both terms of the rule scale with the unit roundoff) and not a float64 rounding difference
-    (at least FLOAT32_LEVEL_FRACTION of that bound): somewhere it computes in float32."""
+    (at least FLOAT32_LEVEL_FRACTION of that bound): somewhere it computes in float32. A float32 run's error of half
+    precision's size gets :func:`_half_level_hint`."""
+    if tol.dtype not in ("float64", "float32"):
+        return ""
     float32_bound = tol.bound * EPS["float32"] / EPS["float64"]
-    if tol.dtype != "float64" or err > float32_bound or err < FLOAT32_LEVEL_FRACTION * float32_bound:
+    if tol.dtype == "float32" or err > float32_bound:
+        return _half_level_hint(err, tol)
+    if err < FLOAT32_LEVEL_FRACTION * float32_bound:
         return ""
     return (f"; the error is within the float32 bound ({float32_bound:.3g}): the float64 call computes in float32 "
             "somewhere (a cast of the inputs or weights, a float32 softmax; in JAX, float64 needs jax_enable_x64, "
             "which mha_harness.configure_jax() sets); compute in float64, or declare it: "
             "divergences = precision_divergences(\"float64\", \"float32\", \"why\", cases=[...]) from "
             "mha_harness.toolkit.divergences")
+
+
+def _half_level_hint(err: float, tol: Tolerance) -> str:
+    """A message suffix when a float32 (or float64) run misses its bound with an error of half precision's size:
+    within the float16 bound of the same call and at least FLOAT32_LEVEL_FRACTION of it (a float32 rounding
+    difference is about 1e-4 of it): it may compute in half precision somewhere (a stranger's JAX layer took its
+    softmax in bfloat16 and got numbers only). Which half dtype is not told: a bfloat16 softmax alone errs within
+    the float16 bound; a wrong scale or mask errs far past it. Worded as a possibility: a small bug of another kind
+    can err by as much."""
+    float16_bound = tol.bound * EPS["float16"] / EPS[tol.dtype]
+    if not FLOAT32_LEVEL_FRACTION * float16_bound <= err <= float16_bound:
+        return ""
+    return (f"; the error is of half precision's size (within the float16 bound {float16_bound:.3g}): the "
+            f"{tol.dtype} call may compute in float16 or bfloat16 somewhere (a "
+            "half-precision cast of the inputs, weights or scores, a softmax or accumulation in half precision); "
+            f"compute in {tol.dtype}, or, if the kernel does so by design, declare it: divergences = "
+            f"precision_divergences(\"{tol.dtype}\", \"bfloat16\", \"why\", cases=[...]) from "
+            "mha_harness.toolkit.divergences (the dtype it computes in)")
 
 
 def check_against_reference(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs,

@@ -172,6 +172,9 @@ def _backward_mistakes(params: AttentionParams, inputs: AttentionInputs, cotange
     yield ("the softmax's backward has no row term: dS = P * dP where dS = P * (dP - rowsum(dP * P)) belongs (the "
            "softmax differentiated as if each weight depended on its own score alone)",
            lambda: mistaken_vjp(params, inputs, cotangent, row_term=False))
+    yield ("the key and value gradients swapped: the heads' dK returned where dV belongs and dV where dK belongs (a "
+           "custom backward's results in the wrong order), each then projected as the other's",
+           lambda: mistaken_vjp(params, inputs, cotangent, kv_swapped=True))
     for row_from in ("output", "weights"):
         yield ("the backward recomputes the weights as exp(s - m) with the row maximum m where the log-sum-exp "
                "belongs (the forward saves its running maximum without + log(rowsum): the weights are not "
@@ -229,20 +232,22 @@ def _each_gradient_mistake(wrong: list[str], arrays: dict, bounds: Mapping[str, 
     that are the same thing are named together."""
     alike: dict[str, list[str]] = {}
     for name in wrong:
-        what = _one_gradient_mistake(arrays[name], bounds[name][0], params)
+        what = _one_gradient_mistake(arrays[name], bounds[name][0], params, bounds[name][1].bound)
         if what:
             alike.setdefault(what, []).append(name)
     return [(f"the gradient of {names[0]} is " if len(names) == 1 else f"the gradients of {', '.join(names)} are ")
             + what for what, names in alike.items()]
 
 
-def _one_gradient_mistake(got: np.ndarray, expected: np.ndarray, params: AttentionParams) -> str:
-    """What one wrong gradient is, when it is the reference zeroed, transposed or multiplied by a constant."""
+def _one_gradient_mistake(got: np.ndarray, expected: np.ndarray, params: AttentionParams, bound: float) -> str:
+    """What one wrong gradient is, when it is the reference zeroed (within its tolerance ``bound`` of zero: a
+    gradient that is always zero, returned in its place, holds float noise), transposed or multiplied by a
+    constant."""
     if not np.all(np.isfinite(got)):
         return ""
-    if not np.any(got) and np.any(expected):
-        return ("zero everywhere: nothing flows there (detached, stop_gradient, a no_grad block, an input that does "
-                "not require grad)")
+    if np.any(expected) and float(np.max(np.abs(got), initial=0.0)) <= bound:  # zero, or float noise around it
+        return ("zero everywhere (to float noise): nothing flows there (detached, stop_gradient, a no_grad block, an "
+                "input that does not require grad, or a gradient that is always zero returned in its place)")
     if got.ndim == 2 and got.shape[0] == got.shape[1] and _close(got, expected.T, expected):
         return "the reference's transposed (d_in x d_out where d_out x d_in belongs)"
     norm = float(np.vdot(expected, expected))

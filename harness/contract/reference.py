@@ -494,7 +494,7 @@ MASK_FIELDS = ("causal", "key_padding_mask", "attn_mask")
 
 def mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, *, row_term: bool = True,
                  recomputed_without: tuple[str, ...] = (), recompute: str = "softmax",
-                 row_from: str = "weights") -> dict[str, np.ndarray]:
+                 row_from: str = "weights", kv_swapped: bool = False) -> dict[str, np.ndarray]:
     """A known wrong backward of the correct forward, in float64, for diagnoses. ``row_term=False``: the softmax's
     backward taken as ``dS = P * dP``, its row term left out (each weight differentiated as if it depended on its
     own score alone). ``recomputed_without``: the backward recomputes the weights without these masks
@@ -504,7 +504,8 @@ def mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np
     every mask): the weights recomputed as ``exp(s - m)`` with the row maximum where the log-sum-exp belongs (a
     tiled forward that saves its running maximum without ``+ log(rowsum)``): unnormalised. ``row_from``: the row term
     as ``rowsum(dP * P)`` of the weights the backward has (``"weights"``) or as FlashAttention-2 takes it,
-    ``rowsum(dO * O)`` of the forward's output (``"output"``)."""
+    ``rowsum(dO * O)`` of the forward's output (``"output"``). ``kv_swapped``: the heads' dK returned as dV and dV
+    as dK (a custom backward's results in the wrong order), each then projected as the other's."""
     for field in recomputed_without:
         if field not in MASK_FIELDS:
             raise ValueError(f"recomputed_without: got {field!r}; accepted: {', '.join(MASK_FIELDS)}")
@@ -515,18 +516,19 @@ def mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np
     cotangent = np.asarray(cotangent)
 
     def compute():
-        grads = _mistaken_vjp(params, inputs, cotangent, row_term, tuple(recomputed_without), recompute, row_from)
+        grads = _mistaken_vjp(params, inputs, cotangent, row_term, tuple(recomputed_without), recompute, row_from,
+                              kv_swapped)
         _read_only(*grads.values())
         return grads
 
     key = _content_key("vjp-mistaken", params, inputs, cotangent, empty_rows_convention(), row_term,
-                       tuple(recomputed_without), recompute, row_from)
+                       tuple(recomputed_without), recompute, row_from, kv_swapped)
     grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
     return {name: grad.copy() for name, grad in grads.items()}
 
 
 def _mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, row_term: bool,
-                  without: tuple[str, ...], recompute: str, row_from: str) -> dict:
+                  without: tuple[str, ...], recompute: str, row_from: str, kv_swapped: bool) -> dict:
     """:func:`mistaken_vjp`'s backward, in float64."""
     c = params.config
     q, k, v, p, concat, scale, allowed = _forward_parts(params, inputs, None, "float64")
@@ -549,7 +551,7 @@ def _mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
     row = (d_o * _heads(concat, c.num_heads)).sum(axis=-1, keepdims=True) if row_from == "output" \
         else (d_p * p).sum(axis=-1, keepdims=True)
     return _vjp_from_weights(params, inputs, cotangent, q, k, v, p, concat, scale, d_o, d_p,
-                             row if row_term else 0.0, lambda x: x)
+                             row if row_term else 0.0, lambda x: x, swap_kv=kv_swapped)
 
 
 def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
@@ -574,15 +576,18 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
 
 
 def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k, v, p, concat, scale, d_o, d_p,
-                      row, r) -> dict:
+                      row, r, swap_kv: bool = False) -> dict:
     """The backward from the softmax weights ``p`` and its row term ``row`` on: dV, dS = P * (dP - row), dQ, dK,
-    then through the projections to the inputs and parameters; ``r`` rounds after every stage."""
+    then through the projections to the inputs and parameters; ``r`` rounds after every stage. ``swap_kv``: the
+    heads' dK and dV exchanged before the projections (a diagnosis' wrong backward)."""
     c = params.config
     grads = {"W_o": r(np.einsum("btd,bte->de", concat, g))}
     d_v = r(p.transpose(0, 1, 3, 2) @ d_o)
     d_s = r(p * r(d_p - row))
     d_q = r(d_s @ k * scale)
     d_k = r(d_s.transpose(0, 1, 3, 2) @ q * scale)
+    if swap_kv:
+        d_k, d_v = d_v, d_k
 
     for name, d_heads, x, n in (("q", d_q, inputs.query, c.num_heads), ("k", d_k, inputs.key, c.kv_heads),
                                 ("v", d_v, inputs.value, c.kv_heads)):

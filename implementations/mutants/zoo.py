@@ -456,6 +456,10 @@ class _HandWrittenBackward(NumpyTiledLoaded):
         """The weights the backward recomputes from a key block's scores and the masks: the block's softmax."""
         return self.masked_softmax(scores, allowed, additive)
 
+    def head_gradients(self, d_q, d_k, d_v):
+        """The heads' dQ, dK and dV as the backward returns them, before the projections."""
+        return d_q, d_k, d_v
+
     def value_gradient(self, p, d_o):
         """dV of a key block: P^T @ dO."""
         return p.swapaxes(-1, -2) @ d_o
@@ -480,8 +484,8 @@ class _HandWrittenBackward(NumpyTiledLoaded):
                 d_v[..., k0:k1, :] = self.value_gradient(p, d_o).sum(axis=2, keepdims=True)
                 d_k[..., k0:k1, :] = (d_s.swapaxes(-1, -2) @ q).sum(axis=2, keepdims=True)
                 d_q += d_s @ k[..., k0:k1, :]
-            heads = {"q": d_q.reshape(b, c.num_heads, tq, c.d_head) * dt.type(self.scale()), "k": d_k[:, :, 0],
-                     "v": d_v[:, :, 0]}
+            heads = dict(zip("qkv", self.head_gradients(d_q.reshape(b, c.num_heads, tq, c.d_head)
+                                                        * dt.type(self.scale()), d_k[:, :, 0], d_v[:, :, 0])))
             grads = {"W_o": np.einsum("btd,bte->de", self.merge_heads(o.reshape(heads["q"].shape)), g)}
             for name, which in (("query", "q"), ("key", "k"), ("value", "v")):
                 d_proj = self.merge_heads(heads[which])
@@ -524,6 +528,29 @@ class GradientWeightsFromRowMax(_HandWrittenBackward):
             scores = np.where(allowed, scores, -np.inf)
         top = scores.max(axis=-1, keepdims=True)
         return np.exp(scores - np.where(np.isfinite(top), top, 0))
+
+
+class GradientKeyValueSwapped(_HandWrittenBackward):
+    """Returns the heads' dK where dV belongs and dV where dK belongs (a stranger's custom_vjp returned its results
+    in the wrong order)."""
+
+    def head_gradients(self, d_q, d_k, d_v):
+        return d_q, d_v, d_k
+
+
+class GradientNaNInRowsWithoutKeys(_HandWrittenBackward):
+    """Recomputes the weights of a row without a visible key as 0 / 0 (NaN) while the forward outputs zeros there:
+    the backward's own NaN, which reaches every key's gradient (as autodiff through a where that selects 0 over a
+    NaN branch does: the double-where trap)."""
+
+    def recompute_weights(self, scores, allowed, additive):
+        if additive is not None:
+            scores = scores + additive.astype(self.dtype)
+        if allowed is not None:
+            scores = np.where(allowed, scores, -np.inf)
+        with np.errstate(invalid="ignore"):
+            e = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            return e / e.sum(axis=-1, keepdims=True)
 
 
 class GradientRecomputedWithoutMasks(_HandWrittenBackward):
@@ -617,6 +644,12 @@ MUTANTS = (
     Mutant("mutant-gradient-weights-from-row-max", "a hand-written backward recomputes the weights as exp(s - m) with "
            "the row maximum where the log-sum-exp belongs (the forward is right)", GradientWeightsFromRowMax,
            "exp(s - m) with the row maximum", gradients=True),
+    Mutant("mutant-gradient-key-value-swapped", "a hand-written backward returns the heads' dK where dV belongs and "
+           "dV where dK belongs (a stranger's custom_vjp)", GradientKeyValueSwapped, "key and value gradients swapped",
+           gradients=True),
+    Mutant("mutant-gradient-nan-in-rows-without-keys", "a hand-written backward recomputes the weights of a row "
+           "without a visible key as 0 / 0 (NaN) while the forward outputs zeros there", GradientNaNInRowsWithoutKeys,
+           "the NaN is the backward's own", gradients=True),
     Mutant("mutant-tiled-running-max-from-zero", "a tiled kernel (16-key blocks) starts its running row maximum at 0 "
            "instead of -inf (a stranger's kernel): rows whose every score is far below 0 underflow to zeros",
            TiledRunningMaxFromZero, "far below 0"),
