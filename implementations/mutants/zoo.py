@@ -456,6 +456,12 @@ class _HandWrittenBackward(NumpyTiledLoaded):
         """The weights the backward recomputes from a key block's scores and the masks: the block's softmax."""
         return self.masked_softmax(scores, allowed, additive)
 
+    def masked_scores(self, scores, allowed, additive):
+        """A key block's scores with the additive mask added and the keys it may not see at -inf (a new array)."""
+        if additive is not None:
+            scores = scores + additive.astype(self.dtype)
+        return scores if allowed is None else np.where(allowed, scores, -np.inf)
+
     def head_gradients(self, d_q, d_k, d_v):
         """The heads' dQ, dK and dV as the backward returns them, before the projections."""
         return d_q, d_k, d_v
@@ -522,10 +528,7 @@ class GradientWeightsFromRowMax(_HandWrittenBackward):
     its running maximum without + log(rowsum)): unnormalised, each row's weights sum to its rowsum."""
 
     def recompute_weights(self, scores, allowed, additive):
-        if additive is not None:
-            scores = scores + additive.astype(self.dtype)
-        if allowed is not None:
-            scores = np.where(allowed, scores, -np.inf)
+        scores = self.masked_scores(scores, allowed, additive)
         top = scores.max(axis=-1, keepdims=True)
         return np.exp(scores - np.where(np.isfinite(top), top, 0))
 
@@ -544,10 +547,7 @@ class GradientNaNInRowsWithoutKeys(_HandWrittenBackward):
     NaN branch does: the double-where trap)."""
 
     def recompute_weights(self, scores, allowed, additive):
-        if additive is not None:
-            scores = scores + additive.astype(self.dtype)
-        if allowed is not None:
-            scores = np.where(allowed, scores, -np.inf)
+        scores = self.masked_scores(scores, allowed, additive)
         with np.errstate(invalid="ignore"):
             e = np.exp(scores - scores.max(axis=-1, keepdims=True))
             return e / e.sum(axis=-1, keepdims=True)
