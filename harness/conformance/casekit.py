@@ -426,8 +426,8 @@ FLOAT32_LEVEL_FRACTION = 1e-3
 def _float32_level_hint(err: float, tol: Tolerance) -> str:
     """A message suffix when a float64 run misses its bound with an error of float32 size: within the float32 bound
     of the same call (both terms of the rule scale with the unit roundoff) and not a float64 rounding difference
-    (at least FLOAT32_LEVEL_FRACTION of that bound): somewhere it computes in float32. A float32 run's error of half
-    precision's size gets :func:`_half_level_hint`."""
+    (at least FLOAT32_LEVEL_FRACTION of that bound): somewhere it computes in float32. A float32 run's error, or a
+    float64 run's past the float32 bound, of half precision's size gets :func:`_half_level_hint`."""
     if tol.dtype not in ("float64", "float32"):
         return ""
     float32_bound = tol.bound * EPS["float32"] / EPS["float64"]

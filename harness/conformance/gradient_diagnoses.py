@@ -1,12 +1,12 @@
-"""What a failed backward computes, in words: a backward that never reaches the parameters, input gradients in
-another form's convention than the declared one, which gradients are wrong and which are right (so where in the
-backward the error lies: the softmax's backward, the value path or the output projection), a gradient that is zero,
-transposed or a constant multiple of the true one (the score scale left out or applied twice, the sign flipped),
-the softmax's backward without its row term, weights recomputed as exp(s - m) without the log of the row sum, or a
-constant times the forward's (W_o's gradient right), and a backward that ignores a mask the forward applies (the
-causal mask, the key padding mask, the attn_mask; in the whole backward, or only where it recomputes the weights, as
-a softmax or as FlashAttention-2's exp(s - lse)). Computed in NumPy from the float64 reference; a mistake is named
-only where its gradients are at most 1/20 as far from the backend's as the true ones are (a bug that merely
+"""What a failed backward computes, in words: a backward that never reaches the parameters, input gradients in another
+form's convention than the declared one, which gradients are wrong and which are right (so where in the backward the
+error lies: the softmax's backward, the value path or the output projection), a gradient that is zero, transposed or
+a constant multiple of the true one (the score scale left out or applied twice, the sign flipped), the softmax's
+backward without its row term, weights recomputed as exp(s - m) without the log of the row sum, or a constant times
+the forward's (W_o's gradient right), the heads' dK and dV swapped, and a backward that ignores a mask the forward
+applies (the causal mask, the key padding mask, the attn_mask; in the whole backward, or only where it recomputes the
+weights, as a softmax or as FlashAttention-2's exp(s - lse)). Computed in NumPy from the float64 reference; a mistake
+is named only where its gradients are at most 1/20 as far from the backend's as the true ones are (a bug that merely
 resembles one, such as a row term summed over the wrong axis, is not named after it)."""
 from __future__ import annotations
 
