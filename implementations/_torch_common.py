@@ -169,13 +169,14 @@ class TorchLoaded(LoadedAttention):
         grad = torch.ones((inputs.batch, inputs.tq, self.config.d_model), dtype=self.dtype, device=device)
 
         def run_backward():
-            for leaf in leaves:  # as an optimizer's zero_grad(set_to_none=True) before each step
-                leaf.grad = None
             out, _ = self.forward_tensors(q, k, v, inputs, False)
             out.backward(grad)
             synchronize(device)
-            return {"query": q.grad, "key": k.grad, "value": v.grad,
-                    **{name: t.grad for name, (t, _) in params.items()}}
+            grads = {"query": q.grad, "key": k.grad, "value": v.grad,
+                     **{name: t.grad for name, (t, _) in params.items()}}
+            for leaf in leaves:  # the caller holds them alone, as after zero_grad(set_to_none=True): the next call
+                leaf.grad = None  # starts with none resident, so its peak memory counts the gradients it makes
+            return grads
         return run_backward
 
 
