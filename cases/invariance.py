@@ -198,8 +198,7 @@ def _wrong_with_ordinary_logits(backend, ordinary, inputs, dtype, real, failure:
     kernel NaN after a fully masked key block was sent to the other cases, none of which pad a whole block).
     Returns when the ordinary call is right."""
     try:
-        plain, _, plain_expected, plain_tol = _output_on_rows(backend, ordinary, inputs, dtype, real)
-        assert_close(plain, plain_expected, plain_tol, "output with ordinary logits")
+        _assert_right_on_rows(backend, ordinary, inputs, dtype, real, "output with ordinary logits")
     except CaseFailure as wrong_anyway:  # wrong without large logits too: another bug, which other cases name
         also = (f"{failure}; the output is also wrong with ordinary logits (largest {ORDINARY_LOGIT:g}: "
                 f"{wrong_anyway})")
@@ -219,12 +218,18 @@ def _right_with_one_padded_key(backend, ordinary, inputs, dtype) -> bool:
     one[:, 0] = True
     call = inputs.replace(key_padding_mask=one)
     try:
-        got, _, expected, tol = _output_on_rows(backend, ordinary, call, dtype,
-                                                ~one[0] if call.tq == one.shape[1] else None)
-        assert_close(got, expected, tol, "output with one padded key")
+        _assert_right_on_rows(backend, ordinary, call, dtype, ~one[0] if call.tq == one.shape[1] else None,
+                              "output with one padded key")
     except CaseFailure:
         return False
     return True
+
+
+def _assert_right_on_rows(backend, params, inputs, dtype, real, what: str) -> None:
+    """Fail (CaseFailure, described as ``what``) unless one call's output equals the reference on its ``real`` query
+    rows (all when None), within the tolerance rule: the large-logits case's control calls."""
+    got, _, expected, tol = _output_on_rows(backend, params, inputs, dtype, real)
+    assert_close(got, expected, tol, what)
 
 
 def _output_on_rows(backend, params, inputs, dtype, real=None):

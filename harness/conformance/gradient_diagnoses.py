@@ -47,10 +47,9 @@ def gradient_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs
     :func:`gradient_mistake`'s lists, placement and named mistake, whose summary is the named mistake alone (else
     the placement; the lists alone name nothing, so no summary). ``forward_wrong()``, asked only when some gradient
     is wrong: a sentence when the same call's forward output is wrong too (else ""): the lists are kept, and that
-    sentence replaces the
-    placement and the named backward mistake, which presuppose a right forward (a forward that reads its mask
-    inverted gives gradients that resemble a backward ignoring the mask); no summary then, since the forward's own
-    cases name what it got wrong."""
+    sentence replaces the placement and the named backward mistake, which presuppose a right forward (a forward that
+    reads its mask inverted gives gradients that resemble a backward ignoring the mask); no summary then, since the
+    forward's own cases name what it got wrong."""
     early = frozen_parameters_hint(got, params) or form_mixup(got, reference_vjp(params, inputs, cotangent), form)
     if early:
         return early, early.removeprefix("; ")
@@ -207,16 +206,9 @@ def _weights_multiple(wrong: list[str], right: list[str], arrays: dict, bounds: 
     "twice the gradient (summed twice)", which W_o's right gradient rules out). Empty otherwise."""
     if "W_o" not in right or "W_v" not in wrong:
         return []
-    factors = []
-    for name in wrong:
-        got, expected = arrays[name], bounds[name][0]
-        norm = float(np.vdot(expected, expected))
-        if norm == 0.0 or not np.all(np.isfinite(got)):
-            return []
-        factor = float(np.vdot(got, expected)) / norm
-        if not _close(got, factor * expected, expected):
-            return []
-        factors.append(factor)
+    factors = [_constant_multiple(arrays[name], bounds[name][0]) for name in wrong]
+    if None in factors:
+        return []
     c = factors[0]
     if c <= 0 or not np.allclose(factors, c, rtol=1e-2):
         return []
@@ -250,13 +242,18 @@ def _one_gradient_mistake(got: np.ndarray, expected: np.ndarray, params: Attenti
                 "input that does not require grad, or a gradient that is always zero returned in its place)")
     if got.ndim == 2 and got.shape[0] == got.shape[1] and _close(got, expected.T, expected):
         return "the reference's transposed (d_in x d_out where d_out x d_in belongs)"
+    factor = _constant_multiple(got, expected)
+    return "" if factor is None else _multiple_named(factor, params)
+
+
+def _constant_multiple(got: np.ndarray, expected: np.ndarray) -> float | None:
+    """The constant c for which ``got`` is c times ``expected`` (the least-squares c, :func:`_close` to it), or None:
+    a zero reference, a gradient not finite, or no such c."""
     norm = float(np.vdot(expected, expected))
-    if norm == 0.0:
-        return ""
+    if norm == 0.0 or not np.all(np.isfinite(got)):
+        return None
     factor = float(np.vdot(got, expected)) / norm
-    if not _close(got, factor * expected, expected):
-        return ""
-    return _multiple_named(factor, params)
+    return factor if _close(got, factor * expected, expected) else None
 
 
 def _multiple_named(factor: float, params: AttentionParams) -> str:
