@@ -13,13 +13,17 @@ from mha_harness.cases._fixtures import (
     random_allowed_mask,
 )
 from mha_harness.conformance.casekit import (
+    CaseFailure,
     Measurement,
     assert_gradients_match_reference,
     case,
     require,
+    tolerance_for,
 )
+from mha_harness.conformance.gradient_diagnoses import DOUBLE_WHERE_TRAP
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_params
+from mha_harness.contract.reference import empty_rows_convention, uniform_row_scores_as
 
 #: the keys of every variant but one_x's: 65 crosses the 16-, 32- and 64-key blocks of a tiled (FlashAttention)
 #: backward, whose per-block recomputation and accumulation one block of keys would never exercise
@@ -45,19 +49,26 @@ def _gradient_variants(backend):
     attn_mask = next((k for k in ("additive_attn_mask", "bool_attn_mask") if getattr(caps, k)), None)
     masks = [k for k in ("key_padding_mask" if caps.key_padding_mask else None, attn_mask) if k]
     if masks:
-        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
-                    "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4, "mask": "+".join(masks)})
+        masked = {"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
+                  "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4, "mask": "+".join(masks)}
+        out.append(masked)
+        # the same call with one query row whose attn_mask masks every key: its backward must be zero (the
+        # double-where trap gives NaN there); same shapes and mask kinds, so no new compiled program
+        if attn_mask:
+            out.append({**masked, "empty_row": True})
     return out
 
 
 #: real keys of batch item 1 in the padding variant (item 0 has all 65): the padded ones start inside a key block
 PADDED_ITEM_KEYS = 17
+#: the query row whose attn_mask masks every key in the ``empty_row`` variant (a real query in every item)
+EMPTY_ROW = 3
 
 
-def _mask(kinds: str | None, batch: int, tq: int, tk: int) -> dict:
+def _mask(kinds: str | None, batch: int, tq: int, tk: int, empty_row: bool = False) -> dict:
     """The variant's masks as AttentionInputs fields, for each kind in ``kinds`` ('+'-joined): item 1 padded after
     PADDED_ITEM_KEYS keys; a random attn_mask (every row keeps key 0, so padding never empties a row; bool, or
-    finite biases with -inf where masked)."""
+    finite biases with -inf where masked), except row EMPTY_ROW with ``empty_row``, which it masks whole."""
     fields = {}
     for kind in (kinds or "").split("+"):
         if kind == "key_padding_mask":
@@ -65,12 +76,15 @@ def _mask(kinds: str | None, batch: int, tq: int, tk: int) -> dict:
         elif kind in ("bool_attn_mask", "additive_attn_mask"):
             allowed = random_allowed_mask(tq, tk, seed=23)
             allowed[:, 0] = True
+            if empty_row:
+                allowed[EMPTY_ROW] = False
             fields["attn_mask"] = allowed if kind == "bool_attn_mask" else additive_mask_from(allowed, seed=24)
     return fields
 
 
 @case(requires=("gradients",), variants=_gradient_variants, forms=ALL_FORMS)
-def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads, one_x=False, mask=None):
+def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads, one_x=False, mask=None,
+                                    empty_row=False):
     """Gradients of sum(output * cotangent) with respect to query, key, value and every parameter equal the
     reference's, within the tolerance rule applied to the naive backward in the same dtype. The input gradients
     follow the backend's declared form: one x (``inputs='self'``) gives d/dx, the sum over its three uses; shared
@@ -79,7 +93,10 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     gives d/dquery, d/dkey and d/dvalue, also when it is called with one x (``one_x``, as the grid and search call
     it). With ``mask`` (padding and the attn_mask kind declared, in one call) the backward applies them as the
     forward does: padded and masked keys get exactly the reference's gradient (zero where nothing reaches them);
-    the cotangent is zero at padded query positions (Tq = Tk), whose outputs are unspecified."""
+    the cotangent is zero at padded query positions (Tq = Tk), whose outputs are unspecified. With ``empty_row`` the
+    attn_mask also masks every key of query row EMPTY_ROW, whose output is zeros before W_o (b_o): nothing flows
+    back through it but b_o's share, and no gradient is NaN (a layer whose empty rows output the uniform average of
+    V or NaN declares it, and the declaration covers this variant)."""
     config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias)
     params = make_params(config, seed=21)
     form = "self" if one_x else form
@@ -94,7 +111,7 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     tk = GRADIENT_KEYS if cross else tq
     inputs = form_inputs(form, config, 2, tq, tk, seed=21,
                          causal=(backend.capabilities.causal_alignments[0] if causal else None),
-                         **_mask(mask, 2, tq, tk))
+                         **_mask(mask, 2, tq, tk, empty_row))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     cotangent = np.random.default_rng(22).standard_normal((2, tq, 32))
     if inputs.key_padding_mask is not None and tq == tk:
@@ -104,7 +121,73 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     declared = backend.capabilities.inputs  # the gradients come per argument of the module's own call
     # a failure names what the backward got wrong (harness/conformance/gradient_diagnoses.py), or that the call's
     # forward is wrong too (run on a failure only)
-    worst = assert_gradients_match_reference(got, params, inputs, cotangent, dtype, declared,
-                                             forward=lambda: loaded.forward(inputs).output)
+    forward = lambda: loaded.forward(inputs).output  # noqa: E731 - run on a failure only
+    # the strict run of a backend that declares another empty-row output fails, and its declaration is verified
+    # next: no diagnosis (its forward call would compile one more program per JAX backend for nothing)
+    diagnose = not (empty_row and empty_rows_convention() == "zeros" and _declares_empty_rows(backend))
+    try:
+        worst = assert_gradients_match_reference(got, params, inputs, cotangent, dtype, declared, forward=forward,
+                                                 diagnose=diagnose)
+    except CaseFailure as failure:
+        if not empty_row or not diagnose:
+            raise
+        if empty_rows_convention() == "uniform_average":
+            # uniform weights from a finite additive minimum: the scores are shifted, not replaced, and the backward
+            # still differentiates them (the reference first holds them constant, as a where does)
+            with uniform_row_scores_as("shifted"):
+                try:
+                    worst = assert_gradients_match_reference(got, params, inputs, cotangent, dtype, declared)
+                    return Measurement(max_error=worst, observed=SHIFTED_SCORES)
+                except CaseFailure:
+                    pass
+        raise failure.with_hint(*_empty_row_hint(got, forward, params, inputs, dtype, cotangent)) from None
     return Measurement(max_error=worst)
+
+
+#: what the ``empty_row`` variant observed when the uniform-average backward differentiates the row's scores
+SHIFTED_SCORES = "uniform average of V, the scores shifted by a finite minimum (still differentiated)"
+
+
+def _declares_empty_rows(backend) -> bool:
+    """Whether the backend declares a ``fully_masked_rows`` divergence that covers the ``empty_row`` variant."""
+    return any(d.behaviour.startswith("fully_masked_rows:")
+               and d.matches("check_gradients_match_reference", {"empty_row": True})
+               for d in getattr(backend, "divergences", ()) or ())
+
+
+def _empty_row_hint(got: dict, forward, params, inputs, dtype: str, cotangent: np.ndarray) -> tuple[str, str]:
+    """(message suffix, diagnosis or "") for a failed backward of the ``empty_row`` variant, about its row without a
+    key: nothing when the same call's forward is wrong on other rows too (the failure says so: the row is not the
+    point); NaN gradients with the forward finite there are the backward's own (the double-where trap, a
+    diagnosis); otherwise what the reference expects through that row, and which declaration covers another
+    convention."""
+    try:
+        output = np.asarray(forward(), np.float64)
+        expected, tol = tolerance_for(params, inputs, dtype)
+    except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
+        return "", ""
+    others = np.any(cotangent != 0, axis=-1)  # the weighed rows (a padded query's output is unspecified) ...
+    others[:, EMPTY_ROW] = False  # ... but the empty one
+    rest = output[others] - expected[others]
+    if not np.all(np.isfinite(rest)) or np.abs(rest).max(initial=0.0) > tol.bound:
+        return "", ""
+    row = f"query row {EMPTY_ROW} sees no key (the attn_mask masks every key there)"
+    if not all(np.all(np.isfinite(np.asarray(g, np.float64))) for g in got.values()):
+        if np.all(np.isfinite(output[:, EMPTY_ROW])):
+            hint = f"{row} and the forward's output there is finite: the NaN is the backward's own. {DOUBLE_WHERE_TRAP}"
+            return f"; {hint}", hint
+        return (f"; {row} and the forward's output there is not finite: NaN there spreads through the backward into "
+                "every gradient; if that is the layer's convention, nan_fully_masked_divergences covers this variant "
+                "too" + ("" if empty_rows_convention() == "zeros" else " (it is declared: the backward is NaN "
+                         "where the reference's is not)"), "")
+    if empty_rows_convention() == "uniform_average":
+        through = ("the uniform average of V there (declared), nothing flows back to that row's scores where a "
+                   "where or masked_fill replaces them, and the softmax's backward at uniform weights reaches them "
+                   "where a finite minimum is added to them; the backward matches neither")
+    else:
+        through = ("zeros there (the output is b_o), nothing flows back through that row but b_o's share; a layer "
+                   "whose empty rows output the uniform average of V (a finite mask value) declares "
+                   "uniform_fully_masked_divergences, which covers this variant too")
+    return (f"; {row}: with {through}; the variant without the empty row (the same mask, empty_row absent) says "
+            "whether the rest of the backward is right"), ""
 

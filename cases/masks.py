@@ -33,6 +33,7 @@ from mha_harness.conformance.casekit import (
     tolerance_for,
 )
 from mha_harness.conformance.diagnoses import mask_mistake
+from mha_harness.conformance.gradient_diagnoses import DOUBLE_WHERE_TRAP
 from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.validation import causal_future_poison_allowed
 
@@ -214,11 +215,7 @@ def _nan_backward_hint(tq: int, tk: int, alignment: str, loaded=None, inputs=Non
             finite = False
         if finite:
             return (f"; rows {empty[0]}..{empty[-1]} see no key and the forward's output there is finite: the NaN is "
-                    "the backward's own. A where (masked_fill, jnp.where) that selects 0 over a branch computing "
-                    "0 / 0 or exp(-inf - -inf) still differentiates that branch, and its NaN gradient times 0 is NaN "
-                    "(the double-where trap): make the branch's input finite before the operation (divide by "
-                    "where(sum > 0, sum, 1), subtract where(isfinite(max), max, 0)), or guard the custom backward "
-                    "the same way")
+                    f"the backward's own. {DOUBLE_WHERE_TRAP}")
     return (f"; rows {empty[0]}..{empty[-1]} see no key: a layer whose rows with no key output NaN (softmax of a row "
             "of -inf) spreads NaN through its backward into every key's gradient (0 * NaN), which hides whether the "
             "mask holds there; this case checks a backward whose empty rows give zeros (torch's SDPA kernels do; "

@@ -28,12 +28,15 @@ def weighted_values(torch, weights, values):
     return torch.where(nan_hit, torch.full_like(out, math.nan), out)
 
 
-def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: int, need_weights: bool):
+def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: int, need_weights: bool,
+                attention=None):
     """The whole layer on tensors: projections, head split, masked softmax, weighted values, W_o.
 
     ``w`` maps canonical names (W_q, b_q, ...) to x @ W tensors; ``allowed`` (True = attend) and ``additive``
     are mask tensors broadcastable to (B, H, Tq, Tk) or None. A pure function of its tensors, so torch.compile
-    can trace it once per shape (torch-compile-cpu)."""
+    can trace it once per shape (torch-compile-cpu). ``attention``: the per-head core, :func:`eager_attention`
+    when None (a test swaps in another)."""
+    attention = attention or eager_attention
     def project(x, which):
         y = x @ w[f"W_{which}"]
         bias = w.get(f"b_{which}")
@@ -42,8 +45,8 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     def split(x, n):
         b, t, width = x.shape
         return x.reshape(b, t, n, width // n).transpose(1, 2)
-    out, weights = eager_attention(split(project(q, "q"), num_heads), split(project(k, "k"), kv_heads),
-                                   split(project(v, "v"), kv_heads), allowed, additive, need_weights)
+    out, weights = attention(split(project(q, "q"), num_heads), split(project(k, "k"), kv_heads),
+                             split(project(v, "v"), kv_heads), allowed, additive, need_weights)
     b, h, t, dh = out.shape
     return project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), weights
 

@@ -767,16 +767,20 @@ def gradient_mistake_hint(got: Mapping[str, np.ndarray], params: AttentionParams
 
 def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
                                      cotangent: np.ndarray, dtype: str, form: str,
-                                     forward: Callable[[], np.ndarray] | None = None) -> float:
+                                     forward: Callable[[], np.ndarray] | None = None,
+                                     diagnose: bool = True) -> float:
     """A backend's gradients ``got`` (for ``sum(output * cotangent)``, per argument of its declared input ``form``)
     against the reference under the tolerance rule
     (:func:`~mha_harness.contract.expected.gradient_tolerances`); returns the worst error, raises CaseFailure naming
     the gradient and what the backward got wrong
-    (:func:`~mha_harness.conformance.gradient_diagnoses.gradient_hint`)."""
+    (:func:`~mha_harness.conformance.gradient_diagnoses.gradient_hint`; not with ``diagnose=False``, for a strict
+    run whose failure a declared divergence will be verified on)."""
     bounds = gradient_tolerances(params, inputs, cotangent, dtype, form)
     try:
         return _assert_within(got, bounds)
     except CaseFailure as failure:
+        if not diagnose:
+            raise
         raise failure.with_hint(*_gradient_diagnosis(got, params, inputs, cotangent, dtype, form, bounds,
                                                      forward)) from None
 

@@ -29,6 +29,14 @@ _PATHS = (("the softmax's backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK f
 _MULTIPLES = {-1.0: "the sign flipped (the negative gradient returned)", 2.0: "twice the gradient (summed twice)",
               0.5: "half the gradient"}
 
+#: why a backward gives NaN in rows that see no key while its forward gives them finite zeros, and the fix (a
+#: stranger's JAX layer passed every forward case so)
+DOUBLE_WHERE_TRAP = ("A where (masked_fill, jnp.where) that selects 0 over a branch computing 0 / 0 or "
+                     "exp(-inf - -inf) still differentiates that branch, and its NaN gradient times 0 is NaN (the "
+                     "double-where trap): make the branch's input finite before the operation (divide by "
+                     "where(sum > 0, sum, 1), subtract where(isfinite(max), max, 0)), or guard the custom backward "
+                     "the same way")
+
 #: how close a known mistake's gradient must come to the backend's, relative to the true gradient's distance
 _CLOSE = 0.05
 
@@ -128,8 +136,10 @@ def gradient_mistake_parts(got: Mapping[str, np.ndarray], params: AttentionParam
 
 def _close(got: np.ndarray, candidate: np.ndarray, truth: np.ndarray) -> bool:
     """Whether a known mistake's gradient ``candidate`` is the backend's: at most :data:`_CLOSE` as far from it as
-    the true gradient is."""
-    return distance(got, candidate) <= _CLOSE * distance(got, truth)
+    the true gradient is; never when it too is infinitely far (NaN where the mistake is finite: inf <= inf would
+    name any mistake for a NaN backward)."""
+    far = distance(got, candidate)
+    return far < np.inf and far <= _CLOSE * distance(got, truth)
 
 
 def _within(actual: np.ndarray, expected: np.ndarray, tol) -> bool:

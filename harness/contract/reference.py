@@ -54,6 +54,32 @@ def empty_rows_convention() -> str:
     return _EMPTY_ROWS.get()
 
 
+#: how the backward treats the scores of a row with no visible key under the uniform-average convention: "held"
+#: (the layer replaces them with one constant, as a where or masked_fill does: nothing flows back to them) or
+#: "shifted" (it adds a finite minimum, which rounding absorbs the scores into in the forward while the backward
+#: still differentiates them: the softmax's backward at uniform weights); the two give the same forward
+UNIFORM_ROW_SCORES = ("held", "shifted")
+_UNIFORM_ROW_SCORES: contextvars.ContextVar[str] = contextvars.ContextVar("uniform_row_scores", default="held")
+
+
+@contextlib.contextmanager
+def uniform_row_scores_as(mode: str):
+    """Within this block the reference's backward treats the scores of rows with no visible key as ``mode`` says
+    (see :data:`UNIFORM_ROW_SCORES`; it matters only under the ``uniform_average`` convention)."""
+    if mode not in UNIFORM_ROW_SCORES:
+        raise ValueError(f"mode: got {mode!r}; accepted: {', '.join(UNIFORM_ROW_SCORES)}")
+    with scoped(_UNIFORM_ROW_SCORES, mode):
+        yield
+
+
+def _held_rows(allowed, shape) -> np.ndarray | None:
+    """The rows (broadcastable to ``shape[:-1] + (1,)``) whose scores the backward holds constant now: rows with no
+    visible key under the uniform-average convention with "held" scores; None when there are none to hold."""
+    if _EMPTY_ROWS.get() != "uniform_average" or _UNIFORM_ROW_SCORES.get() != "held":
+        return None
+    return ~np.broadcast_to(allowed, shape).any(axis=-1, keepdims=True)
+
+
 def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.ndarray | None = None):
     """Boolean "may attend" mask and additive bias, each broadcastable to (B, H, R, Tk)."""
     tq, tk = inputs.tq, inputs.tk
@@ -380,7 +406,8 @@ def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
         _read_only(*grads.values())
         return grads
 
-    key = _content_key("vjp", params, inputs, cotangent, dtype, empty_rows_convention(), flash, score_error_of)
+    key = _content_key("vjp", params, inputs, cotangent, dtype, empty_rows_convention(), _UNIFORM_ROW_SCORES.get(),
+                       flash, score_error_of)
     grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
     return {name: grad.copy() for name, grad in grads.items()}
 
@@ -404,7 +431,8 @@ def reference_vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, c
         _read_only(*grads.values())
         return grads
 
-    key = _content_key("vjp-magnitudes", params, inputs, cotangent, empty_rows_convention())
+    key = _content_key("vjp-magnitudes", params, inputs, cotangent, empty_rows_convention(),
+                       _UNIFORM_ROW_SCORES.get())
     grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
     return {name: grad.copy() for name, grad in grads.items()}
 
@@ -425,7 +453,7 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     q = projected("query", c.num_heads)
     k = np.repeat(projected("key", c.kv_heads), c.group, axis=1)
     v = np.repeat(projected("value", c.kv_heads), c.group, axis=1)
-    _, _, _, p, _, scale, _ = _forward_parts(params, inputs, None, "float64")
+    _, _, _, p, _, scale, allowed = _forward_parts(params, inputs, None, "float64")
     p2, scale2 = np.square(p), scale ** 2
     g = np.square(np.asarray(cotangent, np.float64))
     heads = p2 @ v
@@ -434,6 +462,9 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     grads = {"W_o": np.einsum("btd,bte->de", concat, g)}
     d_o = _heads(g @ sq["W_o"].T, c.num_heads)
     d_p = d_o @ v.transpose(0, 1, 3, 2)
+    held = _held_rows(allowed, p.shape)
+    if held is not None:
+        d_p = np.where(held, 0.0, d_p)
     d_v = p2.transpose(0, 1, 3, 2) @ d_o
     d_s = p2 * (d_p + (d_p * p2).sum(axis=-1, keepdims=True))
     d_q = d_s @ k * scale2
@@ -562,8 +593,8 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
     of ``rowsum(dP * P)`` (equal in exact arithmetic, not after rounding)."""
     c = params.config
     r = lambda x: round_to(x, dtype)  # noqa: E731
-    q, k, v, p, concat, scale, _ = _forward_parts(params, inputs, None, dtype, scale_first=flash,
-                                                  score_error_of=None if flash else score_error_of)
+    q, k, v, p, concat, scale, allowed = _forward_parts(params, inputs, None, dtype, scale_first=flash,
+                                                        score_error_of=None if flash else score_error_of)
     g = r(cotangent)
     d_o = _heads(r(g @ r(params.W_o).T), c.num_heads)
     d_p = r(d_o @ v.transpose(0, 1, 3, 2))
@@ -572,6 +603,9 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
         row = r(r(d_o * _heads(concat, c.num_heads)).sum(axis=-1, keepdims=True))
     else:
         row = r((d_p * p).sum(axis=-1, keepdims=True))
+    held = _held_rows(allowed, p.shape)
+    if held is not None:  # dS = P * (dP - row) = 0 on rows whose scores the layer replaced by a constant
+        d_p, row = np.where(held, 0.0, d_p), np.where(held, 0.0, row)
     return _vjp_from_weights(params, inputs, g, q, k, v, p, concat, scale, d_o, d_p, row, r)
 
 

@@ -22,6 +22,8 @@ POISON_CASES = ("check_causal_mask_blocks_future_keys", "check_padding_mask_bloc
 FULLY_MASKED_CASE = "check_fully_masked_rows_output_zeros"
 #: the causal-reference variant with query rows that see no key (bottom-right alignment, Tq > Tk)
 EMPTY_CAUSAL_ROWS = ("check_causal_output_matches_reference", {"variant": "rows_without_visible_keys"})
+#: the gradient variant with a query row whose attn_mask masks every key
+EMPTY_ROW_GRADIENTS = ("check_gradients_match_reference", {"empty_row": True})
 
 
 def masked_poison_divergences(reason: str, cases: Iterable[str] = POISON_CASES) -> tuple[Divergence, ...]:
@@ -34,7 +36,8 @@ def masked_poison_divergences(reason: str, cases: Iterable[str] = POISON_CASES) 
 
 
 def _fully_masked(value: str, reason: str, with_empty_causal_rows: bool) -> tuple[Divergence, ...]:
-    out = (Divergence(FULLY_MASKED_CASE, f"fully_masked_rows:{value}", reason),)
+    out = (Divergence(FULLY_MASKED_CASE, f"fully_masked_rows:{value}", reason),
+           Divergence(EMPTY_ROW_GRADIENTS[0], f"fully_masked_rows:{value}", reason, when=dict(EMPTY_ROW_GRADIENTS[1])))
     if with_empty_causal_rows:
         case, when = EMPTY_CAUSAL_ROWS
         out += (Divergence(case, f"fully_masked_rows:{value}", reason, when=dict(when)),)
@@ -43,12 +46,15 @@ def _fully_masked(value: str, reason: str, with_empty_causal_rows: bool) -> tupl
 
 def uniform_fully_masked_divergences(reason: str, *, with_empty_causal_rows: bool = True) -> tuple[Divergence, ...]:
     """Rows with every key masked output the uniform average of V (a finite mask value instead of -inf), also
-    the bottom-right causal rows that see no key when Tq > Tk (``with_empty_causal_rows``)."""
+    the bottom-right causal rows that see no key when Tq > Tk (``with_empty_causal_rows``); the backward through
+    such a row (the gradient case's ``empty_row`` variant) follows the same convention."""
     return _fully_masked("uniform_average", reason, with_empty_causal_rows)
 
 
 def nan_fully_masked_divergences(reason: str, *, with_empty_causal_rows: bool = True) -> tuple[Divergence, ...]:
-    """Rows with every key masked output NaN (softmax of a row of -inf: 0 / 0)."""
+    """Rows with every key masked output NaN (softmax of a row of -inf: 0 / 0), also the bottom-right causal rows
+    that see no key when Tq > Tk (``with_empty_causal_rows``); the backward through such a row (the gradient case's
+    ``empty_row`` variant) is NaN the same way."""
     return _fully_masked("nan", reason, with_empty_causal_rows)
 
 

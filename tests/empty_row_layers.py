@@ -1,0 +1,96 @@
+"""Torch layers that differ only in what a query row with every key masked does: the ways attention written today
+handles it. ``Held``: the masked scores replaced by the dtype's most negative value (masked_fill, as flax and
+jax.nn.dot_product_attention do): uniform weights, nothing flows back to that row's scores. ``Shifted``: that value
+added to the scores (Hugging Face's additive masks): uniform weights in the forward, where rounding absorbs the
+scores, while the backward still differentiates them. ``DoubleWhere``: -inf added as a float mask, then NaN weights
+replaced by zeros after the softmax: zeros in the forward, NaN in the backward (the double-where trap); ``NaNRows``
+keeps the NaN (and declares it). ``Held`` and ``Shifted`` declare the uniform average; ``HeldUndeclared`` is
+``Held`` without the declaration, ``HeldUnscaled`` that without the 1/sqrt(d_head) score scale as well (wrong on
+every row)."""
+from __future__ import annotations
+
+import functools
+import math
+
+from mha_harness.implementations.torch_eager import TorchEager, TorchEagerLoaded, eager_layer, weighted_values
+from mha_harness.toolkit.divergences import nan_fully_masked_divergences, uniform_fully_masked_divergences
+
+
+def _masks(torch, scores, allowed, additive):
+    """The scores with the additive mask's finite biases added, and where a key may be seen (both masks)."""
+    visible = torch.ones_like(scores, dtype=torch.bool)
+    if additive is not None:
+        finite = torch.isfinite(additive)
+        scores = scores + torch.where(finite, additive, torch.zeros_like(additive))
+        visible = visible & finite
+    if allowed is not None:
+        visible = visible & allowed
+    return scores, visible
+
+
+def _attention(mode: str, scaled: bool = True):
+    def attention(qh, kh, vh, allowed, additive, need_weights):
+        import torch
+        group = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+        scale = math.sqrt(qh.shape[-1]) if scaled else 1.0
+        scores, visible = _masks(torch, (qh @ kh.transpose(-1, -2)) / scale, allowed, additive)
+        if mode == "held":
+            weights = torch.softmax(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), dim=-1)
+        elif mode == "shifted":
+            bias = torch.zeros_like(scores).masked_fill(~visible, torch.finfo(scores.dtype).min)
+            weights = torch.softmax(scores + bias, dim=-1)
+        else:  # a float mask of -inf added: the softmax of a row of -inf is NaN (kept, or replaced by zeros after it
+            # in the double where; a masked_fill's backward would have zeroed the NaN)
+            bias = torch.zeros_like(scores).masked_fill(~visible, -math.inf)
+            weights = torch.softmax(scores + bias, dim=-1)
+            if mode == "double_where":
+                weights = torch.where(torch.isnan(weights), torch.zeros_like(weights), weights)
+        return weighted_values(torch, weights, vh), weights if need_weights else None
+    return attention
+
+
+class _Loaded(TorchEagerLoaded):
+    """torch-eager's layer with the backend's attention (its ``mode`` and ``scaled``)."""
+
+    def __init__(self, backend, params, dtype):
+        super().__init__(backend, params, dtype)
+        self.layer = functools.partial(eager_layer, attention=_attention(backend.mode, backend.scaled))
+
+
+class _Variant(TorchEager):
+    mode, scaled, divergences = "held", True, ()
+
+    def __init__(self):
+        super().__init__()
+        self.name = f"empty-row-{type(self).__name__.lower()}"
+
+    def load_native(self, params, dtype):
+        return _Loaded(self, params, dtype)
+
+
+_UNIFORM = uniform_fully_masked_divergences("the layer masks with the dtype's most negative finite value")
+
+
+class Held(_Variant):
+    divergences = _UNIFORM
+
+
+class HeldUndeclared(_Variant):
+    pass
+
+
+class HeldUnscaled(_Variant):
+    scaled = False
+
+
+class Shifted(_Variant):
+    mode, divergences = "shifted", _UNIFORM
+
+
+class DoubleWhere(_Variant):
+    mode = "double_where"
+
+
+class NaNRows(_Variant):
+    mode, divergences = "nan", nan_fully_masked_divergences("the softmax of a row of -inf is 0 / 0")

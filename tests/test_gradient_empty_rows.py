@@ -1,0 +1,106 @@
+"""A query row whose attn_mask masks every key is in the gradient case (its ``empty_row`` variant), so a backward
+that is NaN there while the forward gives zeros (the double-where trap) fails for every layer with an attn_mask,
+not only for those with bottom-right causal rows; a uniform-average declaration covers the variant, whether the
+layer replaces the row's scores (nothing flows back to them) or adds a finite minimum to them (its backward still
+differentiates them), and a NaN backward is never named after a finite known mistake."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mha_harness
+from mha_harness.cases._fixtures import form_inputs
+from mha_harness.cases.gradients import EMPTY_ROW, _mask
+from mha_harness.conformance.casekit import all_cases
+from mha_harness.contract.api import AttentionConfig
+from mha_harness.contract.params import make_params
+from mha_harness.contract.reference import empty_rows_as, reference_vjp, uniform_row_scores_as
+from mha_harness.implementations.mutants import MUTANTS
+from mha_harness.implementations.mutants.zoo import MutantBackend
+from tests.empty_row_layers import DoubleWhere, Held, HeldUndeclared, HeldUnscaled, NaNRows, Shifted
+
+CASE = "check_gradients_match_reference"
+
+
+def _empty_row_result(backend):
+    report = mha_harness.check(backend, cases=[CASE])
+    rows = [r for r in report.results if r.params.get("empty_row")]
+    assert len(rows) == 1, [r.variant for r in report.results]
+    others = [r for r in report.results if not r.params.get("empty_row") and r.status not in ("passed", "skipped")]
+    return rows[0], others
+
+
+def test_the_empty_row_variant_has_the_masked_variants_shapes_and_masks():
+    """It adds no compiled program to a backend that compiles per shape and mask kind: only the mask's values
+    differ from the masked variant's."""
+    backend = MutantBackend(MUTANTS[0], weights=False)
+    variants = [v for v in all_cases()[CASE].variants_for(backend) if v.get("mask")]
+    plain, empty = [v for v in variants if not v.get("empty_row")], [v for v in variants if v.get("empty_row")]
+    assert len(plain) == 1 and len(empty) == 1
+    assert {k: v for k, v in empty[0].items() if k != "empty_row"} == plain[0]
+    fields = _mask(plain[0]["mask"], 2, 65, 65, empty_row=True)
+    masked = fields["attn_mask"][EMPTY_ROW]
+    assert np.all(~masked if masked.dtype == bool else masked == -np.inf)
+
+
+def test_a_backward_nan_in_a_row_without_keys_fails_and_is_named_the_double_where_trap():
+    result, others = _empty_row_result(DoubleWhere())
+    assert result.status == "failed"
+    assert "the NaN is the backward's own" in result.message and "double-where trap" in result.message
+    assert "no row term" not in result.message  # a NaN backward is not named after a finite mistake
+    assert not others, [(r.variant, r.message[:100]) for r in others]  # the rest of its backward is right
+
+
+def test_the_zoo_mutant_with_nan_in_rows_without_keys_fails_the_empty_row_variant():
+    mutant = next(m for m in MUTANTS if m.name == "mutant-gradient-nan-in-rows-without-keys")
+    result, _ = _empty_row_result(MutantBackend(mutant, weights=False))
+    assert result.status == "failed" and "the NaN is the backward's own" in result.message
+
+
+@pytest.mark.parametrize("layer", [Held, Shifted], ids=["scores-replaced", "finite-minimum-added"])
+def test_a_declared_uniform_average_covers_the_empty_row_whether_the_scores_are_replaced_or_shifted(layer):
+    result, others = _empty_row_result(layer())
+    assert result.status == "expected-divergence", result.message
+    assert not others, [(r.variant, r.message[:100]) for r in others]
+
+
+def test_a_declared_nan_convention_covers_the_empty_row_whose_nan_reaches_every_gradient():
+    result, others = _empty_row_result(NaNRows())
+    assert result.status == "expected-divergence", result.message
+    assert not others, [(r.variant, r.message[:100]) for r in others]
+
+
+def test_a_uniform_average_without_its_declaration_fails_naming_the_declaration():
+    result, _ = _empty_row_result(HeldUndeclared())
+    assert result.status == "failed"
+    assert f"query row {EMPTY_ROW} sees no key" in result.message
+    assert "uniform_fully_masked_divergences" in result.message
+
+
+def test_the_uniform_reference_holds_or_differentiates_the_empty_rows_scores():
+    """Under the uniform-average convention the empty row's query gets no gradient when its scores are held
+    (replaced) and the softmax's backward at uniform weights when they are shifted; the values' gradients agree."""
+    config = AttentionConfig(16, 2, bias=False)
+    params = make_params(config, seed=3)
+    inputs = form_inputs("separate", config, 1, 6, 6, seed=3, **_mask("bool_attn_mask", 1, 6, 6, empty_row=True))
+    cotangent = np.random.default_rng(4).standard_normal((1, 6, 16))
+    with empty_rows_as("uniform_average"):
+        held = reference_vjp(params, inputs, cotangent)
+        with uniform_row_scores_as("shifted"):
+            shifted = reference_vjp(params, inputs, cotangent)
+    zeros = reference_vjp(params, inputs, cotangent)
+    query_part = held["query"][0, EMPTY_ROW]
+    assert np.allclose(query_part, 0.0) and np.allclose(zeros["query"][0, EMPTY_ROW], 0.0)
+    assert np.abs(shifted["query"][0, EMPTY_ROW]).max() > 1e-3
+    assert np.allclose(held["value"], shifted["value"]) and not np.allclose(held["value"], zeros["value"])
+    with pytest.raises(ValueError, match="mode: got 'kept'; accepted: held, shifted"):
+        with uniform_row_scores_as("kept"):
+            pass
+
+
+def test_a_layer_wrong_on_every_row_gets_no_word_about_the_empty_row():
+    """The row without a key is not the point when the forward is wrong elsewhere too (an outside user's rotary
+    bug got the empty row's sentence as its summary's diagnosis)."""
+    result, _ = _empty_row_result(HeldUnscaled())
+    assert result.status == "failed"
+    assert "sees no key" not in result.message and "sees no key" not in (result.extra.get("diagnosis") or "")
