@@ -34,7 +34,7 @@ from mha_harness.conformance.casekit import (
 )
 from mha_harness.conformance.diagnoses import mask_mistake
 from mha_harness.conformance.gradient_diagnoses import DOUBLE_WHERE_TRAP
-from mha_harness.contract.reference import reference_attention
+from mha_harness.contract.reference import empty_rows_as, reference_attention
 from mha_harness.contract.validation import causal_future_poison_allowed
 
 #: the other reading of NaN in rows without a key: a layer that means zeros there, where NaN comes from a mistake
@@ -370,6 +370,16 @@ def _other_rows_detail(got: np.ndarray, zeros: np.ndarray, uniform: np.ndarray, 
     if np.allclose(got, unmasked[rows], rtol=0, atol=unmasked_tol.bound):
         return (f" (up to {far:.3g} from the zero rows; they equal the same rows with no mask: every key is seen, "
                 "so the mask is not applied to them, or is read with the opposite polarity)")
+    if inputs.causal is not None:
+        # zero queries (and no b_q) make every score 0: the uniform average of the keys the causal mask leaves
+        flat = params if params.b_q is None else params.replace(b_q=np.zeros_like(params.b_q))
+        visible, visible_tol = tolerance_for(flat, inputs.replace(key_padding_mask=None, attn_mask=None,
+                                                                  query=np.zeros_like(inputs.query)), dtype)
+        if np.allclose(got, visible[rows], rtol=0, atol=visible_tol.bound):
+            return (f" (the uniform average of the keys the {inputs.causal} causal mask leaves, up to "
+                    f"{from_uniform:.3g} from that of every key: the padding or attn_mask is a finite minimum while "
+                    "the causal mask is -inf; the uniform-average convention averages every key, as one finite "
+                    "minimum for both masks gives, so no declaration covers this: mask both alike)")
     return (f" (neither zeros, NaN nor the uniform average of V: up to {far:.3g} from the zero rows and "
             f"{from_uniform:.3g} from the uniform average of V, whose {dtype} bound is {uniform_bound:.3g}, and not "
             "the unmasked rows either)")
@@ -412,10 +422,10 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_pad
     got = run(backend, params, inputs, dtype).output
     expected = reference_attention(params, inputs, empty_rows="zeros").output
     _, zero_tol = tolerance_for(params, inputs, dtype)
-    # uniform weights over every key: zero queries (and no b_q) make every score 0, with no mask
-    flat = params if params.b_q is None else params.replace(b_q=np.zeros_like(params.b_q))
-    uniform, uniform_tol = tolerance_for(flat, inputs.replace(key_padding_mask=None, attn_mask=None,
-                                                              query=np.zeros_like(inputs.query)), dtype)
+    # the uniform average over every key, as the reference's convention defines it: also for an always-causal layer,
+    # whose finite minimum (Hugging Face's and flax's masks) masks causal and padded keys alike
+    with empty_rows_as("uniform_average"):
+        uniform, uniform_tol = tolerance_for(params, inputs, dtype)
     observed = classify_fully_masked_rows(got[rows], expected[rows], uniform[rows], zero_tol.bound, uniform_tol.bound)
     wanted = expected_fully_masked_rows()  # zeros, or the backend's declared alternative while it is verified
     if observed != wanted:

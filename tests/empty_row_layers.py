@@ -9,6 +9,7 @@ keeps the NaN (and declares it). ``Held`` and ``Shifted`` declare the uniform av
 every row)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -78,6 +79,13 @@ class Held(_Variant):
 
 class HeldUndeclared(_Variant):
     pass
+
+
+class HeldAlwaysCausal(_Variant):
+    """``Held`` as an always top-left causal layer: its one finite minimum masks future and padded keys alike, so a
+    row with every key padded averages every key, future ones too (Hugging Face's eager Llama does so)."""
+    divergences = _UNIFORM
+    capabilities = dataclasses.replace(TorchEager.capabilities, always_causal=True, causal_alignments=("top-left",))
 
 
 class HeldUnscaled(_Variant):

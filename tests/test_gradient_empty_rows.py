@@ -17,7 +17,7 @@ from mha_harness.contract.params import make_params
 from mha_harness.contract.reference import empty_rows_as, reference_vjp, uniform_row_scores_as
 from mha_harness.implementations.mutants import MUTANTS
 from mha_harness.implementations.mutants.zoo import MutantBackend
-from tests.empty_row_layers import DoubleWhere, Held, HeldUndeclared, HeldUnscaled, NaNRows, Shifted
+from tests.empty_row_layers import DoubleWhere, Held, HeldAlwaysCausal, HeldUndeclared, HeldUnscaled, NaNRows, Shifted
 
 CASE = "check_gradients_match_reference"
 
@@ -104,3 +104,12 @@ def test_a_layer_wrong_on_every_row_gets_no_word_about_the_empty_row():
     result, _ = _empty_row_result(HeldUnscaled())
     assert result.status == "failed"
     assert "sees no key" not in result.message and "sees no key" not in (result.extra.get("diagnosis") or "")
+
+
+def test_an_always_causal_layer_averaging_every_key_of_a_fully_masked_row_is_the_uniform_convention():
+    """The fully-masked case classifies rows by the reference's convention, the average of every key: an
+    always-causal layer whose finite minimum masks future and padded keys alike is verified under its declaration
+    (an outside user's Hugging Face eager Llama read "observed other" when the case averaged the causal keys only)."""
+    report = mha_harness.check(HeldAlwaysCausal(), cases=["check_fully_masked_rows_output_zeros"])
+    assert report.results and all(r.status == "expected-divergence" for r in report.results), \
+        [(r.variant, r.status, r.message[:200]) for r in report.results]
