@@ -1,8 +1,10 @@
-"""A query row whose attn_mask masks every key is in the gradient case (its ``empty_row`` variant), so a backward
-that is NaN there while the forward gives zeros (the double-where trap) fails for every layer with an attn_mask,
-not only for those with bottom-right causal rows; a uniform-average declaration covers the variant, whether the
-layer replaces the row's scores (nothing flows back to them) or adds a finite minimum to them (its backward still
-differentiates them), and a NaN backward is never named after a finite known mistake."""
+"""Rows that see no key. The gradient case has one (its ``empty_row`` variant: a query row whose attn_mask masks
+every key), so a backward that is NaN there while the forward gives zeros (the double-where trap) fails for every
+layer with an attn_mask, not only for those with bottom-right causal rows; a uniform-average declaration covers the
+variant, whether the layer replaces the row's scores (nothing flows back to them) or adds a finite minimum to them
+(its backward still differentiates them), and a NaN backward is never named after a finite known mistake. The
+fully-masked case reads the uniform average as the reference defines it (every key, also for an always-causal
+layer), and the attn_mask cases leave an always-causal layer a visible key in every row."""
 from __future__ import annotations
 
 import numpy as np
@@ -112,4 +114,13 @@ def test_an_always_causal_layer_averaging_every_key_of_a_fully_masked_row_is_the
     (an outside user's Hugging Face eager Llama read "observed other" when the case averaged the causal keys only)."""
     report = mha_harness.check(HeldAlwaysCausal(), cases=["check_fully_masked_rows_output_zeros"])
     assert report.results and all(r.status == "expected-divergence" for r in report.results), \
+        [(r.variant, r.status, r.message[:200]) for r in report.results]
+
+
+def test_the_attn_mask_cases_leave_an_always_causal_layer_a_visible_key_in_every_row():
+    """A random attn_mask keeps one key per row, which the causal mask may hide: the cases keep key 0 too for an
+    always-causal layer, so rows without a key (the fully-masked case's subject) do not fail them."""
+    report = mha_harness.check(HeldAlwaysCausal(), cases=["check_bool_attn_mask_matches_reference",
+                                                          "check_additive_attn_mask_matches_reference"])
+    assert report.results and all(r.status == "passed" for r in report.results), \
         [(r.variant, r.status, r.message[:200]) for r in report.results]
