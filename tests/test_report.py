@@ -685,6 +685,23 @@ def test_a_masked_poison_declaration_on_a_self_form_layer_says_why_nothing_verif
                                           "variants in the self form have poison: 'random') |"), row
 
 
+def test_a_declaration_that_fails_where_it_applies_is_not_reported_as_undiverged():
+    """A stranger's layer failed "even under its declared divergence" while the divergence table said "the case did
+    not diverge here": the table now says the declaration does not hold."""
+    import mha_harness
+    from tests.empty_row_layers import NaNRows
+
+    class DeclaresUniform(NaNRows):  # its rows without a key are NaN, not the declared uniform average
+        divergences = uniform_fully_masked_divergences("declared for the test")
+
+    report = mha_harness.check(DeclaresUniform(), cases=["check_fully_masked_rows_output_zeros"])
+    failed = [r for r in report.results if r.status == "failed"]
+    assert failed and "fails even under its declared divergence" in failed[0].message
+    row = next(line for line in report.to_markdown().splitlines()
+               if "| check_fully_masked_rows_output_zeros |" in line and "uniform" in line)
+    assert "none: it does not hold: 3 variant(s) it covers fail even under it (the first: " in row, row
+
+
 def test_a_quick_run_lists_the_slow_cases_it_left_out():
     """A stranger found the T = 8192 case missing from a --quick report, not listed as left out."""
     report = mha_harness.check("numpy-naive", cases=["check_scores_scaled_by_sqrt_d_head",

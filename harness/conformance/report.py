@@ -341,8 +341,8 @@ class Report:
 
     def why_unverified(self, backend: str, declared: dict) -> str:
         """Why a declared divergence was verified on no variant here: its case did not run, no variant of the case
-        fits its ``when`` (the backend's input form or capabilities give the case none), or every variant it covers
-        was skipped (the first skip reason) or held without it."""
+        fits its ``when`` (the backend's input form or capabilities give the case none), every variant it covers
+        was skipped (the first skip reason), some failed even under it, or they held without it."""
         case, when = declared["case"], declared.get("when") or {}
         ran = [r for r in self.for_backend(backend) if r.case == case]
         if not ran:
@@ -360,6 +360,10 @@ class Report:
         skipped = [r for r in covered if r.status == Status.SKIPPED]
         if len(skipped) == len(covered):
             return f"every variant it covers was skipped ({skipped[0].message})"
+        failed = [r for r in covered if r.status == Status.FAILED]
+        if failed:  # the strict run diverged, and the declared behaviour did not hold either
+            return (f"it does not hold: {len(failed)} variant(s) it covers fail even under it (the first: "
+                    f"{failed[0].variant})")
         return "the case did not diverge here"
 
     def skip_reasons(self) -> dict[str, dict[str, tuple[int, list[str]]]]:
