@@ -231,7 +231,8 @@ def _float32_level(err: float, tol, dtype: str, case: str) -> str:
     if err > bound32:
         return ""
     return (f"; the error is within the float32 bound ({bound32:.3g}): the float64 call computes in float32 somewhere "
-            "(a cast of the inputs or weights, a float32 softmax or scale); compute in float64, or declare it: "
+            "(a cast of the inputs or weights, a float32 softmax or scale, a float32 table the layer builds itself "
+            "such as rotary cos/sin); compute in float64, or declare it: "
             f"precision_divergences(\"float64\", \"float32\", \"why\", cases=[\"{case}\"]) from "
             "mha_harness.toolkit.divergences")
 

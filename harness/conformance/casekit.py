@@ -436,8 +436,9 @@ def _float32_level_hint(err: float, tol: Tolerance) -> str:
     if err < FLOAT32_LEVEL_FRACTION * float32_bound:
         return ""
     return (f"; the error is within the float32 bound ({float32_bound:.3g}): the float64 call computes in float32 "
-            "somewhere (a cast of the inputs or weights, a float32 softmax; in JAX, float64 needs jax_enable_x64, "
-            "which mha_harness.configure_jax() sets); compute in float64, or declare it: "
+            "somewhere (a cast of the inputs or weights, a float32 softmax, a float32 table the layer builds "
+            "itself such as rotary cos/sin; in JAX, float64 needs jax_enable_x64, which mha_harness.configure_jax() "
+            "sets); compute in float64, or declare it: "
             "divergences = precision_divergences(\"float64\", \"float32\", \"why\", cases=[...]) from "
             "mha_harness.toolkit.divergences")
 
