@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_harness.conformance.diagnoses import cache_order_hint, layer_mistake, mask_mistake
+from mha_harness.conformance.diagnoses import cache_order_hint, layer_mistake, mask_mistake, single_key_rows_hint
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
@@ -527,14 +527,16 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     (:func:`~mha_harness.conformance.diagnoses.layer_mistake`: heads split by tokens, heads concatenated
     feature-major, a softmax over the queries, no W_o) or a mask mistake
     (:func:`~mha_harness.conformance.diagnoses.mask_mistake`, its wrong calls' rows without a key under the empty-row
-    convention the backend follows)."""
+    convention the backend follows), else right only where a row sees a single key
+    (:func:`~mha_harness.conformance.diagnoses.single_key_rows_hint`)."""
     stray = "" if params.config.bias else zero_input_hint(backend, params, inputs, dtype)
     offset = stray or constant_offset_hint(got, expected, params.config.bias)
     if offset or rows is not None:  # the others cost reference calls: only when no bias diagnosis came first, on
         return offset               # whole outputs
     got = np.asarray(got, np.float64)
     return (scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
-            or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs))
+            or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs)
+            or single_key_rows_hint(got, expected, tol.bound, params, inputs))
 
 
 def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str | None:

@@ -3,7 +3,8 @@ reversed, misaligned, missing, diagonal-free or one-off causal mask, a mask read
 padding mask along the query axis or not applied, one of two masks dropped, masks applied after the softmax, heads
 split by tokens instead of features (on the way in, out, or both), heads concatenated feature-major, grouped-query
 key/value heads tiled, keys or values projected from the wrong input, a softmax over the queries, an online softmax
-that never rescales its accumulator, no output projection, a KV-cache step's new keys put before the cached ones. The
+that never rescales its accumulator, no output projection, a KV-cache step's new keys put before the cached ones;
+and, where none is named, that the rows seeing a single key are the only right ones (the weights are wrong). The
 rows a wrong call leaves without a key are compared under the empty-row convention the backend's output follows there
 (zeros, or the uniform average of V or NaN that a ``fully_masked_rows`` divergence declares). A mistake is named only
 where it explains the output better than the correct layer does (:func:`~mha_harness.contract.mistakes.explains`)."""
@@ -368,6 +369,31 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     return ("; the output matches key_padding_mask applied along the query axis instead of the key axis (padded "
             "positions' queries see no key, the others see the padded keys too: mask[:, None, :, None] where "
             "mask[:, None, None, :] belongs)")
+
+
+def single_key_rows_hint(got: np.ndarray, expected: np.ndarray, bound: float, params: AttentionParams,
+                         inputs: AttentionInputs) -> str:
+    """Where a failed output is right on every row that sees exactly one key (in every head) and wrong only on rows
+    that see several: a row with one key outputs that key's value whatever its score, so the values, their
+    projection, the head merge and W_o are right, and what differs is the weights where there is more than one key
+    (the scores: the query or key path, the scale, a rotary or bias applied to one of q and k; or their
+    normalisation). "" when no row sees one key, or such a row is wrong too (an outside user's Llama layer with rotary
+    applied to k alone failed every case with numbers only, its single-key rows right)."""
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    if got.shape != expected.shape or got.ndim != 3:
+        return ""
+    allowed, _ = allowed_and_bias(params, inputs)
+    visible = np.broadcast_to(allowed, (inputs.batch, allowed.shape[1], inputs.tq, inputs.tk)).sum(axis=-1)
+    single = np.all(visible == 1, axis=1)  # (batch, Tq)
+    with np.errstate(invalid="ignore"):
+        wrong = ~(np.abs(got - expected).max(axis=-1) <= bound)  # NaN is wrong
+    if not single.any() or (wrong & single).any() or not wrong.any():
+        return ""
+    return (f"; every row that sees a single key is right ({int(single.sum())} such (batch, position) rows) and "
+            f"{int(wrong.sum())} rows that see several keys are wrong: a row with one key outputs that key's value "
+            "whatever its score, so the values, the head merge and W_o are right, and the weights over several keys "
+            "differ: the scores (the query or key projection, the scale, a rotary or bias applied to q or k alone) "
+            "or their normalisation")
 
 
 def cache_order_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs) -> str:
