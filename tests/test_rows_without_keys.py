@@ -124,3 +124,10 @@ def test_the_attn_mask_cases_leave_an_always_causal_layer_a_visible_key_in_every
                                                           "check_additive_attn_mask_matches_reference"])
     assert report.results and all(r.status == "passed" for r in report.results), \
         [(r.variant, r.status, r.message[:200]) for r in report.results]
+
+
+def test_a_uniform_row_held_by_shifted_scores_says_so_in_the_result():
+    """Which of the two uniform-average backwards held is recorded as the variant's observed behaviour."""
+    from mha_harness.cases.gradients import SHIFTED_SCORES
+    assert _empty_row_result(Shifted())[0].observed == SHIFTED_SCORES
+    assert _empty_row_result(Held())[0].observed != SHIFTED_SCORES
