@@ -181,12 +181,16 @@ def parametrize_with_cases(backends, *, cases=None, include_slow: bool = False):
 
     ``backends``: a backend instance or class, a registered name, a ``module:object`` spec, or a list of these.
     ``cases``: case names (None, the default: every case). The slow T = 8192 cases are collected and skipped with
-    the reason unless ``include_slow=True``, so the test report shows what was left out.
+    the reason unless ``include_slow=True`` or pytest's ``--mha-include-slow``, so the test report shows what was
+    left out.
     """
     from mha_harness.conformance.as_pytest import CaseVariant
     from mha_harness.conformance.runner import plan, select_cases
     chosen = select_cases(cases, include_slow=True)
-    slow = [pytest.mark.skip(reason="slow case (T = 8192): parametrize_with_cases(..., include_slow=True) runs it")]
+    # decided when the test runs, from the command line too: --mha-include-slow runs it as on the --pyargs route
+    slow = [pytest.mark.skipif("not config.getoption('--mha-include-slow', default=False)",
+                               reason="slow case (T = 8192): --mha-include-slow or parametrize_with_cases(..., "
+                                      "include_slow=True) runs it")]
     params = []
     for target in _resolve_targets(backends if isinstance(backends, (list, tuple)) else [backends]):
         backend = target.backend

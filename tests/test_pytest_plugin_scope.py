@@ -105,7 +105,24 @@ def test_parametrize_with_cases_shows_the_slow_case_as_skipped_with_how_to_run_i
     ''')
     result = pytester.runpytest("-q", "-rs")
     result.assert_outcomes(skipped=2)
-    result.stdout.fnmatch_lines(["*slow case (T = 8192): parametrize_with_cases(..., include_slow=True) runs it*"])
+    result.stdout.fnmatch_lines(["*slow case (T = 8192): --mha-include-slow or parametrize_with_cases(..., "
+                                 "include_slow=True) runs it*"])
+
+
+def test_parametrize_with_cases_runs_the_slow_case_with_mha_include_slow(pytester):
+    """A stranger's nightly CI passed --mha-include-slow to a decorated test file and still got the skip: the
+    option applies to both routes."""
+    pytester.makepyfile(test_mine='''
+        from mha_harness import parametrize_with_cases
+        from mha_harness.implementations.numpy_naive import NumpyNaive
+
+
+        @parametrize_with_cases(NumpyNaive(), cases=["check_long_sequence_sampled_rows_match_reference"])
+        def test_mine(backend, case):
+            case(backend)
+    ''')
+    result = pytester.runpytest("-q", "-rs", "--mha-include-slow")
+    result.assert_outcomes(passed=2)
 
 
 def test_parametrize_with_cases_fails_a_broken_backend_with_the_case_message(pytester):
