@@ -455,3 +455,27 @@ def test_an_output_right_only_on_rows_that_see_one_key_blames_the_weights():
     values_wrong = mha_harness.function_backend(attention(True, 1.5), name="values-wrong-too", causal="always")
     failures = mha_harness.check(values_wrong, cases=["check_output_matches_reference"]).failures()
     assert failures and not any(sentence in f.message for f in failures)
+
+
+def test_rows_wrong_from_one_position_on_are_named_so():
+    """A causal layer with a sliding window of 600 keys (a Mistral-style layer built with its window, as an outside
+    user's was) is right up to row 599 and wrong from row 600 on: the failure names that position, not only
+    precision."""
+    import mha_harness
+
+    def windowed(X, W_q, W_k, W_v, W_o, num_heads):
+        T, d_model = X.shape
+
+        def split_heads(M):
+            return M.reshape(T, num_heads, d_model // num_heads).transpose(1, 0, 2)
+        Q, K, V = split_heads(X @ W_q), split_heads(X @ W_k), split_heads(X @ W_v)
+        i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+        scores = np.where((j <= i) & (j > i - 600), Q @ K.transpose(0, 2, 1) / np.sqrt(d_model // num_heads), -np.inf)
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        return (weights @ V).transpose(1, 0, 2).reshape(T, d_model) @ W_o
+
+    backend = mha_harness.function_backend(windowed, name="window-600", causal="always")
+    failures = mha_harness.check(backend, cases=["check_output_matches_reference"]).failures()
+    assert any("every row up to position 599 is right and every row from 600 on is wrong" in f.message
+               for f in failures), [f.message[-300:] for f in failures]

@@ -373,8 +373,8 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
 
 def single_key_rows_hint(got: np.ndarray, expected: np.ndarray, bound: float, params: AttentionParams,
                          inputs: AttentionInputs) -> str:
-    """Where a failed output is right on every row that sees exactly one key (in every head) and wrong only on rows
-    that see several: a row with one key outputs that key's value whatever its score, so the values, their
+    """Where a failed output is right on every row that sees exactly one key (in every head) and wrong on every row
+    that sees several: a row with one key outputs that key's value whatever its score, so the values, their
     projection, the head merge and W_o are right, and what differs is the weights where there is more than one key
     (the scores: the query or key path, the scale, a rotary or bias applied to one of q and k; or their
     normalisation). "" when no row sees one key, or such a row is wrong too (an outside user's Llama layer with rotary
@@ -387,10 +387,10 @@ def single_key_rows_hint(got: np.ndarray, expected: np.ndarray, bound: float, pa
     single = np.all(visible == 1, axis=1)  # (batch, Tq)
     with np.errstate(invalid="ignore"):
         wrong = ~(np.abs(got - expected).max(axis=-1) <= bound)  # NaN is wrong
-    if not single.any() or (wrong & single).any() or not wrong.any():
+    if not single.any() or not np.array_equal(wrong, ~single):  # right exactly where a row sees one key
         return ""
     # no counts: the summary groups failures by this sentence, whatever the call
-    return ("; every row that sees a single key is right and only rows that see several keys are wrong: a row with "
+    return ("; every row that sees a single key is right and every row that sees several keys is wrong: a row with "
             "one key outputs that key's value whatever its score, so the values, the head merge and W_o are right, "
             "and the weights over several keys differ: the scores (the query or key projection, the scale, a rotary "
             "or bias applied to q or k alone) or their normalisation")
