@@ -156,6 +156,8 @@ def _rows_of(params, inputs, shape_rows):
     ("one_key_too_wide", "matches a causal mask one key too wide (query i also sees key i + 1"),
     ("reversed_mask", "matches a reversed causal mask"),
     ("no_diagonal", "matches a causal mask that excludes the diagonal"),
+    ("kv_tiled", "matches grouped-query key/value heads expanded by tiling: query head h reads key/value head h % "
+                 "kv_heads"),
     ("noise", None),
 ])
 def test_a_wrong_output_names_the_known_mistake_its_checked_rows_match(mistake, says):
@@ -163,9 +165,11 @@ def test_a_wrong_output_names_the_known_mistake_its_checked_rows_match(mistake, 
     other alignment of a decode step, a common wrong scale, W_o left out; an output wrong in no known way names
     none; a causal mask one key too wide, reversed or without its diagonal are named too."""
     from mha_harness.bench.calls import backend_arguments
+    from mha_harness.conformance.diagnoses import wrong_layer_output
     from mha_harness.contract.mistakes import with_score_scale, without_output_projection
     decode = mistake == "top_left_decode"
-    shape = Shape(1, 16 if decode else 48, 64 if decode else 48, 64, 4, "float32", True, False, cached=decode)
+    shape = Shape(1, 16 if decode else 48, 64 if decode else 48, 64, 4, "float32", True, False, cached=decode,
+                  num_kv_heads=2 if mistake == "kv_tiled" else None)
     backend = NumpyTiled()
     params, inputs = backend_arguments(backend, shape)
     rows = checked_rows(inputs.tq)
@@ -176,6 +180,7 @@ def test_a_wrong_output_names_the_known_mistake_its_checked_rows_match(mistake, 
              "one_key_too_wide": lambda: _rows_of(params, _with_mask(inputs, np.tri(48, 48, k=1, dtype=bool)), rows),
              "reversed_mask": lambda: _rows_of(params, _with_mask(inputs, ~np.tri(48, 48, k=-1, dtype=bool)), rows),
              "no_diagonal": lambda: _rows_of(params, _with_mask(inputs, np.tri(48, 48, k=-1, dtype=bool)), rows),
+             "kv_tiled": lambda: wrong_layer_output(params, inputs, kv_tiled=True)[:, rows],
              "noise": lambda: _rows_of(params, inputs, rows) * 1.01}[mistake]()
     with pytest.raises(WrongOutput) as raised:
         check_output(backend, shape, wrong)

@@ -18,12 +18,14 @@ from mha_harness.bench.metrics import Shape
 from mha_harness.contract.conventions import EPS
 from mha_harness.contract.expected import gradient_names, gradient_tolerances, input_gradients, tolerance_for
 from mha_harness.contract.mistakes import (
+    KV_HEADS_TILED,
     WRITTEN_ONE_SLOT_LATE,
     alignment_mistake,
     causal_mask_mistakes,
     explains,
     explains_as_a_scale,
     frozen_parameters_hint,
+    with_kv_heads_tiled,
     with_score_scale,
     without_output_projection,
     written_one_slot_late,
@@ -60,8 +62,8 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     """The known mistake whose float64 output the checked ``rows`` of a wrong output ``got`` match, within
     ``max(10 * bound, 1e-3)`` (the conformance diagnoses' margin), as a message suffix; "" when none: the causal
     mask not applied, the other causal alignment (Tq != Tk), a causal mask one key too wide, reversed or without
-    its diagonal, a common wrong score scale, W_o left out, a decode step's new keys and values written one slot too
-    far; every one that matches and explains ``got`` better than the correct layer
+    its diagonal, a common wrong score scale, W_o left out, grouped-query key/value heads tiled, a decode step's new
+    keys and values written one slot too far; every one that matches and explains ``got`` better than the correct layer
     (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match two),
     a wrong scale also better than uniform weights (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`)."""
     margin = max(10 * bound, 1e-3)
@@ -79,6 +81,9 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
                     True) for factor, label in wrong_scales(params.config).items()]
     candidates.append((without_output_projection(params), inputs, "the heads' concatenation: W_o is not applied",
                        False))
+    tiled = with_kv_heads_tiled(params)
+    if tiled is not None:
+        candidates.append((tiled, inputs, KV_HEADS_TILED, False))
     late = written_one_slot_late(params, inputs)
     if late is not None:
         candidates.append((params, late, WRITTEN_ONE_SLOT_LATE, False))

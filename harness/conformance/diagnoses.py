@@ -18,6 +18,7 @@ import numpy as np
 from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
 from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.mistakes import (
+    KV_HEADS_TILED,
     WRITTEN_ONE_SLOT_LATE,
     alignment_mistake,
     causal_mask_mistakes,
@@ -286,10 +287,7 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
                            "head as reshape(d_head, heads, d_model))",
                            lambda: wrong_layer_output(params, inputs, heads_feature_major=True)))
     if c.group > 1 and c.kv_heads > 1:  # one key/value head, or one query head each: tiling is grouping
-        candidates.append(("grouped-query key/value heads expanded by tiling: query head h reads key/value head "
-                           "h % kv_heads instead of h // (heads / kv_heads) (torch .repeat, np.tile or jnp.tile where "
-                           "repeat_interleave or np.repeat belongs)",
-                           lambda: wrong_layer_output(params, inputs, kv_tiled=True)))
+        candidates.append((KV_HEADS_TILED, lambda: wrong_layer_output(params, inputs, kv_tiled=True)))
     candidates.append(("a softmax over the queries (axis -2: each key's weights sum to 1) instead of over the keys",
                        lambda: wrong_layer_output(params, inputs, softmax_axis=-2)))
     candidates += [(label, functools.partial(lambda call: reference_attention(params, call).output, call))

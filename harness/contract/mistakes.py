@@ -66,6 +66,28 @@ def without_output_projection(params: AttentionParams) -> AttentionParams:
                           b_o=None if params.b_o is None else np.zeros_like(params.b_o))
 
 
+#: grouped-query key/value heads expanded by tiling, in words
+KV_HEADS_TILED = ("grouped-query key/value heads expanded by tiling: query head h reads key/value head h % kv_heads "
+                  "instead of h // (heads / kv_heads) (torch .repeat, np.tile or jnp.tile where repeat_interleave "
+                  "or np.repeat belongs)")
+
+
+def with_kv_heads_tiled(params: AttentionParams) -> AttentionParams | None:
+    """Parameters whose reference output is the layer with its grouped-query key/value heads expanded by tiling
+    (query head h reads key/value head h % kv_heads): the query heads relabelled, head h moved to (h % kv_heads) *
+    group + h // kv_heads with its W_q columns, b_q entries and W_o rows, where the correct grouping gives it key/value
+    head h % kv_heads; None where tiling is grouping (one key/value head, or one query head per key/value head)."""
+    c = params.config
+    if c.group == 1 or c.kv_heads == 1:
+        return None
+    order = [0] * c.num_heads
+    for h in range(c.num_heads):
+        order[(h % c.kv_heads) * c.group + h // c.kv_heads] = h
+    columns = np.concatenate([np.arange(h * c.d_head, (h + 1) * c.d_head) for h in order])
+    return params.replace(W_q=params.W_q[:, columns], b_q=None if params.b_q is None else params.b_q[columns],
+                          W_o=params.W_o[columns, :])
+
+
 def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
     """For a causal call ``inputs``: the calls whose reference outputs are the common causal-mask mistakes, by name.
     ``"not_applied"``: the same call without its causal mask; ``"other_alignment"`` (Tq != Tk only): the other
