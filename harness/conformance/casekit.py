@@ -399,10 +399,10 @@ def _rows_outside(diff: np.ndarray, bound: float, labels, row_ids=None, shown: i
     positions = np.asarray(row_ids) if row_ids is not None else np.arange(outside.shape[1])
     return (f"; {count} of {total} (batch, position) rows are outside it ("
             f"{'' if listed is outside else 'within it: '}batch:position {text}){boundary}"
-            f"{_from_a_position(outside, positions)}")
+            f"{_from_a_position(outside, positions, 'checked row' if row_ids is not None else 'row')}")
 
 
-def _from_a_position(outside: np.ndarray, positions: np.ndarray) -> str:
+def _from_a_position(outside: np.ndarray, positions: np.ndarray, row: str = "row") -> str:
     """A clause when the rows outside are exactly those from one position on (in every batch item, at least two
     on each side): the error appears once a row sees enough keys, a limit on how far back a query looks or an error
     that grows with the row's length; "" otherwise (an outside user's sliding window of 4096 keys was told only of
@@ -413,7 +413,7 @@ def _from_a_position(outside: np.ndarray, positions: np.ndarray) -> str:
         return ""
     before = int(positions[~later].max())
     size = f"{first}" if before + 1 == first else f"{before + 1} to {first}"
-    return (f"; every row up to position {before} is right and every row from {first} on is wrong: under a causal "
+    return (f"; every {row} up to position {before} is right and every {row} from {first} on is wrong: under a causal "
             f"mask a row there sees more keys, so a limit on how far back a query looks (a sliding window, a maximum "
             f"length or a positional table of {size} entries) or an error that grows with the number of keys a row "
             "sums (an accumulation in lower precision) shows so")
