@@ -424,6 +424,26 @@ def test_an_output_no_nearer_a_small_scale_than_uniform_weights_is_not_named_a_s
     assert "keys projected from the query input" in layer_mistake(got, params, inputs, tol.bound)
 
 
+def _causal_numpy_layer(*, key_rotation=None, value_scale: float = 1.0, window: int | None = None):
+    """A one-x causal NumPy layer for function_backend, with the keys rotated per head (rotary applied to k alone),
+    the values scaled, or a sliding window of ``window`` keys."""
+    def fn(X, W_q, W_k, W_v, W_o, num_heads):
+        T, d_model = X.shape
+
+        def split_heads(M):
+            return M.reshape(T, num_heads, d_model // num_heads).transpose(1, 0, 2)
+        Q, K, V = split_heads(X @ W_q), split_heads(X @ W_k), split_heads(X @ W_v) * value_scale
+        if key_rotation is not None:
+            K = K @ key_rotation
+        i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+        visible = (j <= i) & (j > i - (window or T))
+        scores = np.where(visible, Q @ K.transpose(0, 2, 1) / np.sqrt(d_model // num_heads), -np.inf)
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        return (weights @ V).transpose(1, 0, 2).reshape(T, d_model) @ W_o
+    return fn
+
+
 def test_an_output_right_only_on_rows_that_see_one_key_blames_the_weights():
     """Keys rotated in a causal layer (rotary applied to k alone, as an outside user's Llama copy did): a row with one
     key outputs that key's value whatever its score, so only those rows are right; the failure says the weights over
@@ -431,28 +451,14 @@ def test_an_output_right_only_on_rows_that_see_one_key_blames_the_weights():
     import mha_harness
 
     rotation = np.linalg.qr(np.random.default_rng(0).standard_normal((8, 8)))[0]
-
-    def attention(rotate_keys: bool, value_scale: float):
-        def fn(X, W_q, W_k, W_v, W_o, num_heads):
-            T, d_model = X.shape
-
-            def split_heads(M):
-                return M.reshape(T, num_heads, d_model // num_heads).transpose(1, 0, 2)
-            Q, K, V = split_heads(X @ W_q), split_heads(X @ W_k), split_heads(X @ W_v) * value_scale
-            if rotate_keys:
-                K = K @ rotation
-            scores = np.where(np.tril(np.ones((T, T), bool)), Q @ K.transpose(0, 2, 1) / np.sqrt(8), -np.inf)
-            weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            weights /= weights.sum(axis=-1, keepdims=True)
-            return (weights @ V).transpose(1, 0, 2).reshape(T, d_model) @ W_o
-        return fn
-
     sentence = "every row that sees a single key is right"
-    rotated = mha_harness.function_backend(attention(True, 1.0), name="keys-rotated", causal="always")
+    rotated = mha_harness.function_backend(_causal_numpy_layer(key_rotation=rotation), name="keys-rotated",
+                                           causal="always")
     failures = mha_harness.check(rotated, cases=["check_output_matches_reference"]).failures()
     assert failures and all(sentence in f.message for f in failures if "rows are outside it (within it" in f.message)
     assert any(sentence in f.message for f in failures)
-    values_wrong = mha_harness.function_backend(attention(True, 1.5), name="values-wrong-too", causal="always")
+    values_wrong = mha_harness.function_backend(_causal_numpy_layer(key_rotation=rotation, value_scale=1.5),
+                                                name="values-wrong-too", causal="always")
     failures = mha_harness.check(values_wrong, cases=["check_output_matches_reference"]).failures()
     assert failures and not any(sentence in f.message for f in failures)
 
@@ -463,19 +469,7 @@ def test_rows_wrong_from_one_position_on_are_named_so():
     precision."""
     import mha_harness
 
-    def windowed(X, W_q, W_k, W_v, W_o, num_heads):
-        T, d_model = X.shape
-
-        def split_heads(M):
-            return M.reshape(T, num_heads, d_model // num_heads).transpose(1, 0, 2)
-        Q, K, V = split_heads(X @ W_q), split_heads(X @ W_k), split_heads(X @ W_v)
-        i, j = np.arange(T)[:, None], np.arange(T)[None, :]
-        scores = np.where((j <= i) & (j > i - 600), Q @ K.transpose(0, 2, 1) / np.sqrt(d_model // num_heads), -np.inf)
-        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        weights /= weights.sum(axis=-1, keepdims=True)
-        return (weights @ V).transpose(1, 0, 2).reshape(T, d_model) @ W_o
-
-    backend = mha_harness.function_backend(windowed, name="window-600", causal="always")
+    backend = mha_harness.function_backend(_causal_numpy_layer(window=600), name="window-600", causal="always")
     failures = mha_harness.check(backend, cases=["check_output_matches_reference"]).failures()
     assert any("every row up to position 599 is right and every row from 600 on is wrong" in f.message
                for f in failures), [f.message[-300:] for f in failures]
