@@ -51,14 +51,17 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     return project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), weights
 
 
-def eager_attention(qh, kh, vh, allowed, additive, need_weights: bool):
+def eager_attention(qh, kh, vh, allowed, additive, need_weights: bool, score_mod=None):
     """Each head's masked softmax(Q K^T / sqrt(d_head)) V from projected heads (B, heads, T, d_head), K and V with
-    fewer heads for grouped-query (each repeated for its group): (heads output, weights or None)."""
+    fewer heads for grouped-query (each repeated for its group): (heads output, weights or None). ``score_mod``: a
+    function of the scaled scores applied before the masks (a soft cap, in a test's layer)."""
     import torch
     group = qh.shape[1] // kh.shape[1]
     if group > 1:
         kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
     scores = (qh @ kh.transpose(-1, -2)) / math.sqrt(qh.shape[-1])
+    if score_mod is not None:
+        scores = score_mod(scores)
     if additive is not None:
         scores = scores + additive
     if allowed is not None:

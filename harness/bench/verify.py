@@ -31,7 +31,8 @@ from mha_harness.contract.mistakes import (
     written_one_slot_late,
     wrong_scales,
 )
-from mha_harness.contract.reference import reference_attention, reference_vjp
+from mha_harness.contract.reference import logit_softcap, reference_attention, reference_vjp, scores_as_declared
+from mha_harness.contract.softcap_fit import SoftcapFit, fitted_softcap
 from mha_harness.contract.tolerance import bound_of
 
 #: a point whose call returned something other than the layer's output, or a wrong one: it is not timed
@@ -63,9 +64,11 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     ``max(10 * bound, 1e-3)`` (the conformance diagnoses' margin), as a message suffix; "" when none: the causal
     mask not applied, the other causal alignment (Tq != Tk), a causal mask one key too wide, reversed or without
     its diagonal, a common wrong score scale, W_o left out, grouped-query key/value heads tiled, a decode step's new
-    keys and values written one slot too far; every one that matches and explains ``got`` better than the correct layer
-    (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match two),
-    a wrong scale also better than uniform weights (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`)."""
+    keys and values written one slot too far; every one that matches and explains ``got`` better than the correct
+    layer (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match
+    two), a wrong scale also better than uniform weights (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`);
+    when none does, scores soft-capped otherwise than declared
+    (:func:`~mha_harness.contract.softcap_fit.fitted_softcap`, within twice the bound)."""
     margin = max(10 * bound, 1e-3)
     truth = reference_attention(params, inputs, rows=rows).output
 
@@ -88,10 +91,25 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     if late is not None:
         candidates.append((params, late, WRITTEN_ONE_SLOT_LATE, False))
     found = [what for p, call, what, scale in candidates if matches(p, call, scale)]
+    if not found:
+        fit = fitted_softcap(got, params, inputs, bound, rows=rows)
+        if fit is not None:
+            return _softcap_mismatch(fit)
     if len(found) > 1:  # at some shapes (one query, a long cache) two mistakes give outputs alike at these rows
         return (f"; the checked rows cannot tell {len(found)} mistakes apart, the output matches each: "
                 + "; or ".join(found))
     return f"; the output matches {found[0]}" if found else ""
+
+
+def _softcap_mismatch(fit: SoftcapFit) -> str:
+    """The message suffix of a wrong output the reference reproduces under another soft cap on the scores."""
+    held = logit_softcap()
+    if fit.cap is None:
+        return f"; the output matches scores that are not soft-capped, not the declared logit_softcap {held:g}"
+    if held is not None:
+        return f"; the output matches scores soft-capped at {fit.cap:g}, not at the declared logit_softcap {held:g}"
+    return (f"; the output matches scores soft-capped at {fit.cap:g} (c * tanh(s / c) before the mask): if the layer "
+            f"caps by design, declare its configured cap, Capabilities(logit_softcap={fit.cap:g})")
 
 
 def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
@@ -123,6 +141,12 @@ def _where_to_look(shape: Shape) -> str:
 
 
 def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
+    """:func:`_check_output` against the reference of the scores the backend declares (its ``logit_softcap``)."""
+    with scores_as_declared(backend.capabilities):
+        return _check_output(backend, shape, got)
+
+
+def _check_output(backend, shape: Shape, got: np.ndarray) -> dict:
     """Compare ``got``, the rows :func:`~mha_harness.bench.calls.checked_rows` of one call's output for
     ``shape`` (float64, (batch, rows, d_model)), with the float64 reference of the same call. Returns the record
     bench keeps with the point (rows checked, max error, bound); raises :class:`WrongOutput` when an entry is not
@@ -149,6 +173,12 @@ def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
 
 
 def check_gradients(backend, shape: Shape, got: dict) -> dict:
+    """:func:`_check_gradients` against the reference of the scores the backend declares (its ``logit_softcap``)."""
+    with scores_as_declared(backend.capabilities):
+        return _check_gradients(backend, shape, got)
+
+
+def _check_gradients(backend, shape: Shape, got: dict) -> dict:
     """Compare the gradients of one forward + backward call for ``shape`` (as
     :meth:`~mha_harness.bench.calls.PreparedPoint.checked_values` sends them: each name's full shape and its
     :func:`~mha_harness.bench.calls.gradient_part`) with the float64 reference's gradients of ``output.sum()`` in the

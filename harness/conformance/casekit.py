@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from mha_harness.conformance.diagnoses import cache_order_hint, layer_mistake, mask_mistake, single_key_rows_hint
+from mha_harness.conformance.diagnoses import (
+    SOFTCAP_MATCH,
+    cache_order_hint,
+    layer_mistake,
+    mask_mistake,
+    single_key_rows_hint,
+    softcap_hint,
+)
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
@@ -55,20 +62,25 @@ class CaseFailure(AssertionError):
     """The backend violates the property the case proves."""
 
     def __init__(self, message: str, max_error: float | None = None, observed: str | None = None,
-                 diagnosis: str = ""):
+                 diagnosis: str = "", guess: str = ""):
         super().__init__(message)
         self.max_error = max_error
         self.observed = observed
         self.diagnosis = diagnosis  # the known mistake the output matches, when one does (also in the message)
+        self.guess = guess  # the part of the message that guesses a cause from the error's size alone
 
-    def with_hint(self, hint: str, diagnosis: str | None = None) -> CaseFailure:
+    def with_hint(self, hint: str, diagnosis: str | None = None, *, replaces_guess: bool = False) -> CaseFailure:
         """This failure with ``hint``, a diagnosis suffix ("; the output matches ..."), appended to its message and
         kept as its diagnosis (the diagnosis it had when ``hint`` is empty); ``diagnosis``: a shorter one to keep
         instead, for the summary's "diagnosed:" line, or "" when the hint names no mistake (a list of the wrong
-        gradients): the failure keeps the diagnosis it had."""
+        gradients): the failure keeps the diagnosis it had. ``replaces_guess``: the hint names the cause the
+        message's guess from the error's size (a precision, :attr:`guess`) would misname, which is dropped."""
         if diagnosis is None:
             diagnosis = hint.removeprefix("; ").strip()
-        return CaseFailure(str(self) + hint, self.max_error, self.observed, diagnosis or self.diagnosis)
+        message, guess = str(self), self.guess
+        if replaces_guess and hint and guess:
+            message, guess = message.replace(guess, ""), ""
+        return CaseFailure(message + hint, self.max_error, self.observed, diagnosis or self.diagnosis, guess)
 
 
 class CaseSkipped(Exception):
@@ -375,10 +387,10 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
         idx = np.unravel_index(int(diff.argmax()), diff.shape)
         where = ", ".join(f"{label} {int(row_ids[i]) if (row_ids is not None and label == 'position') else int(i)}"
                           for label, i in zip(labels, idx))
+        guess = _float32_level_hint(err, tol)
         raise CaseFailure(f"{what}: expected {expected[idx]:.6g}, got {actual[idx]:.6g} at {where}; "
                           f"max error {err:.3g} ({err / tol.bound:.3g} x the bound) exceeds {tol.describe()}"
-                          f"{_rows_outside(diff, tol.bound, labels, row_ids)}{_float32_level_hint(err, tol)}",
-                          max_error=err)
+                          f"{_rows_outside(diff, tol.bound, labels, row_ids)}{guess}", max_error=err, guess=guess)
     return err
 
 
@@ -477,7 +489,9 @@ def _half_level_hint(err: float, tol: Tolerance) -> str:
             "half-precision cast of the inputs, weights or scores, a softmax or accumulation in half precision); "
             f"compute in {tol.dtype}, or, if the kernel does so by design, declare it: divergences = "
             f"precision_divergences(\"{tol.dtype}\", \"bfloat16\", \"why\", cases=[...]) from "
-            "mha_harness.toolkit.divergences (the dtype it computes in)")
+            "mha_harness.toolkit.divergences (the dtype it computes in); a size alone cannot tell this from scores "
+            "the layer changes by design (a norm on q or k, a scale of its own: docs/plugins.md, 'Layers that "
+            "cannot run every call'), which a precision declaration would hide")
 
 
 def check_against_reference(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs,
@@ -504,7 +518,7 @@ def assert_output_close(backend: AttentionBackend, params: AttentionParams, inpu
         extra = common_mistake(backend, params, inputs, dtype, got, expected, tol, rows) + (hint(got) if hint else "")
         if not extra:
             raise
-        raise failure.with_hint(extra) from None
+        raise failure.with_hint(extra, replaces_guess=SOFTCAP_MATCH in extra) from None
 
 
 _ATTENDS_BEFORE_WRITING = ("; the second call is right: the step attends before it writes x_new's keys and values "
@@ -555,6 +569,7 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     got = np.asarray(got, np.float64)
     return (scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
             or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs)
+            or softcap_hint(got, params, inputs, tol.bound)
             or single_key_rows_hint(got, expected, tol.bound, params, inputs))
 
 
@@ -754,16 +769,20 @@ def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: Attenti
         return ""
     try:
         weighed = np.any(cotangent != 0, axis=-1)  # (batch, Tq)
-        output = np.asarray(forward(), np.float64)[weighed]
+        whole = np.asarray(forward(), np.float64)
+        output = whole[weighed]
         expected, tol = tolerance_for(params, inputs, dtype)
         error = float(np.max(np.abs(output - expected[weighed]), initial=0.0)) if np.all(np.isfinite(output)) \
             else np.inf
+        # every row weighed: the whole output is specified, so it may be fitted with a soft cap
+        capped = softcap_hint(whole, params, inputs, tol.bound) if error > tol.bound and weighed.all() else ""
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return ""
     if error <= tol.bound:
         return ""
-    return (f"the forward's output for this call is wrong too (max error {error:.3g}, bound {tol.bound:.3g}): the "
-            "gradients follow it, so fix the forward first (the output and mask cases say what it matches)")
+    return (f"the forward's output for this call is wrong too (max error {error:.3g}, bound {tol.bound:.3g}"
+            f"{capped.replace('; ', ': ', 1)}): the gradients follow it, so fix the forward first (the output and "
+            "mask cases say what it matches)")
 
 
 def gradient_mistake_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
@@ -803,8 +822,8 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
     except CaseFailure as failure:
         if not diagnose:
             raise
-        raise failure.with_hint(*_gradient_diagnosis(got, params, inputs, cotangent, dtype, form, bounds,
-                                                     forward)) from None
+        hint, diagnosis = _gradient_diagnosis(got, params, inputs, cotangent, dtype, form, bounds, forward)
+        raise failure.with_hint(hint, diagnosis, replaces_guess=SOFTCAP_MATCH in hint) from None
 
 
 def _gradient_diagnosis(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,

@@ -25,7 +25,14 @@ from mha_harness.contract.mistakes import (
     explains,
     written_one_slot_late,
 )
-from mha_harness.contract.reference import allowed_and_bias, empty_rows_convention, reference_attention
+from mha_harness.contract.reference import (
+    allowed_and_bias,
+    empty_rows_convention,
+    logit_softcap,
+    reference_attention,
+    soft_capped,
+)
+from mha_harness.contract.softcap_fit import fitted_softcap
 
 
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
@@ -61,7 +68,7 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     k, v = (expand(heads(x, w, bias, c.kv_heads))
             for x, w, bias in ((inputs.key, params.W_k, params.b_k), (inputs.value, params.W_v, params.b_v)))
     allowed, additive = allowed_and_bias(params, inputs)
-    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head) + (0.0 if additive is None else additive)
+    scores = soft_capped(q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head)) + (0.0 if additive is None else additive)
     if not mask_after_softmax:
         scores = np.where(allowed, scores, -np.inf)
     if unrescaled_block:
@@ -367,6 +374,31 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     return ("; the output matches key_padding_mask applied along the query axis instead of the key axis (padded "
             "positions' queries see no key, the others see the padded keys too: mask[:, None, :, None] where "
             "mask[:, None, None, :] belongs)")
+
+
+#: a phrase every :func:`softcap_hint` sentence holds (a failure that has one drops its guess of a precision)
+SOFTCAP_MATCH = "soft-capped"
+
+
+def softcap_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
+    """A failed whole output that the reference reproduces with another soft cap on the scores
+    (:func:`~mha_harness.contract.softcap_fit.fitted_softcap`): scores soft-capped by an undeclared cap (an outside
+    user's Gemma 2 layer was told its error was of half precision's size), by another cap than the declared one, or
+    not at all under a declared cap; "" otherwise."""
+    fit = fitted_softcap(got, params, inputs, bound)
+    if fit is None:
+        return ""
+    held = logit_softcap()
+    if fit.cap is None:
+        return (f"; the output matches scores that are not soft-capped: the layer does not apply its declared "
+                f"logit_softcap {held:g} ({held:g} * tanh(s / {held:g}) on the scaled scores, before the mask)")
+    if held is not None:
+        return f"; the output matches scores soft-capped at {fit.cap:g}, not at the declared logit_softcap {held:g}"
+    return (f"; the output matches scores soft-capped at {fit.cap:g} (c * tanh(s / c) on the scaled scores before "
+            "the mask, as Gemma 2's attn_logit_softcapping or flash-attn's softcap do), not a rounding error: if "
+            "the layer caps its scores by design, declare its configured cap, "
+            f"Capabilities(logit_softcap={fit.cap:g}), and every case compares it with the reference capped so; if "
+            "not, look for a tanh on the scores")
 
 
 def single_key_rows_hint(got: np.ndarray, expected: np.ndarray, bound: float, params: AttentionParams,

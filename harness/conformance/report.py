@@ -202,7 +202,8 @@ class Report:
             if info.capabilities.get("always_causal"):
                 causal = f"always causal (every case ran {alignments[0]}); {causal}"
             table[name] = {"fully_masked_rows": self._fully_masked(rows), "causal_alignment": causal,
-                           "native_causal": info.native_causal, "mask_polarity": info.mask_polarity}
+                           "native_causal": info.native_causal, "mask_polarity": info.mask_polarity,
+                           "scores": _scores_policy(info.capabilities.get("logit_softcap"))}
         return table
 
     def to_json(self) -> dict:
@@ -255,15 +256,17 @@ class Report:
                          + f" | {self.form_skips(n)} |")
         lines += ["", "## Policies that backends legitimately differ on", "",
                   "The harness pins: fully masked rows output zeros; both causal alignments; "
-                  "attn_mask True = may attend, key_padding_mask True = ignore.", "",
+                  "attn_mask True = may attend, key_padding_mask True = ignore; scores as they are (a declared "
+                  "soft cap c: c * tanh(s / c) before any mask, every case compared with the reference capped so).",
+                  "",
                   "An alignment is *verified* when its causal cases ran and held; a skip shows its reason.", "",
                   "| backend | fully masked rows | causal alignments verified | its own causal flag | "
-                  "mask polarity at its own API |",
-                  "|---|---|---|---|---|"]
+                  "mask polarity at its own API | scores |",
+                  "|---|---|---|---|---|---|"]
         for n, row in self.policies().items():
             if self.backends[n].available:
                 lines.append(f"| {e(n)} | {e(row['fully_masked_rows'])} | {e(row['causal_alignment'])} "
-                             f"| {e(row['native_causal'])} | {e(row['mask_polarity'])} |")
+                             f"| {e(row['native_causal'])} | {e(row['mask_polarity'])} | {e(row['scores'])} |")
         divergent = [(n, d) for n, info in self.backends.items() for d in info.divergences]
         if divergent:
             lines += ["", "## Declared divergences", "", "Each is verified where its case ran: the case is rerun "
@@ -467,6 +470,13 @@ GRID_CASE = "check_output_matches_reference"
 #: the summary's diagnoses line shows this many distinct diagnoses, each cut to this many characters (every one is
 #: printed whole with its failure)
 DIAGNOSES_SHOWN, DIAGNOSIS_CHARS = 3, 160
+
+
+def _scores_policy(cap) -> str:
+    """The scores' convention a backend declares, in words (the policy table's "scores" column)."""
+    if cap is None:
+        return "as they are"
+    return f"soft-capped at {cap:g} (declared: {cap:g} * tanh(s / {cap:g}) before any mask)"
 
 
 def _not_run_reason(info: BackendInfo) -> str:

@@ -26,6 +26,7 @@ from mha_harness.conformance.casekit import (
 from mha_harness.conformance.proxy import PluginError, WorkerLost, as_proxy
 from mha_harness.conformance.results import CaseResult, Status, repro_command
 from mha_harness.contract.api import AttentionBackend, Divergence, Unsupported, supported
+from mha_harness.contract.reference import scores_as_declared
 
 
 def select_cases(names: Iterable[str] | None = None, include_slow: bool = True) -> list[Case]:
@@ -174,27 +175,33 @@ def run_case(backend, case: Case, params: dict, *, spec: str | None = None,
     start = time.perf_counter()
     proxy.transport.begin_case(timeout)
     try:
-        result.status, result.message, result.max_error, result.observed, diagnosis = _execute(proxy, case, params)
-        _diagnosed(result, diagnosis)
-        declared = [d for d in proxy.divergences if d.matches(case.name, params)]
-        if declared and result.status == Status.FAILED:
-            _verify(proxy, case, params, declared[0], result)
-            if result.status != Status.FAILED:  # a verified divergence (or an error while verifying) is no mistake
-                result.extra.pop("diagnosis", None)
-        elif declared and result.status == Status.PASSED:
-            d = declared[0]
-            if d.behaviour.startswith("precision:"):  # settled over the whole run: settle_precision_declarations
-                result.observed = PRECISION_NOT_NEEDED
-                result.message = (f"passed at the strict tolerance: the declared {d.observed} ({d.reason}) was not "
-                                  "needed by this variant")
-            else:
-                result.status, result.message = Status.UNEXPECTED_PASS, _did_not_happen(proxy.name, d)
+        with scores_as_declared(proxy.capabilities):  # the references of this backend's calls
+            _run_and_verify(proxy, case, params, result)
     except WorkerLost as lost:
         result.status, result.message = lost.status, str(lost)
     finally:
         proxy.transport.end_case()
     result.seconds = round(time.perf_counter() - start, 4)
     return result
+
+
+def _run_and_verify(proxy, case: Case, params: dict, result: CaseResult) -> None:
+    """Run the variant strictly into ``result``; a failure a declaration matches is rerun under it."""
+    result.status, result.message, result.max_error, result.observed, diagnosis = _execute(proxy, case, params)
+    _diagnosed(result, diagnosis)
+    declared = [d for d in proxy.divergences if d.matches(case.name, params)]
+    if declared and result.status == Status.FAILED:
+        _verify(proxy, case, params, declared[0], result)
+        if result.status != Status.FAILED:  # a verified divergence (or an error while verifying) is no mistake
+            result.extra.pop("diagnosis", None)
+    elif declared and result.status == Status.PASSED:
+        d = declared[0]
+        if d.behaviour.startswith("precision:"):  # settled over the whole run: settle_precision_declarations
+            result.observed = PRECISION_NOT_NEEDED
+            result.message = (f"passed at the strict tolerance: the declared {d.observed} ({d.reason}) was not "
+                              "needed by this variant")
+        else:
+            result.status, result.message = Status.UNEXPECTED_PASS, _did_not_happen(proxy.name, d)
 
 
 def _diagnosed(result: CaseResult, diagnosis: str) -> None:

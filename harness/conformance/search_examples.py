@@ -49,7 +49,7 @@ from mha_harness.contract.api import (
 )
 from mha_harness.contract.conventions import BOTTOM_RIGHT
 from mha_harness.contract.params import make_inputs, make_params
-from mha_harness.contract.reference import allowed_and_bias
+from mha_harness.contract.reference import allowed_and_bias, scores_as_declared
 
 SCHEMA = "mha-harness/search-regression"
 SCHEMA_VERSION = 1
@@ -196,6 +196,12 @@ _COUNTED: dict = {}
 
 
 def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> float:
+    """:func:`_check_example` against the reference of the scores the backend declares (its ``logit_softcap``)."""
+    with scores_as_declared(backend.capabilities):
+        return _check_example(backend, example)
+
+
+def _check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> float:
     """Raise :class:`CaseFailure` where ``backend`` breaks the search property on ``example``; else the worst
     output error. The backend may be a proxy whose ``load``/``forward`` run in a worker: every comparison is here."""
     coverage = Coverage.of(backend)

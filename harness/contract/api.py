@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +92,11 @@ class Capabilities:
     without its causal mask (nanoGPT's ``CausalSelfAttention``, GPT-2's attention): every case then runs causal in
     the first declared alignment (see :func:`implicitly_causal`), and the cases whose property holds only
     without a mask skip naming it. ``more_queries_than_keys`` (ON; meaningful with ``cross_attention``) off declares a
-    layer that needs Tq <= Tk, such as a KV-cache decode kernel whose queries are the last Tq keys. Malformed values
+    layer that needs Tq <= Tk, such as a KV-cache decode kernel whose queries are the last Tq keys.
+    ``logit_softcap`` (None) declares soft-capped scores: the layer replaces each scaled score s by
+    ``c * tanh(s / c)`` before any mask is applied (Gemma 2's ``attn_logit_softcapping``, flash-attn's ``softcap``,
+    a FlexAttention ``score_mod``), and every case compares it with the reference capped the same way (the report
+    shows the cap; the lesson's printed weights are then not compared). Malformed values
     (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused here, so nothing
     is declared by accident.
     """
@@ -112,6 +117,7 @@ class Capabilities:
     inputs: str = "separate"
     always_causal: bool = False
     more_queries_than_keys: bool = True
+    logit_softcap: float | None = None
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -141,6 +147,14 @@ class Capabilities:
                 raise ValueError(f"Capabilities.causal_alignments: got {self.causal_alignments!r} with "
                                  "inputs='kv_cache'; accepted: ('bottom-right',) or () (a KV-cache step's new queries "
                                  "are the last Tq of the Tk positions, so its causal mask is bottom-right)")
+        cap = self.logit_softcap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
+                                or cap <= 0):
+            raise ValueError(f"Capabilities.logit_softcap: got {cap!r}; accepted: None (scores as they are) or a "
+                             "finite number > 0, the cap c of scores soft-capped as c * tanh(s / c) before any mask "
+                             "(e.g. 50.0, Gemma 2's attn_logit_softcapping)")
+        if cap is not None:
+            object.__setattr__(self, "logit_softcap", float(cap))
         if self.always_causal and not self.causal_alignments:
             raise ValueError("Capabilities.always_causal: got True with causal_alignments=(); accepted: "
                              "always_causal=True with the alignment the layer applies, e.g. "

@@ -4,6 +4,10 @@ Batched multi-head attention with optional biases, causal masking in both alignm
 key padding masks, boolean and additive attention masks, cross-attention, grouped- and
 multi-query heads (query head n uses key/value head n // group) and per-head weights.
 
+Soft-capped scores (Gemma 2's ``attn_logit_softcapping``, flash-attn's ``softcap``): a backend that declares
+``Capabilities.logit_softcap = c`` is compared with scores ``c * tanh(s / c)``, taken after the scale and before
+any mask (:func:`scores_as_declared`); every other backend with the scores as they are.
+
 Fully masked rows: a query row whose keys are all masked outputs **zeros** before W_o
 (its attention weights are all zero), following flash-attention and torch SDPA >= 2.5.
 Backends that give NaN or a uniform average declare a divergence.
@@ -70,6 +74,49 @@ def uniform_row_scores_as(mode: str):
         raise ValueError(f"mode: got {mode!r}; accepted: {', '.join(UNIFORM_ROW_SCORES)}")
     with scoped(_UNIFORM_ROW_SCORES, mode):
         yield
+
+
+#: the cap c of soft-capped scores, ``c * tanh(scores / c)`` after the scale and before any mask, or None (the
+#: scores as they are); set for the run of a backend that declares ``Capabilities.logit_softcap``
+_LOGIT_SOFTCAP: contextvars.ContextVar[float | None] = contextvars.ContextVar("logit_softcap", default=None)
+
+
+@contextlib.contextmanager
+def logit_softcap_as(cap: float | None):
+    """Within this block the reference soft-caps its scaled scores at ``cap`` (None: no cap), forward and backward."""
+    if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool)
+                                and np.isfinite(cap) and cap > 0):
+        raise ValueError(f"cap: got {cap!r}; accepted: None or a finite number > 0")
+    with scoped(_LOGIT_SOFTCAP, None if cap is None else float(cap)):
+        yield
+
+
+def logit_softcap() -> float | None:
+    """The cap the reference applies to its scaled scores now (see :func:`logit_softcap_as`), or None."""
+    return _LOGIT_SOFTCAP.get()
+
+
+def scores_as_declared(capabilities):
+    """The scores' conventions a backend declares (:class:`~mha_harness.contract.api.Capabilities`: its
+    ``logit_softcap``), for the references computed within this block."""
+    return logit_softcap_as(capabilities.logit_softcap)
+
+
+def soft_capped(scores: np.ndarray, r=lambda x: x) -> np.ndarray:
+    """``scores`` soft-capped as the reference does now (``c * tanh(scores / c)``; unchanged without a cap), each
+    stage rounded with ``r``."""
+    cap = _LOGIT_SOFTCAP.get()
+    return scores if cap is None else r(cap * np.tanh(r(scores / cap)))
+
+
+def _softcap_slope(q, k, scale: float) -> np.ndarray | None:
+    """The derivative of the soft cap at each scaled score, ``1 - tanh^2(s / c)`` (None without a cap): the
+    backward multiplies the scores' gradient by it."""
+    cap = _LOGIT_SOFTCAP.get()
+    if cap is None:
+        return None
+    with np.errstate(invalid="ignore", over="ignore"):
+        return 1.0 - np.square(np.tanh(q @ k.transpose(0, 1, 3, 2) * (scale / cap)))
 
 
 def _held_rows(allowed, shape) -> np.ndarray | None:
@@ -169,7 +216,8 @@ def _rounding_error(size: np.ndarray, of: str, rows) -> np.ndarray:
 
 def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale: float, dtype: str, scale_first: bool,
             score_error_of: str | None = None):
-    """The scaled scores with the float attn_mask added, rounding in ``dtype``; the allowed mask; the float mask's
+    """The scaled scores (soft-capped when a cap is declared: :func:`soft_capped`) with the float attn_mask added,
+    rounding in ``dtype``; the allowed mask; the float mask's
     additive part (None without one). ``scale_first``:
     the queries times the scale rounded to ``dtype``, then the product (as fused kernels do); else the product
     scaled. ``score_error_of``: each score then carries an error of that dtype at the size of its dot product's
@@ -181,6 +229,7 @@ def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale:
         scores = round_to(round_to(q * round_to(np.float64(scale), dtype), dtype) @ k.transpose(0, 1, 3, 2), dtype)
     else:
         scores = round_to(q @ k.transpose(0, 1, 3, 2) * scale, dtype)
+    scores = soft_capped(scores, lambda x: round_to(x, dtype))
     allowed, additive = allowed_and_bias(params, inputs, rows)
     if additive is not None:
         scores = round_to(scores + additive, dtype)
@@ -274,7 +323,7 @@ def _held_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes | No
 
 
 def _content_key(kind: str, params: AttentionParams, inputs: AttentionInputs, *extra) -> bytes:
-    return _digest(kind, _held_digest(params, inputs) or _call_digest(params, inputs), *extra)
+    return _digest(kind, _held_digest(params, inputs) or _call_digest(params, inputs), _LOGIT_SOFTCAP.get(), *extra)
 
 
 class _ContentCache:
@@ -453,7 +502,7 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     q = projected("query", c.num_heads)
     k = np.repeat(projected("key", c.kv_heads), c.group, axis=1)
     v = np.repeat(projected("value", c.kv_heads), c.group, axis=1)
-    _, _, _, p, _, scale, allowed = _forward_parts(params, inputs, None, "float64")
+    q_exact, k_exact, _, p, _, scale, allowed = _forward_parts(params, inputs, None, "float64")
     p2, scale2 = np.square(p), scale ** 2
     g = np.square(np.asarray(cotangent, np.float64))
     heads = p2 @ v
@@ -467,6 +516,9 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
         d_p = np.where(held, 0.0, d_p)
     d_v = p2.transpose(0, 1, 3, 2) @ d_o
     d_s = p2 * (d_p + (d_p * p2).sum(axis=-1, keepdims=True))
+    slope = _softcap_slope(q_exact, k_exact, scale)
+    if slope is not None:
+        d_s = d_s * np.square(slope)
     d_q = d_s @ k * scale2
     d_k = d_s.transpose(0, 1, 3, 2) @ q * scale2
 
@@ -618,6 +670,9 @@ def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k,
     grads = {"W_o": r(np.einsum("btd,bte->de", concat, g))}
     d_v = r(p.transpose(0, 1, 3, 2) @ d_o)
     d_s = r(p * r(d_p - row))
+    slope = _softcap_slope(q, k, scale)
+    if slope is not None:
+        d_s = r(d_s * slope)
     d_q = r(d_s @ k * scale)
     d_k = r(d_s.transpose(0, 1, 3, 2) @ q * scale)
     if swap_kv:

@@ -1,0 +1,68 @@
+"""Which soft cap, if any, a failed output was computed with: scores replaced by ``c * tanh(s / c)`` before the
+mask (Gemma 2's ``attn_logit_softcapping``) bend every score a little, an error that looks like rounding by its
+size alone; fitting ``c`` against the reference tells the two apart. Used by the conformance diagnoses and by
+``mha-harness bench``'s check of a benchmarked call."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mha_harness.contract.api import AttentionInputs, AttentionParams
+from mha_harness.contract.mistakes import distance
+from mha_harness.contract.reference import logit_softcap, logit_softcap_as, reference_attention
+
+#: the caps tried first (log-spaced, each about 1.26x the last), the best then refined between its neighbours
+SOFTCAP_GRID = tuple(float(c) for c in np.geomspace(1.0, 1000.0, 31))
+#: rows of a whole output the fit compares (evenly spaced); the cap found is then confirmed on every row
+FIT_ROWS = 16
+
+
+@dataclass(frozen=True)
+class SoftcapFit:
+    """The cap under which the reference reproduces a failed output (None: no cap) and the error there."""
+
+    cap: float | None
+    error: float
+
+
+def fitted_softcap(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                   rows=None) -> SoftcapFit | None:
+    """The soft cap under which the float64 reference gives ``got`` (the output, or its ``rows`` when given) within
+    ``2 * bound``, other than the one the reference holds now (:func:`logit_softcap`): no cap at all, when one is
+    held and that fits, else the cap with the fewest significant digits that fits (50, not 49.93); None when none
+    fits."""
+    got = np.asarray(got, np.float64)
+    held, margin = logit_softcap(), 2 * bound
+    if rows is None:
+        sample = np.unique(np.linspace(0, inputs.tq - 1, min(inputs.tq, FIT_ROWS)).round().astype(int))
+        part = got[:, sample]
+    else:
+        sample, part = np.asarray(rows), got
+
+    def error(cap, at=sample, against=part) -> float:
+        with logit_softcap_as(cap):
+            return distance(against, reference_attention(params, inputs, rows=at).output)
+
+    def confirmed(cap) -> SoftcapFit | None:
+        whole = error(cap, rows, got) if rows is None else error(cap)
+        return SoftcapFit(cap, whole) if whole <= margin else None
+
+    errors = [error(c) for c in SOFTCAP_GRID]
+    best = int(np.argmin(errors))
+    low, high = np.log(SOFTCAP_GRID[max(best - 1, 0)]), np.log(SOFTCAP_GRID[min(best + 1, len(SOFTCAP_GRID) - 1)])
+    ratio = (np.sqrt(5) - 1) / 2
+    for _ in range(24):  # golden-section search in log(c): the bracket shrinks to about 1e-5 of c
+        a, b = high - ratio * (high - low), low + ratio * (high - low)
+        if error(float(np.exp(a))) <= error(float(np.exp(b))):
+            high = b
+        else:
+            low = a
+    cap = float(np.exp((low + high) / 2))
+    # the simplest cap that fits: 50 rather than 49.9931 (a float64 layer capped at 50 fits 50 alone)
+    simple = next((c for c in (float(f"{cap:.{d}g}") for d in range(1, 7)) if error(c) <= margin), cap)
+    if held is not None and error(None) <= min(margin, error(simple)):  # no cap fits better than any cap
+        return confirmed(None)
+    if simple == held or error(simple) > margin:  # within twice the bound of the held cap: not another cap
+        return None
+    return confirmed(simple)
