@@ -31,7 +31,12 @@ EOF
 python -m asv machine "${config[@]}" --yes --machine "$machine" --os "$(uname -sr)" --arch "$(uname -m)" \
     --cpu "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs || uname -p)" --num_cpu "$(nproc)" \
     --ram "$ram"
+# asv keeps no load with its figures (bench flags a point timed on a busy machine 'L'): say it here, before and after
+load() { echo "asv_record: load average $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo unknown) on $(nproc) cores $1"\
+    "(asv stores none with its figures: a busy machine makes them slower and noisier; compare idle runs only)"; }
+load "before asv run"
 python -m asv run "${config[@]}" --python=same --set-commit-hash "$(git rev-parse HEAD)" --machine "$machine" ${ASV_ARGS:-}
+load "after asv run"
 python -m asv publish "${config[@]}"
 python benchmarks/asv_offline.py "$html"
 echo "dashboard: $html/index.html (machine $machine)"

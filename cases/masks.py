@@ -86,8 +86,10 @@ def _poison_verdict(failure: CaseFailure, poison: str, finite_unchanged, changed
                        "random finite values leave the output unchanged. Zero the values of keys no query may see "
                        "(padded keys) before P @ V; a key hidden only from some queries (causal, attn_mask) cannot "
                        "be zeroed for all, so a dense P @ V there needs the declaration: "
-                       "divergences = masked_poison_divergences(\"why\") from "
-                       "mha_harness.toolkit.divergences (docs/plugins.md, 'Good to know'). The strict check said: "
+                       "divergences = masked_poison_divergences(\"why\", cases=[...]) from "
+                       "mha_harness.toolkit.divergences, naming the cases that fail so (without cases= it covers the "
+                       "causal and the padding case, and one that passes is an unexpected pass; docs/plugins.md, "
+                       "'Good to know'). The strict check said: "
                        f"{failure}", failure.max_error)
 
 

@@ -198,3 +198,6 @@ def test_the_readmes_plugin_route_into_asv_leaves_the_committed_results_alone(tm
     entry = doc["results"]["bench_time.TimeForward.time_forward"]
     assert any(isinstance(v, float) and v > 0 for v in entry[doc["result_columns"].index("result")])
     assert (tmp_path / "out" / "html" / "index.html").exists()
+    # asv keeps no load with its figures: the run prints it before and after (an outside user's asv figures beside
+    # another session's runs were up to 35x bench's, with nothing to say so)
+    assert "load average" in out.stdout and "before asv run" in out.stdout and "after asv run" in out.stdout

@@ -407,7 +407,8 @@ def test_a_ci_wider_than_the_median_prints_both_sides_not_a_negative_lower_bound
 
 
 def test_the_time_plot_draws_a_loaded_points_marker_open_and_says_so(tmp_path, monkeypatch):
-    """The table marks a point timed on a busy machine 'L'; the plot drew it like any other."""
+    """The table marks a point timed on a busy machine 'L'; the plot drew it like any other. The memory plot does
+    not mark it."""
     from matplotlib.figure import Figure
 
     from mha_harness.bench.sweep import plot
@@ -419,5 +420,9 @@ def test_the_time_plot_draws_a_loaded_points_marker_open_and_says_so(tmp_path, m
               for t in (256, 512, 1024)]
     for p, t in zip(points, (256, 512, 1024)):
         p.seq_len = p.tq = p.tk = t
+        p.peak_extra_bytes = 4096 * t
     plot(points, tmp_path, {})
     assert any("open marker" in n and "busy" in n and "512" in n for n in notes), notes
+    # a peak of memory, measured in its own pass, is not marked for the timing's load (an outside user read the
+    # open markers of the memory plot as readings below the resolution): only the time plot's note says so
+    assert sum("open marker" in n for n in notes) == 1, notes

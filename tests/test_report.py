@@ -380,6 +380,8 @@ def test_nan_poison_that_only_propagates_is_called_so_and_points_to_the_declarat
         assert r.message.startswith("not a leak: NaN" if r.params["poison"] == "nan" else "not a leak: inf"), r.message
         assert "random finite values leave the output unchanged" in r.message
         assert "masked_poison_divergences" in r.message and "mha_harness.toolkit.divergences" in r.message
+        # the helper covers both poison cases: an outside user whose padding case passed got an unexpected pass
+        assert 'masked_poison_divergences("why", cases=[...])' in r.message and "unexpected pass" in r.message
     real = mha_harness.check(LeaksUndeclared(), cases=[case])
     for r in real.failures():
         assert "not a leak" not in r.message

@@ -712,8 +712,10 @@ def load_warning(points: list[BenchPoint], threads: int | None = None, cores: in
             f"processes kept up to {worst:.2f} cores busy: compare them with care, or rerun on an idle machine")
     if threads and cores and threads > 1 and threads + worst > cores:
         fewer = max(1, int(cores - worst))
-        line += (f"; {threads} threads and their load need more than this machine's {cores} cores: --threads "
-                 f"{fewer} leaves the others room (figures with another --threads are not comparable)")
+        line += (f"; {threads} threads and their load need more than this machine's {cores} cores: a rerun with "
+                 f"--threads {fewer} leaves the others room, for a comparison within that run only (figures of "
+                 f"another --threads, the committed ones included, are not comparable with it); for figures "
+                 f"comparable with those, rerun with --threads {threads} once the machine is idle")
     return line
 
 
@@ -857,8 +859,10 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
                             color=color, label=name)
             else:
                 ax.plot(xs, ys, marker=marker, markersize=3.5, linestyle=style, color=color, label=name)
-            loaded = [(p.seq_len, y) for p, y in shown if _loaded(p)]
-            if loaded:  # open markers over the filled ones: figures of a loaded machine
+            # open markers over the filled ones: times of a loaded machine (a peak of memory, measured in its own
+            # pass, is no slower under load: an outside user read them as readings below the resolution)
+            loaded = [] if memory else [(p.seq_len, y) for p, y in shown if _loaded(p)]
+            if loaded:
                 ax.plot(*zip(*loaded), marker=marker, markersize=6, linestyle="none", color=color,
                         markerfacecolor="white")
                 loaded_notes.append(f"{plain}: {','.join(str(x) for x, _ in loaded)}")
