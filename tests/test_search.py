@@ -170,7 +170,8 @@ def test_declared_divergences_are_not_searched():
         divergences = uniform_fully_masked_divergences("finite mask value") + masked_poison_divergences("0 * NaN")
     coverage = Coverage.of(UniformAverage())
     assert not coverage.compare_empty_rows and coverage.poisons == ("random",)
-    assert Coverage.of(NumpyNaive()) == Coverage(True, ("random", "nan", "inf"), ("float32", "float64"),
+    assert Coverage.of(UniformAverage()).empty_rows == "uniform_average"
+    assert Coverage.of(NumpyNaive()) == Coverage("zeros", ("random", "nan", "inf"), ("float32", "float64"),
                                                  ("float32", "float64"))
 
 
@@ -285,3 +286,41 @@ def test_a_search_counts_every_reason_for_rejecting_a_draw_not_only_the_first():
     head = outcome.lines()[0]
     assert "(31 of them rejected as unsupported and drawn again: 20x biases only; 5x T <= 64 only; 3x no float16; " \
            "2 other reason(s), 3 draw(s))" in head
+
+
+#: an outside user's search example: per-(batch, head) bool mask leaving query row 0 no key in head 0 only
+ROW_EMPTY_IN_ONE_HEAD = {"dtype": "float32", "form": "self", "batch": 1, "tq": 2, "tk": 2, "heads": 2, "kv_heads": 2,
+                         "d_head": 2, "bias": False, "causal": None, "padding": None,
+                         "attn_mask": {"kind": "bool", "per": "batch_head", "density": 0.5, "empty_rows": [],
+                                       "seed": 0},
+                         "logit_scale": 1, "cut": 1, "poison": "random", "gradients": True, "malformed": None,
+                         "seed": 0}
+
+
+def test_a_row_with_no_key_in_one_head_is_held_to_the_declared_uniform_average():
+    """Search compared a row that has no key in one head (and keys in another) with the zeros convention although
+    the backend declares the uniform average (an outside user's Gemma layer, Hugging Face's finite-minimum masks,
+    failed with a misleading diagnosis); it is now compared with the declared output, and a layer that gives zeros
+    there while declaring the uniform average, or the uniform average undeclared, fails."""
+    from mha_harness.conformance.casekit import CaseFailure
+    from mha_harness.conformance.search_examples import check_example
+    from mha_harness.contract.reference import allowed_and_bias
+    from tests.empty_row_layers import Held, HeldUndeclared
+
+    params, inputs = build(ROW_EMPTY_IN_ONE_HEAD)
+    allowed = np.broadcast_to(allowed_and_bias(params, inputs)[0], (1, 2, 2, 2))
+    no_key = ~allowed.any(axis=-1)  # (batch, head, query)
+    assert no_key.any() and not no_key.all(axis=1).any()  # empty in one head, never in both
+    check_example(Held(), ROW_EMPTY_IN_ONE_HEAD)
+    # separate arrays: the leakage check too leaves such a row out (its uniform average takes in every key, masked
+    # ones too); jax-dpa's search failed on this example before
+    separate = {**ROW_EMPTY_IN_ONE_HEAD, "form": "separate", "tq": 3, "d_head": 1, "cut": 0, "gradients": False}
+    check_example(Held(), separate)
+    with pytest.raises(CaseFailure):
+        check_example(HeldUndeclared(), ROW_EMPTY_IN_ONE_HEAD)
+
+    class ZerosDeclaredUniform(NumpyNaive):
+        name = "zeros-declared-uniform"
+        divergences = uniform_fully_masked_divergences("claimed, not true")
+    with pytest.raises(CaseFailure):
+        check_example(ZerosDeclaredUniform(), ROW_EMPTY_IN_ONE_HEAD)
