@@ -25,7 +25,7 @@ _PUBLIC = {
     "causal_offset": "mha_harness.contract.conventions",
     "make_inputs": "mha_harness.contract.params", "make_params": "mha_harness.contract.params",
     "reference_attention": "mha_harness.contract.reference", "reference_vjp": "mha_harness.contract.reference",
-    "reference_vjp_magnitudes": "mha_harness.contract.reference",
+    "reference_vjp_magnitudes": "mha_harness.contract.reference", "logit_softcap_as": "mha_harness.contract.reference",
     "load_registry": "mha_harness.registry",
     "function_backend": "mha_harness.toolkit.function_backend",
     "configure_jax": "mha_harness.toolkit.jax_setup",
@@ -36,7 +36,8 @@ __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
            "Capabilities", "Divergence", "LoadedAttention", "Report", "Unsupported", "as_kv_cache_call",
            "causal_offset", "check",
-           "configure_jax", "function_backend", "implicitly_causal", "load_registry", "make_inputs", "make_params",
+           "configure_jax", "function_backend", "implicitly_causal", "load_registry", "logit_softcap_as", "make_inputs",
+           "make_params",
            "masks",
            "parametrize_with_cases", "reference_attention", "reference_vjp", "reference_vjp_magnitudes", "repro"]
 

@@ -54,6 +54,7 @@ def test_the_reference_soft_cap_bends_large_scores_and_its_backward_matches_fini
             assert abs(numeric - textbook[name][index]) < 1e-4 * max(1.0, abs(numeric))
             assert abs(flash[name][index] - textbook[name][index]) < 1e-9 * max(1.0, abs(numeric))
     assert np.abs(plain - capped).max() > 1.0  # the cap changed the output: the checks above are not vacuous
+    assert mha_harness.logit_softcap_as is logit_softcap_as  # public, for a plugin's own tests (docs/plugins.md)
 
 
 def test_a_declared_soft_cap_passes_every_quick_case_and_the_report_shows_it():

@@ -99,7 +99,7 @@ def logit_softcap() -> float | None:
 def scores_as_declared(capabilities):
     """The scores' conventions a backend declares (:class:`~mha_harness.contract.api.Capabilities`: its
     ``logit_softcap``), for the references computed within this block."""
-    return logit_softcap_as(capabilities.logit_softcap)
+    return logit_softcap_as(getattr(capabilities, "logit_softcap", None))
 
 
 def soft_capped(scores: np.ndarray, r=lambda x: x) -> np.ndarray:
