@@ -30,6 +30,7 @@ from mha_harness.conformance.casekit import (
     primary_dtype,
     require,
     run,
+    softcap_named,
     tolerance_for,
 )
 from mha_harness.conformance.diagnoses import mask_mistake
@@ -312,7 +313,9 @@ def check_padding_mask_output_matches_reference(backend, *, form, dtype):
         return Measurement(max_error=assert_close(np.where(real, got, 0), np.where(real, expected, 0), tol,
                                                   "padding-masked output (real queries)"))
     except CaseFailure as failure:
-        raise failure.with_hint(mask_mistake(got, params, inputs, rows=~query_padded)) from None
+        hint = mask_mistake(got, params, inputs, rows=~query_padded)
+        raise (failure.with_hint(hint) if hint else
+               softcap_named(failure, got, params, inputs, tol.bound, compare=~query_padded)) from None
 
 
 def _mask_variants(backend):
@@ -526,4 +529,6 @@ def check_mask_compositions_match_reference(backend, *, form, dtype, variant, sh
         return Measurement(max_error=assert_close(np.where(real, got, 0), np.where(real, expected, 0), tol,
                                                   f"mask composition {label} output"))
     except CaseFailure as failure:
-        raise failure.with_hint(mask_mistake(got, params, inputs, rows=real[..., 0])) from None
+        hint = mask_mistake(got, params, inputs, rows=real[..., 0])
+        raise (failure.with_hint(hint) if hint else
+               softcap_named(failure, got, params, inputs, tol.bound, compare=real[..., 0])) from None

@@ -15,7 +15,7 @@ from mha_harness.conformance.casekit import (
     scale_hint,
     tolerance_for,
 )
-from mha_harness.conformance.diagnoses import layer_mistake, single_key_rows_hint
+from mha_harness.conformance.diagnoses import SOFTCAP_MATCH, layer_mistake, single_key_rows_hint, softcap_hint
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.params import make_params
 
@@ -33,8 +33,9 @@ def check_scores_scaled_by_sqrt_d_head(backend, *, form, dtype):
     try:
         return Measurement(max_error=assert_close(got, expected, tol, "scaled attention output"))
     except CaseFailure as failure:
-        raise failure.with_hint(scale_hint(got, params, inputs, tol.bound)
-                                or single_key_rows_hint(got, expected, tol.bound, params, inputs)) from None
+        hint = (scale_hint(got, params, inputs, tol.bound) or softcap_hint(got, params, inputs, tol.bound)
+                or single_key_rows_hint(got, expected, tol.bound, params, inputs))
+        raise failure.with_hint(hint, replaces_guess=SOFTCAP_MATCH in hint) from None
 
 
 def _identity_output(params: AttentionParams) -> AttentionParams:
@@ -145,8 +146,9 @@ def check_output_projection_mixes_heads(backend, *, form, dtype):
         return Measurement(max_error=assert_close(got, expected, tol, "output projection"))
     except CaseFailure as failure:  # W_o mixes the heads as it should, but the heads are wrong: say how, if known
         hint = (scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
+                or softcap_hint(got, params, inputs, tol.bound)
                 or single_key_rows_hint(got, expected, tol.bound, params, inputs))
-        raise failure.with_hint(hint) from None
+        raise failure.with_hint(hint, replaces_guess=SOFTCAP_MATCH in hint) from None
 
 
 def _count_variants(backend):

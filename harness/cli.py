@@ -303,6 +303,8 @@ def cmd_list(args) -> int:
             causal = ("always " if caps.always_causal else "") + ("/".join(caps.causal_alignments) or "none")
             parts = [f"inputs {caps.inputs}", f"dtypes {','.join(caps.dtypes)}", f"devices {','.join(caps.devices)}",
                      f"causal {causal}"] + ([", ".join(flags)] if flags else [])
+            if getattr(caps, "logit_softcap", None) is not None:
+                parts.append(f"scores soft-capped at {caps.logit_softcap:g}")
             print(f"{'':<{width}}  " + "; ".join(parts))
             divergences = entry.backend.divergences
             if args.verbose:

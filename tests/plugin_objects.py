@@ -52,3 +52,12 @@ class OffsetOutput(NumpyNaive):
     """A failing backend that pickles (a worker can receive it as an object)."""
     name = "offset-output"
     loaded_class = _OffsetLoaded
+
+
+class ConfigRefusedWhenCounted(NumpyNaive):
+    """A layer whose own config check raises while its parameters are counted (Hugging Face's rotary config at an
+    odd head size, as an outside user's Gemma layer did in search)."""
+    name = "config-refused-when-counted"
+
+    def native_parameter_shapes(self, config):
+        raise RuntimeError("RoPE requires an even rotary dimension")

@@ -324,3 +324,27 @@ def test_a_row_with_no_key_in_one_head_is_held_to_the_declared_uniform_average()
         divergences = uniform_fully_masked_divergences("claimed, not true")
     with pytest.raises(CaseFailure):
         check_example(ZerosDeclaredUniform(), ROW_EMPTY_IN_ONE_HEAD)
+
+
+def test_a_dtype_left_out_for_a_declared_divergence_is_refused_saying_why():
+    """An outside user's Gemma layer declaring float64 computed at float32 was told only "searched in float32"."""
+    from mha_harness.toolkit.divergences import precision_divergences
+
+    class Float32Inside(NumpyNaive):
+        name = "float32-inside"
+        divergences = precision_divergences("float64", "float32", "a float32 softmax",
+                                            ("check_output_matches_reference",))
+    with pytest.raises(ValueError, match=r"searched in float32 \(float64 not: a divergence from the reference "
+                                         r"declared for check_output_matches_reference"):
+        SearchSpace.for_backend(Float32Inside(), dtypes=("float64",))
+
+
+def test_a_plugin_error_found_by_search_says_where_it_was_raised(tmp_path):
+    """An outside user's config error raised in native_parameter_shapes was reported by search as its type and
+    message alone (check's errors give file:line): the worker's file:line is kept."""
+    from tests.plugin_objects import ConfigRefusedWhenCounted
+
+    outcome = search_backend(Target(ConfigRefusedWhenCounted(), "tests.plugin_objects:ConfigRefusedWhenCounted"),
+                             results=tmp_path, max_examples=5, seed=0)
+    assert not outcome.passed and "RuntimeError: RoPE requires an even rotary dimension" in outcome.message
+    assert "plugin_objects.py:" in outcome.message, outcome.message

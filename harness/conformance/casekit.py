@@ -494,6 +494,15 @@ def _half_level_hint(err: float, tol: Tolerance) -> str:
             "cannot run every call'), which a precision declaration would hide")
 
 
+def softcap_named(failure: CaseFailure, got: np.ndarray, params: AttentionParams, inputs: AttentionInputs,
+                  bound: float, compare: np.ndarray | None = None) -> CaseFailure:
+    """``failure`` with the soft cap its whole output ``got`` matches named and its guess of a precision dropped
+    (:func:`~mha_harness.conformance.diagnoses.softcap_hint`; ``compare``: the (batch, Tq) rows that are specified);
+    unchanged when no cap fits."""
+    hint = softcap_hint(got, params, inputs, bound, compare)
+    return failure.with_hint(hint, replaces_guess=True) if hint else failure
+
+
 def check_against_reference(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs,
                             dtype: str, what: str = "output", rows=None,
                             hint: Callable[[np.ndarray], str] | None = None, got: np.ndarray | None = None) -> float:
@@ -774,8 +783,7 @@ def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: Attenti
         expected, tol = tolerance_for(params, inputs, dtype)
         error = float(np.max(np.abs(output - expected[weighed]), initial=0.0)) if np.all(np.isfinite(output)) \
             else np.inf
-        # every row weighed: the whole output is specified, so it may be fitted with a soft cap
-        capped = softcap_hint(whole, params, inputs, tol.bound) if error > tol.bound and weighed.all() else ""
+        capped = softcap_hint(whole, params, inputs, tol.bound, compare=weighed) if error > tol.bound else ""
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return ""
     if error <= tol.bound:

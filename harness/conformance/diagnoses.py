@@ -380,12 +380,13 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
 SOFTCAP_MATCH = "soft-capped"
 
 
-def softcap_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
+def softcap_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                 compare: np.ndarray | None = None) -> str:
     """A failed whole output that the reference reproduces with another soft cap on the scores
     (:func:`~mha_harness.contract.softcap_fit.fitted_softcap`): scores soft-capped by an undeclared cap (an outside
     user's Gemma 2 layer was told its error was of half precision's size), by another cap than the declared one, or
-    not at all under a declared cap; "" otherwise."""
-    fit = fitted_softcap(got, params, inputs, bound)
+    not at all under a declared cap; "" otherwise. ``compare``: the (batch, Tq) rows of ``got`` that are specified."""
+    fit = fitted_softcap(got, params, inputs, bound, compare=compare)
     if fit is None:
         return ""
     held = logit_softcap()

@@ -58,8 +58,11 @@ class SearchSpace:
         declared = coverage.output_dtypes or caps.dtypes
         chosen = tuple(d for d in declared if dtypes is None or d in dtypes)
         if not chosen:
+            left = [d for d in caps.dtypes if d not in declared]
+            why = (f" ({', '.join(left)} not: a divergence from the reference declared for check_output_matches_"
+                   "reference in that dtype, a precision: one, is not searched)") if left else ""
             raise ValueError(f"--dtype: got {', '.join(dtypes or ())}; {backend.name} is searched in "
-                             f"{', '.join(declared)}")
+                             f"{', '.join(declared)}{why}")
         return cls(
             dtypes=chosen,
             # every form Capabilities.inputs accepts; a KV-cache call (a shared-K/V call whose x_q is x_kv's last

@@ -27,13 +27,37 @@ class SoftcapFit:
 
 
 def fitted_softcap(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
-                   rows=None) -> SoftcapFit | None:
+                   rows=None, compare: np.ndarray | None = None) -> SoftcapFit | None:
     """The soft cap under which the float64 reference gives ``got`` (the output, or its ``rows`` when given) within
     ``2 * bound``, other than the one the reference holds now (:func:`logit_softcap`): no cap at all, when one is
     held and that fits, else the cap with the fewest significant digits that fits (50, not 49.93); None when none
-    fits."""
+    fits. ``compare``: a (batch, Tq) bool array of the whole output's rows that are specified (a padded query's
+    output is not): only those are compared."""
     got = np.asarray(got, np.float64)
     held, margin = logit_softcap(), 2 * bound
+    compare_at = _specified_rows if compare is not None else _sampled_rows
+    error, confirmed = compare_at(got, params, inputs, margin, rows if compare is None else compare)
+    return _fitted(error, confirmed, held, margin)
+
+
+def _specified_rows(got, params, inputs, margin, compare):
+    """(error(cap), confirmed(cap)) comparing the whole output on its specified rows (``compare``, (batch, Tq)),
+    the others zeroed on both sides."""
+    keep = np.asarray(compare, bool)[..., None]
+    part = np.where(keep, got, 0.0)
+
+    def error(cap) -> float:
+        with logit_softcap_as(cap):
+            return distance(part, np.where(keep, reference_attention(params, inputs).output, 0.0))
+
+    def confirmed(cap) -> SoftcapFit | None:
+        return SoftcapFit(cap, error(cap)) if error(cap) <= margin else None
+    return error, confirmed
+
+
+def _sampled_rows(got, params, inputs, margin, rows):
+    """(error(cap), confirmed(cap)): ``got`` holds the query ``rows`` (all of them for None), compared at up to
+    :data:`FIT_ROWS` of them while fitting and at every one to confirm."""
     if rows is None:
         sample = np.unique(np.linspace(0, inputs.tq - 1, min(inputs.tq, FIT_ROWS)).round().astype(int))
         part = got[:, sample]
@@ -45,9 +69,14 @@ def fitted_softcap(got: np.ndarray, params: AttentionParams, inputs: AttentionIn
             return distance(against, reference_attention(params, inputs, rows=at).output)
 
     def confirmed(cap) -> SoftcapFit | None:
-        whole = error(cap, rows, got) if rows is None else error(cap)
+        whole = error(cap, None, got) if rows is None else error(cap)
         return SoftcapFit(cap, whole) if whole <= margin else None
+    return error, confirmed
 
+
+def _fitted(error, confirmed, held: float | None, margin: float) -> SoftcapFit | None:
+    """The fit itself: the grid, the golden-section refinement, the simplest cap that fits, no cap when one is
+    held and that fits best; ``error(cap)`` on the compared part, ``confirmed(cap)`` on the whole."""
     errors = [error(c) for c in SOFTCAP_GRID]
     best = int(np.argmin(errors))
     low, high = np.log(SOFTCAP_GRID[max(best - 1, 0)]), np.log(SOFTCAP_GRID[min(best + 1, len(SOFTCAP_GRID) - 1)])
