@@ -14,7 +14,11 @@ import functools
 import math
 
 from mha_harness.implementations.torch_eager import TorchEager, TorchEagerLoaded, eager_layer, weighted_values
-from mha_harness.toolkit.divergences import nan_fully_masked_divergences, uniform_fully_masked_divergences
+from mha_harness.toolkit.divergences import (
+    nan_fully_masked_divergences,
+    precision_divergences,
+    uniform_fully_masked_divergences,
+)
 
 
 def _masks(torch, scores, allowed, additive):
@@ -102,3 +106,14 @@ class DoubleWhere(_Variant):
 
 class NaNRows(_Variant):
     mode, divergences = "nan", nan_fully_masked_divergences("the softmax of a row of -inf is 0 / 0")
+
+
+class HeldInBfloat16(_Variant):
+    """``Held`` computing a float32 call in bfloat16 (a half-precision kernel behind a float32 API), declaring both:
+    its float32 rows without a key match both declarations, and are verified under the two at once."""
+    divergences = _UNIFORM + precision_divergences("float32", "bfloat16", "the layer computes in bfloat16",
+                                                   cases=["check_gradients_match_reference",
+                                                          "check_fully_masked_rows_output_zeros"])
+
+    def load_native(self, params, dtype):
+        return _Loaded(self, params, "bfloat16" if dtype == "float32" else dtype)

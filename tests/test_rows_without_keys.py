@@ -131,3 +131,17 @@ def test_a_uniform_row_held_by_shifted_scores_says_so_in_the_result():
     from mha_harness.cases.gradients import SHIFTED_SCORES
     assert _empty_row_result(Shifted())[0].observed == SHIFTED_SCORES
     assert _empty_row_result(Held())[0].observed != SHIFTED_SCORES
+
+
+def test_a_variant_two_declarations_match_is_verified_under_both_at_once():
+    """A layer computing float32 calls in bfloat16 that also masks with a finite minimum declares both; its float32
+    rows without a key match both declarations. Verified under the first alone (the empty-row output at the
+    float32 bound) they failed "even under the declared divergence"; under both at once they hold, and the report
+    names both."""
+    from tests.empty_row_layers import HeldInBfloat16
+
+    report = mha_harness.check(HeldInBfloat16(), cases=[CASE, "check_fully_masked_rows_output_zeros"])
+    both = [r for r in report.results if r.case == "check_fully_masked_rows_output_zeros" or r.params.get("empty_row")]
+    assert len(both) == 4 and not report.failures(), [(r.variant, r.message[:200]) for r in report.failures()]
+    assert all(r.status == "expected-divergence" and "uniform average of V; compared against the bound of dtype "
+               "bfloat16" in r.message for r in both), [(r.variant, r.message[:200]) for r in both]

@@ -278,23 +278,26 @@ def require(backend: AttentionBackend, *features: str) -> None:
         raise CaseSkipped(reason)
 
 
-#: the behaviour of a declared divergence being verified now (None: the case runs strictly)
-_DECLARED: contextvars.ContextVar[str | None] = contextvars.ContextVar("declared", default=None)
+#: the behaviours of the declared divergences being verified now (empty: the case runs strictly)
+_DECLARED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("declared", default=())
 
 
 @contextlib.contextmanager
-def verifying(behaviour: str):
-    """Run a case under a declared behaviour (see :class:`mha_harness.Divergence`): precision declarations
-    change the tolerance bound, fully-masked-row declarations the reference, ``masked_poison`` what :func:`run`
-    accepts from the backend."""
+def verifying(*behaviours: str):
+    """Run a case under declared behaviours (see :class:`mha_harness.Divergence`), every one a variant's
+    declarations match at once (a float64 row with no key of a layer computing in float32: an empty-row output
+    and a precision): precision declarations change the tolerance bound (the loosest of them), fully-masked-row
+    declarations the reference, ``masked_poison`` what :func:`run` accepts from the backend."""
     from mha_harness.contract.reference import empty_rows_as
     from mha_harness.contract.tolerance import bound_of
-    kind, _, value = behaviour.partition(":")
-    with scoped(_DECLARED, behaviour), contextlib.ExitStack() as stack:
-        if kind == "precision":
-            stack.enter_context(bound_of(value))
-        elif kind == "fully_masked_rows":
-            stack.enter_context(empty_rows_as(value))
+    precisions = sorted((b.partition(":")[2] for b in behaviours if b.startswith("precision:")), key=EPS.get)
+    with scoped(_DECLARED, tuple(behaviours)), contextlib.ExitStack() as stack:
+        if precisions:
+            stack.enter_context(bound_of(precisions[-1]))
+        for behaviour in behaviours:
+            kind, _, value = behaviour.partition(":")
+            if kind == "fully_masked_rows":
+                stack.enter_context(empty_rows_as(value))
         yield
 
 
@@ -346,7 +349,7 @@ def run(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInp
     if output.shape != expected:
         raise CaseFailure(f"output shape: expected {expected}, got {output.shape}")
     output = output.astype(np.float64)
-    if _DECLARED.get() == "masked_poison":
+    if "masked_poison" in _DECLARED.get():
         output = _accept_masked_poison(loaded, params, inputs, output, need_weights)
     weights = None
     if need_weights:
@@ -364,7 +367,7 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
     """Fail with location and size of the largest error when ``actual`` is outside ``tol`` of ``expected``."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     nan_expected = np.isnan(expected)
-    if _DECLARED.get() != "fully_masked_rows:nan" and not np.all(np.isfinite(expected)):
+    if "fully_masked_rows:nan" not in _DECLARED.get() and not np.all(np.isfinite(expected)):
         # the baseline is the backend's own earlier output in the invariance cases: NaN there is no excuse
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(expected))[0])
         where = ", ".join(f"{label} {i}" for label, i in zip(labels, bad))

@@ -143,26 +143,31 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
         return Status.ERROR, f"{type(exc).__name__}: {exc}" + (f" at {where}" if where else ""), None, None, ""
 
 
-def _verify(backend, case: Case, params: dict, d: Divergence, result: CaseResult) -> None:
-    """The strict run failed and ``d`` is declared: rerun under its behaviour; only a pass there is expected."""
-    with verifying(d.behaviour):
-        status, message, max_error, observed, diagnosis = _execute(backend, case, params)
-    if status == Status.PASSED and d.behaviour == "masked_poison" and params.get("poison") not in (None, "random"):
+def _verify(backend, case: Case, params: dict, declared: list[Divergence], result: CaseResult) -> None:
+    """The strict run failed and ``declared`` match the variant: rerun under all their behaviours at once; only a
+    pass there is expected."""
+    behaviours = tuple(dict.fromkeys(d.behaviour for d in declared))
+    observed = "; ".join(dict.fromkeys(d.observed for d in declared))
+    reasons = "; ".join(dict.fromkeys(d.reason for d in declared))
+    with verifying(*behaviours):
+        status, message, max_error, seen, diagnosis = _execute(backend, case, params)
+    if status == Status.PASSED and "masked_poison" in behaviours and params.get("poison") not in (None, "random"):
         finite = {**params, "poison": "random"}
-        status, message, max_error, _, diagnosis = _execute(backend, case, finite)
+        with verifying(*(b for b in behaviours if b != "masked_poison")):
+            status, message, max_error, _, diagnosis = _execute(backend, case, finite)
         if status == Status.FAILED:
             message = f"the finite-value variant ({variant_id(backend.name, finite)}) fails too: {message}"
     if status == Status.PASSED:
         result.status = Status.EXPECTED_DIVERGENCE
-        result.message = (f"declared divergence, verified: {d.observed} ({d.reason}); "
+        result.message = (f"declared divergence, verified: {observed} ({reasons}); "
                           f"the strict case said: {result.message}")
-        result.observed = result.observed or observed or d.observed  # the verifying run may say how it held
+        result.observed = result.observed or seen or observed  # the verifying run may say how it held
     elif status == Status.FAILED:
-        result.message = f"fails even under its declared divergence ({d.observed}): {message}"
+        result.message = f"fails even under its declared divergence ({observed}): {message}"
         result.max_error = max_error
         _diagnosed(result, diagnosis)
     else:
-        result.status, result.message = status, f"while verifying the declared {d.observed}: {message}"
+        result.status, result.message = status, f"while verifying the declared {observed}: {message}"
 
 
 def run_case(backend, case: Case, params: dict, *, spec: str | None = None,
@@ -191,12 +196,14 @@ def _run_and_verify(proxy, case: Case, params: dict, result: CaseResult) -> None
     _diagnosed(result, diagnosis)
     declared = [d for d in proxy.divergences if d.matches(case.name, params)]
     if declared and result.status == Status.FAILED:
-        _verify(proxy, case, params, declared[0], result)
+        _verify(proxy, case, params, declared, result)
         if result.status != Status.FAILED:  # a verified divergence (or an error while verifying) is no mistake
             result.extra.pop("diagnosis", None)
     elif declared and result.status == Status.PASSED:
-        d = declared[0]
-        if d.behaviour.startswith("precision:"):  # settled over the whole run: settle_precision_declarations
+        # a declaration of the variant's own behaviour that did not happen is an unexpected pass; precision ones are
+        # settled over the whole run (settle_precision_declarations)
+        d = next((d for d in declared if not d.behaviour.startswith("precision:")), declared[0])
+        if d.behaviour.startswith("precision:"):
             result.observed = PRECISION_NOT_NEEDED
             result.message = (f"passed at the strict tolerance: the declared {d.observed} ({d.reason}) was not "
                               "needed by this variant")
@@ -231,13 +238,14 @@ def settle_precision_declarations(backend, results: list[CaseResult], progress=N
     exactly 1). A declaration that no variant needed is stale: its strict passes become unexpected passes, handed to
     ``progress`` (each was reported to it as passed when it ran)."""
     declarations = as_proxy(backend).divergences
-    first = {id(r): next((d for d in declarations if d.matches(r.case, r.params)), None) for r in results}
-    needed = {id(first[id(r)]) for r in results
-              if first[id(r)] is not None and r.status in (Status.EXPECTED_DIVERGENCE, Status.FAILED)}
+    matching = {id(r): [d for d in declarations if d.matches(r.case, r.params)] for r in results}
+    # a diverged variant was verified under every declaration it matches at once (runner._verify)
+    needed = {id(d) for r in results if r.status in (Status.EXPECTED_DIVERGENCE, Status.FAILED)
+              for d in matching[id(r)]}
     for r in results:
-        d = first[id(r)]
-        if r.observed == PRECISION_NOT_NEEDED and r.status == Status.PASSED and id(d) not in needed:
-            r.status, r.message = Status.UNEXPECTED_PASS, _did_not_happen(r.backend, d) + (
+        stale = [d for d in matching[id(r)] if d.behaviour.startswith("precision:") and id(d) not in needed]
+        if r.observed == PRECISION_NOT_NEEDED and r.status == Status.PASSED and stale:
+            r.status, r.message = Status.UNEXPECTED_PASS, _did_not_happen(r.backend, stale[0]) + (
                 "; no variant it matches needed it")
             if progress:
                 progress(r)

@@ -238,7 +238,8 @@ class Divergence:
     * ``masked_poison``: NaN/inf may come out only in batch items where a masked key/value held NaN/inf, the
       output must be right once those are finite, and the finite-value variant of the case must pass.
 
-    When the case fails, it is rerun under the declaration: passing there is an *expected divergence*; failing
+    When the case fails, it is rerun under the declaration (under every declaration the variant matches, at once:
+    an empty-row output and a precision, say): passing there is an *expected divergence*; failing
     there is a failure ("fails even under its declared divergence (...): ..."). A declaration whose case passes
     anyway is an *unexpected pass* and fails the run, so declarations cannot rot. Unknown case names or ``when``
     keys are refused when the backend is checked.

@@ -48,7 +48,7 @@ def with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
 def wrong_scales(config: AttentionConfig) -> dict[float, str]:
     """The common wrong score scales (1/sqrt(d_model), none, 1/d_head, 1/d_model) as factors of the true
     1/sqrt(d_head) -> their label; scales that coincide for this shape (d_head = sqrt(d_model): 1/d_head and
-    1/sqrt(d_model)) are one entry ("1/sqrt(d_model) or 1/d_head (the same here: ...)"; an outside user read
+    1/sqrt(d_model)) are one entry ("1/sqrt(d_model) or 1/d_head"; an outside user read
     "1/sqrt(d_model) = 1/d_head" as a claim about the formula), the true scale is left out (empty when
     d_model = d_head = 1: every common wrong scale is the right one)."""
     candidates = {"1/sqrt(d_model)": np.sqrt(config.d_head / config.d_model), "1 (no scaling)": np.sqrt(config.d_head),
@@ -57,8 +57,7 @@ def wrong_scales(config: AttentionConfig) -> dict[float, str]:
     for label, factor in candidates.items():
         if not np.isclose(factor, 1.0, rtol=1e-12):
             same.setdefault(round(float(factor), 12), []).append(label)
-    shape = f" (the same here: d_model = {config.d_model}, d_head = {config.d_head})"
-    return {factor: " or ".join(labels) + (shape if len(labels) > 1 else "") for factor, labels in same.items()}
+    return {factor: " or ".join(labels) for factor, labels in same.items()}
 
 
 def without_output_projection(params: AttentionParams) -> AttentionParams:
