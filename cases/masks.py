@@ -408,9 +408,11 @@ FULLY_MASKED_ROUTES = ("key_padding_mask", "bool_attn_mask", "additive_attn_mask
 
 
 def _fully_masked_variants(backend):
-    """One variant per mask kind the backend declares (``route``), on the primary dtype."""
+    """One variant per mask kind the backend declares (``route``) and dtype: a layer's masked value can differ by
+    dtype (Hugging Face's eager layers add their dtype's most negative value, which their float32 softmax reads as
+    -inf in a float64 call: NaN rows where float32 ones average, an outside user's Gemma layer)."""
     routes = [route for route in FULLY_MASKED_ROUTES if getattr(backend.capabilities, route)]
-    return [{"dtype": primary_dtype(backend), "route": route} for route in routes or [None]]
+    return [{"dtype": dtype, "route": route} for dtype in backend.capabilities.dtypes for route in routes or [None]]
 
 
 @case(requires=(), variants=_fully_masked_variants, forms=ALL_FORMS)

@@ -33,7 +33,7 @@ def _masks(torch, scores, allowed, additive):
     return scores, visible
 
 
-def _attention(mode: str, scaled: bool = True):
+def _attention(mode: str, scaled: bool = True, float32_softmax: bool = False):
     def attention(qh, kh, vh, allowed, additive, need_weights):
         import torch
         group = qh.shape[1] // kh.shape[1]
@@ -44,7 +44,10 @@ def _attention(mode: str, scaled: bool = True):
             weights = torch.softmax(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), dim=-1)
         elif mode == "shifted":
             bias = torch.zeros_like(scores).masked_fill(~visible, torch.finfo(scores.dtype).min)
-            weights = torch.softmax(scores + bias, dim=-1)
+            if float32_softmax:  # as Hugging Face's eager layers take it: float64's minimum is -inf in float32
+                weights = torch.softmax(scores + bias, dim=-1, dtype=torch.float32).to(scores.dtype)
+            else:
+                weights = torch.softmax(scores + bias, dim=-1)
         else:  # a float mask of -inf added: the softmax of a row of -inf is NaN (kept, or replaced by zeros after it
             # in the double where; a masked_fill's backward would have zeroed the NaN)
             bias = torch.zeros_like(scores).masked_fill(~visible, -math.inf)
@@ -60,11 +63,12 @@ class _Loaded(TorchEagerLoaded):
 
     def __init__(self, backend, params, dtype):
         super().__init__(backend, params, dtype)
-        self.layer = functools.partial(eager_layer, attention=_attention(backend.mode, backend.scaled))
+        self.layer = functools.partial(eager_layer, attention=_attention(backend.mode, backend.scaled,
+                                                                         backend.float32_softmax))
 
 
 class _Variant(TorchEager):
-    mode, scaled, divergences = "held", True, ()
+    mode, scaled, divergences, float32_softmax = "held", True, (), False
 
     def __init__(self):
         super().__init__()
@@ -117,3 +121,19 @@ class HeldInBfloat16(_Variant):
 
     def load_native(self, params, dtype):
         return _Loaded(self, params, "bfloat16" if dtype == "float32" else dtype)
+
+
+class ShiftedFloat32Softmax(_Variant):
+    """``Shifted`` with the softmax taken in float32 (Hugging Face's eager layers): the float64 minimum it adds is
+    -inf there, so its float64 rows without a key are NaN while its float32 ones average (an outside user's Gemma
+    layer); it declares the uniform average, which the float64 variants disprove."""
+    mode, float32_softmax = "shifted", True
+    divergences = _UNIFORM + precision_divergences("float64", "float32", "the softmax is taken in float32",
+                                                   cases=["check_fully_masked_rows_output_zeros"])
+
+
+class ShiftedFloat32SoftmaxDeclared(ShiftedFloat32Softmax):
+    """``ShiftedFloat32Softmax`` declaring what it does per dtype: NaN rows in float64, the uniform average else."""
+    divergences = (uniform_fully_masked_divergences("a finite minimum", dtypes=("float32", "bfloat16", "float16"))
+                   + nan_fully_masked_divergences("float64's minimum is -inf in the float32 softmax",
+                                                  dtypes=("float64",)))

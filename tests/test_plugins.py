@@ -142,7 +142,10 @@ def test_pytest_plugin_turns_declared_divergences_into_xfail(pytester):
     pytest.importorskip("jax")
     result = pytester.runpytest("--pyargs", "mha_harness.cases", "--mha-backend", "jax-dpa", "-q",
                                 "-k", "check_fully_masked_rows_output_zeros")
-    result.assert_outcomes(xfailed=3)  # padding, bool and additive masks: jax-dpa declares all three
+    # padding, bool and additive masks, in each dtype it declares (float32, float64, bfloat16 here): jax-dpa
+    # declares the uniform average for all (the count is not read from jax-dpa itself: importing jax into this
+    # process beside torch aborted it)
+    result.assert_outcomes(xfailed=9)
 
 
 def test_pytest_plugin_is_inert_in_other_projects(pytester):

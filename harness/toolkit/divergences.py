@@ -35,27 +35,33 @@ def masked_poison_divergences(reason: str, cases: Iterable[str] = POISON_CASES) 
     return tuple(Divergence(case, "masked_poison", reason, when={"poison": ("nan", "inf")}) for case in cases)
 
 
-def _fully_masked(value: str, reason: str, with_empty_causal_rows: bool) -> tuple[Divergence, ...]:
-    out = (Divergence(FULLY_MASKED_CASE, f"fully_masked_rows:{value}", reason),
-           Divergence(EMPTY_ROW_GRADIENTS[0], f"fully_masked_rows:{value}", reason, when=dict(EMPTY_ROW_GRADIENTS[1])))
+def _fully_masked(value: str, reason: str, with_empty_causal_rows: bool,
+                  dtypes: Iterable[str] | None) -> tuple[Divergence, ...]:
+    only = {} if dtypes is None else {"dtype": tuple(dtypes)}
+    out = (Divergence(FULLY_MASKED_CASE, f"fully_masked_rows:{value}", reason, when=only),
+           Divergence(EMPTY_ROW_GRADIENTS[0], f"fully_masked_rows:{value}", reason,
+                      when={**EMPTY_ROW_GRADIENTS[1], **only}))
     if with_empty_causal_rows:
         case, when = EMPTY_CAUSAL_ROWS
-        out += (Divergence(case, f"fully_masked_rows:{value}", reason, when=dict(when)),)
+        out += (Divergence(case, f"fully_masked_rows:{value}", reason, when={**when, **only}),)
     return out
 
 
-def uniform_fully_masked_divergences(reason: str, *, with_empty_causal_rows: bool = True) -> tuple[Divergence, ...]:
+def uniform_fully_masked_divergences(reason: str, *, with_empty_causal_rows: bool = True,
+                                     dtypes: Iterable[str] | None = None) -> tuple[Divergence, ...]:
     """Rows with every key masked output the uniform average of V (a finite mask value instead of -inf), also
     the bottom-right causal rows that see no key when Tq > Tk (``with_empty_causal_rows``); the backward through
-    such a row (the gradient case's ``empty_row`` variant) follows the same convention."""
-    return _fully_masked("uniform_average", reason, with_empty_causal_rows)
+    such a row (the gradient case's ``empty_row`` variant) follows the same convention. ``dtypes``: only in these
+    (a layer whose masked value becomes -inf in one dtype: Hugging Face's float64 rows are NaN, declared apart)."""
+    return _fully_masked("uniform_average", reason, with_empty_causal_rows, dtypes)
 
 
-def nan_fully_masked_divergences(reason: str, *, with_empty_causal_rows: bool = True) -> tuple[Divergence, ...]:
+def nan_fully_masked_divergences(reason: str, *, with_empty_causal_rows: bool = True,
+                                 dtypes: Iterable[str] | None = None) -> tuple[Divergence, ...]:
     """Rows with every key masked output NaN (softmax of a row of -inf: 0 / 0), also the bottom-right causal rows
     that see no key when Tq > Tk (``with_empty_causal_rows``); the backward through such a row (the gradient case's
-    ``empty_row`` variant) is NaN the same way."""
-    return _fully_masked("nan", reason, with_empty_causal_rows)
+    ``empty_row`` variant) is NaN the same way. ``dtypes``: only in these."""
+    return _fully_masked("nan", reason, with_empty_causal_rows, dtypes)
 
 
 def precision_divergences(dtype: str, bound: str, reason: str, cases: Iterable[str],
