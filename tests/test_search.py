@@ -25,7 +25,11 @@ from mha_harness.conformance.strategies import SearchSpace, logit_scales
 from mha_harness.contract.api import AttentionInputs, Capabilities
 from mha_harness.implementations.mutants import mutant_backends
 from mha_harness.implementations.numpy_naive import NumpyNaive
-from mha_harness.toolkit.divergences import masked_poison_divergences, uniform_fully_masked_divergences
+from mha_harness.toolkit.divergences import (
+    masked_poison_divergences,
+    nan_fully_masked_divergences,
+    uniform_fully_masked_divergences,
+)
 
 pytest.importorskip("hypothesis")
 MUTANTS = {b.name: b for b in mutant_backends()}
@@ -170,9 +174,16 @@ def test_declared_divergences_are_not_searched():
         divergences = uniform_fully_masked_divergences("finite mask value") + masked_poison_divergences("0 * NaN")
     coverage = Coverage.of(UniformAverage())
     assert not coverage.compare_empty_rows and coverage.poisons == ("random",)
-    assert Coverage.of(UniformAverage()).empty_rows == "uniform_average"
-    assert Coverage.of(NumpyNaive()) == Coverage("zeros", ("random", "nan", "inf"), ("float32", "float64"),
+    assert Coverage.of(UniformAverage()).empty_rows_in("float64") == "uniform_average"
+    assert Coverage.of(NumpyNaive()) == Coverage((), ("random", "nan", "inf"), ("float32", "float64"),
                                                  ("float32", "float64"))
+
+    class PerDtype(NumpyNaive):  # Hugging Face's eager rows: NaN in float64, the uniform average else
+        name = "per-dtype"
+        divergences = (uniform_fully_masked_divergences("finite minimum", dtypes=("float32",))
+                       + nan_fully_masked_divergences("-inf in a float32 softmax", dtypes=("float64",)))
+    per_dtype = Coverage.of(PerDtype())
+    assert (per_dtype.empty_rows_in("float32"), per_dtype.empty_rows_in("float64")) == ("uniform_average", "nan")
 
 
 def test_logit_scales_reach_exp_overflow_of_each_dtype():

@@ -108,23 +108,34 @@ def _declared(backend: AttentionBackend, case: str, **params) -> bool:
 class Coverage:
     """The inputs a backend's declared divergences cover, which the search does not draw or does not assert."""
 
-    empty_rows: str = "zeros"  # what a query row with no key in some head outputs there: the convention or declared
+    #: (dtype, output) of query rows with no key in some head, where a declaration says other than zeros
+    empty_rows: tuple[tuple[str, str], ...] = ()
     poisons: tuple[str, ...] = POISONS  # poisons whose leakage is not declared
     output_dtypes: tuple[str, ...] = ()  # dtypes whose output is held to the reference (not declared otherwise)
     gradient_dtypes: tuple[str, ...] = ()
 
     @property
     def compare_empty_rows(self) -> bool:
-        """Rows with no key in some head are held to the reference's zeros (no other output is declared)."""
-        return self.empty_rows == "zeros"
+        """Rows with no key in some head are held to the reference's zeros in every dtype (no other output is
+        declared)."""
+        return not self.empty_rows
+
+    def empty_rows_in(self, dtype: str) -> str:
+        """What a row with no key in some head outputs in ``dtype``: "zeros" (the convention) or the declared one."""
+        return dict(self.empty_rows).get(dtype, "zeros")
 
     @classmethod
     def of(cls, backend: AttentionBackend) -> Coverage:
         dtypes = backend.capabilities.dtypes
-        declared = [d.behaviour.split(":", 1)[1] for d in backend.divergences
-                    if d.case in _EMPTY_ROW_CASES and d.behaviour.startswith("fully_masked_rows:")]
+        declared = {}
+        for dtype in dtypes:  # the first declaration of the fully-masked case that covers the dtype
+            value = next((d.behaviour.split(":", 1)[1] for d in backend.divergences
+                          if d.case in _EMPTY_ROW_CASES and d.behaviour.startswith("fully_masked_rows:")
+                          and _in_dtypes(d, dtype)), None)
+            if value is not None and value != "zeros":
+                declared[dtype] = value
         return cls(
-            empty_rows=declared[0] if declared else "zeros",
+            empty_rows=tuple(declared.items()),
             poisons=tuple(p for p in POISONS if not any(_declared(backend, c, poison=p) for c in _POISON_CASES)),
             output_dtypes=tuple(d for d in dtypes if not _declared(backend, "check_output_matches_reference", dtype=d)),
             gradient_dtypes=tuple(d for d in dtypes
@@ -184,6 +195,12 @@ def build(example: Mapping[str, Any]) -> tuple[AttentionParams, AttentionInputs]
     return params, FORMS[form](config, batch, tq, tk, int(e["seed"]) + 1, **masks)
 
 
+def _in_dtypes(d, dtype: str) -> bool:
+    """Whether declaration ``d`` covers calls in ``dtype`` (its ``when`` names no dtype, or this one)."""
+    wanted = d.when.get("dtype")
+    return wanted is None or dtype in (wanted if isinstance(wanted, (list, tuple, set, frozenset)) else (wanted,))
+
+
 # --- the property ---------------------------------------------------------------------------------------------------
 def _allowed(params: AttentionParams, inputs: AttentionInputs) -> np.ndarray:
     allowed, _ = allowed_and_bias(params, inputs)
@@ -233,11 +250,12 @@ def _check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> flo
         if problem:
             raise CaseFailure(f"bad input not rejected clearly: {problem}")
     allowed = _allowed(params, inputs)
+    convention = coverage.empty_rows_in(dtype)
     # (batch, Tq): rows with no key to attend to in some head, whose output there the backend declares otherwise
     # (per-head masks empty a row in one head only: an outside user's Gemma layer, uniform declared, failed there)
-    empty = None if coverage.compare_empty_rows else (~allowed.any(axis=3)).any(axis=1)
+    empty = None if convention == "zeros" else (~allowed.any(axis=3)).any(axis=1)
     got = run(backend, params, inputs, dtype, loaded=loaded).output
-    with empty_rows_as(coverage.empty_rows):  # the declared output of such rows (verified by the fully-masked case)
+    with empty_rows_as(convention):  # the declared output of such rows (verified by the fully-masked case)
         return _check_calls(backend, params, inputs, example, loaded, coverage, allowed, empty, got)
 
 
@@ -250,7 +268,7 @@ def _check_calls(backend, params, inputs, example, loaded, coverage, allowed, em
     worst = 0.0
     if dtype in coverage.output_dtypes:
         # named like check's failures: the known mistake the output matches
-        shown = got if coverage.empty_rows == "uniform_average" else _ignoring(got, expected, empty)
+        shown = got if coverage.empty_rows_in(dtype) == "uniform_average" else _ignoring(got, expected, empty)
         worst = assert_output_close(backend, params, inputs, dtype, shown, expected, tol)
     _check_leakage(backend, params, inputs, example, loaded, allowed, empty, got, tol)
     if example.get("gradients") and backend.capabilities.gradients and dtype in coverage.gradient_dtypes \
