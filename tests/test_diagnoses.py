@@ -475,7 +475,7 @@ def test_rows_wrong_from_one_position_on_are_named_so():
                for f in failures), [f.message[-300:] for f in failures]
 
 
-def test_wrong_scales_that_coincide_at_a_shape_are_named_as_either_with_the_shape():
+def test_wrong_scales_that_coincide_at_a_shape_are_named_as_either():
     """At d_head = sqrt(d_model), 1/d_head and 1/sqrt(d_model) are one scale: named as either (an outside user read
     "1/sqrt(d_model) = 1/d_head" as a claim about the formula)."""
     from mha_harness.contract.mistakes import wrong_scales

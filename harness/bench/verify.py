@@ -31,8 +31,8 @@ from mha_harness.contract.mistakes import (
     written_one_slot_late,
     wrong_scales,
 )
-from mha_harness.contract.reference import logit_softcap, reference_attention, reference_vjp, scores_as_declared
-from mha_harness.contract.softcap_fit import SoftcapFit, fitted_softcap
+from mha_harness.contract.reference import reference_attention, reference_vjp, scores_as_declared
+from mha_harness.contract.softcap_fit import fitted_softcap, mismatch
 from mha_harness.contract.tolerance import bound_of
 
 #: a point whose call returned something other than the layer's output, or a wrong one: it is not timed
@@ -94,22 +94,11 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     if not found:
         fit = fitted_softcap(got, params, inputs, bound, rows=rows)
         if fit is not None:
-            return _softcap_mismatch(fit)
+            return mismatch(fit)
     if len(found) > 1:  # at some shapes (one query, a long cache) two mistakes give outputs alike at these rows
         return (f"; the checked rows cannot tell {len(found)} mistakes apart, the output matches each: "
                 + "; or ".join(found))
     return f"; the output matches {found[0]}" if found else ""
-
-
-def _softcap_mismatch(fit: SoftcapFit) -> str:
-    """The message suffix of a wrong output the reference reproduces under another soft cap on the scores."""
-    held = logit_softcap()
-    if fit.cap is None:
-        return f"; the output matches scores that are not soft-capped, not the declared logit_softcap {held:g}"
-    if held is not None:
-        return f"; the output matches scores soft-capped at {fit.cap:g}, not at the declared logit_softcap {held:g}"
-    return (f"; the output matches scores soft-capped at {fit.cap:g} (c * tanh(s / c) before the mask): if the layer "
-            f"caps by design, declare its configured cap, Capabilities(logit_softcap={fit.cap:g})")
 
 
 def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:

@@ -69,16 +69,17 @@ class CaseFailure(AssertionError):
         self.diagnosis = diagnosis  # the known mistake the output matches, when one does (also in the message)
         self.guess = guess  # the part of the message that guesses a cause from the error's size alone
 
-    def with_hint(self, hint: str, diagnosis: str | None = None, *, replaces_guess: bool = False) -> CaseFailure:
+    def with_hint(self, hint: str, diagnosis: str | None = None) -> CaseFailure:
         """This failure with ``hint``, a diagnosis suffix ("; the output matches ..."), appended to its message and
         kept as its diagnosis (the diagnosis it had when ``hint`` is empty); ``diagnosis``: a shorter one to keep
         instead, for the summary's "diagnosed:" line, or "" when the hint names no mistake (a list of the wrong
-        gradients): the failure keeps the diagnosis it had. ``replaces_guess``: the hint names the cause the
-        message's guess from the error's size (a precision, :attr:`guess`) would misname, which is dropped."""
+        gradients): the failure keeps the diagnosis it had. A hint that names a soft cap on the scores
+        (:data:`~mha_harness.conformance.diagnoses.SOFTCAP_MATCH`) names the cause the message's guess from the
+        error's size (a precision, :attr:`guess`) would misname: the guess is dropped."""
         if diagnosis is None:
             diagnosis = hint.removeprefix("; ").strip()
         message, guess = str(self), self.guess
-        if replaces_guess and hint and guess:
+        if SOFTCAP_MATCH in hint and guess:
             message, guess = message.replace(guess, ""), ""
         return CaseFailure(message + hint, self.max_error, self.observed, diagnosis or self.diagnosis, guess)
 
@@ -503,7 +504,7 @@ def softcap_named(failure: CaseFailure, got: np.ndarray, params: AttentionParams
     (:func:`~mha_harness.conformance.diagnoses.softcap_hint`; ``compare``: the (batch, Tq) rows that are specified);
     unchanged when no cap fits."""
     hint = softcap_hint(got, params, inputs, bound, compare)
-    return failure.with_hint(hint, replaces_guess=True) if hint else failure
+    return failure.with_hint(hint) if hint else failure
 
 
 def check_against_reference(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs,
@@ -530,7 +531,7 @@ def assert_output_close(backend: AttentionBackend, params: AttentionParams, inpu
         extra = common_mistake(backend, params, inputs, dtype, got, expected, tol, rows) + (hint(got) if hint else "")
         if not extra:
             raise
-        raise failure.with_hint(extra, replaces_guess=SOFTCAP_MATCH in extra) from None
+        raise failure.with_hint(extra) from None
 
 
 _ATTENDS_BEFORE_WRITING = ("; the second call is right: the step attends before it writes x_new's keys and values "
@@ -833,8 +834,8 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
     except CaseFailure as failure:
         if not diagnose:
             raise
-        hint, diagnosis = _gradient_diagnosis(got, params, inputs, cotangent, dtype, form, bounds, forward)
-        raise failure.with_hint(hint, diagnosis, replaces_guess=SOFTCAP_MATCH in hint) from None
+        raise failure.with_hint(*_gradient_diagnosis(got, params, inputs, cotangent, dtype, form, bounds,
+                                                     forward)) from None
 
 
 def _gradient_diagnosis(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,

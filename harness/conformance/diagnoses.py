@@ -28,11 +28,10 @@ from mha_harness.contract.mistakes import (
 from mha_harness.contract.reference import (
     allowed_and_bias,
     empty_rows_convention,
-    logit_softcap,
     reference_attention,
     soft_capped,
 )
-from mha_harness.contract.softcap_fit import fitted_softcap
+from mha_harness.contract.softcap_fit import fitted_softcap, mismatch
 
 
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
@@ -387,19 +386,7 @@ def softcap_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
     user's Gemma 2 layer was told its error was of half precision's size), by another cap than the declared one, or
     not at all under a declared cap; "" otherwise. ``compare``: the (batch, Tq) rows of ``got`` that are specified."""
     fit = fitted_softcap(got, params, inputs, bound, compare=compare)
-    if fit is None:
-        return ""
-    held = logit_softcap()
-    if fit.cap is None:
-        return (f"; the output matches scores that are not soft-capped: the layer does not apply its declared "
-                f"logit_softcap {held:g} ({held:g} * tanh(s / {held:g}) on the scaled scores, before the mask)")
-    if held is not None:
-        return f"; the output matches scores soft-capped at {fit.cap:g}, not at the declared logit_softcap {held:g}"
-    return (f"; the output matches scores soft-capped at {fit.cap:g} (c * tanh(s / c) on the scaled scores before "
-            "the mask, as Gemma 2's attn_logit_softcapping or flash-attn's softcap do), not a rounding error: if "
-            "the layer caps its scores by design, declare its configured cap, "
-            f"Capabilities(logit_softcap={fit.cap:g}), and every case compares it with the reference capped so; if "
-            "not, look for a tanh on the scores")
+    return "" if fit is None else mismatch(fit)
 
 
 def single_key_rows_hint(got: np.ndarray, expected: np.ndarray, bound: float, params: AttentionParams,

@@ -92,16 +92,16 @@ _POISON_CASES = ("check_causal_mask_blocks_future_keys", "check_padding_mask_blo
 
 
 def _declared(backend: AttentionBackend, case: str, **params) -> bool:
-    """A declared divergence of ``case`` applies to ``params``. Only the ``when`` keys the search shares with the
-    cases (dtype, poison) restrict it: other keys name the grid points where the behaviour was verified."""
-    for d in backend.divergences:
-        if d.case != case:
-            continue
-        shared = {k: v for k, v in d.when.items() if k in ("dtype", "poison")}
-        if all(params.get(k) in (v if isinstance(v, (list, tuple, set, frozenset)) else (v,))
-               for k, v in shared.items()):
-            return True
-    return False
+    """A declared divergence of ``case`` applies to ``params`` (:func:`_covers`)."""
+    return any(d.case == case and _covers(d, **params) for d in backend.divergences)
+
+
+def _covers(d, **params) -> bool:
+    """Declaration ``d`` applies to ``params``. Only the ``when`` keys the search shares with the cases (dtype,
+    poison) restrict it: other keys name the grid points where the behaviour was verified."""
+    shared = {k: v for k, v in d.when.items() if k in ("dtype", "poison")}
+    return all(params.get(k) in (v if isinstance(v, (list, tuple, set, frozenset)) else (v,))
+               for k, v in shared.items())
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class Coverage:
         for dtype in dtypes:  # the first declaration of the fully-masked case that covers the dtype
             value = next((d.behaviour.split(":", 1)[1] for d in backend.divergences
                           if d.case in _EMPTY_ROW_CASES and d.behaviour.startswith("fully_masked_rows:")
-                          and _in_dtypes(d, dtype)), None)
+                          and _covers(d, dtype=dtype)), None)
             if value is not None and value != "zeros":
                 declared[dtype] = value
         return cls(
@@ -193,12 +193,6 @@ def build(example: Mapping[str, Any]) -> tuple[AttentionParams, AttentionInputs]
     if form not in FORMS:
         raise ValueError(f"form: got {form!r}; accepted: {', '.join(FORMS)}")
     return params, FORMS[form](config, batch, tq, tk, int(e["seed"]) + 1, **masks)
-
-
-def _in_dtypes(d, dtype: str) -> bool:
-    """Whether declaration ``d`` covers calls in ``dtype`` (its ``when`` names no dtype, or this one)."""
-    wanted = d.when.get("dtype")
-    return wanted is None or dtype in (wanted if isinstance(wanted, (list, tuple, set, frozenset)) else (wanted,))
 
 
 # --- the property ---------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ size alone; fitting ``c`` against the reference tells the two apart. Used by the
 ``mha-harness bench``'s check of a benchmarked call."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,22 @@ class SoftcapFit:
     error: float
 
 
+def mismatch(fit: SoftcapFit) -> str:
+    """The message suffix of a wrong output the reference reproduces under ``fit``'s cap and not under the one it
+    holds now (:func:`logit_softcap`): no cap where one is declared, another cap, or an undeclared cap."""
+    held = logit_softcap()
+    if fit.cap is None:
+        return (f"; the output matches scores that are not soft-capped: the layer does not apply its declared "
+                f"logit_softcap {held:g} ({held:g} * tanh(s / {held:g}) on the scaled scores, before the mask)")
+    if held is not None:
+        return f"; the output matches scores soft-capped at {fit.cap:g}, not at the declared logit_softcap {held:g}"
+    return (f"; the output matches scores soft-capped at {fit.cap:g} (c * tanh(s / c) on the scaled scores before "
+            "the mask, as Gemma 2's attn_logit_softcapping or flash-attn's softcap do), not a rounding error: if "
+            "the layer caps its scores by design, declare its configured cap, "
+            f"Capabilities(logit_softcap={fit.cap:g}), and every case compares it with the reference capped so; if "
+            "not, look for a tanh on the scores")
+
+
 def fitted_softcap(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                    rows=None, compare: np.ndarray | None = None) -> SoftcapFit | None:
     """The soft cap under which the float64 reference gives ``got`` (the output, or its ``rows`` when given) within
@@ -46,6 +63,7 @@ def _specified_rows(got, params, inputs, margin, compare):
     keep = np.asarray(compare, bool)[..., None]
     part = np.where(keep, got, 0.0)
 
+    @functools.cache
     def error(cap) -> float:
         with logit_softcap_as(cap):
             return distance(part, np.where(keep, reference_attention(params, inputs).output, 0.0))
@@ -64,29 +82,38 @@ def _sampled_rows(got, params, inputs, margin, rows):
     else:
         sample, part = np.asarray(rows), got
 
-    def error(cap, at=sample, against=part) -> float:
+    def distance_at(cap, at, against) -> float:
         with logit_softcap_as(cap):
             return distance(against, reference_attention(params, inputs, rows=at).output)
 
+    @functools.cache
+    def error(cap) -> float:
+        return distance_at(cap, sample, part)
+
     def confirmed(cap) -> SoftcapFit | None:
-        whole = error(cap, None, got) if rows is None else error(cap)
+        whole = distance_at(cap, None, got) if rows is None else error(cap)
         return SoftcapFit(cap, whole) if whole <= margin else None
     return error, confirmed
 
 
 def _fitted(error, confirmed, held: float | None, margin: float) -> SoftcapFit | None:
     """The fit itself: the grid, the golden-section refinement, the simplest cap that fits, no cap when one is
-    held and that fits best; ``error(cap)`` on the compared part, ``confirmed(cap)`` on the whole."""
+    held and that fits best; ``error(cap)`` (memoised) on the compared part, ``confirmed(cap)`` on the whole."""
     errors = [error(c) for c in SOFTCAP_GRID]
     best = int(np.argmin(errors))
     low, high = np.log(SOFTCAP_GRID[max(best - 1, 0)]), np.log(SOFTCAP_GRID[min(best + 1, len(SOFTCAP_GRID) - 1)])
     ratio = (np.sqrt(5) - 1) / 2
-    for _ in range(24):  # golden-section search in log(c): the bracket shrinks to about 1e-5 of c
-        a, b = high - ratio * (high - low), low + ratio * (high - low)
-        if error(float(np.exp(a))) <= error(float(np.exp(b))):
-            high = b
+    a, b = high - ratio * (high - low), low + ratio * (high - low)
+    error_a, error_b = error(float(np.exp(a))), error(float(np.exp(b)))
+    for _ in range(24):  # golden-section search in log(c), one new point a step: the bracket shrinks to ~1e-5 of c
+        if error_a <= error_b:
+            high, b, error_b = b, a, error_a
+            a = high - ratio * (high - low)
+            error_a = error(float(np.exp(a)))
         else:
-            low = a
+            low, a, error_a = a, b, error_b
+            b = low + ratio * (high - low)
+            error_b = error(float(np.exp(b)))
     cap = float(np.exp((low + high) / 2))
     # the simplest cap that fits: 50 rather than 49.9931 (a float64 layer capped at 50 fits 50 alone)
     simple = next((c for c in (float(f"{cap:.{d}g}") for d in range(1, 7)) if error(c) <= margin), cap)
