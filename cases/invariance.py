@@ -27,6 +27,7 @@ from mha_harness.conformance.casekit import (
 )
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import score_scale
 
 #: identical calls compared by check_repeated_calls_are_bitwise_identical
 REPEATED_CALLS = 5
@@ -107,8 +108,9 @@ def _large_logit_variants(backend):
 def _scores_far_below_zero(params, inputs, offset: float, spread: float = 4.0):
     """(params, inputs) whose every score is ``offset`` plus a term of at most ``spread`` in magnitude: input feature 0
     is 1 at every position, and in each head the first column of W_q and W_k reads only it (+s and -s, s^2 =
-    -offset * sqrt(d_head)), while the other columns read only the remaining features, scaled so that their part of
-    the scores stays within ``spread``. Each distinct input array is changed once, so the form is kept."""
+    -offset / scale, the layer's score scale: 1/sqrt(d_head) unless declared otherwise), while the other columns
+    read only the remaining features, scaled so that their part of the scores stays within ``spread``. Each
+    distinct input array is changed once, so the form is kept."""
     c = params.config
     d = c.d_head
     w_q, w_k = params.W_q.copy(), params.W_k.copy()
@@ -121,10 +123,11 @@ def _scores_far_below_zero(params, inputs, offset: float, spread: float = 4.0):
     inputs = with_each_input_changed(inputs, feature_0_is_1)
     q = (inputs.query @ w_q).reshape(*inputs.query.shape[:2], c.num_heads, d)
     k = (inputs.key @ w_k).reshape(*inputs.key.shape[:2], c.num_heads, d)
-    rest = np.abs(np.einsum("bqhd,bkhd->bhqk", q, k)).max() / np.sqrt(d)
+    scale = score_scale(d)
+    rest = np.abs(np.einsum("bqhd,bkhd->bhqk", q, k)).max() * scale
     shrink = np.sqrt(spread / rest)
     w_q, w_k = w_q * shrink, w_k * shrink
-    s = np.sqrt(-offset * np.sqrt(d))
+    s = np.sqrt(-offset / scale)
     w_q[0, firsts], w_k[0, firsts] = s, -s
     return params.replace(W_q=w_q, W_k=w_k), inputs
 
@@ -158,7 +161,7 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
         d = config.d_head
         q = (inputs.query @ params.W_q).reshape(batch, length, 2, d)
         k = (inputs.key @ params.W_k).reshape(batch, length, 2, d)
-        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+        scores = np.einsum("bqhd,bkhd->bhqk", q, k) * score_scale(d)
         boost, calm = (np.sqrt(logit / np.abs(scores).max()) for logit in (largest, ORDINARY_LOGIT))
         params = params.replace(W_q=params.W_q * boost, W_k=params.W_k * boost)
         ordinary = ordinary.replace(W_q=ordinary.W_q * calm, W_k=ordinary.W_k * calm)

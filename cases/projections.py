@@ -22,8 +22,9 @@ from mha_harness.contract.params import make_params
 
 @case(forms=ALL_FORMS)
 def check_scores_scaled_by_sqrt_d_head(backend, *, form, dtype):
-    """Scores are divided by sqrt(d_head), not by sqrt(d_model) and not left unscaled; on failure the
-    message names the wrong scale the output matches."""
+    """Scores are divided by sqrt(d_head), not by sqrt(d_model) and not left unscaled (a layer that declares a score
+    scale of its own, ``Capabilities(score_scale=...)``, scales by that one); on failure the message names the
+    wrong scale the output matches."""
     # d_head 16: 1/sqrt(d_model), 1, 1/d_head and 1/d_model are 1/2x, 4x, 1/4x and 1/16x the scale
     config = AttentionConfig(64, 4)
     params = make_params(config, seed=2, scale=0.6)  # large enough that softmax is far from uniform

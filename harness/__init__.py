@@ -26,6 +26,7 @@ _PUBLIC = {
     "make_inputs": "mha_harness.contract.params", "make_params": "mha_harness.contract.params",
     "reference_attention": "mha_harness.contract.reference", "reference_vjp": "mha_harness.contract.reference",
     "reference_vjp_magnitudes": "mha_harness.contract.reference", "logit_softcap_as": "mha_harness.contract.reference",
+    "score_scale_as": "mha_harness.contract.reference",
     "load_registry": "mha_harness.registry",
     "function_backend": "mha_harness.toolkit.function_backend",
     "configure_jax": "mha_harness.toolkit.jax_setup",
@@ -39,7 +40,8 @@ __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionO
            "configure_jax", "function_backend", "implicitly_causal", "load_registry", "logit_softcap_as", "make_inputs",
            "make_params",
            "masks",
-           "parametrize_with_cases", "reference_attention", "reference_vjp", "reference_vjp_magnitudes", "repro"]
+           "parametrize_with_cases", "reference_attention", "reference_vjp", "reference_vjp_magnitudes", "repro",
+           "score_scale_as"]
 
 
 def load_core() -> None:

@@ -284,6 +284,7 @@ def _say_opted_out(registry) -> None:
 
 
 def cmd_list(args) -> int:
+    from mha_harness.contract.score_scale import score_scale_label
     registry = _registry(args.backend_spec)
     # the backends check/search/bench would run with the same options: with --backend-spec, only the spec's
     entries = [e for e in registry.entries.values() if not args.backend_spec or e.spec in args.backend_spec]
@@ -303,6 +304,8 @@ def cmd_list(args) -> int:
             causal = ("always " if caps.always_causal else "") + ("/".join(caps.causal_alignments) or "none")
             parts = [f"inputs {caps.inputs}", f"dtypes {','.join(caps.dtypes)}", f"devices {','.join(caps.devices)}",
                      f"causal {causal}"] + ([", ".join(flags)] if flags else [])
+            if getattr(caps, "score_scale", None) is not None:
+                parts.append(f"scores scaled by {score_scale_label(caps.score_scale)}")
             if getattr(caps, "logit_softcap", None) is not None:
                 parts.append(f"scores soft-capped at {caps.logit_softcap:g}")
             print(f"{'':<{width}}  " + "; ".join(parts))

@@ -367,16 +367,21 @@ def test_a_mistake_that_leaves_this_input_unchanged_is_not_named_beside_the_one_
     assert "not applied" not in hint and "after the softmax" not in hint, hint
 
 
-@pytest.mark.parametrize(("mutant", "advised"), [("mutant-no-scale", True), ("mutant-scale-sqrt-d-model", False)])
-def test_unscaled_scores_say_how_to_wrap_a_layer_unscaled_by_design(mutant, advised):
-    """Unscaled scores are named, and only they carry the advice for a layer built without the scale on purpose (T5
-    folds it into W_q: a stranger wrapping T5 found nothing in the docs); another wrong scale gets the name alone."""
+@pytest.mark.parametrize(("mutant", "advised"), [("mutant-no-scale", "Capabilities(score_scale=1.0)"),
+                                                  ("mutant-scale-inverse-d-head",
+                                                   "Capabilities(score_scale='1/d_head')"),
+                                                  ("mutant-scale-sqrt-d-model", None)])
+def test_scores_unscaled_or_scaled_by_1_over_d_head_say_how_to_declare_a_layer_built_so(mutant, advised):
+    """Unscaled scores and scores scaled by 1/d_head are named, and only they carry the advice for a layer built so
+    on purpose (T5 leaves its scores unscaled: a stranger wrapping T5 found nothing in the docs; muP scales by
+    1/d_head): the declaration of its score scale; another wrong scale gets the name alone."""
     by_name = {m.name: m for m in MUTANTS}
     report = mha_harness.check(MutantBackend(by_name[mutant]), cases=["check_scores_scaled_by_sqrt_d_head"],
                                include_slow=False, isolate=False)
     messages = [f.message for f in report.failures()]
     assert messages and all("instead of 1/sqrt(d_head)" in m for m in messages), messages
-    assert all(("loading W_q / sqrt(d_head)" in m) == advised for m in messages), messages
+    assert all(("declares it: Capabilities(score_scale=" in m) == bool(advised) for m in messages), messages
+    assert not advised or all(advised in m for m in messages), messages
 
 
 class _KeyValueInputsSwapped(NumpyNaiveLoaded):

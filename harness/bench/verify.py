@@ -31,7 +31,13 @@ from mha_harness.contract.mistakes import (
     written_one_slot_late,
     wrong_scales,
 )
-from mha_harness.contract.reference import reference_attention, reference_vjp, scores_as_declared
+from mha_harness.contract.reference import (
+    reference_attention,
+    reference_vjp,
+    score_scale_declared,
+    score_scale_named,
+    scores_as_declared,
+)
 from mha_harness.contract.softcap_fit import fitted_softcap, mismatch
 from mha_harness.contract.tolerance import bound_of
 
@@ -80,8 +86,10 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
             return False
         return explains_as_a_scale(got, wrong, truth, uniform()) if scale else explains(got, wrong, truth)
     candidates = [(params, call, what, False) for call, what in _causal_mask_mistakes(inputs, "call")]
-    candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of 1/sqrt(d_head)",
-                    True) for factor, label in wrong_scales(params.config).items()]
+    declared = score_scale_declared()
+    true = "1/sqrt(d_head)" if declared is None else f"the declared score_scale {score_scale_named()}"
+    candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of {true}", True)
+                   for factor, label in wrong_scales(params.config, declared).items()]
     candidates.append((without_output_projection(params), inputs, "the heads' concatenation: W_o is not applied",
                        False))
     tiled = with_kv_heads_tiled(params)
@@ -130,7 +138,8 @@ def _where_to_look(shape: Shape) -> str:
 
 
 def check_output(backend, shape: Shape, got: np.ndarray) -> dict:
-    """:func:`_check_output` against the reference of the scores the backend declares (its ``logit_softcap``)."""
+    """:func:`_check_output` against the reference of the scores the backend declares (its ``logit_softcap`` and
+    ``score_scale``)."""
     with scores_as_declared(backend.capabilities):
         return _check_output(backend, shape, got)
 
@@ -162,7 +171,8 @@ def _check_output(backend, shape: Shape, got: np.ndarray) -> dict:
 
 
 def check_gradients(backend, shape: Shape, got: dict) -> dict:
-    """:func:`_check_gradients` against the reference of the scores the backend declares (its ``logit_softcap``)."""
+    """:func:`_check_gradients` against the reference of the scores the backend declares (its ``logit_softcap`` and
+    ``score_scale``)."""
     with scores_as_declared(backend.capabilities):
         return _check_gradients(backend, shape, got)
 

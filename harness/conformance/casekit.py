@@ -53,6 +53,8 @@ from mha_harness.contract.mistakes import explains_as_a_scale, with_score_scale,
 from mha_harness.contract.reference import (
     allowed_and_bias,
     reference_attention,
+    score_scale_declared,
+    score_scale_named,
 )
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.tolerance import Tolerance
@@ -587,10 +589,11 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
 
 
 def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str | None:
-    """The common wrong score scale (1/sqrt(d_model), none, 1/d_head, 1/d_model) whose float64 output ``got``
-    matches within ``max(10 * bound, 1e-3)`` and explains better than the right scale and uniform weights do
+    """The common score scale (1/sqrt(d_head), 1/sqrt(d_model), none, 1/d_head, 1/d_model) other than the one the
+    reference holds (:func:`~mha_harness.contract.reference.score_scale_as`) whose float64 output ``got`` matches
+    within ``max(10 * bound, 1e-3)`` and explains better than the right scale and uniform weights do
     (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`), or None when it matches none of them."""
-    scales = wrong_scales(params.config)
+    scales = wrong_scales(params.config, score_scale_declared())
     if not np.all(np.isfinite(got)) or not scales:
         return None
     outputs = {label: reference_attention(with_score_scale(params, f), inputs).output for f, label in scales.items()}
@@ -602,21 +605,28 @@ def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     return label if explains_as_a_scale(got, wrong, truth, uniform) else None
 
 
-#: unscaled scores are a bug, unless the layer folds the scale into its weights by design (T5): how to wrap that one
-UNSCALED_LAYER = (" (a layer that folds the scale into its query weights by design, as T5 does, is wrapped by "
-                  "loading W_q / sqrt(d_head) and b_q / sqrt(d_head), and returning its W_q and b_q gradients times "
-                  "1/sqrt(d_head): \"A layer without the score scale\" in docs/plugins.md)")
+#: a scale other than 1/sqrt(d_head) is a bug, unless the layer is built with it (T5's unscaled scores, muP's
+#: 1/d_head): how to declare that one
+SCALE_BY_DESIGN = (" (a layer built with this scale by design, as T5 leaves its scores unscaled and muP scales them "
+                   "by 1/d_head, declares it: Capabilities(score_scale={value}), and every case compares it with the "
+                   "reference scaled so: \"A layer with a score scale of its own\" in docs/plugins.md)")
 
 
 def scale_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
-    """The diagnosis of an output right for another of the common score scales (:func:`wrong_scale`); "" if none.
-    Unscaled scores also say how to wrap a layer built without the scale on purpose (T5 folds it into W_q)."""
+    """The diagnosis of an output right for another of the common score scales (:func:`wrong_scale`) than the one
+    the layer declares (1/sqrt(d_head) unless declared otherwise); "" if none. An undeclared unscaled or 1/d_head
+    scale also says how to declare a layer built with it on purpose (T5, muP)."""
     label = wrong_scale(got, params, inputs, bound)
     if not label:
         return ""
+    declared = score_scale_declared()
+    if declared is not None:
+        return f"; the output matches scores scaled by {label}, not by the declared score_scale {score_scale_named()}"
     hint = f"; the output matches scores scaled by {label} instead of 1/sqrt(d_head)"
     if "1 (no scaling)" in label:
-        hint += UNSCALED_LAYER
+        hint += SCALE_BY_DESIGN.format(value="1.0")
+    elif "1/d_head" in label:
+        hint += SCALE_BY_DESIGN.format(value="'1/d_head'")
     return hint
 
 
@@ -776,8 +786,9 @@ def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: Attenti
                        dtype: str, cotangent: np.ndarray) -> str:
     """A sentence for a gradient failure when the same call's forward output (``forward()``, run on a failure only)
     is outside its tolerance too, on the rows the ``cotangent`` weighs (a padded query's output, which a gradient
-    case leaves unspecified, is not compared): the gradients follow the forward, so the backward is not to blame
-    first; "" when the forward is right, not given, or cannot be run (a diagnosis only)."""
+    case leaves unspecified, is not compared), with the other score scale or soft cap it matches: the gradients
+    follow the forward, so the backward is not to blame first; "" when the forward is right, not given, or cannot
+    be run (a diagnosis only)."""
     if forward is None:
         return ""
     try:
@@ -787,13 +798,16 @@ def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: Attenti
         expected, tol = tolerance_for(params, inputs, dtype)
         error = float(np.max(np.abs(output - expected[weighed]), initial=0.0)) if np.all(np.isfinite(output)) \
             else np.inf
-        capped = softcap_hint(whole, params, inputs, tol.bound, compare=weighed) if error > tol.bound else ""
+        named = ""
+        if error > tol.bound:  # another score scale (compared on whole outputs), else another soft cap
+            named = ((scale_hint(whole, params, inputs, tol.bound) if weighed.all() else "")
+                     or softcap_hint(whole, params, inputs, tol.bound, compare=weighed))
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return ""
     if error <= tol.bound:
         return ""
     return (f"the forward's output for this call is wrong too (max error {error:.3g}, bound {tol.bound:.3g}"
-            f"{capped.replace('; ', ': ', 1)}): the gradients follow it, so fix the forward first (the output and "
+            f"{named.replace('; ', ': ', 1)}): the gradients follow it, so fix the forward first (the output and "
             "mask cases say what it matches)")
 
 

@@ -29,6 +29,7 @@ from mha_harness.contract.reference import (
     allowed_and_bias,
     empty_rows_convention,
     reference_attention,
+    score_scale,
     soft_capped,
 )
 from mha_harness.contract.softcap_fit import fitted_softcap, mismatch
@@ -67,7 +68,7 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     k, v = (expand(heads(x, w, bias, c.kv_heads))
             for x, w, bias in ((inputs.key, params.W_k, params.b_k), (inputs.value, params.W_v, params.b_v)))
     allowed, additive = allowed_and_bias(params, inputs)
-    scores = soft_capped(q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head)) + (0.0 if additive is None else additive)
+    scores = soft_capped(q @ k.transpose(0, 1, 3, 2) * score_scale(c.d_head)) + (0.0 if additive is None else additive)
     if not mask_after_softmax:
         scores = np.where(allowed, scores, -np.inf)
     if unrescaled_block:

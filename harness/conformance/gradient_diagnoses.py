@@ -17,7 +17,7 @@ import numpy as np
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.expected import gradient_names, input_gradients
 from mha_harness.contract.mistakes import distance, frozen_parameters_hint
-from mha_harness.contract.reference import MASK_FIELDS, mistaken_vjp, reference_vjp
+from mha_harness.contract.reference import MASK_FIELDS, mistaken_vjp, reference_vjp, score_scale, score_scale_named
 
 #: the parameter gradients each part of the backward produces: a wrong group with the others right places the error
 #: (the input gradients of a one-x or shared-K/V layer sum several paths, so they place nothing)
@@ -268,13 +268,13 @@ def _constant_multiple(got: np.ndarray, expected: np.ndarray) -> float | None:
 
 def _multiple_named(factor: float, params: AttentionParams) -> str:
     """The reference times ``factor``, with the common reason for that factor."""
-    root = float(np.sqrt(params.config.d_head))
+    scale, label = score_scale(params.config.d_head), score_scale_named()
     named = {value: f"{value:g} x the reference's: {text}" for value, text in _MULTIPLES.items()}
-    if root != 1.0:  # the score scale's factors win where they coincide with another (d_head = 4: 2 and 1/2)
-        named[root] = (f"sqrt(d_head) = {root:.4g} x the reference's: the backward leaves out the 1/sqrt(d_head) "
-                       f"score scale (dQ = dS K / sqrt(d_head), dK = dS^T Q / sqrt(d_head))")
-        named[1 / root] = (f"1/sqrt(d_head) = {1 / root:.4g} x the reference's: the backward applies the score "
-                           f"scale twice")
+    if scale != 1.0:  # the score scale's factors win where they coincide with another (d_head = 4: 2 and 1/2)
+        inverse = label[2:] if label.startswith("1/") else f"1/{scale:g}"
+        named[1 / scale] = (f"{inverse} = {1 / scale:.4g} x the reference's: the backward leaves out the {label} "
+                            f"score scale (dQ = dS K * {label}, dK = dS^T Q * {label})")
+        named[scale] = (f"{label} = {scale:.4g} x the reference's: the backward applies the score scale twice")
     for value, text in named.items():
         if np.isclose(factor, value, rtol=1e-2):
             return text

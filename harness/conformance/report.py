@@ -17,6 +17,7 @@ from pathlib import Path
 from mha_harness.conformance.casekit import FORM_SKIP
 from mha_harness.conformance.results import ABANDONED, BAD, SEVERITY, STATUSES, CaseResult, Status
 from mha_harness.contract.api import Divergence
+from mha_harness.contract.score_scale import score_scale_label
 from mha_harness.util.atomic import results_lock, write_json_atomic, write_text_atomic
 from mha_harness.util.markdown import md_code, md_text
 from mha_harness.util.text import clipped
@@ -203,7 +204,8 @@ class Report:
                 causal = f"always causal (every case ran {alignments[0]}); {causal}"
             table[name] = {"fully_masked_rows": self._fully_masked(rows), "causal_alignment": causal,
                            "native_causal": info.native_causal, "mask_polarity": info.mask_polarity,
-                           "scores": _scores_policy(info.capabilities.get("logit_softcap"))}
+                           "scores": _scores_policy(info.capabilities.get("logit_softcap"),
+                                                     info.capabilities.get("score_scale"))}
         return table
 
     def to_json(self) -> dict:
@@ -472,11 +474,13 @@ GRID_CASE = "check_output_matches_reference"
 DIAGNOSES_SHOWN, DIAGNOSIS_CHARS = 3, 160
 
 
-def _scores_policy(cap) -> str:
-    """The scores' convention a backend declares, in words (the policy table's "scores" column)."""
-    if cap is None:
-        return "as they are"
-    return f"soft-capped at {cap:g} (declared: {cap:g} * tanh(s / {cap:g}) before any mask)"
+def _scores_policy(cap, scale=None) -> str:
+    """The scores' conventions a backend declares, in words (the policy table's "scores" column): its score scale
+    when it declares one other than 1/sqrt(d_head), its soft cap; "as they are" for neither."""
+    parts = [] if scale is None else [f"scaled by {score_scale_label(scale)} (declared, not 1/sqrt(d_head))"]
+    if cap is not None:
+        parts.append(f"soft-capped at {cap:g} (declared: {cap:g} * tanh(s / {cap:g}) before any mask)")
+    return "; ".join(parts) or "as they are"
 
 
 def _not_run_reason(info: BackendInfo) -> str:

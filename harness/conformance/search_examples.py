@@ -214,7 +214,8 @@ _COUNTED: dict = {}
 
 
 def check_example(backend: AttentionBackend, example: Mapping[str, Any]) -> float:
-    """:func:`_check_example` against the reference of the scores the backend declares (its ``logit_softcap``)."""
+    """:func:`_check_example` against the reference of the scores the backend declares (its ``logit_softcap`` and
+    ``score_scale``)."""
     with scores_as_declared(backend.capabilities):
         return _check_example(backend, example)
 

@@ -39,6 +39,7 @@ from mha_harness.contract.conventions import (
     PARAM_NAMES,
 )
 from mha_harness.contract.scoped import scoped
+from mha_harness.contract.score_scale import checked_score_scale
 from mha_harness.contract.validation import (
     validate_config,
     validate_cotangent,
@@ -96,7 +97,11 @@ class Capabilities:
     ``logit_softcap`` (None) declares soft-capped scores: the layer replaces each scaled score s by
     ``c * tanh(s / c)`` before any mask is applied (Gemma 2's ``attn_logit_softcapping``, flash-attn's ``softcap``,
     a FlexAttention ``score_mod``), and every case compares it with the reference capped the same way (the report
-    shows the cap; the lesson's printed weights are then not compared). Malformed values
+    shows the cap; the lesson's printed weights are then not compared). ``score_scale`` (None: the standard
+    1/sqrt(d_head)) declares a layer built with another scale (:mod:`~mha_harness.contract.score_scale`): ``"1/d_head"``
+    (muP) or a number applied at every head width (``1.0``: T5's unscaled scores; Gemma's
+    ``query_pre_attn_scalar ** -0.5``); every case, search and bench then compare it with the reference scaled so, and
+    the scale case checks that scale (the report shows it). Malformed values
     (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused here, so nothing
     is declared by accident.
     """
@@ -118,6 +123,7 @@ class Capabilities:
     always_causal: bool = False
     more_queries_than_keys: bool = True
     logit_softcap: float | None = None
+    score_scale: float | str | None = None
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -155,6 +161,7 @@ class Capabilities:
                              "(e.g. 50.0, Gemma 2's attn_logit_softcapping)")
         if cap is not None:
             object.__setattr__(self, "logit_softcap", float(cap))
+        object.__setattr__(self, "score_scale", checked_score_scale(self.score_scale, "Capabilities.score_scale"))
         if self.always_causal and not self.causal_alignments:
             raise ValueError("Capabilities.always_causal: got True with causal_alignments=(); accepted: "
                              "always_causal=True with the alignment the layer applies, e.g. "

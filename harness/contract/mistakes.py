@@ -8,6 +8,7 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, implicitly_causal
 from mha_harness.contract.conventions import BOTTOM_RIGHT, TOP_LEFT, causal_offset, other_alignment
+from mha_harness.contract.score_scale import score_scale_at
 
 
 def distance(a: np.ndarray, b: np.ndarray) -> float:
@@ -45,16 +46,19 @@ def with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
     return params.replace(W_q=params.W_q * factor, b_q=b_q)
 
 
-def wrong_scales(config: AttentionConfig) -> dict[float, str]:
-    """The common wrong score scales (1/sqrt(d_model), none, 1/d_head, 1/d_model) as factors of the true
-    1/sqrt(d_head) -> their label; scales that coincide for this shape (d_head = sqrt(d_model): 1/d_head and
-    1/sqrt(d_model)) are one entry ("1/sqrt(d_model) or 1/d_head"; an outside user read
+def wrong_scales(config: AttentionConfig, declared=None) -> dict[float, str]:
+    """The common score scales (1/sqrt(d_head), 1/sqrt(d_model), none, 1/d_head, 1/d_model) other than the layer's
+    true one (the ``declared`` score scale, :mod:`~mha_harness.contract.score_scale`: None is 1/sqrt(d_head)) as
+    factors of the true scale -> their label; scales that coincide for this shape (d_head = sqrt(d_model): 1/d_head
+    and 1/sqrt(d_model)) are one entry ("1/sqrt(d_model) or 1/d_head"; an outside user read
     "1/sqrt(d_model) = 1/d_head" as a claim about the formula), the true scale is left out (empty when
     d_model = d_head = 1: every common wrong scale is the right one)."""
-    candidates = {"1/sqrt(d_model)": np.sqrt(config.d_head / config.d_model), "1 (no scaling)": np.sqrt(config.d_head),
-                  "1/d_head": 1 / np.sqrt(config.d_head), "1/d_model": np.sqrt(config.d_head) / config.d_model}
+    true = score_scale_at(declared, config.d_head)
+    candidates = {"1/sqrt(d_head)": 1 / np.sqrt(config.d_head), "1/sqrt(d_model)": 1 / np.sqrt(config.d_model),
+                  "1 (no scaling)": 1.0, "1/d_head": 1 / config.d_head, "1/d_model": 1 / config.d_model}
     same: dict[float, list[str]] = {}
-    for label, factor in candidates.items():
+    for label, scale in candidates.items():
+        factor = scale / true
         if not np.isclose(factor, 1.0, rtol=1e-12):
             same.setdefault(round(float(factor), 12), []).append(label)
     return {factor: " or ".join(labels) for factor, labels in same.items()}

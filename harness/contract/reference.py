@@ -6,7 +6,8 @@ multi-query heads (query head n uses key/value head n // group) and per-head wei
 
 Soft-capped scores (Gemma 2's ``attn_logit_softcapping``, flash-attn's ``softcap``): a backend that declares
 ``Capabilities.logit_softcap = c`` is compared with scores ``c * tanh(s / c)``, taken after the scale and before
-any mask (:func:`scores_as_declared`); every other backend with the scores as they are.
+any mask (:func:`scores_as_declared`); every other backend with the scores as they are. A score scale of the layer's
+own design (``Capabilities.score_scale``: T5's 1, muP's 1/d_head) replaces the standard 1/sqrt(d_head) the same way.
 
 Fully masked rows: a query row whose keys are all masked outputs **zeros** before W_o
 (its attention weights are all zero), following flash-attention and torch SDPA >= 2.5.
@@ -36,6 +37,7 @@ from mha_harness.contract.api import AttentionInputs, AttentionOutput, Attention
 from mha_harness.contract.conventions import EPS, causal_offset, round_to
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.contract.scoped import scoped
+from mha_harness.contract.score_scale import checked_score_scale, score_scale_at, score_scale_label
 from mha_harness.contract.validation import require_inputs, require_params
 
 #: what a row with no key to attend to outputs before W_o: "zeros" (the convention), "uniform_average" or "nan";
@@ -96,10 +98,41 @@ def logit_softcap() -> float | None:
     return _LOGIT_SOFTCAP.get()
 
 
+#: the score scale the reference applies (:mod:`~mha_harness.contract.score_scale`: None is the standard
+#: 1/sqrt(d_head)); set for the run of a backend that declares ``Capabilities.score_scale``
+_SCORE_SCALE: contextvars.ContextVar[float | str | None] = contextvars.ContextVar("score_scale", default=None)
+
+
+@contextlib.contextmanager
+def score_scale_as(scale):
+    """Within this block the reference scales its scores by ``scale`` (None: the standard 1/sqrt(d_head); a rule
+    such as "1/d_head"; or a number applied at every head width), forward and backward."""
+    with scoped(_SCORE_SCALE, checked_score_scale(scale, "scale")):
+        yield
+
+
+def score_scale(d_head: int) -> float:
+    """The scale the reference multiplies the scores of ``d_head``-wide heads by now (see :func:`score_scale_as`)."""
+    return score_scale_at(_SCORE_SCALE.get(), d_head)
+
+
+def score_scale_declared():
+    """The score scale the reference holds now as declared (None, a rule's name or a number)."""
+    return _SCORE_SCALE.get()
+
+
+def score_scale_named() -> str:
+    """The reference's score scale now, in words ("1/sqrt(d_head)", "1/d_head", "1 (no scaling)", "0.0625")."""
+    return score_scale_label(_SCORE_SCALE.get())
+
+
+@contextlib.contextmanager
 def scores_as_declared(capabilities):
     """The scores' conventions a backend declares (:class:`~mha_harness.contract.api.Capabilities`: its
-    ``logit_softcap``), for the references computed within this block."""
-    return logit_softcap_as(getattr(capabilities, "logit_softcap", None))
+    ``logit_softcap`` and ``score_scale``), for the references computed within this block."""
+    with logit_softcap_as(getattr(capabilities, "logit_softcap", None)), \
+            score_scale_as(getattr(capabilities, "score_scale", None)):
+        yield
 
 
 def soft_capped(scores: np.ndarray, r=lambda x: x) -> np.ndarray:
@@ -259,7 +292,7 @@ def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype
     q = _heads(_project(query, params.W_q, params.b_q, dtype), c.num_heads)
     k = np.repeat(_heads(_project(inputs.key, params.W_k, params.b_k, dtype), c.kv_heads), c.group, axis=1)
     v = np.repeat(_heads(_project(inputs.value, params.W_v, params.b_v, dtype), c.kv_heads), c.group, axis=1)
-    scale = 1.0 / np.sqrt(c.d_head)
+    scale = score_scale(c.d_head)
     scores, allowed, _ = _scores(params, inputs, rows, q, k, scale, dtype, scale_first, score_error_of)
     weights = round_to(_masked_softmax(scores, np.broadcast_to(allowed, scores.shape),
                                        empty_rows or empty_rows_convention()), dtype)
@@ -323,7 +356,8 @@ def _held_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes | No
 
 
 def _content_key(kind: str, params: AttentionParams, inputs: AttentionInputs, *extra) -> bytes:
-    return _digest(kind, _held_digest(params, inputs) or _call_digest(params, inputs), _LOGIT_SOFTCAP.get(), *extra)
+    return _digest(kind, _held_digest(params, inputs) or _call_digest(params, inputs), _LOGIT_SOFTCAP.get(),
+                   _SCORE_SCALE.get(), *extra)
 
 
 class _ContentCache:
