@@ -22,8 +22,10 @@ from mha_harness.conformance.casekit import (
     naive_forwards,
     primary_dtype,
     run,
+    scale_hint,
+    tolerance_for,
 )
-from mha_harness.conformance.diagnoses import polarity_hint
+from mha_harness.conformance.diagnoses import polarity_hint, softcap_hint
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention
@@ -161,7 +163,8 @@ def check_attention_weights_match_reference(backend, *, form, dtype, masked):
         if "top-left" in caps.causal_alignments:
             masks["causal"] = "top-left"
     inputs = form_inputs(form, config, 2, 9, seed=6, **masks)
-    got = run(backend, params, inputs, dtype, need_weights=True).weights
+    call = run(backend, params, inputs, dtype, need_weights=True)
+    got = call.weights
     ref = reference_attention(params, inputs, need_weights=True).weights
     # the largest error of the same estimates as tolerance_for
     naive = farthest((n.weights for n in naive_forwards(params, inputs, dtype, need_weights=True)), ref)
@@ -176,8 +179,21 @@ def check_attention_weights_match_reference(backend, *, form, dtype, masked):
                               "expected exactly 0").with_hint(polarity_hint(got, params, inputs, weights=True))
     sums = np.where(live[..., 0], got.sum(axis=-1), 1.0)
     assert_close(sums, np.ones_like(sums), tol, "weight row sums", labels=labels[:3])
-    return Measurement(max_error=assert_close(np.where(live, got, 0), np.where(live, ref, 0), tol, "attention weights",
-                                              labels=labels))
+    try:
+        return Measurement(max_error=assert_close(np.where(live, got, 0), np.where(live, ref, 0), tol,
+                                                  "attention weights", labels=labels))
+    except CaseFailure as failure:  # the same call's output says which other scale or soft cap the weights have
+        raise failure.with_hint(_scores_hint(call.output, params, inputs, dtype)) from None
+
+
+def _scores_hint(output, params, inputs, dtype: str) -> str:
+    """The other score scale or soft cap the output of a call whose weights failed matches (:func:`scale_hint`,
+    :func:`softcap_hint`, at the output's own tolerance), or ""."""
+    if output is None:
+        return ""
+    got = np.asarray(output, np.float64)
+    bound = tolerance_for(params, inputs, dtype)[1].bound
+    return scale_hint(got, params, inputs, bound) or softcap_hint(got, params, inputs, bound)
 
 
 @case(requires=("non_causal",), variants=lambda b: [{"dtype": d} for d in b.capabilities.dtypes],

@@ -142,3 +142,15 @@ def test_list_shows_the_declared_scale(capsys):
 def _failures(backend, cases):
     report = mha_harness.check(backend, cases=list(cases))
     return report, report.failures()
+
+
+def test_the_attention_weights_case_names_the_scale_or_cap_its_call_s_output_matches():
+    """The weights case compares weights, which no scale or cap fit reads: the same call's output names it."""
+    from tests.softcap_layers import CapOtherThanDeclared
+    weights = ["check_attention_weights_match_reference"]
+    _, failures = _failures(DeclaredNotApplied(), weights)
+    assert failures and all("the output matches scores scaled by 1/sqrt(d_head), not by the declared score_scale "
+                            "1/d_head" in f.message for f in failures), [f.message[-200:] for f in failures]
+    _, failures = _failures(CapOtherThanDeclared(), weights)
+    assert failures and all("soft-capped at 20, not at the declared logit_softcap 50" in f.message
+                            for f in failures), [f.message[-200:] for f in failures]
