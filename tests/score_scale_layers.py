@@ -6,12 +6,10 @@ it but exponentiates its scores without subtracting the row maximum (whose overf
 at the declared scale)."""
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
-from mha_harness.implementations.torch_eager import TorchEager, TorchEagerLoaded, eager_attention, eager_layer
-from mha_harness.toolkit.masks import full_mask
+from mha_harness.implementations.torch_eager import eager_attention
+from tests.softcap_layers import ScoresLayer
 
 #: the scale rules these layers apply: a head width -> the scale
 RULES = {"1/sqrt(d_head)": lambda d: 1 / math.sqrt(d), "1/d_head": lambda d: 1 / d, "1": lambda d: 1.0,
@@ -34,31 +32,17 @@ def _attention(rule: str, subtract_max: bool = True):
     return attention
 
 
-class _Loaded(TorchEagerLoaded):
-    """torch-eager's layer with the backend's scale."""
-
-    def __init__(self, backend, params, dtype):
-        super().__init__(backend, params, dtype)
-        self.attention = _attention(backend.applied, backend.subtract_max)
-        self.layer = functools.partial(eager_layer, attention=self.attention)
-
-    def attend_heads(self, qh, kh, vh, inputs):  # the decode step's path
-        allowed, additive = full_mask(inputs)
-        return self.attention(qh, kh, vh, self.mask_tensor(allowed), self.mask_tensor(additive), False)[0]
-
-
-class _Scaled(TorchEager):
+class _Scaled(ScoresLayer):
+    prefix = "scale"
     applied = "1/d_head"  # the scale the layer applies (a key of RULES)
     declared: float | str | None = "1/d_head"  # the one it declares
     subtract_max = True
 
-    def __init__(self):
-        super().__init__()
-        self.name = f"scale-{type(self).__name__.lower()}"
-        self.capabilities = dataclasses.replace(TorchEager.capabilities, score_scale=self.declared)
+    def declarations(self) -> dict:
+        return {"score_scale": self.declared}
 
-    def load_native(self, params, dtype):
-        return _Loaded(self, params, dtype)
+    def attention(self):
+        return _attention(self.applied, self.subtract_max)
 
 
 class ScaledByDHead(_Scaled):

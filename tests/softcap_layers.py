@@ -33,12 +33,13 @@ def _attention(cap: float | None, after_mask: bool = False):
     return attention
 
 
-class _Loaded(TorchEagerLoaded):
-    """torch-eager's layer with the backend's capped attention."""
+class AttentionLoaded(TorchEagerLoaded):
+    """torch-eager's layer with the per-head core ``backend.attention()`` returns (here and in
+    tests/score_scale_layers.py)."""
 
     def __init__(self, backend, params, dtype):
         super().__init__(backend, params, dtype)
-        self.attention = _attention(backend.applied, backend.after_mask)
+        self.attention = backend.attention()
         self.layer = functools.partial(eager_layer, attention=self.attention)
 
     def attend_heads(self, qh, kh, vh, inputs):  # the decode step's path
@@ -46,18 +47,37 @@ class _Loaded(TorchEagerLoaded):
         return self.attention(qh, kh, vh, self.mask_tensor(allowed), self.mask_tensor(additive), False)[0]
 
 
-class _Capped(TorchEager):
+class ScoresLayer(TorchEager):
+    """torch-eager's layer with a per-head core of its own (:meth:`attention`) and torch-eager's capabilities with
+    :meth:`declarations` replaced, named ``<prefix>-<class name>``."""
+    prefix = "scores"
+
+    def __init__(self):
+        super().__init__()
+        self.name = f"{self.prefix}-{type(self).__name__.lower()}"
+        self.capabilities = dataclasses.replace(TorchEager.capabilities, **self.declarations())
+
+    def declarations(self) -> dict:
+        return {}
+
+    def attention(self):
+        raise NotImplementedError
+
+    def load_native(self, params, dtype):
+        return AttentionLoaded(self, params, dtype)
+
+
+class _Capped(ScoresLayer):
+    prefix = "softcap"
     applied: float | None = CAP  # the cap the layer applies
     declared: float | None = CAP  # the cap it declares
     after_mask = False
 
-    def __init__(self):
-        super().__init__()
-        self.name = f"softcap-{type(self).__name__.lower()}"
-        self.capabilities = dataclasses.replace(TorchEager.capabilities, logit_softcap=self.declared)
+    def declarations(self) -> dict:
+        return {"logit_softcap": self.declared}
 
-    def load_native(self, params, dtype):
-        return _Loaded(self, params, dtype)
+    def attention(self):
+        return _attention(self.applied, self.after_mask)
 
 
 class SoftCapped(_Capped):
