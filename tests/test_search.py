@@ -186,6 +186,23 @@ def test_declared_divergences_are_not_searched():
     assert (per_dtype.empty_rows_in("float32"), per_dtype.empty_rows_in("float64")) == ("uniform_average", "nan")
 
 
+def test_a_declared_empty_row_backward_leaves_every_other_gradient_searched():
+    """The fully-masked helpers also declare the gradient case's ``empty_row`` variant: that covers rows with no key,
+    whose gradients the search never checks, not the gradients of every example (an outside user's muP backward
+    with the standard scale in dS passed 200 examples: 'no failure', 0 calls of its backward)."""
+    from mha_harness.conformance.search_examples import check_example
+    from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend
+
+    mutant = next(m for m in MUTANTS if m.name == "mutant-gradient-score-scale-left-out")
+    backend = MutantBackend(mutant)
+    backend.divergences = tuple(backend.divergences) + uniform_fully_masked_divergences("finite mask value")
+    assert Coverage.of(backend).gradient_dtypes == backend.capabilities.dtypes
+    example = {"batch": 2, "tq": 5, "tk": 5, "heads": 2, "kv_heads": 2, "d_head": 8, "bias": True, "seed": 4,
+               "dtype": "float32", "gradients": True}
+    with pytest.raises(AssertionError, match="gradient"):
+        check_example(backend, example)
+
+
 def test_logit_scales_reach_exp_overflow_of_each_dtype():
     assert logit_scales("float64") == (1, 10, 100, 1000) and logit_scales("float32") == (1, 10, 100)
 
