@@ -219,6 +219,7 @@ def check_lesson_worked_example_head_weights(backend, *, dtype):
         if as_printed and not err <= printed:
             h, r, c = np.unravel_index(int(np.argmax(np.abs(weights - LESSON_HEAD_WEIGHTS))), weights.shape)
             raise CaseFailure(f"lesson example: head {h} weight [{r}, {c}] printed {LESSON_HEAD_WEIGHTS[h, r, c]:.2f}, "
-                              f"got {weights[h, r, c]:.4f}", max_error=err)
+                              f"got {weights[h, r, c]:.4f}", max_error=err).with_hint(
+                                  _scores_hint(got.output, params, inputs, dtype))
     return Measurement(max_error=check_against_reference(backend, params, inputs, dtype, "lesson example output",
                                                          got=None if got is None else got.output))

@@ -53,6 +53,10 @@ class Unscaled(_Scaled):
     applied, declared = "1", 1.0
 
 
+class UnscaledUndeclared(_Scaled):
+    applied, declared = "1", None
+
+
 class FixedScale(_Scaled):
     applied, declared = "0.1", 0.1
 

@@ -23,6 +23,7 @@ from tests.score_scale_layers import (
     ScaledByDHeadUndeclared,
     ScaledByDHeadWithoutMaxSubtraction,
     Unscaled,
+    UnscaledUndeclared,
 )
 
 SCALE_CASE = "check_scores_scaled_by_sqrt_d_head"
@@ -103,6 +104,10 @@ def test_a_backward_that_leaves_out_a_declared_scale_is_named_with_that_scale():
         assert _multiple_named(8.0, params).startswith("d_head = 8 x the reference's: the backward leaves out the "
                                                        "1/d_head score scale")
         assert _multiple_named(1 / 8, params).startswith("1/d_head = 0.125 x the reference's: the backward applies")
+        # a muP backward copied from a standard layer (an outside user's: "2.828 x ... a constant multiple")
+        assert _multiple_named(np.sqrt(8), params).startswith(
+            "2.828 x the reference's: the backward applies 1/sqrt(d_head) where the declared score_scale 1/d_head "
+            "belongs")
     with score_scale_as(0.1):
         assert _multiple_named(10.0, params).startswith("1/0.1 = 10 x the reference's: the backward leaves out the "
                                                         "0.1 score scale")
@@ -154,3 +159,13 @@ def test_the_attention_weights_case_names_the_scale_or_cap_its_call_s_output_mat
     _, failures = _failures(CapOtherThanDeclared(), weights)
     assert failures and all("soft-capped at 20, not at the declared logit_softcap 50" in f.message
                             for f in failures), [f.message[-200:] for f in failures]
+
+
+def test_the_lesson_example_s_printed_weights_name_an_undeclared_scale():
+    """An undeclared unscaled layer's lesson weights ("printed 0.68, got 0.9305", an outside user's T5) say which
+    scale the call's output has, and how to declare it."""
+    _, failures = _failures(UnscaledUndeclared(), ["check_lesson_worked_example_head_weights"])
+    assert failures and all("scaled by 1 (no scaling) instead of 1/sqrt(d_head)" in f.message
+                            and "Capabilities(score_scale=1.0)" in f.message for f in failures), \
+        [f.message[-300:] for f in failures]
+

@@ -376,3 +376,4 @@ def test_a_plugin_error_found_by_search_says_where_it_was_raised(tmp_path):
                              results=tmp_path, max_examples=5, seed=0)
     assert not outcome.passed and "RuntimeError: RoPE requires an even rotary dimension" in outcome.message
     assert "plugin_objects.py:" in outcome.message, outcome.message
+

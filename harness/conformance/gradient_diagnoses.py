@@ -275,6 +275,11 @@ def _multiple_named(factor: float, params: AttentionParams) -> str:
         named[1 / scale] = (f"{inverse} = {1 / scale:.4g} x the reference's: the backward leaves out the {label} "
                             f"score scale (dQ = dS K * {label}, dK = dS^T Q * {label})")
         named[scale] = (f"{label} = {scale:.4g} x the reference's: the backward applies the score scale twice")
+    standard = 1 / float(np.sqrt(params.config.d_head))
+    if not np.isclose(standard, scale, rtol=1e-9):  # a declared scale: a backward copied from a standard layer
+        named[standard / scale] = (f"{standard / scale:.4g} x the reference's: the backward applies 1/sqrt(d_head) "
+                                   f"where the declared score_scale {label} belongs (dQ = dS K * {label}, "
+                                   f"dK = dS^T Q * {label})")
     for value, text in named.items():
         if np.isclose(factor, value, rtol=1e-2):
             return text

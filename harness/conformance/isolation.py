@@ -36,7 +36,14 @@ from pathlib import Path
 from mha_harness.conformance.casekit import Case
 from mha_harness.conformance.proxy import BackendProxy, WorkerLost, describe_exception, raise_described
 from mha_harness.conformance.results import ABANDONED, CaseResult, Status
-from mha_harness.conformance.runner import declared_skip, lost_result, plan, run_case, settle_precision_declarations
+from mha_harness.conformance.runner import (
+    declared_skip,
+    lost_result,
+    plan,
+    point_to_undeclared_failures,
+    run_case,
+    settle_precision_declarations,
+)
 from mha_harness.contract.api import AttentionBackend
 from mha_harness.util.pipes import GarbledAnswer, reap, recv_bytes_within
 from mha_harness.util.wire import decode
@@ -411,6 +418,7 @@ def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, th
     finally:
         transport.stop()
     settle_precision_declarations(target.backend, results, progress)
+    point_to_undeclared_failures(results)
     return results
 
 

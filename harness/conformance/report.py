@@ -258,8 +258,9 @@ class Report:
                          + f" | {self.form_skips(n)} |")
         lines += ["", "## Policies that backends legitimately differ on", "",
                   "The harness pins: fully masked rows output zeros; both causal alignments; "
-                  "attn_mask True = may attend, key_padding_mask True = ignore; scores as they are (a declared "
-                  "soft cap c: c * tanh(s / c) before any mask, every case compared with the reference capped so).",
+                  "attn_mask True = may attend, key_padding_mask True = ignore; scores scaled by 1/sqrt(d_head) and "
+                  "not capped (a declared score scale, T5's 1 or muP's 1/d_head, and a declared soft cap c, "
+                  "c * tanh(s / c) before any mask: every case compared with the reference scaled and capped so).",
                   "",
                   "An alignment is *verified* when its causal cases ran and held; a skip shows its reason.", "",
                   "| backend | fully masked rows | causal alignments verified | its own causal flag | "

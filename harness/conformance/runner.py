@@ -163,7 +163,7 @@ def _verify(backend, case: Case, params: dict, declared: list[Divergence], resul
                           f"the strict case said: {result.message}")
         result.observed = result.observed or seen or observed  # the verifying run may say how it held
     elif status == Status.FAILED:
-        result.message = f"fails even under its declared divergence ({observed}): {message}"
+        result.message = f"{FAILS_UNDER_DECLARATION} ({observed}): {message}"
         result.max_error = max_error
         _diagnosed(result, diagnosis)
     else:
@@ -251,6 +251,27 @@ def settle_precision_declarations(backend, results: list[CaseResult], progress=N
                 progress(r)
 
 
+#: how a variant that a declaration matches and that failed under it begins its message (:func:`_verify`)
+FAILS_UNDER_DECLARATION = "fails even under its declared divergence"
+
+
+def point_to_undeclared_failures(results: list[CaseResult]) -> None:
+    """A variant that fails even under its declared divergence, in a case whose variants that no declaration covers
+    fail too, says so: a bug there (a backward with the wrong scale) breaks the declared variant as well, and its
+    message otherwise points at the declaration (an outside user's muP backward read "fails even under its declared
+    divergence (fully masked rows output the uniform average of V)" first)."""
+    undeclared: dict[tuple[str, str], list[CaseResult]] = {}
+    for r in results:
+        if r.status == Status.FAILED and not r.message.startswith(FAILS_UNDER_DECLARATION):
+            undeclared.setdefault((r.backend, r.case), []).append(r)
+    for r in results:
+        others = undeclared.get((r.backend, r.case))
+        if r.status == Status.FAILED and r.message.startswith(FAILS_UNDER_DECLARATION) and others:
+            r.message = (f"{r.message} (this case fails on {len(others)} variant(s) that no declaration covers too, "
+                         f"e.g. {others[0].variant}: the bug there can break this variant as well, so fix those "
+                         "first)")
+
+
 def lost_result(backend: str, case: Case, params: dict, status: Status, message: str,
                 spec: str | None = None) -> CaseResult:
     """A variant that got no verdict (not run, or its worker was lost)."""
@@ -268,4 +289,5 @@ def run_backend(backend: AttentionBackend, cases: list[Case], progress=None,
         if progress:
             progress(results[-1])
     settle_precision_declarations(backend, results, progress)
+    point_to_undeclared_failures(results)
     return results
