@@ -25,7 +25,7 @@ from mha_harness.conformance.casekit import (
     scale_hint,
     tolerance_for,
 )
-from mha_harness.conformance.diagnoses import polarity_hint, softcap_hint
+from mha_harness.conformance.diagnoses import polarity_hint, scores_fit_hint
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention
@@ -188,12 +188,12 @@ def check_attention_weights_match_reference(backend, *, form, dtype, masked):
 
 def _scores_hint(output, params, inputs, dtype: str) -> str:
     """The other score scale or soft cap the output of a call whose weights failed matches (:func:`scale_hint`,
-    :func:`softcap_hint`, at the output's own tolerance), or ""."""
+    :func:`scores_fit_hint`, at the output's own tolerance), or ""."""
     if output is None:
         return ""
     got = np.asarray(output, np.float64)
     bound = tolerance_for(params, inputs, dtype)[1].bound
-    return scale_hint(got, params, inputs, bound) or softcap_hint(got, params, inputs, bound)
+    return scale_hint(got, params, inputs, bound) or scores_fit_hint(got, params, inputs, bound)
 
 
 @case(requires=("non_causal",), variants=lambda b: [{"dtype": d} for d in b.capabilities.dtypes],

@@ -22,7 +22,7 @@ from mha_harness.conformance.casekit import (
     primary_dtype,
     run,
     scale_hint,
-    softcap_named,
+    scores_fit_named,
     tolerance_for,
 )
 from mha_harness.contract.api import AttentionConfig
@@ -180,7 +180,7 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
         if diagnosis:  # right for another scale: a scale bug (check_scores_scaled_by_sqrt_d_head), no overflow
             raise CaseFailure(f"{failure}{diagnosis}: a scale bug, not an {'underflow' if largest < 0 else 'overflow'}",
                               failure.max_error, diagnosis=diagnosis.removeprefix("; ").strip()) from None
-        capped = softcap_named(failure, whole, params, inputs, tol.bound,
+        capped = scores_fit_named(failure, whole, params, inputs, tol.bound,
                                compare=None if real is None else np.broadcast_to(real, whole.shape[:2]))
         if capped is not failure:  # right for another soft cap on the scores: no overflow either
             raise capped from None

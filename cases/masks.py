@@ -30,7 +30,7 @@ from mha_harness.conformance.casekit import (
     primary_dtype,
     require,
     run,
-    softcap_named,
+    scores_fit_named,
     tolerance_for,
 )
 from mha_harness.conformance.diagnoses import mask_mistake
@@ -315,7 +315,7 @@ def check_padding_mask_output_matches_reference(backend, *, form, dtype):
     except CaseFailure as failure:
         hint = mask_mistake(got, params, inputs, rows=~query_padded)
         raise (failure.with_hint(hint) if hint else
-               softcap_named(failure, got, params, inputs, tol.bound, compare=~query_padded)) from None
+               scores_fit_named(failure, got, params, inputs, tol.bound, compare=~query_padded)) from None
 
 
 def _mask_variants(backend):
@@ -533,4 +533,4 @@ def check_mask_compositions_match_reference(backend, *, form, dtype, variant, sh
     except CaseFailure as failure:
         hint = mask_mistake(got, params, inputs, rows=real[..., 0])
         raise (failure.with_hint(hint) if hint else
-               softcap_named(failure, got, params, inputs, tol.bound, compare=real[..., 0])) from None
+               scores_fit_named(failure, got, params, inputs, tol.bound, compare=real[..., 0])) from None

@@ -1,9 +1,9 @@
 """Torch layers built with a score scale other than 1/sqrt(d_head): torch-eager's layer scaling by 1/d_head and
 declaring it (muP's attention, ``ScaledByDHead``), unscaled and declaring 1.0 (T5, ``Unscaled``), a fixed 0.1 at
-every head width (``FixedScale``, as Gemma's ``query_pre_attn_scalar ** -0.5``), one scaling by 1/d_head without
-declaring it, one declaring 1/d_head while it scales by 1/sqrt(d_head), and one that declares 1/d_head and applies
-it but exponentiates its scores without subtracting the row maximum (whose overflow the large-logits case must reach
-at the declared scale)."""
+every head width (``FixedScale``, as Gemma's ``query_pre_attn_scalar ** -0.5``), one applying 0.125 where it declares
+0.1, one scaling by 1/d_head without declaring it, one declaring 1/d_head while it scales by 1/sqrt(d_head), and
+one that declares 1/d_head and applies it but exponentiates its scores without subtracting the row maximum (whose
+overflow the large-logits case must reach at the declared scale)."""
 from __future__ import annotations
 
 import math
@@ -13,7 +13,7 @@ from tests.softcap_layers import ScoresLayer
 
 #: the scale rules these layers apply: a head width -> the scale
 RULES = {"1/sqrt(d_head)": lambda d: 1 / math.sqrt(d), "1/d_head": lambda d: 1 / d, "1": lambda d: 1.0,
-         "0.1": lambda d: 0.1}
+         "0.1": lambda d: 0.1, "0.125": lambda d: 0.125}
 
 
 def _attention(rule: str, subtract_max: bool = True):
@@ -59,6 +59,10 @@ class UnscaledUndeclared(_Scaled):
 
 class FixedScale(_Scaled):
     applied, declared = "0.1", 0.1
+
+
+class FixedScaleOtherThanDeclared(_Scaled):
+    applied, declared = "0.125", 0.1
 
 
 class ScaledByDHeadUndeclared(_Scaled):

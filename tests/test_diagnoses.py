@@ -334,7 +334,8 @@ def test_causal_mask_mistakes_are_plain_calls_with_the_masks_they_name():
     call = AttentionInputs(q, kv, kv, causal="bottom-right")  # offset 2: query i sees keys up to i + 2
     with implicitly_causal("bottom-right"):
         got = causal_mask_mistakes(call)
-    assert list(got) == ["not_applied", "other_alignment", "one_key_too_wide", "reversed", "no_diagonal", "inverted"]
+    assert list(got) == ["not_applied", "other_alignment", "one_key_too_wide", "reversed", "no_diagonal", "inverted",
+                         "offset_negated"]
     assert got["other_alignment"].causal == "top-left"
     assert all(c.causal is None for name, c in got.items() if name != "other_alignment")
     assert got["not_applied"].attn_mask is None
@@ -342,6 +343,7 @@ def test_causal_mask_mistakes_are_plain_calls_with_the_masks_they_name():
     np.testing.assert_array_equal(got["reversed"].attn_mask, ~np.tri(3, 5, k=1, dtype=bool))
     np.testing.assert_array_equal(got["no_diagonal"].attn_mask, np.tri(3, 5, k=1, dtype=bool))
     np.testing.assert_array_equal(got["inverted"].attn_mask, ~np.tri(3, 5, k=2, dtype=bool))
+    np.testing.assert_array_equal(got["offset_negated"].attn_mask, np.tri(3, 5, k=-2, dtype=bool))
     square = AttentionInputs(q, q, q, causal="top-left", attn_mask=np.ones((3, 3), bool))
     assert list(causal_mask_mistakes(square)) == ["not_applied"]  # no alignment to swap, a mask of its own
     assert causal_mask_mistakes(AttentionInputs(q, q, q)) == {}

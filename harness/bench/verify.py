@@ -19,6 +19,7 @@ from mha_harness.contract.conventions import EPS
 from mha_harness.contract.expected import gradient_names, gradient_tolerances, input_gradients, tolerance_for
 from mha_harness.contract.mistakes import (
     KV_HEADS_TILED,
+    OFFSET_NEGATED,
     WRITTEN_ONE_SLOT_LATE,
     alignment_mistake,
     causal_mask_mistakes,
@@ -38,7 +39,7 @@ from mha_harness.contract.reference import (
     score_scale_named,
     scores_as_declared,
 )
-from mha_harness.contract.softcap_fit import fitted_softcap, mismatch
+from mha_harness.contract.softcap_fit import scores_mismatch
 from mha_harness.contract.tolerance import bound_of
 
 #: a point whose call returned something other than the layer's output, or a wrong one: it is not timed
@@ -73,8 +74,8 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     keys and values written one slot too far; every one that matches and explains ``got`` better than the correct
     layer (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match
     two), a wrong scale also better than uniform weights (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`);
-    when none does, scores soft-capped otherwise than declared
-    (:func:`~mha_harness.contract.softcap_fit.fitted_softcap`, within twice the bound)."""
+    when none does, scores soft-capped or scaled otherwise than declared
+    (:func:`~mha_harness.contract.softcap_fit.scores_mismatch`, within twice the bound)."""
     margin = max(10 * bound, 1e-3)
     truth = reference_attention(params, inputs, rows=rows).output
 
@@ -87,8 +88,9 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
         return explains_as_a_scale(got, wrong, truth, uniform()) if scale else explains(got, wrong, truth)
     candidates = [(params, call, what, False) for call, what in _causal_mask_mistakes(inputs, "call")]
     declared = score_scale_declared()
-    true = "1/sqrt(d_head)" if declared is None else f"the declared score_scale {score_scale_named()}"
-    candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label} instead of {true}", True)
+    true = (" instead of 1/sqrt(d_head)" if declared is None
+            else f", not by the declared score_scale {score_scale_named()}")
+    candidates += [(with_score_scale(params, factor), inputs, f"scores scaled by {label}{true}", True)
                    for factor, label in wrong_scales(params.config, declared).items()]
     candidates.append((without_output_projection(params), inputs, "the heads' concatenation: W_o is not applied",
                        False))
@@ -100,9 +102,9 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
         candidates.append((params, late, WRITTEN_ONE_SLOT_LATE, False))
     found = [what for p, call, what, scale in candidates if matches(p, call, scale)]
     if not found:
-        fit = fitted_softcap(got, params, inputs, bound, rows=rows)
-        if fit is not None:
-            return mismatch(fit)
+        fitted = scores_mismatch(got, params, inputs, bound, rows=rows)
+        if fitted:
+            return fitted
     if len(found) > 1:  # at some shapes (one query, a long cache) two mistakes give outputs alike at these rows
         return (f"; the checked rows cannot tell {len(found)} mistakes apart, the output matches each: "
                 + "; or ".join(found))
@@ -112,8 +114,8 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
 def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
     """(call, description) of the causal-mask mistakes a wrong ``what`` ("call": its output; "backward": its
     gradients) of the causal call ``inputs`` is compared against: the mask not applied, the other alignment
-    (Tq != Tk), and without other masks one key too wide, reversed, without its diagonal or inverted; none without
-    a causal mask."""
+    (Tq != Tk), and without other masks one key too wide, reversed, without its diagonal, inverted or (bottom-right,
+    Tq != Tk) with its offset negated; none without a causal mask."""
     if inputs.causal is None:
         return []
     words = {"not_applied": f"the same call without its causal mask ({inputs.causal}): the {what} does not apply it",
@@ -123,7 +125,8 @@ def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
              "reversed": "a reversed causal mask (query i sees key i and every later key: triu where tril belongs)",
              "no_diagonal": "a causal mask that excludes the diagonal (query i cannot see its own key)",
              "inverted": "the causal mask inverted (query i sees only the keys after i: the mask's polarity "
-                         "flipped)"}
+                         "flipped)",
+             "offset_negated": OFFSET_NEGATED}
     return [(call, words[name]) for name, call in causal_mask_mistakes(inputs).items()]
 
 

@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 
 from mha_harness.conformance.diagnoses import (
+    SCALE_MATCH,
     SOFTCAP_MATCH,
     cache_order_hint,
     layer_mistake,
     mask_mistake,
+    scores_fit_hint,
     single_key_rows_hint,
-    softcap_hint,
 )
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
 from mha_harness.contract.api import (
@@ -53,6 +54,7 @@ from mha_harness.contract.mistakes import explains_as_a_scale, with_score_scale,
 from mha_harness.contract.reference import (
     allowed_and_bias,
     reference_attention,
+    score_scale,
     score_scale_declared,
     score_scale_named,
 )
@@ -75,13 +77,13 @@ class CaseFailure(AssertionError):
         """This failure with ``hint``, a diagnosis suffix ("; the output matches ..."), appended to its message and
         kept as its diagnosis (the diagnosis it had when ``hint`` is empty); ``diagnosis``: a shorter one to keep
         instead, for the summary's "diagnosed:" line, or "" when the hint names no mistake (a list of the wrong
-        gradients): the failure keeps the diagnosis it had. A hint that names a soft cap on the scores
-        (:data:`~mha_harness.conformance.diagnoses.SOFTCAP_MATCH`) names the cause the message's guess from the
-        error's size (a precision, :attr:`guess`) would misname: the guess is dropped."""
+        gradients): the failure keeps the diagnosis it had. A hint that names a soft cap on the scores or another
+        score scale (:data:`~mha_harness.conformance.diagnoses.SOFTCAP_MATCH`, ``SCALE_MATCH``) names the cause the
+        message's guess from the error's size (a precision, :attr:`guess`) would misname: the guess is dropped."""
         if diagnosis is None:
             diagnosis = hint.removeprefix("; ").strip()
         message, guess = str(self), self.guess
-        if SOFTCAP_MATCH in hint and guess:
+        if (SOFTCAP_MATCH in hint or SCALE_MATCH in hint) and guess:
             message, guess = message.replace(guess, ""), ""
         return CaseFailure(message + hint, self.max_error, self.observed, diagnosis or self.diagnosis, guess)
 
@@ -500,12 +502,12 @@ def _half_level_hint(err: float, tol: Tolerance) -> str:
             "cannot run every call'), which a precision declaration would hide")
 
 
-def softcap_named(failure: CaseFailure, got: np.ndarray, params: AttentionParams, inputs: AttentionInputs,
-                  bound: float, compare: np.ndarray | None = None) -> CaseFailure:
-    """``failure`` with the soft cap its whole output ``got`` matches named and its guess of a precision dropped
-    (:func:`~mha_harness.conformance.diagnoses.softcap_hint`; ``compare``: the (batch, Tq) rows that are specified);
-    unchanged when no cap fits."""
-    hint = softcap_hint(got, params, inputs, bound, compare)
+def scores_fit_named(failure: CaseFailure, got: np.ndarray, params: AttentionParams, inputs: AttentionInputs,
+                     bound: float, compare: np.ndarray | None = None) -> CaseFailure:
+    """``failure`` with the soft cap or score scale its whole output ``got`` matches named and its guess of a
+    precision dropped (:func:`~mha_harness.conformance.diagnoses.scores_fit_hint`; ``compare``: the (batch, Tq) rows
+    that are specified); unchanged when none fits."""
+    hint = scores_fit_hint(got, params, inputs, bound, compare)
     return failure.with_hint(hint) if hint else failure
 
 
@@ -584,7 +586,7 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     got = np.asarray(got, np.float64)
     return (scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
             or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs)
-            or softcap_hint(got, params, inputs, tol.bound)
+            or scores_fit_hint(got, params, inputs, tol.bound)
             or single_key_rows_hint(got, expected, tol.bound, params, inputs))
 
 
@@ -620,8 +622,12 @@ def scale_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs
     if not label:
         return ""
     declared = score_scale_declared()
-    if declared is not None:
-        return f"; the output matches scores scaled by {label}, not by the declared score_scale {score_scale_named()}"
+    if declared is not None:  # the value too: a fixed declared scale is matched by another rule at each head width
+        d = params.config.d_head
+        value = next(f for f, named in wrong_scales(params.config, declared).items() if named == label) \
+            * score_scale(d)
+        return (f"; the output matches scores scaled by {label} (= {value:.4g} at d_head {d}), not by the declared "
+                f"score_scale {score_scale_named()}")
     hint = f"; the output matches scores scaled by {label} instead of 1/sqrt(d_head)"
     if "1 (no scaling)" in label:
         hint += SCALE_BY_DESIGN.format(value="1.0")
@@ -801,7 +807,7 @@ def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: Attenti
         named = ""
         if error > tol.bound:  # another score scale (compared on whole outputs), else another soft cap
             named = ((scale_hint(whole, params, inputs, tol.bound) if weighed.all() else "")
-                     or softcap_hint(whole, params, inputs, tol.bound, compare=weighed))
+                     or scores_fit_hint(whole, params, inputs, tol.bound, compare=weighed))
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return ""
     if error <= tol.bound:

@@ -19,6 +19,7 @@ from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitl
 from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.mistakes import (
     KV_HEADS_TILED,
+    OFFSET_NEGATED,
     WRITTEN_ONE_SLOT_LATE,
     alignment_mistake,
     causal_mask_mistakes,
@@ -32,7 +33,7 @@ from mha_harness.contract.reference import (
     score_scale,
     soft_capped,
 )
-from mha_harness.contract.softcap_fit import fitted_softcap, mismatch
+from mha_harness.contract.softcap_fit import scores_mismatch
 
 
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
@@ -170,7 +171,8 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
                 truth: Callable[[], np.ndarray] | None = None) -> str:
     """A message suffix naming the causal-mask mistake a causal call's output ``got`` matches: the other alignment
     (Tq != Tk), a mask without the diagonal, no mask at all, a reversed mask (the future instead of the past), an
-    inverted one (its polarity flipped: only the future), or a mask one key too wide; "" when none. Rows a
+    inverted one (its polarity flipped: only the future), a bottom-right mask with its diagonal offset negated, or a
+    mask one key too wide; "" when none. Rows a
     candidate leaves without a key are compared under the backend's empty-row convention (:func:`_matches`)."""
     alignment, tq, tk = inputs.causal, inputs.tq, inputs.tk
     if alignment is None:
@@ -181,16 +183,22 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     def matches(other: AttentionInputs | None) -> bool:
         return other is not None and _matches(got, params, other, truth=truth)
     mistake = causal_mask_mistakes(inputs)
+    # at some shapes a negated offset gives what another mistake gives (Tq > Tk: every key, as no mask; one query
+    # against two keys: none, as the inverted mask): both are named there
+    negated = f"; the output matches {OFFSET_NEGATED}" if matches(mistake.get("offset_negated")) else ""
     if inputs.attn_mask is None and matches(mistake.get("not_applied")):
-        return "; the output matches attention without a causal mask: the mask is not applied"
+        return _together(["; the output matches attention without a causal mask: the mask is not applied", negated])
     if matches(mistake.get("reversed")):
-        return ("; the output matches a reversed causal mask: query i sees key i and every later key (the future) "
-                "instead of the keys up to i (triu where tril belongs: torch.triu, np.triu or jnp.triu)")
+        return _together(["; the output matches a reversed causal mask: query i sees key i and every later key (the "
+                          "future) instead of the keys up to i (triu where tril belongs: torch.triu, np.triu or "
+                          "jnp.triu)", negated])
     if matches(mistake.get("inverted")):
-        return ("; the output matches the causal mask inverted: query i sees only the keys after i (the future), "
-                "none of the keys up to i (the mask's polarity flipped: keys masked where they may be attended, as "
-                "masked_fill(mask == 1, ...) where mask == 0 belongs, or a keep-mask passed where a mask of the keys "
-                "to hide is read)")
+        return _together(["; the output matches the causal mask inverted: query i sees only the keys after i (the "
+                          "future), none of the keys up to i (the mask's polarity flipped: keys masked where they may "
+                          "be attended, as masked_fill(mask == 1, ...) where mask == 0 belongs, or a keep-mask passed "
+                          "where a mask of the keys to hide is read)", negated])
+    if negated:
+        return negated
     if matches(mistake.get("one_key_too_wide")):
         return "; the output matches a causal mask one key too wide (query i also sees key i + 1)"
     hints = []  # at some shapes (one query against two keys) these two give the same output: both are named
@@ -376,18 +384,20 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
             "mask[:, None, None, :] belongs)")
 
 
-#: a phrase every :func:`softcap_hint` sentence holds (a failure that has one drops its guess of a precision)
-SOFTCAP_MATCH = "soft-capped"
+#: phrases every :func:`scores_fit_hint` sentence holds, one of them (a failure that has one drops its guess of a
+#: precision: the fit named the cause)
+SOFTCAP_MATCH, SCALE_MATCH = "soft-capped", "the output matches scores scaled by"
 
 
-def softcap_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
-                 compare: np.ndarray | None = None) -> str:
+def scores_fit_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                    compare: np.ndarray | None = None) -> str:
     """A failed whole output that the reference reproduces with another soft cap on the scores
-    (:func:`~mha_harness.contract.softcap_fit.fitted_softcap`): scores soft-capped by an undeclared cap (an outside
-    user's Gemma 2 layer was told its error was of half precision's size), by another cap than the declared one, or
-    not at all under a declared cap; "" otherwise. ``compare``: the (batch, Tq) rows of ``got`` that are specified."""
-    fit = fitted_softcap(got, params, inputs, bound, compare=compare)
-    return "" if fit is None else mismatch(fit)
+    (:func:`~mha_harness.contract.softcap_fit.fitted_softcap`) or another score scale than any common one
+    (:func:`~mha_harness.contract.softcap_fit.fitted_score_scale`), whichever fits closer: scores soft-capped by an
+    undeclared cap (an outside user's Gemma 2 layer was told its error was of half precision's size), by another cap
+    than the declared one, or not at all under a declared cap; scores scaled by 0.125 where 0.1 is declared; ""
+    otherwise. ``compare``: the (batch, Tq) rows of ``got`` that are specified."""
+    return scores_mismatch(got, params, inputs, bound, compare=compare)
 
 
 def single_key_rows_hint(got: np.ndarray, expected: np.ndarray, bound: float, params: AttentionParams,

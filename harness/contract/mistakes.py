@@ -98,8 +98,10 @@ def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
     ``"not_applied"``: the same call without its causal mask; ``"other_alignment"`` (Tq != Tk only): the other
     alignment; and, where the call has no ``attn_mask`` of its own to combine with, ``"one_key_too_wide"`` (query i
     also sees key i + 1), ``"reversed"`` (query i sees key i and every later key: triu where tril belongs),
-    ``"no_diagonal"`` (query i cannot see its own key) and ``"inverted"`` (the mask's polarity flipped: query i sees
-    only the keys after i, the last query none), as boolean masks offset like the call's alignment. Empty
+    ``"no_diagonal"`` (query i cannot see its own key), ``"inverted"`` (the mask's polarity flipped: query i sees
+    only the keys after i, the last query none) and, where the alignment offsets the diagonal (bottom-right with
+    Tq != Tk), ``"offset_negated"`` (tril(diagonal=Tq - Tk) where diagonal=Tk - Tq belongs), as boolean masks
+    offset like the call's alignment. Empty
     without a causal mask. The calls carry no causal mask of their own, also for a backend that declares
     ``always_causal`` (they are made outside its implicit causal mask)."""
     if inputs.causal is None:
@@ -116,7 +118,14 @@ def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
             calls["reversed"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool))
             calls["no_diagonal"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool))
             calls["inverted"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset, dtype=bool))
+            if offset:
+                calls["offset_negated"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=-offset, dtype=bool))
     return calls
+
+
+#: a bottom-right causal mask built with its diagonal offset's sign flipped, in words
+OFFSET_NEGATED = ("a causal mask with its diagonal offset negated: query i sees keys 0..i + Tq - Tk instead of "
+                  "0..i + Tk - Tq (tril(ones(Tq, Tk), diagonal=Tq - Tk) where diagonal=Tk - Tq belongs)")
 
 
 #: what each alignment lets query i see, and the mask that makes it

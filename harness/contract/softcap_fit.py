@@ -1,7 +1,9 @@
 """Which soft cap, if any, a failed output was computed with: scores replaced by ``c * tanh(s / c)`` before the
 mask (Gemma 2's ``attn_logit_softcapping``) bend every score a little, an error that looks like rounding by its
-size alone; fitting ``c`` against the reference tells the two apart. Used by the conformance diagnoses and by
-``mha-harness bench``'s check of a benchmarked call."""
+size alone; fitting ``c`` against the reference tells the two apart. The same fit finds the score scale a failed
+output was computed with when it is none of the common ones (a Gemma layer's ``query_pre_attn_scalar`` set to
+another value than declared). Used by the conformance diagnoses and by ``mha-harness bench``'s check of a
+benchmarked call."""
 from __future__ import annotations
 
 import functools
@@ -11,10 +13,20 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.mistakes import distance
-from mha_harness.contract.reference import logit_softcap, logit_softcap_as, reference_attention
+from mha_harness.contract.reference import (
+    logit_softcap,
+    logit_softcap_as,
+    reference_attention,
+    score_scale,
+    score_scale_as,
+    score_scale_declared,
+    score_scale_named,
+)
 
 #: the caps tried first (log-spaced, each about 1.26x the last), the best then refined between its neighbours
 SOFTCAP_GRID = tuple(float(c) for c in np.geomspace(1.0, 1000.0, 31))
+#: the score scales tried first (log-spaced over 1/1000 .. 10, each about 1.26x the last)
+SCALE_GRID = tuple(float(c) for c in np.geomspace(1e-3, 10.0, 41))
 #: rows of a whole output the fit compares (evenly spaced); the cap found is then confirmed on every row
 FIT_ROWS = 16
 
@@ -24,6 +36,14 @@ class SoftcapFit:
     """The cap under which the reference reproduces a failed output (None: no cap) and the error there."""
 
     cap: float | None
+    error: float
+
+
+@dataclass(frozen=True)
+class ScaleFit:
+    """The score scale under which the reference reproduces a failed output and the error there."""
+
+    scale: float
     error: float
 
 
@@ -43,6 +63,17 @@ def mismatch(fit: SoftcapFit) -> str:
             "not, look for a tanh on the scores")
 
 
+def scores_mismatch(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                    rows=None, compare: np.ndarray | None = None) -> str:
+    """The message suffix naming the soft cap (:func:`fitted_softcap`) or the score scale (:func:`fitted_score_scale`)
+    under which the reference reproduces ``got``, whichever fits closer; "" when neither does."""
+    cap = fitted_softcap(got, params, inputs, bound, rows=rows, compare=compare)
+    scale = fitted_score_scale(got, params, inputs, bound, rows=rows, compare=compare)
+    if scale is not None and (cap is None or scale.error < cap.error):
+        return scale_mismatch(scale, params)
+    return "" if cap is None else mismatch(cap)
+
+
 def fitted_softcap(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                    rows=None, compare: np.ndarray | None = None) -> SoftcapFit | None:
     """The soft cap under which the float64 reference gives ``got`` (the output, or its ``rows`` when given) within
@@ -53,55 +84,89 @@ def fitted_softcap(got: np.ndarray, params: AttentionParams, inputs: AttentionIn
     got = np.asarray(got, np.float64)
     held, margin = logit_softcap(), 2 * bound
     compare_at = _specified_rows if compare is not None else _sampled_rows
-    error, confirmed = compare_at(got, params, inputs, margin, rows if compare is None else compare)
-    return _fitted(error, confirmed, held, margin)
+    error, confirmed = compare_at(got, params, inputs, margin, rows if compare is None else compare, logit_softcap_as)
+    fit = _fitted(error, confirmed, SOFTCAP_GRID, held, margin, none_fits=held is not None)
+    return None if fit is None else SoftcapFit(*fit)
 
 
-def _specified_rows(got, params, inputs, margin, compare):
-    """(error(cap), confirmed(cap)) comparing the whole output on its specified rows (``compare``, (batch, Tq)),
-    the others zeroed on both sides."""
+def fitted_score_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                       rows=None, compare: np.ndarray | None = None) -> ScaleFit | None:
+    """The score scale (one number, at this layer's d_head) under which the float64 reference gives ``got`` (the
+    output, or its ``rows``) within ``2 * bound``, other than the one the reference holds now
+    (:func:`~mha_harness.contract.reference.score_scale`): the one with the fewest significant digits that fits
+    (0.1, not 0.09998); None when none fits. ``compare``: as for :func:`fitted_softcap`."""
+    got = np.asarray(got, np.float64)
+    held, margin = score_scale(params.config.d_head), 2 * bound
+    compare_at = _specified_rows if compare is not None else _sampled_rows
+    error, confirmed = compare_at(got, params, inputs, margin, rows if compare is None else compare, score_scale_as)
+    # the held scale fits (a near pass), or so do weights all but uniform (scale -> 0) or all but one-hot (scale ->
+    # 10 x the grid's top): no scale tells this output apart
+    if error(held) <= margin or error(1e-9) <= margin or error(SCALE_GRID[-1] * 10) <= margin:
+        return None
+    fit = _fitted(error, confirmed, SCALE_GRID, held, margin, none_fits=False)
+    return None if fit is None else ScaleFit(*fit)
+
+
+def scale_mismatch(fit: ScaleFit, params: AttentionParams) -> str:
+    """The message suffix of a wrong output the reference reproduces with its scores scaled by ``fit``'s scale (none
+    of the common scales) instead of the scale it holds now: the declared one, or 1/sqrt(d_head)."""
+    d, scale = params.config.d_head, fit.scale
+    held, declared = score_scale(d), score_scale_declared()
+    if declared is not None:
+        at = f" (= {held:.4g} at d_head {d})" if isinstance(declared, str) else ""
+        return (f"; the output matches scores scaled by {scale:g}, not by the declared score_scale "
+                f"{score_scale_named()}{at}")
+    return (f"; the output matches scores scaled by {scale:g} ({scale * np.sqrt(d):.4g}/sqrt(d_head) at d_head {d}) "
+            f"instead of 1/sqrt(d_head) = {held:.4g}, not a rounding error: a layer built with a scale of its own "
+            "declares it, Capabilities(score_scale=...) (\"A layer with a score scale of its own\" in docs/plugins.md)")
+
+
+def _specified_rows(got, params, inputs, margin, compare, setting):
+    """(error(value), confirmed(value)) comparing the whole output on its specified rows (``compare``, (batch, Tq)),
+    the others zeroed on both sides, the reference computed within ``setting(value)`` (a cap or a scale)."""
     keep = np.asarray(compare, bool)[..., None]
     part = np.where(keep, got, 0.0)
 
     @functools.cache
-    def error(cap) -> float:
-        with logit_softcap_as(cap):
+    def error(value) -> float:
+        with setting(value):
             return distance(part, np.where(keep, reference_attention(params, inputs).output, 0.0))
 
-    def confirmed(cap) -> SoftcapFit | None:
-        return SoftcapFit(cap, error(cap)) if error(cap) <= margin else None
+    def confirmed(value) -> tuple | None:
+        return (value, error(value)) if error(value) <= margin else None
     return error, confirmed
 
 
-def _sampled_rows(got, params, inputs, margin, rows):
-    """(error(cap), confirmed(cap)): ``got`` holds the query ``rows`` (all of them for None), compared at up to
-    :data:`FIT_ROWS` of them while fitting and at every one to confirm."""
+def _sampled_rows(got, params, inputs, margin, rows, setting):
+    """(error(value), confirmed(value)): ``got`` holds the query ``rows`` (all of them for None), compared at up to
+    :data:`FIT_ROWS` of them while fitting and at every one to confirm, the reference within ``setting(value)``."""
     if rows is None:
         sample = np.unique(np.linspace(0, inputs.tq - 1, min(inputs.tq, FIT_ROWS)).round().astype(int))
         part = got[:, sample]
     else:
         sample, part = np.asarray(rows), got
 
-    def distance_at(cap, at, against) -> float:
-        with logit_softcap_as(cap):
+    def distance_at(value, at, against) -> float:
+        with setting(value):
             return distance(against, reference_attention(params, inputs, rows=at).output)
 
     @functools.cache
-    def error(cap) -> float:
-        return distance_at(cap, sample, part)
+    def error(value) -> float:
+        return distance_at(value, sample, part)
 
-    def confirmed(cap) -> SoftcapFit | None:
-        whole = distance_at(cap, None, got) if rows is None else error(cap)
-        return SoftcapFit(cap, whole) if whole <= margin else None
+    def confirmed(value) -> tuple | None:
+        whole = distance_at(value, None, got) if rows is None else error(value)
+        return (value, whole) if whole <= margin else None
     return error, confirmed
 
 
-def _fitted(error, confirmed, held: float | None, margin: float) -> SoftcapFit | None:
-    """The fit itself: the grid, the golden-section refinement, the simplest cap that fits, no cap when one is
-    held and that fits best; ``error(cap)`` (memoised) on the compared part, ``confirmed(cap)`` on the whole."""
-    errors = [error(c) for c in SOFTCAP_GRID]
+def _fitted(error, confirmed, grid, held, margin: float, none_fits: bool) -> tuple | None:
+    """The fit itself: the ``grid``, the golden-section refinement, the simplest value that fits, None (no cap) when
+    ``none_fits`` and that fits best; ``error(value)`` (memoised) on the compared part, ``confirmed(value)`` on the
+    whole: (value, error) or None."""
+    errors = [error(c) for c in grid]
     best = int(np.argmin(errors))
-    low, high = np.log(SOFTCAP_GRID[max(best - 1, 0)]), np.log(SOFTCAP_GRID[min(best + 1, len(SOFTCAP_GRID) - 1)])
+    low, high = np.log(grid[max(best - 1, 0)]), np.log(grid[min(best + 1, len(grid) - 1)])
     ratio = (np.sqrt(5) - 1) / 2
     a, b = high - ratio * (high - low), low + ratio * (high - low)
     error_a, error_b = error(float(np.exp(a))), error(float(np.exp(b)))
@@ -114,11 +179,11 @@ def _fitted(error, confirmed, held: float | None, margin: float) -> SoftcapFit |
             low, a, error_a = a, b, error_b
             b = low + ratio * (high - low)
             error_b = error(float(np.exp(b)))
-    cap = float(np.exp((low + high) / 2))
-    # the simplest cap that fits: 50 rather than 49.9931 (a float64 layer capped at 50 fits 50 alone)
-    simple = next((c for c in (float(f"{cap:.{d}g}") for d in range(1, 7)) if error(c) <= margin), cap)
-    if held is not None and error(None) <= min(margin, error(simple)):  # no cap fits better than any cap
+    value = float(np.exp((low + high) / 2))
+    # the simplest value that fits: 50 rather than 49.9931 (a float64 layer capped at 50 fits 50 alone)
+    simple = next((c for c in (float(f"{value:.{d}g}") for d in range(1, 7)) if error(c) <= margin), value)
+    if none_fits and error(None) <= min(margin, error(simple)):  # no cap fits better than any cap
         return confirmed(None)
-    if simple == held or error(simple) > margin:  # within twice the bound of the held cap: not another cap
+    if simple == held or error(simple) > margin:  # within twice the bound of the held value: not another one
         return None
     return confirmed(simple)

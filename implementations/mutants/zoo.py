@@ -131,6 +131,15 @@ class CausalMaskReversed(NumpyNaiveLoaded):
         return allowed, additive
 
 
+class CausalOffsetNegated(NumpyNaiveLoaded):
+    def masks(self, inputs):  # tril(diagonal=Tq - Tk) where diagonal=Tk - Tq belongs: bottom-right with Tq != Tk
+        allowed, additive = full_mask(inputs.replace(causal=None))
+        if inputs.causal:
+            offset = causal_offset(inputs.causal, inputs.tq, inputs.tk)
+            allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] <= np.arange(inputs.tq)[:, None] - offset)
+        return allowed, additive
+
+
 class CausalAlwaysTopLeft(NumpyNaiveLoaded):
     def masks(self, inputs):
         return full_mask(inputs.replace(causal="top-left" if inputs.causal else None))
@@ -579,6 +588,8 @@ MUTANTS = (
            CausalExcludesDiagonal, "diagonal"),
     Mutant("mutant-causal-always-top-left", "bottom-right causal treated as top-left when Tq != Tk",
            CausalAlwaysTopLeft, "top-left alignment"),
+    Mutant("mutant-causal-offset-negated", "builds the bottom-right causal mask with its diagonal offset negated "
+           "(tril(diagonal=Tq - Tk) where diagonal=Tk - Tq belongs)", CausalOffsetNegated, "offset negated"),
     Mutant("mutant-padding-ignored", "ignores the key padding mask", PaddingIgnored, "padding"),
     Mutant("mutant-padding-on-query-axis", "broadcasts the key padding mask along the query axis (padded positions' "
            "queries see no key; every query sees the padded keys)", PaddingOnQueryAxis, "along the query axis"),
