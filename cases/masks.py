@@ -84,9 +84,10 @@ def _poison_verdict(failure: CaseFailure, poison: str, finite_unchanged, changed
                            "them; masked_poison_divergences does not cover this", failure.max_error)
     return CaseFailure(f"not a leak: {value} held by masked positions propagated through 0 * {value} (a dense P @ V "
                        "multiplies the masked weights, exactly 0, by the masked values); the same positions set to "
-                       "random finite values leave the output unchanged. Zero the values of keys no query may see "
-                       "(padded keys) before P @ V; a key hidden only from some queries (causal, attn_mask) cannot "
-                       "be zeroed for all, so a dense P @ V there needs the declaration: "
+                       "random finite values leave the output unchanged. A kernel of your own can zero the values "
+                       "of keys no query may see (padded keys) before P @ V; a key hidden only from some queries "
+                       "(causal, attn_mask) cannot be zeroed for all, so a dense P @ V there, and a library or model "
+                       "layer you wrap as it is, needs the declaration: "
                        "divergences = masked_poison_divergences(\"why\", cases=[...]) from "
                        "mha_harness.toolkit.divergences, naming the cases that fail so (without cases= it covers the "
                        "causal and the padding case, and one that passes is an unexpected pass; docs/plugins.md, "

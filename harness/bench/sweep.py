@@ -613,7 +613,8 @@ def table(points: list[BenchPoint]) -> str:
                   for (backend, status, same), reasons in cut.items()]
     if not any(p.status == MEASURED for p in points):  # no figure to explain
         return "\n".join(lines)
-    lines.append("\n  x best: the median over the fastest median of the same mode and mask at this length; '?': "
+    lines.append("\n  x best: the median over the fastest median of the same mode and mask at this length (at "
+                 "Tq = Tk top-left and bottom-right are one mask, so a backend of either alignment counts); '?': "
                  "its 95% CI overlaps the fastest's, so this run does not tell them apart (rerun with a larger "
                  "--budget, on an idle machine); 95% CI: +-X% is the larger of the two sides, relative to the "
                  "median; a side beyond 100% is printed as -low/+high%")

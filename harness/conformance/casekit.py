@@ -479,7 +479,7 @@ def _float32_level_hint(err: float, tol: Tolerance) -> str:
             "itself such as rotary cos/sin; in JAX, float64 needs jax_enable_x64, which mha_harness.configure_jax() "
             "sets); compute in float64, or declare it: "
             "divergences = precision_divergences(\"float64\", \"float32\", \"why\", cases=[...]) from "
-            "mha_harness.toolkit.divergences")
+            "mha_harness.toolkit.divergences, naming every case the summary's 'failing cases:' line lists for it")
 
 
 def _half_level_hint(err: float, tol: Tolerance) -> str:
@@ -497,7 +497,8 @@ def _half_level_hint(err: float, tol: Tolerance) -> str:
             "half-precision cast of the inputs, weights or scores, a softmax or accumulation in half precision); "
             f"compute in {tol.dtype}, or, if the kernel does so by design, declare it: divergences = "
             f"precision_divergences(\"{tol.dtype}\", \"bfloat16\", \"why\", cases=[...]) from "
-            "mha_harness.toolkit.divergences (the dtype it computes in); a size alone cannot tell this from scores "
+            "mha_harness.toolkit.divergences (the dtype it computes in; every case the summary's 'failing cases:' "
+            "line lists for it); a size alone cannot tell this from scores "
             "the layer changes by design (a norm on q or k, a scale of its own: docs/plugins.md, 'Layers that "
             "cannot run every call'), which a precision declaration would hide")
 
