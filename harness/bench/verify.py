@@ -39,7 +39,7 @@ from mha_harness.contract.reference import (
     score_scale_named,
     scores_as_declared,
 )
-from mha_harness.contract.softcap_fit import scores_mismatch
+from mha_harness.contract.scores_fit import scores_mismatch
 from mha_harness.contract.tolerance import bound_of
 
 #: a point whose call returned something other than the layer's output, or a wrong one: it is not timed
@@ -75,7 +75,7 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     layer (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match
     two), a wrong scale also better than uniform weights (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`);
     when none does, scores soft-capped or scaled otherwise than declared
-    (:func:`~mha_harness.contract.softcap_fit.scores_mismatch`, within twice the bound)."""
+    (:func:`~mha_harness.contract.scores_fit.scores_mismatch`, within twice the bound)."""
     margin = max(10 * bound, 1e-3)
     truth = reference_attention(params, inputs, rows=rows).output
 

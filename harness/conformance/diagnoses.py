@@ -33,7 +33,7 @@ from mha_harness.contract.reference import (
     score_scale,
     soft_capped,
 )
-from mha_harness.contract.softcap_fit import scores_mismatch
+from mha_harness.contract.scores_fit import scores_mismatch
 
 
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
@@ -392,8 +392,8 @@ SOFTCAP_MATCH, SCALE_MATCH = "soft-capped", "the output matches scores scaled by
 def scores_fit_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                     compare: np.ndarray | None = None) -> str:
     """A failed whole output that the reference reproduces with another soft cap on the scores
-    (:func:`~mha_harness.contract.softcap_fit.fitted_softcap`) or another score scale than any common one
-    (:func:`~mha_harness.contract.softcap_fit.fitted_score_scale`), whichever fits closer: scores soft-capped by an
+    (:func:`~mha_harness.contract.scores_fit.fitted_softcap`) or another score scale than any common one
+    (:func:`~mha_harness.contract.scores_fit.fitted_score_scale`), whichever fits closer: scores soft-capped by an
     undeclared cap (an outside user's Gemma 2 layer was told its error was of half precision's size), by another cap
     than the declared one, or not at all under a declared cap; scores scaled by 0.125 where 0.1 is declared; ""
     otherwise. ``compare``: the (batch, Tq) rows of ``got`` that are specified."""
