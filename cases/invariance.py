@@ -180,10 +180,10 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
         if diagnosis:  # right for another scale: a scale bug (check_scores_scaled_by_sqrt_d_head), no overflow
             raise CaseFailure(f"{failure}{diagnosis}: a scale bug, not an {'underflow' if largest < 0 else 'overflow'}",
                               failure.max_error, diagnosis=diagnosis.removeprefix("; ").strip()) from None
-        capped = scores_fit_named(failure, whole, params, inputs, tol.bound,
-                               compare=None if real is None else np.broadcast_to(real, whole.shape[:2]))
-        if capped is not failure:  # right for another soft cap on the scores: no overflow either
-            raise capped from None
+        fitted = scores_fit_named(failure, whole, params, inputs, tol.bound,
+                                  compare=None if real is None else np.broadcast_to(real, whole.shape[:2]))
+        if fitted is not failure:  # right for another soft cap or scale on the scores: no overflow either
+            raise fitted from None
         _wrong_with_ordinary_logits(backend, ordinary, inputs, dtype, real, failure)
         why = ("an overflowing normaliser gives wrong finite values; " if largest > 0 else "")
         raise CaseFailure(f"numerical stability: {failure}; {fix} ({why}with ordinary logits the output is right)",
