@@ -111,9 +111,11 @@ def score_scale_as(scale):
         yield
 
 
-def score_scale(d_head: int) -> float:
-    """The scale the reference multiplies the scores of ``d_head``-wide heads by now (see :func:`score_scale_as`)."""
-    return score_scale_at(_SCORE_SCALE.get(), d_head)
+def score_scale(d_head: int) -> np.float64:
+    """The scale the reference multiplies the scores of ``d_head``-wide heads by now (see :func:`score_scale_as`), as
+    a NumPy float64: a Python float is a weak scalar (NEP 50), so ``float32 scores * scale`` would stay float32 and
+    the naive algorithm in float32, whose error sets the tolerance, would round once more than it does."""
+    return np.float64(score_scale_at(_SCORE_SCALE.get(), d_head))
 
 
 def score_scale_declared():
