@@ -820,14 +820,13 @@ def test_the_check_summary_says_prepared_calls_are_checked_by_bench_not_here():
     assert f"  not run by check: {PREPARE_NOT_RUN}" in report.summary_lines()
     assert "`mha-harness bench` checks each one's output or gradients" in PREPARE_NOT_RUN
 
+
 def test_a_variant_failing_under_its_declaration_points_to_the_same_case_s_undeclared_failures():
     """A backward bug breaks the declared empty_row variant too; its message said "fails even under its declared
     divergence (...)" alone, which sent an outside user to the declaration instead of the bug."""
-    import mha_harness
     from mha_harness.implementations.mutants.zoo import MUTANTS, MutantBackend
 
     backend = MutantBackend(next(m for m in MUTANTS if m.name == "mutant-gradient-score-scale-left-out"))
-    from mha_harness.toolkit.divergences import uniform_fully_masked_divergences
     backend.divergences = tuple(backend.divergences) + uniform_fully_masked_divergences("finite mask value")
     failures = mha_harness.check(backend, cases=["check_gradients_match_reference"], isolate=False).failures()
     declared = [f for f in failures if f.params.get("empty_row")]

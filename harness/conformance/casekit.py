@@ -596,16 +596,22 @@ def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     reference holds (:func:`~mha_harness.contract.reference.score_scale_as`) whose float64 output ``got`` matches
     within ``max(10 * bound, 1e-3)`` and explains better than the right scale and uniform weights do
     (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`), or None when it matches none of them."""
+    found = _wrong_scale(got, params, inputs, bound)
+    return None if found is None else found[0]
+
+
+def _wrong_scale(got, params, inputs, bound) -> tuple[str, float] | None:
+    """:func:`wrong_scale`'s label and its factor over the scale the reference holds."""
     scales = wrong_scales(params.config, score_scale_declared())
     if not np.all(np.isfinite(got)) or not scales:
         return None
-    outputs = {label: reference_attention(with_score_scale(params, f), inputs).output for f, label in scales.items()}
-    label, wrong = min(outputs.items(), key=lambda item: float(np.max(np.abs(got - item[1]))))
+    outputs = {f: reference_attention(with_score_scale(params, f), inputs).output for f in scales}
+    factor, wrong = min(outputs.items(), key=lambda item: float(np.max(np.abs(got - item[1]))))
     if float(np.max(np.abs(got - wrong))) > max(bound * 10, 1e-3):
         return None
     truth = reference_attention(params, inputs).output
     uniform = reference_attention(with_score_scale(params, 0.0), inputs).output
-    return label if explains_as_a_scale(got, wrong, truth, uniform) else None
+    return (scales[factor], factor) if explains_as_a_scale(got, wrong, truth, uniform) else None
 
 
 #: a scale other than 1/sqrt(d_head) is a bug, unless the layer is built with it (T5's unscaled scores, muP's
@@ -619,16 +625,14 @@ def scale_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs
     """The diagnosis of an output right for another of the common score scales (:func:`wrong_scale`) than the one
     the layer declares (1/sqrt(d_head) unless declared otherwise); "" if none. An undeclared unscaled or 1/d_head
     scale also says how to declare a layer built with it on purpose (T5, muP)."""
-    label = wrong_scale(got, params, inputs, bound)
-    if not label:
+    found = _wrong_scale(got, params, inputs, bound)
+    if found is None:
         return ""
-    declared = score_scale_declared()
-    if declared is not None:  # the value too: a fixed declared scale is matched by another rule at each head width
-        d = params.config.d_head
-        value = next(f for f, named in wrong_scales(params.config, declared).items() if named == label) \
-            * score_scale(d)
-        return (f"; the output matches scores scaled by {label} (= {value:.4g} at d_head {d}), not by the declared "
-                f"score_scale {score_scale_named()}")
+    label, factor = found
+    if score_scale_declared() is not None:  # the value too: a fixed declared scale is matched by another rule at
+        d = params.config.d_head            # each head width
+        return (f"; the output matches scores scaled by {label} (= {factor * score_scale(d):.4g} at d_head {d}), not "
+                f"by the declared score_scale {score_scale_named()}")
     hint = f"; the output matches scores scaled by {label} instead of 1/sqrt(d_head)"
     if "1 (no scaling)" in label:
         hint += SCALE_BY_DESIGN.format(value="1.0")

@@ -18,6 +18,7 @@ from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.expected import gradient_names, input_gradients
 from mha_harness.contract.mistakes import distance, frozen_parameters_hint
 from mha_harness.contract.reference import MASK_FIELDS, mistaken_vjp, reference_vjp, score_scale, score_scale_named
+from mha_harness.contract.score_scale import score_scale_at
 
 #: the parameter gradients each part of the backward produces: a wrong group with the others right places the error
 #: (the input gradients of a one-x or shared-K/V layer sum several paths, so they place nothing)
@@ -275,7 +276,7 @@ def _multiple_named(factor: float, params: AttentionParams) -> str:
         named[1 / scale] = (f"{inverse} = {1 / scale:.4g} x the reference's: the backward leaves out the {label} "
                             f"score scale (dQ = dS K * {label}, dK = dS^T Q * {label})")
         named[scale] = (f"{label} = {scale:.4g} x the reference's: the backward applies the score scale twice")
-    standard = 1 / float(np.sqrt(params.config.d_head))
+    standard = score_scale_at(None, params.config.d_head)
     if not np.isclose(standard, scale, rtol=1e-9):  # a declared scale: a backward copied from a standard layer
         named[standard / scale] = (f"{standard / scale:.4g} x the reference's: the backward applies 1/sqrt(d_head) "
                                    f"where the declared score_scale {label} belongs (dQ = dS K * {label}, "
