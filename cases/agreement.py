@@ -51,12 +51,22 @@ GRID = {
     "grouped_query_more_keys": (3, 8, 8, 7, 64, False, 2),
     "multi_query": (1, 8, 64, 129, 129, False, 1),
 }
+#: rows of layers with a norm on q and k (Capabilities.qk_norms; the same tuple as GRID's, then the norm): Qwen 3's
+#: per-head RMSNorm with grouped-query heads and biases called with one x, OLMo 2's over the projection at Tq != Tk.
+#: A backend that declares no such norm skips them naming it.
+QK_NORM_GRID = {
+    "qk_norm_per_head": (3, 4, 16, 33, 33, True, 2, "rms_per_head"),
+    "qk_norm_over_projection": (2, 4, 16, 9, 40, False, None, "rms_over_projection"),
+}
 
 
-def _grid_row_refusal(backend, tq, tk, kv) -> str | None:
+def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None) -> str | None:
     """Why the backend cannot run a GRID row, from its declarations (the skip reason), or None. Biases are never a
     reason: a bias-free backend runs the row without them."""
     caps = backend.capabilities
+    if qk_norm and qk_norm not in caps.qk_norms:
+        return (f"does not declare qk_norms {qk_norm!r} (Capabilities.qk_norms: a layer with an RMSNorm of q and k, "
+                "as Qwen 3, Gemma 3 and OLMo 2 have, declares it)")
     if tq != tk and not cross_ok(backend):
         return (FormRefusal(f"declares inputs='self' (one x): Tq = {tq} != Tk = {tk} is not defined for that form")
                 if caps.inputs == "self"
@@ -76,14 +86,17 @@ def _grid_variants(backend):
     caps = backend.capabilities
     out, refused = [], []
     for dtype in caps.dtypes:
-        for name, (batch, heads, d_head, tq, tk, bias, kv) in GRID.items():
+        rows = [(name, row + (None,)) for name, row in GRID.items()] + list(QK_NORM_GRID.items())
+        for name, (batch, heads, d_head, tq, tk, bias, kv, qk_norm) in rows:
             v = {"dtype": dtype, "variant": name, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq,
                  "tk": tk, "bias": bias and caps.bias}
             if kv:
                 v["kv_heads"] = kv
+            if qk_norm:
+                v["qk_norm"] = qk_norm
             if caps.inputs == "separate" and tq == tk:  # called as a self-attention model calls it: labelled so
                 v["one_x"] = True
-            refusal = _grid_row_refusal(backend, tq, tk, kv)
+            refusal = _grid_row_refusal(backend, tq, tk, kv, qk_norm)
             if refusal is None:
                 out.append(v)
             elif dtype == primary_dtype(backend):
@@ -101,12 +114,14 @@ def _inputs(form, config, batch, tq, tk=None, seed=1, one_x=False, **masks):
 
 @case(variants=_grid_variants, forms=ALL_FORMS)
 def check_output_matches_reference(backend, *, form, dtype, variant, batch, heads, d_head, seq, tk, bias,
-                                   kv_heads=None, one_x=False):
+                                   kv_heads=None, one_x=False, qk_norm=None):
     """Over a grid of batch sizes, sequence lengths (self and cross), head counts and widths, with and without
     biases, in every declared dtype, the output equals the float64 reference within the tolerance rule. A
     separate-form backend gets one x at Tq == Tk (``one_x``: how a self-attention model calls it; the other cases
-    give it separate arrays) and separate arrays at Tq != Tk."""
-    config = AttentionConfig(heads * d_head, heads, kv_heads, bias=bias)
+    give it separate arrays) and separate arrays at Tq != Tk. A layer with a norm on q and k (``qk_norm``, declared
+    in ``Capabilities.qk_norms``) runs its rows with that norm and gains that are not 1: the norm's axis and gains
+    are checked too."""
+    config = AttentionConfig(heads * d_head, heads, kv_heads, bias=bias, qk_norm=qk_norm)
     params = make_params(config, seed=seq + tk)
     inputs = _inputs(form, config, batch, seq, tk, seed=batch + heads, one_x=one_x)
     # an always-causal backend's grid runs causal: a failure names the causal-mask mistake it matches (as every

@@ -58,6 +58,10 @@ def _gradient_variants(backend):
         # double-where trap gives NaN there); same shapes and mask kinds, so no new compiled program
         if attn_mask:
             out.append({**masked, "empty_row": True})
+    # a layer with a norm on q and k: the backward through each norm it declares, to the projections and the gains
+    for norm in caps.qk_norms:
+        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
+                    "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4, "qk_norm": norm})
     return out
 
 
@@ -86,7 +90,7 @@ def _mask(kinds: str | None, batch: int, tq: int, tk: int, empty_row: bool = Fal
 
 @case(requires=("gradients",), variants=_gradient_variants, forms=ALL_FORMS)
 def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads, one_x=False, mask=None,
-                                    empty_row=False):
+                                    empty_row=False, qk_norm=None):
     """Gradients of sum(output * cotangent) with respect to query, key, value and every parameter equal the
     reference's, within the tolerance rule applied to the naive backward in the same dtype. The input gradients
     follow the backend's declared form: one x (``inputs='self'``) gives d/dx, the sum over its three uses; shared
@@ -98,8 +102,10 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     the cotangent is zero at padded query positions (Tq = Tk), whose outputs are unspecified. With ``empty_row`` the
     attn_mask also masks every key of query row EMPTY_ROW, whose output is zeros before W_o (b_o): nothing flows
     back through it but b_o's share, and no gradient is NaN (a layer whose empty rows output the uniform average of
-    V or NaN declares it, and the declaration covers this variant)."""
-    config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias)
+    V or NaN declares it, and the declaration covers this variant). With ``qk_norm`` (a norm the layer declares in
+    ``Capabilities.qk_norms``) the gradients reach the projections through that norm, and its gains ``g_q`` and
+    ``g_k`` have gradients of their own."""
+    config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias, qk_norm=qk_norm)
     params = make_params(config, seed=21)
     form = "self" if one_x else form
     # Tq != Tk where declared; the causal variant of a layer whose mask is optional is square, while an

@@ -159,14 +159,17 @@ def _count_variants(backend):
         out.append({"bias": True, "kv_heads": 8})
     if caps.grouped_query:
         out += [{"bias": False, "kv_heads": 2}, {"bias": False, "kv_heads": 1}]
+    out += [{"bias": False, "kv_heads": 2 if caps.grouped_query else 8, "qk_norm": norm} for norm in caps.qk_norms]
     return out
 
 
 @case(requires=("native_parameters",), variants=_count_variants, forms=ALL_FORMS)
-def check_parameter_count_is_4_d_model_squared(backend, *, bias, kv_heads):
+def check_parameter_count_is_4_d_model_squared(backend, *, bias, kv_heads, qk_norm=None):
     """The parameters the backend itself allocates number 4*d_model^2 (+4*d_model with biases); with
-    num_kv_heads < num_heads, 2*d_model^2 + 2*d_model*kv_heads*d_head (+ biases of those widths)."""
-    config = AttentionConfig(64, 8, None if kv_heads == 8 else kv_heads, bias=bias)
+    num_kv_heads < num_heads, 2*d_model^2 + 2*d_model*kv_heads*d_head (+ biases of those widths); a declared norm
+    on q and k adds its gains: 2*d_head for a per-head norm (one gain vector shared by all heads, not one per head),
+    d_model + kv_heads*d_head for a norm over the projections."""
+    config = AttentionConfig(64, 8, None if kv_heads == 8 else kv_heads, bias=bias, qk_norm=qk_norm)
     shapes = backend.native_parameter_shapes(config)
     problem = parameter_count_problem(shapes, config)
     if problem:

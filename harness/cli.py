@@ -308,6 +308,8 @@ def cmd_list(args) -> int:
                 parts.append(f"scores scaled by {score_scale_label(caps.score_scale)}")
             if getattr(caps, "logit_softcap", None) is not None:
                 parts.append(f"scores soft-capped at {caps.logit_softcap:g}")
+            if getattr(caps, "qk_norms", ()):
+                parts.append(f"q/k norms {','.join(caps.qk_norms)}")
             print(f"{'':<{width}}  " + "; ".join(parts))
             divergences = entry.backend.divergences
             if args.verbose:

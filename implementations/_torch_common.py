@@ -85,6 +85,18 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def qk_normed(y, gain, kind: str | None, d_head: int, eps: float):
+    """The q or k projection ``y`` (B, T, width) through an RMSNorm, ``y * rsqrt(mean(y^2) + eps) * gain``, over
+    each head's ``d_head`` features (``kind="rms_per_head"``, Qwen 3's and Gemma 3's q_norm/k_norm) or the whole
+    width (``"rms_over_projection"``, OLMo 2's); unchanged for ``kind=None``. In the tensors' dtype."""
+    if kind is None:
+        return y
+    b, t, width = y.shape
+    groups = y.reshape(b, t, width // d_head, d_head) if kind == "rms_per_head" else y
+    normed = groups * (groups.pow(2).mean(dim=-1, keepdim=True) + eps).rsqrt() * gain
+    return normed.reshape(b, t, width)
+
+
 class TorchLoaded(LoadedAttention):
     """Parameters as torch tensors on the backend's device; subclasses implement ``forward_tensors``."""
 
@@ -212,9 +224,14 @@ class LinearTorchLoaded(TorchLoaded):
         return out
 
     def project(self, x, which: str):
+        """x @ W (+ b); for q and k then the layer's q/k norm (:func:`qk_normed`), when its config has one."""
         y = x @ self.w[f"W_{which}"]
         bias = self.w.get(f"b_{which}")
-        return y if bias is None else y + bias
+        y = y if bias is None else y + bias
+        if which in ("q", "k") and self.config.qk_norm:
+            y = qk_normed(y, self.w[f"g_{which}"], self.config.qk_norm, self.config.d_head,
+                          self.config.qk_norm_eps)
+        return y
 
     def split_heads(self, x, n_heads: int):
         """(B, T, n*d_head) -> (B, n, T, d_head)."""

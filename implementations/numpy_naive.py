@@ -17,7 +17,7 @@ from mha_harness.contract.api import (
     Capabilities,
     LoadedAttention,
 )
-from mha_harness.contract.conventions import MASK_POLARITY
+from mha_harness.contract.conventions import MASK_POLARITY, QK_NORMS
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.toolkit.masks import full_mask
 
@@ -30,9 +30,21 @@ class NumpyNaiveLoaded(LoadedAttention):
 
     # --- the algorithm, one overridable step each -------------------------------------
     def project(self, x: np.ndarray, which: str) -> np.ndarray:
+        """x @ W (+ b); for q and k then the layer's q/k norm (:meth:`qk_norm`), when its config has one."""
         y = x @ self.weights[f"W_{which}"]
         bias = self.weights.get(f"b_{which}")
-        return y if bias is None else y + bias
+        y = y if bias is None else y + bias
+        return self.qk_norm(y, which) if which in ("q", "k") and self.config.qk_norm else y
+
+    def qk_norm(self, y: np.ndarray, which: str) -> np.ndarray:
+        """RMSNorm of the q or k projection y (B, T, width): ``y / sqrt(mean(y^2) + eps) * g`` over each head's
+        d_head features (``rms_per_head``) or over the whole width (``rms_over_projection``)."""
+        c = self.config
+        b, t, width = y.shape
+        groups = y.reshape(b, t, -1, c.d_head) if c.qk_norm == "rms_per_head" else y
+        gain = self.weights[f"g_{which}"]
+        inv = 1.0 / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + self.dtype.type(c.qk_norm_eps))
+        return (groups * inv * gain).reshape(b, t, width)
 
     def split_heads(self, x: np.ndarray, n_heads: int) -> np.ndarray:
         """(B, T, n*d_head) -> (B, n, T, d_head): split the *feature* axis."""
@@ -152,7 +164,7 @@ class NumpyNaive(AttentionBackend):
     native_causal = "explicit masks in both alignments"
     native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     memory_method = "tracemalloc"
-    capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=True)
+    capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=True, qk_norms=QK_NORMS)
     loaded_class = NumpyNaiveLoaded
 
     def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:

@@ -8,8 +8,14 @@ from __future__ import annotations
 import math
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
-from mha_harness.contract.conventions import MASK_POLARITY
-from mha_harness.implementations._torch_common import GPU_DTYPES, TORCH_DTYPES, LinearTorchLoaded, TorchBackend
+from mha_harness.contract.conventions import MASK_POLARITY, QK_NORMS
+from mha_harness.implementations._torch_common import (
+    GPU_DTYPES,
+    TORCH_DTYPES,
+    LinearTorchLoaded,
+    TorchBackend,
+    qk_normed,
+)
 from mha_harness.toolkit.masks import full_mask
 
 
@@ -29,18 +35,22 @@ def weighted_values(torch, weights, values):
 
 
 def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: int, need_weights: bool,
-                attention=None):
+                attention=None, qk_norm: str | None = None, qk_norm_eps: float = 1e-6):
     """The whole layer on tensors: projections, head split, masked softmax, weighted values, W_o.
 
     ``w`` maps canonical names (W_q, b_q, ...) to x @ W tensors; ``allowed`` (True = attend) and ``additive``
     are mask tensors broadcastable to (B, H, Tq, Tk) or None. A pure function of its tensors, so torch.compile
     can trace it once per shape (torch-compile-cpu). ``attention``: the per-head core, :func:`eager_attention`
-    when None (a test swaps in another)."""
+    when None (a test swaps in another). ``qk_norm``: the q and k projections then go through that RMSNorm
+    (:func:`~mha_harness.implementations._torch_common.qk_normed`) with the gains ``w["g_q"]``, ``w["g_k"]``."""
     attention = attention or eager_attention
     def project(x, which):
         y = x @ w[f"W_{which}"]
         bias = w.get(f"b_{which}")
-        return y if bias is None else y + bias
+        y = y if bias is None else y + bias
+        if qk_norm and which in ("q", "k"):
+            y = qk_normed(y, w[f"g_{which}"], qk_norm, q.shape[-1] // num_heads, qk_norm_eps)
+        return y
 
     def split(x, n):
         b, t, width = x.shape
@@ -85,21 +95,21 @@ class TorchEagerLoaded(LinearTorchLoaded):
         c = self.config
         allowed, additive = full_mask(inputs)
         return self.layer(q, k, v, self.w, self.mask_tensor(allowed), self.mask_tensor(additive), c.num_heads,
-                          c.kv_heads, need_weights)
+                          c.kv_heads, need_weights, qk_norm=c.qk_norm, qk_norm_eps=c.qk_norm_eps)
 
 
 class TorchEager(TorchBackend):
     name = "torch-eager"
     native_causal = "explicit masks in both alignments"
     native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
-    capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=TORCH_DTYPES)
+    capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=TORCH_DTYPES, qk_norms=QK_NORMS)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
         self.name = "torch-eager" if device == "cpu" else f"torch-eager-{device}"
         if device != "cpu":
             self.capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=GPU_DTYPES,
-                                             devices=(device,))
+                                             devices=(device,), qk_norms=QK_NORMS)
 
     def native_parameter_shapes(self, config: AttentionConfig):
         from mha_harness.contract.params import make_params

@@ -28,6 +28,7 @@ from mha_harness.conformance.diagnoses import (
     single_key_rows_hint,
 )
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
+from mha_harness.conformance.qk_norm_diagnoses import qk_norm_hint
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -86,6 +87,14 @@ class CaseFailure(AssertionError):
         if (SOFTCAP_MATCH in hint or SCALE_MATCH in hint) and guess:
             message, guess = message.replace(guess, ""), ""
         return CaseFailure(message + hint, self.max_error, self.observed, diagnosis or self.diagnosis, guess)
+
+    def without_guess(self) -> CaseFailure:
+        """This failure without its guess of a precision from the error's size: for a comparison of the backend
+        with its own earlier output (the same layer in the same dtype, where no precision explains a change), or
+        one whose layer is wrong at ordinary inputs too."""
+        if not self.guess:
+            return self
+        return CaseFailure(str(self).replace(self.guess, ""), self.max_error, self.observed, self.diagnosis)
 
 
 class CaseSkipped(Exception):
@@ -368,8 +377,10 @@ def run(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInp
 
 
 def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what: str,
-                 labels=("batch", "position", "feature"), row_ids=None) -> float:
-    """Fail with location and size of the largest error when ``actual`` is outside ``tol`` of ``expected``."""
+                 labels=("batch", "position", "feature"), row_ids=None, own_output: bool = False) -> float:
+    """Fail with location and size of the largest error when ``actual`` is outside ``tol`` of ``expected``; the
+    message guesses a lower precision from an error of that size unless ``own_output`` (``expected`` is the
+    backend's own earlier output, in the same dtype: no precision explains a change)."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     nan_expected = np.isnan(expected)
     if "fully_masked_rows:nan" not in _DECLARED.get() and not np.all(np.isfinite(expected)):
@@ -395,7 +406,7 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
         idx = np.unravel_index(int(diff.argmax()), diff.shape)
         where = ", ".join(f"{label} {int(row_ids[i]) if (row_ids is not None and label == 'position') else int(i)}"
                           for label, i in zip(labels, idx))
-        guess = _float32_level_hint(err, tol)
+        guess = "" if own_output else _float32_level_hint(err, tol)
         raise CaseFailure(f"{what}: expected {expected[idx]:.6g}, got {actual[idx]:.6g} at {where}; "
                           f"max error {err:.3g} ({err / tol.bound:.3g} x the bound) exceeds {tol.describe()}"
                           f"{_rows_outside(diff, tol.bound, labels, row_ids)}{guess}", max_error=err, guess=guess)
@@ -576,7 +587,8 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     biases added by a bias-free layer (the layer called again with every input zero), an output off by one
     constant vector, and on whole outputs (``rows`` None) a wrong score scale, a known wrong layer
     (:func:`~mha_harness.conformance.diagnoses.layer_mistake`: heads split by tokens, heads concatenated
-    feature-major, a softmax over the queries, no W_o) or a mask mistake
+    feature-major, a softmax over the queries, no W_o), a q/k-norm mistake
+    (:func:`~mha_harness.conformance.qk_norm_diagnoses.qk_norm_hint`) or a mask mistake
     (:func:`~mha_harness.conformance.diagnoses.mask_mistake`, its wrong calls' rows without a key under the empty-row
     convention the backend follows), else right only where a row sees a single key
     (:func:`~mha_harness.conformance.diagnoses.single_key_rows_hint`)."""
@@ -586,6 +598,7 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
         return offset               # whole outputs
     got = np.asarray(got, np.float64)
     return (scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
+            or qk_norm_hint(got, params, inputs, tol.bound)
             or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs)
             or scores_fit_hint(got, params, inputs, tol.bound)
             or single_key_rows_hint(got, expected, tol.bound, params, inputs))
@@ -637,8 +650,13 @@ def scale_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs
     if "1 (no scaling)" in label:
         hint += SCALE_BY_DESIGN.format(value="1.0")
     elif "1/d_head" in label:
-        hint += SCALE_BY_DESIGN.format(value="'1/d_head'")
+        hint += TWICE + SCALE_BY_DESIGN.format(value="'1/d_head'")
     return hint
+
+
+#: 1/d_head is 1/sqrt(d_head) applied twice: the likelier cause in a wrapper around a layer that scales its scores
+TWICE = (" (= 1/sqrt(d_head) applied twice: a wrapper that scales q, or folds the scale into W_q, around a layer "
+         "that scales its scores again)")
 
 
 def zero_input_hint(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str) -> str:
@@ -753,7 +771,9 @@ def parameter_count_problem(shapes: Mapping[str, Any], config) -> str | None:
         return None
     listing = ", ".join(f"{k}{tuple(v)}" for k, v in shapes.items())
     return (f"parameter count: expected {expected} for d_model={config.d_model}, heads={config.num_heads}, "
-            f"kv_heads={config.kv_heads}, bias={config.bias}; the backend allocates {count} ({listing})")
+            f"kv_heads={config.kv_heads}, bias={config.bias}"
+            + (f", qk_norm={config.qk_norm!r}" if config.qk_norm else "")
+            + f"; the backend allocates {count} ({listing})")
 
 
 def assert_gradients_close(got: Mapping[str, np.ndarray], exact: Mapping[str, np.ndarray],

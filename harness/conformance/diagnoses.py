@@ -19,16 +19,20 @@ from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitl
 from mha_harness.contract.conventions import causal_offset
 from mha_harness.contract.mistakes import (
     KV_HEADS_TILED,
+    LOADED_UNTRANSPOSED,
     OFFSET_NEGATED,
     WRITTEN_ONE_SLOT_LATE,
     alignment_mistake,
     causal_mask_mistakes,
     explains,
+    with_kv_weights_swapped,
+    with_weights_transposed,
     written_one_slot_late,
 )
 from mha_harness.contract.reference import (
     allowed_and_bias,
     empty_rows_convention,
+    qk_normed,
     reference_attention,
     score_scale,
     soft_capped,
@@ -39,7 +43,7 @@ from mha_harness.contract.scores_fit import scores_mismatch
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
                        heads_feature_major: bool = False, softmax_axis: int = -1,
                        mask_after_softmax: bool = False, kv_tiled: bool = False,
-                       unrescaled_block: int = 0) -> np.ndarray:
+                       unrescaled_block: int = 0, qk_norm_as: Callable | None = None) -> np.ndarray:
     """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``, the
     lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
     block of tokens instead of its own features of every token, merged back the same way; a module masks its score
@@ -54,20 +58,27 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     as torch ``.repeat`` or ``np.tile`` give) instead of each repeated for its group of consecutive query heads (h
     // group); ``unrescaled_block``, an online softmax over key blocks of that many keys that never rescales its
     accumulator and row sum when the running maximum grows (each key weighted exp(s - m) with the running maximum
-    m after its own block, :func:`unrescaled_block_weights`). Masked values never reach it (a NaN stored there is
-    read as 0)."""
+    m after its own block, :func:`unrescaled_block_weights`). A layer with a q/k norm (``config.qk_norm``) norms
+    its q and k projections as the reference does, or as ``qk_norm_as(y, which, n_heads)`` does (a mistaken norm:
+    :mod:`~mha_harness.conformance.qk_norm_diagnoses`). Masked values never reach it (a NaN stored there is read as
+    0)."""
     c = params.config
     split_in, merge_out = split_tokens in (True, "split"), split_tokens in (True, "merge")
 
-    def heads(x, w, bias, n):
+    def heads(x, w, bias, n, which="v"):
         y = np.asarray(x, np.float64) @ w + (0.0 if bias is None else bias)
+        if which != "v" and qk_norm_as is not None:
+            y = qk_norm_as(y, which, n)
+        elif which != "v":
+            y = qk_normed(y, getattr(params, f"g_{which}"), c, n)
         b, t, width = y.shape
         return y.reshape(b, n, t, width // n) if split_in else y.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
-    q = heads(inputs.query, params.W_q, params.b_q, c.num_heads)
+    q = heads(inputs.query, params.W_q, params.b_q, c.num_heads, "q")
     def expand(kv):
         return np.tile(kv, (1, c.group, 1, 1)) if kv_tiled else np.repeat(kv, c.group, axis=1)
-    k, v = (expand(heads(x, w, bias, c.kv_heads))
-            for x, w, bias in ((inputs.key, params.W_k, params.b_k), (inputs.value, params.W_v, params.b_v)))
+    k, v = (expand(heads(x, w, bias, c.kv_heads, which))
+            for x, w, bias, which in ((inputs.key, params.W_k, params.b_k, "k"),
+                                      (inputs.value, params.W_v, params.b_v, "v")))
     allowed, additive = allowed_and_bias(params, inputs)
     scores = soft_capped(q @ k.transpose(0, 1, 3, 2) * score_scale(c.d_head)) + (0.0 if additive is None else additive)
     if not mask_after_softmax:
@@ -279,7 +290,8 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     """The diagnosis of a whole output that matches, within ``max(10 * bound, 1e-4)``, the layer with its heads
     split by tokens (on the way in, out, or both), its heads concatenated feature-major, its grouped-query key/value
     heads tiled, its keys or values projected from the wrong input (:func:`wrong_input_calls`), its softmax over the
-    queries or over key blocks never rescaled (:data:`UNRESCALED_BLOCKS`), or no output projection; "" when none.
+    queries or over key blocks never rescaled (:data:`UNRESCALED_BLOCKS`), W_k and W_v loaded into each other's
+    projections, square weights loaded untransposed (all of them, or one), or no output projection; "" when none.
     A candidate is tried only where it differs from the correct layer; every one that matches is named (with one
     key, a split by tokens on the way in changes nothing, so it cannot be told from the correct split)."""
     if not np.all(np.isfinite(got)):
@@ -311,6 +323,17 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
                     "running maximum grows (multiply both by exp(m_old - m_new) before adding a block)",
                     functools.partial(lambda b: wrong_layer_output(params, inputs, unrescaled_block=b), b))
                    for b in UNRESCALED_BLOCKS if b < inputs.tk]
+    swapped = with_kv_weights_swapped(params)
+    if swapped is not None:
+        candidates.append(("W_k and W_v loaded into each other's projections (W_k into the value projection, W_v "
+                           "into the key projection)",
+                           functools.partial(lambda p: reference_attention(p, inputs).output, swapped)))
+    weights = [n for n in ("W_q", "W_k", "W_v", "W_o") if getattr(params, n).shape[0] == getattr(params, n).shape[1]]
+    for names in [tuple(weights)] + [(n,) for n in weights] if len(weights) > 1 else [tuple(weights)]:
+        transposed = with_weights_transposed(params, names)
+        if transposed is not None:
+            candidates.append((f"{', '.join(names)} {LOADED_UNTRANSPOSED}",
+                               functools.partial(lambda p: reference_attention(p, inputs).output, transposed)))
     no_bias = None if params.b_o is None else np.zeros_like(params.b_o)
     candidates.append(("concat(heads) without the output projection W_o (and b_o): W_o is missing",
                        lambda: reference_attention(params.replace(W_o=np.eye(c.d_model), b_o=no_bias), inputs).output))
@@ -353,13 +376,29 @@ def polarity_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     return ""
 
 
+def transposed_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
+                         truth: Callable[[], np.ndarray] | None = None) -> str:
+    """A message suffix when ``got`` (on ``rows`` of (batch, Tq) if given) matches the call with its square
+    attn_mask transposed (query i masked as query j's key i would be); "" otherwise, or when the mask is symmetric."""
+    mask = inputs.attn_mask
+    if mask is None or inputs.tq != inputs.tk:
+        return ""
+    transposed = np.swapaxes(mask, -1, -2)
+    if np.array_equal(transposed, mask) or not _matches(got, params, inputs.replace(attn_mask=transposed), rows,
+                                                        truth=truth):
+        return ""
+    return ("; the output matches the attn_mask transposed (entry [j, i] applied where [i, j] belongs: a mask "
+            "built as (Tk, Tq) and read as (Tq, Tk), or one transpose too many)")
+
+
 def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
                       truth: Callable[[], np.ndarray] | None = None) -> str:
     """A message suffix when ``got`` (on ``rows`` of (batch, Tq) if given) matches the key padding mask broadcast
     along the query axis (``mask[:, None, :, None]`` where ``mask[:, None, None, :]`` belongs): the padded
     positions' query rows see no key, every other row sees every key, padded ones included; only with Tq == Tk,
     where that broadcast runs; "" otherwise. Each batch item is its own call (its rows' mask joins the call's other
-    masks), compared under the backend's empty-row convention (:func:`_matches`)."""
+    masks), compared under the backend's empty-row convention (:func:`_matches`); an item with no padded key (the
+    same call either way) must match but cannot explain better than the correct output."""
     kpm = inputs.key_padding_mask
     if kpm is None or inputs.tq != inputs.tk or not kpm.any():
         return ""
@@ -376,8 +415,9 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
             mask = np.where(row_allowed, mask, -np.inf)
         call = inputs.replace(query=inputs.query[b:b + 1], key=inputs.key[b:b + 1], value=inputs.value[b:b + 1],
                               key_padding_mask=None, attn_mask=mask)
+        # an item without a padded key is the same call either way: it must match, and cannot explain better
         if not _matches(got[b:b + 1], params, call, None if rows is None else rows[b:b + 1],
-                        truth=lambda b=b: whole()[b:b + 1]):
+                        truth=(lambda b=b: whole()[b:b + 1]) if kpm[b].any() else None):
             return ""
     return ("; the output matches key_padding_mask applied along the query axis instead of the key axis (padded "
             "positions' queries see no key, the others see the padded keys too: mask[:, None, :, None] where "
@@ -452,8 +492,8 @@ def _together(hints: list[str]) -> str:
 
 def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
     """The mask mistakes a failing output ``got`` of a masked call matches (on ``rows`` if given; the causal
-    diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, the key padding
-    mask along the query axis or not applied, one of two masks dropped, the masks applied after the softmax; ""
+    diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, the attn_mask
+    transposed, the key padding mask along the query axis or not applied, one of two masks dropped, the masks applied after the softmax; ""
     when none or when the call has no mask. Every one that matches is named: on a small input two mistakes can give
     the same output, and naming only the first would be a guess. The wrong calls' rows without a key follow the
     backend's empty-row convention (:func:`_matches`)."""
@@ -462,6 +502,7 @@ def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
     truth = _truth(params, inputs)  # the correct output, computed once for every hint that needs it
     return _together([causal_hint(got, params, inputs, truth) if rows is None else "",
                       polarity_hint(got, params, inputs, rows, truth=truth),
+                      transposed_mask_hint(got, params, inputs, rows, truth),
                       padding_axis_hint(got, params, inputs, rows, truth),
                       dropped_mask_hint(got, params, inputs, rows, truth),
                       normaliser_hint(got, params, inputs, rows, truth)])

@@ -90,6 +90,8 @@ def describe(example: dict[str, Any] | None) -> str:
              f"d_head={e['d_head']} {e['dtype']}"]
     if e.get("bias"):
         parts.append("bias")
+    if e.get("qk_norm"):
+        parts.append(f"qk_norm {e['qk_norm']}")
     if e.get("causal"):
         parts.append(f"causal {e['causal']}")
     if e.get("padding"):

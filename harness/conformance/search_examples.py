@@ -6,6 +6,8 @@ An *example* is a plain dict (what ``mha-harness search`` draws, shrinks, prints
      "d_head": 2, "bias": false, "causal": null, "padding": null, "attn_mask": null, "logit_scale": 1,
      "cut": 0, "poison": "random", "gradients": false, "malformed": null, "seed": 0}
 
+(plus ``"decode_step": true`` or ``"qk_norm": "rms_per_head"`` where drawn).
+
 :func:`build` rebuilds the parameters and inputs from it deterministically (seeded NumPy), and
 :func:`check_example` states the property: the backend's output equals the float64 reference under the one
 tolerance rule; keys and values no query may attend to (plus those after ``cut``), set to ``poison``, leave every
@@ -181,14 +183,18 @@ def build(example: Mapping[str, Any]) -> tuple[AttentionParams, AttentionInputs]
     """The layer and the inputs an example names, rebuilt deterministically from its explicit parameters.
 
     ``logit_scale`` s multiplies W_q, b_q, W_k and b_k by sqrt(s), so every logit is s times its unscaled value
-    (unscaled logits are O(1): s = 1000 reaches the range where exp overflows float64 without max subtraction)."""
+    (unscaled logits are O(1): s = 1000 reaches the range where exp overflows float64 without max subtraction); a
+    layer with a q/k norm (``qk_norm``), which the norm would bring back to O(1), has its norm's gains g_q and g_k
+    multiplied so instead."""
     e = example
     heads, kv = int(e["heads"]), int(e["kv_heads"])
-    config = AttentionConfig(heads * int(e["d_head"]), heads, None if kv == heads else kv, bias=bool(e["bias"]))
+    config = AttentionConfig(heads * int(e["d_head"]), heads, None if kv == heads else kv, bias=bool(e["bias"]),
+                             qk_norm=e.get("qk_norm"))
     params = make_params(config, seed=int(e["seed"]))
     g = float(np.sqrt(float(e.get("logit_scale", 1))))
     if g != 1.0:
-        params = params.replace(**{n: a * g for n, a in params.arrays().items() if n in ("W_q", "W_k", "b_q", "b_k")})
+        scaled = ("g_q", "g_k") if config.qk_norm else ("W_q", "W_k", "b_q", "b_k")
+        params = params.replace(**{n: a * g for n, a in params.arrays().items() if n in scaled})
     batch, tq, tk = int(e["batch"]), int(e["tq"]), int(e["tk"])
     masks = {"causal": e.get("causal")}
     if e.get("padding"):

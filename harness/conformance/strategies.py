@@ -47,6 +47,8 @@ class SearchSpace:
     max_d_head: int
     #: whether examples may also run the backend's decode step (a KV-cache call, bottom-right causal, no other mask)
     decode_step: bool = False
+    #: the norms on q and k the backend declares (Capabilities.qk_norms): examples draw one of them or none
+    qk_norms: tuple[str, ...] = ()
 
     @classmethod
     def for_backend(cls, backend: AttentionBackend, *, quick: bool = False, dtypes: tuple[str, ...] | None = None,
@@ -84,6 +86,7 @@ class SearchSpace:
             # a decode step takes x_new and x_kv (not one x) and its mask is bottom-right; whether the backend has
             # one is known only by asking (a backend without one answers Unsupported and the property is not run)
             decode_step=caps.inputs != "self" and caps.cross_attention and "bottom-right" in caps.causal_alignments,
+            qk_norms=caps.qk_norms,
         )
 
 
@@ -155,6 +158,10 @@ def examples(draw, space: SearchSpace):
     }
     if space.decode_step and tq <= tk and draw(st.booleans()):  # absent when False: saved examples keep their ids
         example["decode_step"] = True
+    if space.qk_norms:  # drawn only for a backend that declares a norm (absent when None, as decode_step)
+        norm = draw(st.sampled_from((None, *space.qk_norms)))
+        if norm:
+            example["qk_norm"] = norm
     return example
 
 

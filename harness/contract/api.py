@@ -37,10 +37,12 @@ from mha_harness.contract.conventions import (
     DTYPES,
     INPUT_FORMS,
     PARAM_NAMES,
+    QK_NORMS,
 )
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.score_scale import checked_score_scale
 from mha_harness.contract.validation import (
+    qk_norm_gain_shapes,
     validate_config,
     validate_cotangent,
     validate_decode_step,
@@ -101,7 +103,11 @@ class Capabilities:
     1/sqrt(d_head)) declares a layer built with another scale (:mod:`~mha_harness.contract.score_scale`): ``"1/d_head"``
     (muP) or a number applied at every head width (``1.0``: T5's unscaled scores; Gemma's
     ``query_pre_attn_scalar ** -0.5``); every case, search and bench then compare it with the reference scaled so, and
-    the scale case checks that scale (the report shows it). Malformed values
+    the scale case checks that scale (the report shows it). ``qk_norms`` (empty) names the norms on q and k the
+    layer can be built with (:data:`~mha_harness.contract.conventions.QK_NORMS`: ``"rms_per_head"``, Qwen 3 and
+    Gemma 3; ``"rms_over_projection"``, OLMo 2): the cases then also run layers whose ``config.qk_norm`` is one of
+    them, with the norm's gains ``g_q`` and ``g_k`` among the parameters, and every other case a layer without
+    one (a wrapper builds its module's norms from ``config.qk_norm``, the identity when it is None). Malformed values
     (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused here, so nothing
     is declared by accident.
     """
@@ -124,6 +130,7 @@ class Capabilities:
     more_queries_than_keys: bool = True
     logit_softcap: float | None = None
     score_scale: float | str | None = None
+    qk_norms: tuple[str, ...] = ()
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -138,6 +145,7 @@ class Capabilities:
         self._names("causal_alignments", CAUSAL_ALIGNMENTS, allow_empty=True)
         self._names("dtypes", DTYPES, allow_empty=False)
         self._names("devices", None, allow_empty=False)
+        self._names("qk_norms", QK_NORMS, allow_empty=True)
         if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool)
                                              or not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
             raise ValueError(f"Capabilities.max_seq_len: got {self.max_seq_len!r}; accepted: None or an integer >= 1")
@@ -287,6 +295,12 @@ class AttentionConfig:
     num_heads: int
     num_kv_heads: int | None = None
     bias: bool = False
+    #: an RMSNorm of q and of k after their projections, before the scores (None: none): ``"rms_per_head"`` over
+    #: each head's d_head features (Qwen 3, Gemma 3), ``"rms_over_projection"`` over the whole projection (OLMo 2);
+    #: its gains are the parameters ``g_q`` and ``g_k`` (:data:`~mha_harness.contract.conventions.QK_NORMS`)
+    qk_norm: str | None = None
+    #: the epsilon added to the mean square inside the norm's square root
+    qk_norm_eps: float = 1e-6
 
     def __post_init__(self):
         validate_config(self)
@@ -304,12 +318,13 @@ class AttentionConfig:
         return self.num_heads // self.kv_heads
 
     def expected_parameter_count(self) -> int:
-        """4*d_model^2 (+4*d_model with biases); K/V shrink to num_kv_heads*d_head columns for grouped-query."""
+        """4*d_model^2 (+4*d_model with biases); K/V shrink to num_kv_heads*d_head columns for grouped-query; a q/k
+        norm adds its gains (2*d_head per head-wise norm, d_model + num_kv_heads*d_head over the projections)."""
         kv_width = self.kv_heads * self.d_head
         count = 2 * self.d_model * self.d_model + 2 * self.d_model * kv_width
         if self.bias:
             count += 2 * self.d_model + 2 * kv_width
-        return count
+        return count + sum(int(np.prod(shape)) for shape in qk_norm_gain_shapes(self).values())
 
 
 @dataclass
@@ -325,6 +340,9 @@ class AttentionParams:
     b_k: np.ndarray | None = None
     b_v: np.ndarray | None = None
     b_o: np.ndarray | None = None
+    #: the q and k norms' gains, present exactly when ``config.qk_norm`` is set (their shapes: ``qk_norm_gain_shapes``)
+    g_q: np.ndarray | None = None
+    g_k: np.ndarray | None = None
 
     def __post_init__(self):
         validate_params(self)
@@ -665,6 +683,12 @@ class AttentionBackend:
         validate_dtype(dtype, self.capabilities.dtypes)
         if params.config.bias and not self.capabilities.bias:
             raise ValueError(f"params: got biases but {self.name} does not support them; accepted: config.bias=False")
+        norm = params.config.qk_norm
+        if norm is not None and norm not in self.capabilities.qk_norms:
+            raise ValueError(f"qk_norm: got {norm!r} but {self.name} declares "
+                             + (f"qk_norms={self.capabilities.qk_norms!r}" if self.capabilities.qk_norms
+                                else "no norm on q and k (Capabilities.qk_norms is empty)")
+                             + f"; accepted: {' or '.join(map(repr, (None, *self.capabilities.qk_norms)))}")
         if params.config.kv_heads != params.config.num_heads and not self.capabilities.grouped_query:
             raise ValueError(f"num_kv_heads: got {params.config.kv_heads} but {self.name} does not support "
                              f"grouped-query heads; accepted: num_kv_heads == num_heads ({params.config.num_heads})")

@@ -41,7 +41,10 @@ def explains_as_a_scale(got: np.ndarray, wrong: np.ndarray, truth: np.ndarray, u
 
 
 def with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
-    """Parameters whose reference output equals the true layer with scores multiplied by ``factor``."""
+    """Parameters whose reference output equals the true layer with scores multiplied by ``factor``: q's
+    projection times ``factor``, or, in a layer with a q/k norm (which would undo that), q's norm gain."""
+    if params.config.qk_norm is not None:
+        return params.replace(g_q=params.g_q * factor)
     b_q = None if params.b_q is None else params.b_q * factor
     return params.replace(W_q=params.W_q * factor, b_q=b_q)
 
@@ -62,6 +65,30 @@ def wrong_scales(config: AttentionConfig, declared=None) -> dict[float, str]:
         if not np.isclose(factor, 1.0, rtol=1e-12):
             same.setdefault(round(float(factor), 12), []).append(label)
     return {factor: " or ".join(labels) for factor, labels in same.items()}
+
+
+def with_kv_weights_swapped(params: AttentionParams) -> AttentionParams | None:
+    """Parameters whose reference output is the layer with W_k (and b_k) loaded into its value projection and W_v
+    (b_v) into its key projection; None where the swap changes nothing (the same arrays)."""
+    if np.array_equal(params.W_k, params.W_v):
+        return None
+    return params.replace(W_k=params.W_v, W_v=params.W_k, b_k=params.b_v, b_v=params.b_k)
+
+
+#: projection weights a wrapper loads into a (out, in) layer (torch's and Equinox's Linear weight) without .T
+LOADED_UNTRANSPOSED = ("loaded untransposed: W where W.T belongs (torch.nn.Linear and eqx.nn.Linear keep their weight "
+                       "as (out, in), the harness's W as (in, out): load W.T)")
+
+
+def with_weights_transposed(params: AttentionParams, names: tuple[str, ...]) -> AttentionParams | None:
+    """Parameters whose reference output is the layer with the square weights ``names`` transposed (a wrapper that
+    loads W where W.T belongs); None when one of them is not square (its shapes would not fit: such a layer raises)
+    or all are symmetric (the same layer: the head separation case's identity W_o is)."""
+    arrays = {n: getattr(params, n) for n in names}
+    if any(a.shape[0] != a.shape[1] for a in arrays.values()):
+        return None
+    changed = {n: a.T.copy() for n, a in arrays.items() if not np.array_equal(a, a.T)}
+    return params.replace(**changed) if changed else None
 
 
 def without_output_projection(params: AttentionParams) -> AttentionParams:
@@ -89,8 +116,9 @@ def with_kv_heads_tiled(params: AttentionParams) -> AttentionParams | None:
     for h in range(c.num_heads):
         order[(h % c.kv_heads) * c.group + h // c.kv_heads] = h
     columns = np.concatenate([np.arange(h * c.d_head, (h + 1) * c.d_head) for h in order])
+    g_q = params.g_q[columns] if c.qk_norm == "rms_over_projection" else params.g_q  # a head's gains move with it
     return params.replace(W_q=params.W_q[:, columns], b_q=None if params.b_q is None else params.b_q[columns],
-                          W_o=params.W_o[columns, :])
+                          W_o=params.W_o[columns, :], g_q=g_q)
 
 
 def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:

@@ -4,11 +4,18 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
-from mha_harness.contract.validation import require_config, validate_causal, validate_seed, validate_sizes
+from mha_harness.contract.validation import (
+    qk_norm_gain_shapes,
+    require_config,
+    validate_causal,
+    validate_seed,
+    validate_sizes,
+)
 
 
 def make_params(config: AttentionConfig, seed: int = 0, scale: float | None = None) -> AttentionParams:
-    """Random parameters with std ``scale`` (default 1/sqrt(d_model), which keeps activations O(1))."""
+    """Random parameters with std ``scale`` (default 1/sqrt(d_model), which keeps activations O(1)); a q/k norm's
+    gains uniform in [0.5, 1.5] (a gain that is not 1 everywhere shows whether the layer applies it, and where)."""
     require_config(config)
     rng = np.random.default_rng(validate_seed(seed))
     s = 1.0 / np.sqrt(config.d_model) if scale is None else scale
@@ -19,6 +26,8 @@ def make_params(config: AttentionConfig, seed: int = 0, scale: float | None = No
     if config.bias:
         arrays.update(b_q=rng.standard_normal(d) * 0.5, b_k=rng.standard_normal(kv) * 0.5,
                       b_v=rng.standard_normal(kv) * 0.5, b_o=rng.standard_normal(d) * 0.5)
+    for name, shape in qk_norm_gain_shapes(config).items():  # drawn last: the other arrays stay as without a norm
+        arrays[name] = rng.uniform(0.5, 1.5, shape)
     return AttentionParams(config, **arrays)
 
 

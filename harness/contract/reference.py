@@ -34,7 +34,7 @@ from collections import OrderedDict
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams
-from mha_harness.contract.conventions import EPS, causal_offset, round_to
+from mha_harness.contract.conventions import EPS, PARAM_NAMES, causal_offset, round_to
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.score_scale import checked_score_scale, score_scale_at, score_scale_label
@@ -198,6 +198,48 @@ def _project(x, w, bias, dtype):
     return round_to(y, dtype)
 
 
+def _norm_groups(y: np.ndarray, config, n_heads: int) -> np.ndarray:
+    """``y`` (batch, T, width) as the groups ``config.qk_norm`` normalises, along the last axis: each head's
+    d_head features (``rms_per_head``; ``n_heads`` of them) or the whole width (``rms_over_projection``)."""
+    b, t, w = y.shape
+    return y.reshape(b, t, n_heads, w // n_heads) if config.qk_norm == "rms_per_head" else y
+
+
+def _rms_inverse(x: np.ndarray, eps: float, r=lambda a: a) -> np.ndarray:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last axis (keeping it), rounding each stage with ``r``."""
+    return r(1.0 / np.sqrt(r(r(np.square(x)).mean(axis=-1, keepdims=True) + eps)))
+
+
+def qk_normed(y: np.ndarray, gain, config, n_heads: int, r=lambda a: a) -> np.ndarray:
+    """The projection ``y`` (batch, T, width) after the layer's q/k norm (``config.qk_norm``; unchanged without
+    one): ``y / sqrt(mean(y^2) + eps) * gain`` over :func:`_norm_groups`, rounding each stage with ``r``."""
+    if config.qk_norm is None:
+        return y
+    x = _norm_groups(y, config, n_heads)
+    return r(r(x * _rms_inverse(x, config.qk_norm_eps, r)) * r(gain)).reshape(y.shape)
+
+
+def _qk_norm_vjp(y: np.ndarray, gain, d_out: np.ndarray, config, n_heads: int, r=lambda a: a):
+    """The backward of :func:`qk_normed` at the projection ``y``: the gradient with respect to ``y`` and to the
+    gain, from ``d_out``, the gradient with respect to the normed projection (dx = inv * (u - x_hat * mean(u *
+    x_hat)) with u = gain * d_out, x_hat = x * inv), rounding each stage with ``r``."""
+    x, d = _norm_groups(y, config, n_heads), _norm_groups(d_out, config, n_heads)
+    inv = _rms_inverse(x, config.qk_norm_eps, r)
+    x_hat = r(x * inv)
+    d_gain = r((d * x_hat).sum(axis=tuple(range(d.ndim - 1))))
+    u = r(d * r(gain))
+    d_x = r(inv * r(u - r(x_hat * r((u * x_hat).mean(axis=-1, keepdims=True)))))
+    return d_x.reshape(y.shape), d_gain
+
+
+def _project_normed(x, params: AttentionParams, which: str, n_heads: int, dtype: str) -> np.ndarray:
+    """The projection ``which`` (q, k or v) of ``x``, through the q/k norm for q and k, split into heads."""
+    y = _project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"), dtype)
+    if which != "v":
+        y = qk_normed(y, getattr(params, f"g_{which}"), params.config, n_heads, lambda a: round_to(a, dtype))
+    return _heads(y, n_heads)
+
+
 def _empty_row_weight(empty_rows: str, tk: int) -> float:
     """The weight every key gets in a row with no visible key, under the ``empty_rows`` convention."""
     return {"zeros": 0.0, "nan": np.nan, "uniform_average": 1.0 / tk}[empty_rows]
@@ -291,9 +333,9 @@ def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype
                    scale_first: bool = False, score_error_of: str | None = None):
     c = params.config
     query = inputs.query if rows is None else inputs.query[:, np.asarray(rows)]
-    q = _heads(_project(query, params.W_q, params.b_q, dtype), c.num_heads)
-    k = np.repeat(_heads(_project(inputs.key, params.W_k, params.b_k, dtype), c.kv_heads), c.group, axis=1)
-    v = np.repeat(_heads(_project(inputs.value, params.W_v, params.b_v, dtype), c.kv_heads), c.group, axis=1)
+    q = _project_normed(query, params, "q", c.num_heads, dtype)
+    k = np.repeat(_project_normed(inputs.key, params, "k", c.kv_heads, dtype), c.group, axis=1)
+    v = np.repeat(_project_normed(inputs.value, params, "v", c.kv_heads, dtype), c.group, axis=1)
     scale = score_scale(c.d_head)
     scores, allowed, _ = _scores(params, inputs, rows, q, k, scale, dtype, scale_first, score_error_of)
     weights = round_to(_masked_softmax(scores, np.broadcast_to(allowed, scores.shape),
@@ -329,8 +371,8 @@ def _call_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes:
     c = params.config
     query = np.asarray(inputs.query)
     same = lambda x: "same as query" if x is inputs.query else np.asarray(x)  # noqa: E731
-    return _digest(c.d_model, c.num_heads, c.kv_heads, c.bias,
-                   *(getattr(params, n) for n in ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")),
+    return _digest(c.d_model, c.num_heads, c.kv_heads, c.bias, c.qk_norm, c.qk_norm_eps,
+                   *(getattr(params, n) for n in PARAM_NAMES),
                    query, same(inputs.key), same(inputs.value), inputs.causal, inputs.key_padding_mask,
                    inputs.attn_mask)
 
@@ -530,11 +572,33 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     sq = {n: np.square(np.asarray(x, np.float64)) for n, x in params.arrays().items()}
     x_sq = {n: np.square(np.asarray(getattr(inputs, n), np.float64)) for n in ("query", "key", "value")}
 
+    # the q/k norm's terms: each normed entry is the projection's entry times 1/rms times the gain (the mean of
+    # squares, a sum of positive terms, cancels nothing); its backward d_x = inv * (u - x_hat * mean(u * x_hat))
+    normed = {}
+    for which, n_heads in (("q", c.num_heads), ("k", c.kv_heads)):
+        if c.qk_norm is not None:
+            x = np.asarray(getattr(inputs, {"q": "query", "k": "key"}[which]), np.float64)
+            y = _norm_groups(_project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"), "float64"),
+                             c, n_heads)
+            inv = _rms_inverse(y, c.qk_norm_eps)
+            normed[which] = (y.shape, np.square(inv), np.square(y * inv), sq[f"g_{which}"])
+
     def projected(name, n_heads):
         y = x_sq[name] @ sq[f"W_{name[0]}"]
         if c.bias:
             y = y + sq[f"b_{name[0]}"]
+        if name[0] in normed:
+            shape, inv_sq, _, gain_sq = normed[name[0]]
+            y = (y.reshape(shape) * inv_sq * gain_sq).reshape(y.shape)
         return _heads(y, n_heads)
+
+    def through_norm(which, d_proj):  # squares of d_proj's terms -> squares of the projection's, and the gain's
+        shape, inv_sq, x_hat_sq, gain_sq = normed[which]
+        d = d_proj.reshape(shape)
+        u = gain_sq * d
+        n = shape[-1]
+        d_x = inv_sq * (u + x_hat_sq * (u * x_hat_sq).sum(axis=-1, keepdims=True) / n ** 2)
+        return d_x.reshape(d_proj.shape), (d * x_hat_sq).sum(axis=tuple(range(d.ndim - 1)))
     q = projected("query", c.num_heads)
     k = np.repeat(projected("key", c.kv_heads), c.group, axis=1)
     v = np.repeat(projected("value", c.kv_heads), c.group, axis=1)
@@ -560,6 +624,8 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
 
     for name, d_heads, n in (("query", d_q, c.num_heads), ("key", d_k, c.kv_heads), ("value", d_v, c.kv_heads)):
         d_proj = _merge_heads(d_heads, n)
+        if name[0] in normed:
+            d_proj, grads[f"g_{name[0]}"] = through_norm(name[0], d_proj)
         grads[f"W_{name[0]}"] = np.einsum("btd,bte->de", x_sq[name], d_proj)
         grads[name] = d_proj @ sq[f"W_{name[0]}"].T
         if c.bias:
@@ -717,6 +783,10 @@ def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k,
     for name, d_heads, x, n in (("q", d_q, inputs.query, c.num_heads), ("k", d_k, inputs.key, c.kv_heads),
                                 ("v", d_v, inputs.value, c.kv_heads)):
         d_proj = r(_merge_heads(d_heads, n))
+        if c.qk_norm is not None and name != "v":  # back through the norm to the projection, and to its gain
+            w, bias = r(getattr(params, f"W_{name}")), getattr(params, f"b_{name}")
+            y = r(r(x) @ w + (0.0 if bias is None else r(bias)))
+            d_proj, grads[f"g_{name}"] = _qk_norm_vjp(y, getattr(params, f"g_{name}"), d_proj, c, n, r)
         grads[f"W_{name}"] = r(np.einsum("btd,bte->de", r(x), d_proj))
         grads[{"q": "query", "k": "key", "v": "value"}[name]] = r(d_proj @ r(getattr(params, f"W_{name}")).T)
         if c.bias:

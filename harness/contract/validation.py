@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +19,7 @@ from mha_harness.contract.conventions import (
     CAUSAL_ALIGNMENTS,
     DTYPES,
     KEY_PADDING_POLARITY,
+    QK_NORMS,
     causal_offset,
 )
 from mha_harness.contract.scoped import scoped
@@ -48,6 +50,14 @@ def validate_config(config: AttentionConfig) -> None:
                              f"{[k for k in range(1, num_heads + 1) if num_heads % k == 0]}")
     if not isinstance(config.bias, (bool, np.bool_)):
         raise TypeError(f"bias: got {config.bias!r}; accepted: True or False")
+    if config.qk_norm is not None and config.qk_norm not in QK_NORMS:
+        raise ValueError(f"qk_norm: got {config.qk_norm!r}; accepted: None (no norm on q and k), "
+                         f"{' or '.join(map(repr, QK_NORMS))} (an RMSNorm over each head's features, as Qwen 3 and "
+                         "Gemma 3 have, or over the whole q and k projections, as OLMo 2 has)")
+    eps = config.qk_norm_eps
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"qk_norm_eps: got {eps!r}; accepted: a finite number >= 0, the epsilon added to the "
+                         "mean square inside the q/k norm's square root (e.g. 1e-6)")
 
 
 def validate_dtype(dtype: str, allowed=None) -> str:
@@ -82,7 +92,8 @@ def _require_kind(name: str, value, attributes: tuple[str, ...], accepted: str) 
 def require_config(config) -> None:
     """``config`` must be an AttentionConfig (a TypeError naming ``config`` otherwise)."""
     _require_kind("config", config, ("d_model", "num_heads", "kv_heads", "d_head", "bias"),
-                  "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False)")
+                  "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False, "
+                  "qk_norm=None, qk_norm_eps=1e-6)")
 
 
 def require_params(params) -> None:
@@ -114,22 +125,38 @@ def require_inputs(inputs) -> None:
                   "mha_harness.AttentionInputs(query, key, value, causal=None, key_padding_mask=None, attn_mask=None)")
 
 
+def qk_norm_gain_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
+    """The shapes of the q and k norms' gains ``g_q`` and ``g_k`` under ``config.qk_norm`` (empty without a norm):
+    one d_head vector each, shared by all heads, for ``rms_per_head``; the projections' widths for
+    ``rms_over_projection``."""
+    if config.qk_norm == "rms_per_head":
+        return {"g_q": (config.d_head,), "g_k": (config.d_head,)}
+    if config.qk_norm == "rms_over_projection":
+        return {"g_q": (config.d_model,), "g_k": (config.kv_heads * config.d_head,)}
+    return {}
+
+
 def validate_params(params: AttentionParams) -> None:
     require_config(params.config)
     c = params.config
     kv_width = c.kv_heads * c.d_head
     shapes = {"W_q": (c.d_model, c.d_model), "W_k": (c.d_model, kv_width),
               "W_v": (c.d_model, kv_width), "W_o": (c.d_model, c.d_model),
-              "b_q": (c.d_model,), "b_k": (kv_width,), "b_v": (kv_width,), "b_o": (c.d_model,)}
+              "b_q": (c.d_model,), "b_k": (kv_width,), "b_v": (kv_width,), "b_o": (c.d_model,),
+              "g_q": None, "g_k": None, **qk_norm_gain_shapes(c)}
     for name, shape in shapes.items():
         value = getattr(params, name)
+        wanted = {"b": c.bias, "g": c.qk_norm is not None}.get(name[0], True)
+        flag = {"b": "config.bias is True", "g": f"config.qk_norm is {c.qk_norm!r}"}.get(name[0])
         if value is None:
-            if c.bias or name.startswith("W"):
+            if wanted:
                 raise ValueError(f"{name}: got None; accepted: an array of shape {shape}"
-                                 + (" (config.bias is True)" if name.startswith("b") else ""))
+                                 + (f" ({flag})" if flag else ""))
             continue
-        if name.startswith("b") and not c.bias:
-            raise ValueError(f"{name}: got an array but config.bias is False; accepted: None")
+        if not wanted:
+            raise ValueError(f"{name}: got an array but "
+                             + ("config.bias is False" if name[0] == "b" else "config.qk_norm is None")
+                             + "; accepted: None")
         _array(name, value)
         if value.shape != shape:
             raise ValueError(f"{name}: got shape {value.shape}; accepted: {shape} "

@@ -31,6 +31,10 @@ class Mutant:
     #: whether it declares Tq != Tk calls (Capabilities.cross_attention); a mutant whose shapes only fit at Tq = Tk
     #: declares no cross_attention, as such a layer's author would, so it is caught by a named failure, not a crash
     cross_attention: bool = True
+    #: the norms on q and k it declares (Capabilities.qk_norms): a q/k-norm mutant declares the norm it gets wrong
+    qk_norms: tuple[str, ...] = ()
+    #: whether it declares grouped-query heads (a mutant whose shapes fit only full-width K/V declares none)
+    grouped_query: bool = True
 
 
 class SelfAttentionModule(NumpyNaiveLoaded):
@@ -243,6 +247,15 @@ class MaskPolarityInverted(NumpyNaiveLoaded):
         return full_mask(inputs.replace(attn_mask=~m) if m is not None and m.dtype == np.bool_ else inputs)
 
 
+class AttnMaskTransposed(NumpyNaiveLoaded):
+    """Reads its (Tq, Tk) attn_mask transposed (a mask built as (Tk, Tq), or one .T too many): its shapes fit only
+    at Tq = Tk, so it declares no cross_attention, as its author would have found."""
+
+    def masks(self, inputs):
+        m = inputs.attn_mask
+        return full_mask(inputs if m is None else inputs.replace(attn_mask=np.swapaxes(m, -1, -2)))
+
+
 class SoftmaxWithoutMaxSubtraction(NumpyNaiveLoaded):
     def softmax(self, scores):
         e = np.exp(scores)
@@ -361,6 +374,70 @@ class QueryReusedAsScratch(NumpyNaiveLoaded):
         if isinstance(inputs.query, np.ndarray) and inputs.query.flags.writeable:
             inputs.query[...] = 0.0
         return out
+
+
+class KVWeightsSwapped(NumpyNaiveLoaded):
+    """A wrapper that loads W_k (and b_k) into the value projection and W_v (b_v) into the key projection."""
+
+    def __init__(self, params, dtype):
+        super().__init__(params, dtype)
+        w = self.weights
+        w["W_k"], w["W_v"] = w["W_v"], w["W_k"]
+        if "b_k" in w:
+            w["b_k"], w["b_v"] = w["b_v"], w["b_k"]
+
+
+class WeightsUntransposed(NumpyNaiveLoaded):
+    """A wrapper that loads each projection weight W into an (out, in) Linear as it is, where W.T belongs: the layer
+    computes x @ W.T (its shapes fit only where W is square: it declares no grouped-query heads)."""
+
+    def __init__(self, params, dtype):
+        super().__init__(params, dtype)
+        for name in ("W_q", "W_k", "W_v", "W_o"):
+            self.weights[name] = self.weights[name].T.copy()
+
+
+class QKNormOverProjection(NumpyNaiveLoaded):
+    """A per-head q/k norm (Qwen 3's, Gemma 3's) taken over the whole projection (OLMo 2's axis): one mean square
+    over all heads' features, each head's gains tiled across the width."""
+
+    def qk_norm(self, y, which):
+        c = self.config
+        if c.qk_norm != "rms_per_head":
+            return super().qk_norm(y, which)
+        gain = np.tile(self.weights[f"g_{which}"], y.shape[-1] // c.d_head)
+        return y / np.sqrt(np.mean(np.square(y), axis=-1, keepdims=True) + c.qk_norm_eps) * gain
+
+
+class QKNormGainsNotLoaded(NumpyNaiveLoaded):
+    """A wrapper that never loads the q/k norms' gains: the module's norm weights keep their initial ones."""
+
+    def qk_norm(self, y, which):
+        kept = self.weights[f"g_{which}"]
+        self.weights[f"g_{which}"] = np.ones_like(kept)
+        try:
+            return super().qk_norm(y, which)
+        finally:
+            self.weights[f"g_{which}"] = kept
+
+
+class QKNormGainPlusOne(NumpyNaiveLoaded):
+    """A Gemma-style norm (``x * (1 + weight)``) loaded with the gains themselves: each normed feature is scaled
+    by 1 + g where g belongs."""
+
+    def qk_norm(self, y, which):
+        c = self.config
+        b, t, width = y.shape
+        groups = y.reshape(b, t, -1, c.d_head) if c.qk_norm == "rms_per_head" else y
+        inv = 1.0 / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + c.qk_norm_eps)
+        return (groups * inv * (1.0 + self.weights[f"g_{which}"])).reshape(b, t, width)
+
+
+class QKNormKeyForgotten(NumpyNaiveLoaded):
+    """Normalises q but not k (a k_norm built and never called)."""
+
+    def qk_norm(self, y, which):
+        return y if which == "k" else super().qk_norm(y, which)
 
 
 class _GradientMutant(NumpyNaiveLoaded):
@@ -598,6 +675,8 @@ MUTANTS = (
     Mutant("mutant-mask-polarity-inverted", "reads attn_mask True as 'masked out'", MaskPolarityInverted, "INVERTED"),
     Mutant("mutant-softmax-no-max-subtraction", "softmax without subtracting the row maximum",
            SoftmaxWithoutMaxSubtraction, "row maximum"),
+    Mutant("mutant-attn-mask-transposed", "reads its attn_mask transposed (an outside user's Equinox copy; Tq = Tk "
+           "only, where its shapes fit)", AttnMaskTransposed, "attn_mask transposed", cross_attention=False),
     Mutant("mutant-fully-masked-rows-nan", "fully masked rows divide 0 by 0 (NaN)", FullyMaskedRowsNaN,
            "fully masked rows"),
     Mutant("mutant-additive-masked-row-nan", "a row of -inf float-mask biases divides 0 by 0 (NaN); rows the bool and "
@@ -664,6 +743,18 @@ MUTANTS = (
     Mutant("mutant-tiled-running-max-from-zero", "a tiled kernel (16-key blocks) starts its running row maximum at 0 "
            "instead of -inf (a stranger's kernel): rows whose every score is far below 0 underflow to zeros",
            TiledRunningMaxFromZero, "far below 0"),
+    Mutant("mutant-kv-weights-swapped", "a wrapper that loads W_k into the value projection and W_v into the key "
+           "projection (an outside user's Equinox copy)", KVWeightsSwapped, "W_k and W_v loaded into each other's"),
+    Mutant("mutant-weights-untransposed", "a wrapper that loads W into an (out, in) Linear where W.T belongs (an "
+           "outside user's Equinox copy)", WeightsUntransposed, "loaded untransposed", grouped_query=False),
+    Mutant("mutant-qk-norm-over-projection", "a per-head q/k norm (Qwen 3's) taken over the whole projection (OLMo "
+           "2's axis)", QKNormOverProjection, "over the whole projection", qk_norms=("rms_per_head",)),
+    Mutant("mutant-qk-norm-gains-not-loaded", "a wrapper that never loads the q/k norms' gains (the module keeps "
+           "its initial ones)", QKNormGainsNotLoaded, "without its gains", qk_norms=("rms_per_head",)),
+    Mutant("mutant-qk-norm-gain-plus-one", "a Gemma-style q/k norm, x * (1 + weight), loaded with the gains "
+           "themselves", QKNormGainPlusOne, "1 + g", qk_norms=("rms_per_head",)),
+    Mutant("mutant-qk-norm-key-forgotten", "normalises q but never calls its k norm", QKNormKeyForgotten,
+           "k is not normed", qk_norms=("rms_over_projection",)),
     Mutant("mutant-decode-step-attends-before-writing", "a KV-cache decode step attends over its cache before it "
            "writes x_new's keys and values into it (its forward is right)", DecodeStepAttendsBeforeWriting,
            "attends before it writes"),
@@ -720,7 +811,8 @@ class MutantBackend(NumpyNaive):
         # float32 only and T <= 512 keep the zoo fast: no mutant's bug depends on float64 or on T = 1000
         self.capabilities = Capabilities(dtypes=("float32",), gradients=mutant.gradients, max_seq_len=512,
                                          inputs=mutant.inputs, attention_weights=weights,
-                                         cross_attention=mutant.cross_attention)
+                                         cross_attention=mutant.cross_attention, qk_norms=mutant.qk_norms,
+                                         grouped_query=mutant.grouped_query)
         self.loaded_class = mutant.loaded
 
     def native_parameter_shapes(self, config):

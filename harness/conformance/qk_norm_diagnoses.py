@@ -1,0 +1,94 @@
+"""Known mistakes of a q/k norm (an RMSNorm of q and k after their projections: ``AttentionConfig.qk_norm``), computed
+in NumPy, so a failed comparison can name the one its output matches: the norm over the other axis (over the whole
+projection where each head's features belong, or the other way round), its gains not applied (a wrapper that never
+loaded them into the module's norm weights), applied as ``1 + g`` (Gemma's norm, ``x * (1 + weight)``, loaded with
+the gains themselves), only one of q and k normed, or no norm at all; and, for a layer run without a norm, that its
+output matches q and k normed anyway (a wrapped module that keeps its norms on whatever the config says)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mha_harness.conformance.diagnoses import wrong_layer_output
+from mha_harness.contract.api import AttentionInputs, AttentionParams
+from mha_harness.contract.conventions import QK_NORMS
+from mha_harness.contract.mistakes import explains
+from mha_harness.contract.reference import reference_attention
+
+#: what each mistaken norm does, for the failure message; ``{declared}`` is the config's norm, ``{other}`` the other
+MISTAKES = {
+    "other_axis": "the q/k norm taken {other_words} where {declared!r} normalises {declared_words}",
+    "gains_ignored": ("the q/k norm without its gains g_q and g_k (every normed feature times 1: the gains were not "
+                      "loaded into the layer's norm weights)"),
+    "gains_plus_one": ("the q/k norm scaled by 1 + g where the gain g belongs (a Gemma-style norm computes x * (1 + "
+                       "weight): load g - 1 into such a norm's weight)"),
+    "key_unnormed": "the norm applied to q only: k is not normed",
+    "query_unnormed": "the norm applied to k only: q is not normed",
+    "none": "no norm on q and k at all (the layer's norms are the identity, or never called)",
+}
+_WORDS = {"rms_per_head": "over each head's d_head features (Qwen 3, Gemma 3)",
+          "rms_over_projection": "over the whole projection (OLMo 2)"}
+
+
+def _other(kind: str) -> str:
+    return next(k for k in QK_NORMS if k != kind)
+
+
+def mistaken_qk_norm(params: AttentionParams, mistake: str):
+    """``qk_norm_as`` for :func:`~mha_harness.conformance.diagnoses.wrong_layer_output`: the layer's norm
+    (``params.config.qk_norm``) with ``mistake`` (a key of :data:`MISTAKES`)."""
+    c = params.config
+    eps = c.qk_norm_eps
+
+    def normed(y, which, n_heads):
+        if mistake == "none" or (mistake, which) in (("key_unnormed", "k"), ("query_unnormed", "q")):
+            return y
+        gain = np.asarray(getattr(params, f"g_{which}"), np.float64)
+        gain = {"gains_ignored": np.ones_like(gain), "gains_plus_one": 1.0 + gain}.get(mistake, gain)
+        kind = _other(c.qk_norm) if mistake == "other_axis" else c.qk_norm
+        b, t, width = y.shape
+        if gain.size != width:  # a head's gains, shared by all heads: per feature of the whole projection
+            gain = np.tile(gain, width // gain.size)
+        groups, gain = ((y.reshape(b, t, n_heads, width // n_heads), gain.reshape(n_heads, width // n_heads))
+                        if kind == "rms_per_head" else (y, gain))
+        return (groups / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + eps) * gain).reshape(y.shape)
+    return normed
+
+
+def with_unit_qk_norm(params: AttentionParams, kind: str) -> AttentionParams:
+    """``params`` of a layer without a norm, given the norm ``kind`` with gains 1 (a module's norm weights as
+    initialised: ones, or Gemma's zeros in ``x * (1 + weight)``)."""
+    config = dataclasses.replace(params.config, qk_norm=kind)
+    kv_width = config.kv_heads * config.d_head
+    width = {"g_q": config.d_head, "g_k": config.d_head} if kind == "rms_per_head" else \
+        {"g_q": config.d_model, "g_k": kv_width}
+    return dataclasses.replace(params, config=config, **{n: np.ones(w) for n, w in width.items()})
+
+
+def qk_norm_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
+    """The q/k-norm mistake a failing whole output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains
+    better than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), as a sentence to append; "".
+    A layer with a norm: each of :data:`MISTAKES`; a layer without one: q and k normed anyway (gains 1), each kind."""
+    got = np.asarray(got, np.float64)
+    if not np.all(np.isfinite(got)):
+        return ""
+    c = params.config
+    truth = reference_attention(params, inputs).output
+    margin = max(10 * bound, 1e-4)
+    if c.qk_norm is None:
+        for kind in QK_NORMS:
+            wrong = reference_attention(with_unit_qk_norm(params, kind), inputs).output
+            if np.max(np.abs(got - wrong)) <= margin and explains(got, wrong, truth):
+                return (f"; the output matches q and k normed by an RMSNorm {_WORDS[kind]} in a layer built without "
+                        f"one: a layer with such a norm declares it, Capabilities(qk_norms=({kind!r},)), and builds "
+                        "its norms from config.qk_norm (the identity when it is None): \"A layer with a norm on q and "
+                        "k\" in docs/plugins.md")
+        return ""
+    for mistake, label in MISTAKES.items():
+        wrong = wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake))
+        if np.max(np.abs(got - wrong)) <= margin and explains(got, wrong, truth):
+            other = _other(c.qk_norm)
+            return "; the output matches " + label.format(declared=c.qk_norm, declared_words=_WORDS[c.qk_norm],
+                                                          other_words=_WORDS[other])
+    return ""

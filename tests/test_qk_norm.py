@@ -1,0 +1,187 @@
+"""A norm on q and k (``AttentionConfig.qk_norm``, ``Capabilities.qk_norms``): the reference's forward and backward
+through it, its validation, the cases that run it, the diagnoses of its mistakes, and search."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mha_harness
+from mha_harness.contract.api import AttentionConfig, AttentionParams, Capabilities
+from mha_harness.contract.conventions import QK_NORMS
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import reference_attention, reference_vjp, reference_vjp_magnitudes
+from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+GRID = "check_output_matches_reference"
+
+
+def _finite_difference(params, inputs, cotangent, name, step=1e-6):
+    """d sum(output * cotangent) / d ``name`` (a parameter or an input array) by central differences."""
+    source = params if name in params.arrays() else inputs
+    array = getattr(source, name)
+    grad = np.zeros_like(array)
+    for index in np.ndindex(array.shape):
+        def loss(delta, index=index):
+            changed = array.copy()
+            changed[index] += delta
+            p, x = (params.replace(**{name: changed}), inputs) if source is params \
+                else (params, inputs.replace(**{name: changed}))
+            return float((reference_attention(p, x).output * cotangent).sum())
+        grad[index] = (loss(step) - loss(-step)) / (2 * step)
+    return grad
+
+
+@pytest.mark.parametrize("kind", QK_NORMS)
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_the_references_backward_through_the_qk_norm_is_the_derivative_of_its_forward(kind, kv_heads):
+    config = AttentionConfig(8, 4, kv_heads, bias=True, qk_norm=kind)
+    params = make_params(config, seed=3)
+    inputs = make_inputs(config, 2, 3, 4, causal="bottom-right")
+    cotangent = np.random.default_rng(0).standard_normal((2, 3, 8))
+    grads = reference_vjp(params, inputs, cotangent)
+    assert {"g_q", "g_k"} <= set(grads)
+    for name in ("g_q", "g_k", "W_q", "W_k", "b_q", "b_k", "query", "key"):
+        fd = _finite_difference(params, inputs, cotangent, name)
+        np.testing.assert_allclose(grads[name], fd, rtol=1e-6, atol=1e-8, err_msg=name)
+    magnitudes = reference_vjp_magnitudes(params, inputs, cotangent)
+    for name in ("g_q", "g_k"):
+        assert magnitudes[name].shape == grads[name].shape and np.all(magnitudes[name] > 0)
+
+
+def test_the_references_per_head_norm_is_torchs_rms_norm_of_each_head():
+    torch = pytest.importorskip("torch")
+    config = AttentionConfig(32, 4, 2, qk_norm="rms_per_head", qk_norm_eps=1e-5)
+    params = make_params(config, seed=2)
+    inputs = make_inputs(config, 2, 5, 6)
+    t = {n: torch.tensor(a) for n, a in params.arrays().items()}
+    q = (torch.tensor(inputs.query) @ t["W_q"]).view(2, 5, 4, 8)
+    k = (torch.tensor(inputs.key) @ t["W_k"]).view(2, 6, 2, 8)
+    v = (torch.tensor(inputs.value) @ t["W_v"]).view(2, 6, 2, 8)
+    q = torch.nn.functional.rms_norm(q, (8,), t["g_q"], 1e-5).transpose(1, 2)
+    k = torch.nn.functional.rms_norm(k, (8,), t["g_k"], 1e-5).transpose(1, 2).repeat_interleave(2, dim=1)
+    v = v.transpose(1, 2).repeat_interleave(2, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 5, 32) @ t["W_o"]
+    np.testing.assert_allclose(reference_attention(params, inputs).output, out.numpy(), atol=1e-12)
+
+
+def test_make_params_draws_the_norms_gains_after_every_other_array():
+    plain = make_params(AttentionConfig(16, 2, bias=True), seed=4)
+    normed = make_params(AttentionConfig(16, 2, bias=True, qk_norm="rms_over_projection"), seed=4)
+    for name, array in plain.arrays().items():
+        np.testing.assert_array_equal(getattr(normed, name), array)
+    assert normed.g_q.shape == (16,) and normed.g_k.shape == (16,)
+    assert np.all((normed.g_q >= 0.5) & (normed.g_q <= 1.5)) and np.ptp(normed.g_q) > 0.1
+
+
+def test_the_expected_parameter_count_adds_one_gain_vector_per_norm():
+    assert AttentionConfig(64, 8, 2, qk_norm="rms_per_head").expected_parameter_count() \
+        == AttentionConfig(64, 8, 2).expected_parameter_count() + 2 * 8
+    assert AttentionConfig(64, 8, 2, qk_norm="rms_over_projection").expected_parameter_count() \
+        == AttentionConfig(64, 8, 2).expected_parameter_count() + 64 + 16
+
+
+@pytest.mark.parametrize("make, names", [
+    (lambda: AttentionConfig(16, 2, qk_norm="rms"), ("qk_norm", "'rms_per_head'", "'rms_over_projection'")),
+    (lambda: AttentionConfig(16, 2, qk_norm="rms_per_head", qk_norm_eps=-1.0), ("qk_norm_eps", ">= 0")),
+    (lambda: Capabilities(qk_norms=("layer_norm",)), ("qk_norms", "'rms_per_head'")),
+    (lambda: Capabilities(qk_norms="rms_per_head"), ("qk_norms", "a tuple")),
+])
+def test_a_malformed_qk_norm_declaration_is_refused_naming_the_parameter_and_the_accepted_values(make, names):
+    with pytest.raises((ValueError, TypeError)) as info:
+        make()
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_the_norms_gains_must_be_given_exactly_when_the_config_has_a_norm():
+    plain = make_params(AttentionConfig(16, 2), seed=0)
+    normed = make_params(AttentionConfig(16, 2, qk_norm="rms_per_head"), seed=0)
+    with pytest.raises(ValueError, match=r"g_q: got None; accepted: an array of shape \(8,\) \(config.qk_norm"):
+        AttentionParams(normed.config, W_q=plain.W_q, W_k=plain.W_k, W_v=plain.W_v, W_o=plain.W_o)
+    with pytest.raises(ValueError, match="g_q: got an array but config.qk_norm is None; accepted: None"):
+        AttentionParams(plain.config, W_q=plain.W_q, W_k=plain.W_k, W_v=plain.W_v, W_o=plain.W_o, g_q=normed.g_q,
+                        g_k=normed.g_k)
+    with pytest.raises(ValueError, match=r"g_k: got shape \(16,\); accepted: \(8,\)"):
+        normed.replace(g_k=np.ones(16))
+
+
+def test_a_backend_refuses_a_norm_it_does_not_declare_naming_the_accepted_values():
+    from mha_harness.implementations.numpy_tiled import NumpyTiled
+    params = make_params(AttentionConfig(16, 2, qk_norm="rms_per_head"))
+    with pytest.raises(ValueError, match=r"qk_norm: got 'rms_per_head' but numpy-tiled declares no norm on q and k "
+                                         r"\(Capabilities.qk_norms is empty\); accepted: None"):
+        NumpyTiled().load(params)
+
+
+def test_the_grids_norm_rows_skip_naming_the_capability_for_a_backend_without_a_norm():
+    from mha_harness.implementations.numpy_tiled import NumpyTiled
+    report = mha_harness.check(NumpyTiled(), cases=[GRID], isolate=False)
+    skipped = {r.params.get("variant"): r.message for r in report.results if r.status == "skipped"}
+    assert set(skipped) == {"qk_norm_per_head", "qk_norm_over_projection"}
+    assert "does not declare qk_norms 'rms_per_head'" in skipped["qk_norm_per_head"]
+
+
+def test_the_norm_runs_in_the_grid_the_gradients_and_the_parameter_count_of_a_backend_that_declares_it():
+    pytest.importorskip("torch")
+    from mha_harness.implementations.torch_eager import TorchEager
+    report = mha_harness.check(TorchEager(), cases=[GRID, "check_gradients_match_reference",
+                                                    "check_parameter_count_is_4_d_model_squared"], isolate=False)
+    normed = [r for r in report.results if r.params.get("qk_norm")]
+    assert {(r.case, r.params["qk_norm"]) for r in normed} == {
+        (case, kind) for case in (GRID, "check_gradients_match_reference",
+                                  "check_parameter_count_is_4_d_model_squared") for kind in QK_NORMS}
+    assert all(r.status == "passed" for r in normed), [r.message for r in normed if r.status != "passed"]
+    assert {r.params["dtype"] for r in normed if r.case == GRID} == set(TorchEager.capabilities.dtypes)
+
+
+class _NormsKeptOn(NumpyNaiveLoaded):
+    """A wrapped Qwen-3-style module whose norms (their initial unit gains) stay on whatever the config says."""
+
+    def project(self, x, which):
+        y = super().project(x, which)
+        if which in ("q", "k") and self.config.qk_norm is None:
+            b, t, width = y.shape
+            heads = y.reshape(b, t, -1, self.config.d_head)
+            y = (heads / np.sqrt(np.mean(np.square(heads), axis=-1, keepdims=True) + 1e-6)).reshape(b, t, width)
+        return y
+
+
+class NormsKeptOn(NumpyNaive):
+    name = "norms-kept-on"
+    loaded_class = _NormsKeptOn
+
+
+def test_a_layer_that_keeps_its_norms_on_without_a_norm_in_the_config_is_told_to_declare_and_build_them():
+    report = mha_harness.check(NormsKeptOn(), cases=[GRID], isolate=False)
+    failed = [r for r in report.failures() if not r.params.get("qk_norm")]
+    assert failed
+    assert all("q and k normed by an RMSNorm over each head's d_head features" in r.message
+               and "Capabilities(qk_norms=('rms_per_head',))" in r.message for r in failed), failed[0].message
+
+
+def test_search_draws_a_declared_norm_and_finds_a_key_norm_never_called(tmp_path):
+    from mha_harness.conformance.isolation import Target
+    from mha_harness.conformance.search import MUTANT_SPEC, search_backend
+    from mha_harness.implementations.mutants import mutant_backends
+    mutant = next(b for b in mutant_backends() if b.name == "mutant-qk-norm-key-forgotten")
+    outcome = search_backend(Target(mutant, MUTANT_SPEC), results=tmp_path, isolate=False, max_examples=100, seed=0)
+    assert not outcome.passed and outcome.example.get("qk_norm") == "rms_over_projection"
+    assert "k is not normed" in outcome.message
+    assert "qk_norm rms_over_projection" in outcome.repro or '"qk_norm": "rms_over_projection"' in outcome.repro
+
+
+def test_list_shows_the_norms_a_backend_declares():
+    from tests.conftest import run_cli
+    lines = run_cli("list").stdout.splitlines()
+    eager = next(i for i, line in enumerate(lines) if line.startswith("torch-eager "))
+    assert "q/k norms rms_per_head,rms_over_projection" in lines[eager + 1], lines[eager:eager + 2]
+
+
+def test_the_other_diagnoses_hold_on_a_layer_with_a_norm_a_wrong_scale_and_tiled_kv_heads_are_named():
+    """A scale folded into W_q is undone by the norm: the diagnoses scale the norm's gain instead."""
+    from mha_harness.implementations.mutants.zoo import KVHeadsTiled, ScaleByDModel
+    for loaded, named in ((ScaleByDModel, "scores scaled by 1/sqrt(d_model)"), (KVHeadsTiled, "h % kv_heads")):
+        backend = type("Normed", (NumpyNaive,), {"name": f"normed-{loaded.__name__}", "loaded_class": loaded})()
+        report = mha_harness.check(backend, cases=[GRID], isolate=False)
+        normed = [r for r in report.failures() if r.params.get("qk_norm")]
+        assert normed and all(named in r.message for r in normed), [r.message[-200:] for r in normed]

@@ -1,0 +1,56 @@
+"""Mistakes a wrapper makes loading a library's layer (an outside user's Equinox copies): the diagnoses that name
+them, and the precision guesses that must not appear where no precision can explain a failure."""
+from __future__ import annotations
+
+import numpy as np
+
+import mha_harness
+from mha_harness.conformance.casekit import CaseFailure, assert_close
+from mha_harness.contract.tolerance import Tolerance
+from mha_harness.implementations.mutants.zoo import PaddingOnQueryAxis, ScaleByDHead, WeightsUntransposed
+from mha_harness.implementations.numpy_naive import NumpyNaive
+
+
+def _backend(loaded, **capabilities):
+    caps = NumpyNaive.capabilities if not capabilities else mha_harness.Capabilities(**capabilities)
+    return type(f"With{loaded.__name__}", (NumpyNaive,), {"name": f"with-{loaded.__name__}", "loaded_class": loaded,
+                                                          "capabilities": caps})()
+
+
+def test_a_padding_mask_along_the_query_axis_is_named_beside_not_applied_where_real_rows_cannot_tell_them_apart():
+    """Real query rows only: padding along the query axis leaves every real row seeing every key, as no padding
+    does; both are named (it was "the mask is not applied" alone: an unpadded batch item, the same call either
+    way, could not 'explain better' than the correct output)."""
+    report = mha_harness.check(_backend(PaddingOnQueryAxis), cases=["check_padding_mask_output_matches_reference"],
+                               isolate=False)
+    (failure,) = report.failures()
+    assert "cannot tell 2 mistakes apart" in failure.message
+    assert "key_padding_mask applied along the query axis" in failure.message
+    assert "without key_padding_mask: the mask is not applied" in failure.message
+
+
+def test_scores_scaled_by_one_over_d_head_are_also_named_as_the_standard_scale_applied_twice():
+    report = mha_harness.check(_backend(ScaleByDHead), cases=["check_scores_scaled_by_sqrt_d_head"], isolate=False)
+    (failure,) = report.failures()
+    assert "scaled by 1/d_head instead of 1/sqrt(d_head) (= 1/sqrt(d_head) applied twice" in failure.message
+
+
+def test_weights_loaded_untransposed_are_named_in_the_head_separation_case_too():
+    report = mha_harness.check(_backend(WeightsUntransposed, grouped_query=False),
+                               cases=["check_output_matches_reference", "check_heads_are_separated"], isolate=False)
+    assert report.failures()
+    assert all("loaded untransposed: W where W.T belongs" in f.message for f in report.failures()), \
+        [f.message[-200:] for f in report.failures() if "untransposed" not in f.message]
+
+
+def test_a_comparison_with_the_backends_own_output_guesses_no_precision():
+    """The leak and invariance cases compare a backend with itself in one dtype: an error of half precision's size
+    there is a leak, never a precision (a stranger's off-by-one causal mask was told to declare one)."""
+    tol = Tolerance(bound=1e-6, naive_error=3e-7, dtype="float32")
+    got, expected = np.full((1, 1, 1), 1e-3), np.zeros((1, 1, 1))
+    for own, guessed in ((False, True), (True, False)):
+        try:
+            assert_close(got, expected, tol, "output", own_output=own)
+            raise AssertionError("not failed")
+        except CaseFailure as failure:
+            assert ("half precision's size" in str(failure)) is guessed, str(failure)
