@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from mha_harness.conformance.casekit import all_cases
 from mha_harness.contract.api import DTYPES, AttentionBackend, Capabilities
+from mha_harness.contract.conventions import QK_NORMS
 
 
 class _DeclaresEverything(AttentionBackend):
     name = "any"
-    capabilities = Capabilities(gradients=True, dtypes=DTYPES)
+    capabilities = Capabilities(gradients=True, dtypes=DTYPES, qk_norms=QK_NORMS)
 
 
 def case_parameters() -> dict[str, dict]:

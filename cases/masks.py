@@ -254,14 +254,21 @@ def _padding(batch: int, tk: int) -> np.ndarray:
     return mask[:batch]
 
 
-#: new tokens of a KV-cache step in the padding cases: 3 queries against the 10 keys, so the left-padded item's padded
-#: keys are cached rows (batched decoding of prompts of different lengths)
+#: new tokens of a KV-cache step in the padding cases: 3 queries against the PADDING_KEYS keys, so the left-padded
+#: item's padded keys are cached rows (batched decoding of prompts of different lengths)
 PADDING_NEW_TOKENS = 3
+#: keys of the padding cases' call: across three 128-key blocks (FlexAttention's block size, and many 16-128-key
+#: blocks of a tiled kernel), so items 1 and 2 have whole blocks of padding that item 0 does not: a block mask built
+#: for one item and shared by the batch (create_block_mask(B=None) with a mask_mod that reads the batch index: an
+#: outside user's FlexAttention layer passed every case at 10 keys, where one block is partly masked for every item)
+#: lets them through
+PADDING_KEYS = 300
 
 
 def _padding_call(form: str, config, mask: np.ndarray):
-    """The padding cases' call: one x of 10 positions (any form), or for a KV-cache step PADDING_NEW_TOKENS new
-    tokens against them; and the (batch, Tq) mask of the queries at padded positions (not compared)."""
+    """The padding cases' call: one x of PADDING_KEYS positions (any form), or for a KV-cache step
+    PADDING_NEW_TOKENS new tokens against them; and the (batch, Tq) mask of the queries at padded positions (not
+    compared)."""
     tk = mask.shape[1]
     tq = PADDING_NEW_TOKENS if form == "kv_cache" else tk
     return form_inputs(form, config, mask.shape[0], tq, tk, key_padding_mask=mask), mask[:, tk - tq:]
@@ -274,7 +281,7 @@ def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
     not compared. With one x the padded positions of x are changed; with shared K/V those of x_kv; in a KV-cache
     step (3 new tokens, left padding in the cache) those of x_kv, NaN/inf in cached rows only."""
     params = small_layer(backend, bias=True)
-    tk = 10
+    tk = PADDING_KEYS
     mask = _padding(3, tk)
     inputs, query_padded = _padding_call(form, params.config, mask)
     where = mask
@@ -306,7 +313,7 @@ def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
 def check_padding_mask_output_matches_reference(backend, *, form, dtype):
     """With a key padding mask (True = padding) the outputs of real queries equal the reference."""
     params = small_layer(backend, bias=True)
-    mask = _padding(3, 10)
+    mask = _padding(3, PADDING_KEYS)
     inputs, query_padded = _padding_call(form, params.config, mask)
     got = run(backend, params, inputs, dtype).output
     expected, tol = tolerance_for(params, inputs, dtype)

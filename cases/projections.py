@@ -13,9 +13,10 @@ from mha_harness.conformance.casekit import (
     primary_dtype,
     run,
     scale_hint,
+    scores_hint,
     tolerance_for,
 )
-from mha_harness.conformance.diagnoses import layer_mistake, scores_fit_hint, single_key_rows_hint
+from mha_harness.conformance.diagnoses import layer_mistake, single_key_rows_hint
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.params import make_params
 
@@ -34,7 +35,7 @@ def check_scores_scaled_by_sqrt_d_head(backend, *, form, dtype):
     try:
         return Measurement(max_error=assert_close(got, expected, tol, "scaled attention output"))
     except CaseFailure as failure:
-        hint = (scale_hint(got, params, inputs, tol.bound) or scores_fit_hint(got, params, inputs, tol.bound)
+        hint = (scale_hint(got, params, inputs, tol.bound) or scores_hint(got, params, inputs, tol.bound)
                 or single_key_rows_hint(got, expected, tol.bound, params, inputs))
         raise failure.with_hint(hint) from None
 
@@ -147,7 +148,7 @@ def check_output_projection_mixes_heads(backend, *, form, dtype):
         return Measurement(max_error=assert_close(got, expected, tol, "output projection"))
     except CaseFailure as failure:  # W_o mixes the heads as it should, but the heads are wrong: say how, if known
         hint = (scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
-                or scores_fit_hint(got, params, inputs, tol.bound)
+                or scores_hint(got, params, inputs, tol.bound)
                 or single_key_rows_hint(got, expected, tol.bound, params, inputs))
         raise failure.with_hint(hint) from None
 

@@ -475,6 +475,18 @@ def _available_backends(registry, names):
     return [registry.get(n).backend for n in names if registry.get(n).available]
 
 
+def _worker_payloads(registry, backends) -> dict:
+    """How each backend's bench worker rebuilds it: from its ``module:object`` spec, as check's workers do (a
+    plugin's factory-made classes need not pickle); None (pickled) for a backend given as an object."""
+    from mha_harness.checking import target_of
+    out = {}
+    for backend in backends:
+        target = target_of(registry.get(backend.name))
+        if target.spec and target.load_spec is not None:
+            out[backend.name] = target.payload()
+    return out
+
+
 def cmd_search(args) -> int:
     from mha_harness.checking import target_of
     from mha_harness.conformance.search import (
@@ -543,7 +555,8 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--d-model: got {args.d_model}, not divisible by --heads {args.heads}; accepted: a multiple")
     backends = _available_backends(registry, names)
     doc = run_bench(backends, Path(args.results), seq_lens=args.seq_lens, causal=args.causal, backward=args.backward,
-                    config=config, query_lens=args.query_lens or DECODE_QUERY_LENS) if backends else {}
+                    config=config, query_lens=args.query_lens or DECODE_QUERY_LENS,
+                    payloads=_worker_payloads(registry, backends)) if backends else {}
     explicit = bool(args.backend or args.backend_spec)  # asked for by name: measuring none of its points is a failure
     return _bench_verdict(_not_loaded(registry, names), doc, explicit)
 
@@ -687,7 +700,7 @@ def cmd_run(args) -> int:
         backends = _available_backends(registry, names)
         if backends:
             doc = run_bench(backends, results, seq_lens=args.seq_lens, causal="off", backward=False, quick=True,
-                            config=_bench_config(args))
+                            config=_bench_config(args), payloads=_worker_payloads(registry, backends))
             bench_ok = _bench_verdict([], doc) == EXIT_OK
         else:
             print("  benchmark skipped: no backend left to benchmark")

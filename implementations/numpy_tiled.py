@@ -59,6 +59,10 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
         """Exclusive bound of the keys that queries below q1 may see: key blocks from there on are skipped."""
         return causal_key_limit(inputs, q1)
 
+    def block_mask(self, inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int):
+        """The masks of queries q0:q1 and keys k0:k1 (:func:`~mha_harness.toolkit.masks.block_mask`)."""
+        return block_mask(inputs, q0, q1, k0, k1)
+
     def _query_block(self, qb, k, v, inputs, q0, q1):
         c = self.config
         b = qb.shape[0]
@@ -73,7 +77,7 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
             k1 = min(inputs.tk, k0 + self.block_k)
             keys = k[:, :, :, k0:k1].swapaxes(-1, -2)
             s = np.matmul(qb, keys, out=scores) if k1 - k0 == self.block_k else qb @ keys
-            allowed, additive = block_mask(inputs, q0, q1, k0, k1)
+            allowed, additive = self.block_mask(inputs, q0, q1, k0, k1)
             if additive is not None:
                 s += self._group_view(additive).astype(self.dtype)
             if allowed is not None:

@@ -5,10 +5,9 @@
 fall back to the unfused eager path) and called as ``attend(q, k, v, block_mask, bias, enable_gqa)``:
 
 * lengths are padded to whole 128-position blocks (:func:`bucket`): padded keys are masked out by the
-  mask_mod, padded query rows are dropped. On torch 2.13.0 CPU the compiled kernel gave wrong outputs for
-  lengths off the block grid (max error ~1 at batch 3, T = 8, static shapes, even with a BlockMask; NaN rows
-  with dynamic shapes; 0.07 at Tq = 129, Tk = 1000 with ``block_mask=None``), never on whole blocks; padding
-  also lets every length of a bucket share one compiled graph;
+  mask_mod, padded query rows are dropped, so every length of a bucket shares one compiled graph. (Off-block
+  lengths once gave wrong outputs here, which a fresh process does not reproduce: docs/backends.md, "FlexAttention
+  on torch 2.13.0 CPU".);
 * causal masks (both alignments, the diagonal from ``conventions.causal_offset``) and key padding are
   ``mask_mod`` functions in closed form; the offset and the real key count are 0-d tensors captured by the
   mask_mod, so a new length in the same bucket does not recompile. ``create_block_mask`` turns them into a

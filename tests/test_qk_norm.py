@@ -152,10 +152,16 @@ class NormsKeptOn(NumpyNaive):
 
 
 def test_a_layer_that_keeps_its_norms_on_without_a_norm_in_the_config_is_told_to_declare_and_build_them():
-    report = mha_harness.check(NormsKeptOn(), cases=[GRID], isolate=False)
+    """In every case that compares outputs, padded rows left out or large logits too (there it was fitted as "scores
+    scaled by 0.001 ... declare Capabilities(score_scale=...)": an outside user's Qwen 3 copy)."""
+    report = mha_harness.check(NormsKeptOn(), cases=[GRID, "check_scores_scaled_by_sqrt_d_head",
+                                                     "check_large_logits_stay_finite_and_correct",
+                                                     "check_padding_mask_output_matches_reference"], isolate=False)
     failed = [r for r in report.failures() if not r.params.get("qk_norm")]
-    assert failed
-    assert all("q and k normed by an RMSNorm over each head's d_head features" in r.message
+    assert {r.case for r in failed} == {GRID, "check_scores_scaled_by_sqrt_d_head",
+                                        "check_large_logits_stay_finite_and_correct",
+                                        "check_padding_mask_output_matches_reference"}
+    assert all("a q/k norm, an RMSNorm over each head's d_head features" in r.message
                and "Capabilities(qk_norms=('rms_per_head',))" in r.message for r in failed), failed[0].message
 
 
@@ -185,3 +191,35 @@ def test_the_other_diagnoses_hold_on_a_layer_with_a_norm_a_wrong_scale_and_tiled
         report = mha_harness.check(backend, cases=[GRID], isolate=False)
         normed = [r for r in report.failures() if r.params.get("qk_norm")]
         assert normed and all(named in r.message for r in normed), [r.message[-200:] for r in normed]
+
+
+def test_the_policy_tables_scores_column_names_the_declared_norms():
+    report = mha_harness.check(NumpyNaive(), cases=["check_parameter_count_is_4_d_model_squared"], isolate=False)
+    assert "q and k RMS-normed in the layers whose config asks (rms_per_head, rms_over_projection declared)" \
+        in report.policies()["numpy-naive"]["scores"]
+
+
+class _GainGradientLeftOut(NumpyNaiveLoaded):
+    """Returns no g_k gradient, and a wrong W_o one: the gradient message must say which one is missing."""
+
+    def compute_vjp(self, inputs, cotangent):
+        grads = reference_vjp(self._params, inputs, cotangent)
+        grads.pop("g_k", None)
+        grads["W_o"] = grads["W_o"] * 2
+        return grads
+
+
+class GainGradientLeftOut(NumpyNaive):
+    name = "gain-gradient-left-out"
+    capabilities = Capabilities(gradients=True, qk_norms=("rms_per_head",))
+
+    def load_native(self, params, dtype):
+        loaded = _GainGradientLeftOut(params, dtype)
+        loaded._params = params
+        return loaded
+
+
+def test_a_gradient_not_returned_is_named_beside_the_wrong_ones():
+    report = mha_harness.check(GainGradientLeftOut(), cases=["check_gradients_match_reference"], isolate=False)
+    normed = [r for r in report.failures() if r.params.get("qk_norm")]
+    assert normed and "not returned: g_k" in normed[0].message, normed[0].message if normed else report.failures()

@@ -54,3 +54,12 @@ def test_a_comparison_with_the_backends_own_output_guesses_no_precision():
             raise AssertionError("not failed")
         except CaseFailure as failure:
             assert ("half precision's size" in str(failure)) is guessed, str(failure)
+
+
+def test_a_fitted_scale_that_is_a_common_one_is_named_by_it_where_padded_rows_leave_only_the_fit():
+    """The padding case compares real rows only, where the common-scale diagnosis does not run: the fitted 0.125 is
+    named as 1/d_head (it was "0.3536/sqrt(d_head)", an outside user's third name for one bug)."""
+    report = mha_harness.check(_backend(ScaleByDHead), cases=["check_padding_mask_output_matches_reference"],
+                               isolate=False)
+    (failure,) = report.failures()
+    assert "scaled by 0.125 (= 1/d_head at d_head 8, 1/sqrt(d_head) applied twice)" in failure.message

@@ -224,9 +224,11 @@ def _available_bytes() -> int | None:
 class Sweep:
     """Runs the planned points over one worker per backend and keeps the JSON document up to date on disk."""
 
-    def __init__(self, backends: list, config: BenchConfig, path: Path | None, doc: dict, *, log=print):
+    def __init__(self, backends: list, config: BenchConfig, path: Path | None, doc: dict, *, log=print,
+                 payloads: dict | None = None):
         self.config, self.path, self.doc, self.log = config, path, doc, log
         self.backends = {b.name: b for b in backends}
+        self.payloads = payloads or {}  # name -> how its worker rebuilds it (mha_harness.util.rebuild)
         if config.max_memory_bytes is None:
             available = _available_bytes()
             config.max_memory_bytes = int(0.8 * available) if available else None
@@ -240,7 +242,8 @@ class Sweep:
     def worker(self, name: str) -> BackendWorker:
         if name not in self.workers:
             self.workers[name] = BackendWorker(self.backends[name], self.config.threads,
-                                               max_bytes=self.config.max_memory_bytes)
+                                               max_bytes=self.config.max_memory_bytes,
+                                               payload=self.payloads.get(name))
         return self.workers[name]
 
     def ask(self, point: BenchPoint, message: tuple, timeout: float | None = None):
@@ -1013,8 +1016,11 @@ def _interrupted(sweep: Sweep, directory: Path | None, log) -> None:
 
 def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal: str = "off",
               backward: bool = False, quick: bool = False, config: BenchConfig | None = None,
-              query_lens=DECODE_QUERY_LENS, log=print) -> dict:
+              query_lens=DECODE_QUERY_LENS, log=print, payloads: dict | None = None) -> dict:
     """Sweep ``backends``, print the table, write ``<results>/bench[-decode]/bench.json`` and the plots.
+    ``payloads``: backend name -> how its worker process rebuilds it (:func:`mha_harness.util.rebuild.
+    backend_payload`: from its ``module:object`` spec, so a plugin's factory-made classes need not pickle); a
+    backend without one is pickled.
 
     What can run is checked first: when no backend can run any planned point (each skipped for a declared
     capability, e.g. an always-causal layer at ``causal="off"``), the sweep stops there, with the table of reasons and
@@ -1081,7 +1087,8 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
                           "time_exponent_guard": "a time exponent outside this range by more than two stderr, or "
                                                  f"with a stderr above {stats.TIME_EXPONENT_MAX_STDERR}, is noise: "
                                                  "fits[...]['time'] is then {'measurement_error': ...}"}}
-    sweep = Sweep(backends, config, directory / "bench.json" if directory else None, doc, log=log)
+    sweep = Sweep(backends, config, directory / "bench.json" if directory else None, doc, log=log,
+                  payloads=payloads)
     if not runnable:  # fail fast: every point is skipped from the declarations alone, no worker, no roofs
         for group in groups:
             sweep.prepare_group(group)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import signal
 import time
 from contextlib import contextmanager
 
 from mha_harness.util.pipes import GarbledAnswer, reap, recv_bytes_within
+from mha_harness.util.rebuild import backend_payload, build_backend
 
 POLL_S = 0.05
 #: before a backend's turn the other workers must have used less than this fraction of a core over one window of
@@ -49,7 +49,7 @@ class WorkerLost(Exception):
 
 # ---------------------------------------------------------------- the worker process
 
-def _worker_main(conn, payload: bytes, threads: int) -> None:
+def _worker_main(conn, payload: tuple, threads: int) -> None:
     """Serve requests until told to quit or the parent goes away (EOF on the pipe)."""
     try:
         os.setpgid(0, 0)
@@ -58,7 +58,7 @@ def _worker_main(conn, payload: bytes, threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a worker stops
     from mha_harness.bench.threads import apply_threads, pin_cpus
     pin_cpus(threads)  # before the plugin is unpickled: every pool it starts (XLA's too) sees ``threads`` CPUs
-    server = _Server(pickle.loads(payload), threads)
+    server = _Server(build_backend(payload), threads)
     apply_threads(threads)
     _answer(conn, ("ready", os.getpid()))  # the start (spawn, imports, unpickling) is not charged to a request
     while True:
@@ -327,10 +327,12 @@ class BackendWorker:
     """The parent's side of one backend's worker process; restarted on demand after a loss."""
 
     def __init__(self, backend, threads: int, *, max_bytes: int | None = None,
-                 startup_timeout: float = STARTUP_TIMEOUT_S):
+                 startup_timeout: float = STARTUP_TIMEOUT_S, payload: tuple | None = None):
         self.name = backend.name
         self.threads, self.max_bytes = threads, max_bytes
-        self.payload = pickle.dumps(backend)  # raises for an unpicklable plugin: the caller reports it
+        # how the worker rebuilds it (mha_harness.util.rebuild): from its module:object spec where the front end
+        # gives one, else pickled (which raises for an unpicklable plugin: the caller reports it)
+        self.payload = payload or backend_payload(backend)
         self.startup_timeout = startup_timeout
         self.process = None
         self.conn = None

@@ -28,7 +28,7 @@ from mha_harness.conformance.diagnoses import (
     single_key_rows_hint,
 )
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
-from mha_harness.conformance.qk_norm_diagnoses import qk_norm_hint
+from mha_harness.conformance.qk_norm_diagnoses import QK_NORM_MATCH, qk_norm_hint
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -84,7 +84,7 @@ class CaseFailure(AssertionError):
         if diagnosis is None:
             diagnosis = hint.removeprefix("; ").strip()
         message, guess = str(self), self.guess
-        if (SOFTCAP_MATCH in hint or SCALE_MATCH in hint) and guess:
+        if (SOFTCAP_MATCH in hint or SCALE_MATCH in hint or QK_NORM_MATCH in hint) and guess:
             message, guess = message.replace(guess, ""), ""
         return CaseFailure(message + hint, self.max_error, self.observed, diagnosis or self.diagnosis, guess)
 
@@ -486,9 +486,9 @@ def _float32_level_hint(err: float, tol: Tolerance) -> str:
     if err < FLOAT32_LEVEL_FRACTION * float32_bound:
         return ""
     return (f"; the error is within the float32 bound ({float32_bound:.3g}): the float64 call computes in float32 "
-            "somewhere (a cast of the inputs or weights, a float32 softmax, a float32 table the layer builds "
-            "itself such as rotary cos/sin; in JAX, float64 needs jax_enable_x64, which mha_harness.configure_jax() "
-            "sets); compute in float64, or declare it: "
+            "somewhere (a cast of the inputs or weights, a float32 softmax or RMSNorm (Hugging Face's q/k "
+            "norms compute in float32), a float32 table the layer builds itself such as rotary cos/sin; in JAX, "
+            "float64 needs jax_enable_x64, which mha_harness.configure_jax() sets); compute in float64, or declare it: "
             "divergences = precision_divergences(\"float64\", \"float32\", \"why\", cases=[...]) from "
             "mha_harness.toolkit.divergences, naming every case the summary's 'failing cases:' line lists for it")
 
@@ -514,12 +514,21 @@ def _half_level_hint(err: float, tol: Tolerance) -> str:
             "cannot run every call'), which a precision declaration would hide")
 
 
+def scores_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                compare: np.ndarray | None = None) -> str:
+    """What changed the scores of a failed whole output ``got``: a q/k norm gone wrong, or one in a layer built
+    without it (:func:`~mha_harness.conformance.qk_norm_diagnoses.qk_norm_hint`: a norm kept on under large logits
+    was fitted as a scale of 0.001), else a soft cap or scale fitted to it
+    (:func:`~mha_harness.conformance.diagnoses.scores_fit_hint`; ``compare``: the (batch, Tq) rows that are
+    specified); "" when none."""
+    return qk_norm_hint(got, params, inputs, bound, compare) or scores_fit_hint(got, params, inputs, bound, compare)
+
+
 def scores_fit_named(failure: CaseFailure, got: np.ndarray, params: AttentionParams, inputs: AttentionInputs,
                      bound: float, compare: np.ndarray | None = None) -> CaseFailure:
-    """``failure`` with the soft cap or score scale its whole output ``got`` matches named and its guess of a
-    precision dropped (:func:`~mha_harness.conformance.diagnoses.scores_fit_hint`; ``compare``: the (batch, Tq) rows
-    that are specified); unchanged when none fits."""
-    hint = scores_fit_hint(got, params, inputs, bound, compare)
+    """``failure`` with what changed the scores of its whole output ``got`` named (:func:`scores_hint`) and its
+    guess of a precision dropped; unchanged when nothing fits."""
+    hint = scores_hint(got, params, inputs, bound, compare)
     return failure.with_hint(hint) if hint else failure
 
 
@@ -832,7 +841,7 @@ def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: Attenti
         named = ""
         if error > tol.bound:  # another score scale (compared on whole outputs), else another soft cap
             named = ((scale_hint(whole, params, inputs, tol.bound) if weighed.all() else "")
-                     or scores_fit_hint(whole, params, inputs, tol.bound, compare=weighed))
+                     or scores_hint(whole, params, inputs, tol.bound, compare=weighed))
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return ""
     if error <= tol.bound:

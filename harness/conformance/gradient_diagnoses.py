@@ -22,7 +22,8 @@ from mha_harness.contract.score_scale import score_scale_at
 
 #: the parameter gradients each part of the backward produces: a wrong group with the others right places the error
 #: (the input gradients of a one-x or shared-K/V layer sum several paths, so they place nothing)
-_PATHS = (("the softmax's backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK from it)", ("W_q", "b_q", "W_k", "b_k")),
+_PATHS = (("the softmax's backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK from it)",
+           ("W_q", "b_q", "W_k", "b_k", "g_q", "g_k")),
           ("the value path (dV = P^T dO)", ("W_v", "b_v")),
           ("the output projection (dW_o)", ("W_o", "b_o")))
 
@@ -120,7 +121,9 @@ def gradient_mistake_parts(got: Mapping[str, np.ndarray], params: AttentionParam
     if not wrong:
         return []
     right = [n for n in arrays if n not in wrong]
-    parts = [[f"wrong gradients: {', '.join(wrong)}" + (f"; right: {', '.join(right)}" if right else "")]]
+    missing = [n for n in order if n not in got]  # named by the comparison only when every other gradient is right
+    parts = [[f"wrong gradients: {', '.join(wrong)}" + (f"; right: {', '.join(right)}" if right else "")
+              + (f"; not returned: {', '.join(missing)}" if missing else "")]]
     # a gradient that is zero for every layer (the key bias's: softmax ignores a per-row constant) places nothing
     telling = {n for n in arrays if np.abs(bounds[n][0]).max(initial=0.0) > bounds[n][1].bound}
     placed = _placed([n for n in wrong if n in telling], [n for n in right if n in telling])
@@ -128,11 +131,26 @@ def gradient_mistake_parts(got: Mapping[str, np.ndarray], params: AttentionParam
         parts.append(placed)
     whole = _whole_backward_mistake(arrays, [n for n in wrong if n in telling] or wrong, right, params, inputs,
                                     cotangent, form, bounds)
-    named = [whole] if whole else (_weights_multiple(wrong, right, arrays, bounds)
-                                   or _each_gradient_mistake(wrong, arrays, bounds, params))
+    swapped = _gains_swapped(wrong, arrays, bounds)
+    named = [swapped] if swapped else [whole] if whole else (_weights_multiple(wrong, right, arrays, bounds)
+                                                            or _each_gradient_mistake(wrong, arrays, bounds, params))
     if named:
         parts.append(named)
     return parts
+
+
+#: the q/k norm's gains loaded into each other's norms, which the forward cannot show
+GAINS_SWAPPED = ("the gradients of g_q and g_k are each other's: the gains are loaded into each other's norms (q_norm "
+                 "holds g_k, k_norm g_q), which no forward of the harness's layer shows (every score sums g_q[i] * "
+                 "g_k[i] terms; a layer with rotary positions tells them apart)")
+
+
+def _gains_swapped(wrong: list[str], arrays: dict, bounds: Mapping[str, tuple]) -> str:
+    """:data:`GAINS_SWAPPED` when the returned g_q and g_k gradients are the reference's g_k and g_q; ""."""
+    if not {"g_q", "g_k"} <= set(wrong) or arrays["g_q"].shape != arrays["g_k"].shape:
+        return ""
+    return GAINS_SWAPPED if (_within(arrays["g_q"], bounds["g_k"][0], bounds["g_q"][1])
+                             and _within(arrays["g_k"], bounds["g_q"][0], bounds["g_k"][1])) else ""
 
 
 def _close(got: np.ndarray, candidate: np.ndarray, truth: np.ndarray) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -46,6 +45,7 @@ from mha_harness.conformance.runner import (
 )
 from mha_harness.contract.api import AttentionBackend
 from mha_harness.util.pipes import GarbledAnswer, reap, recv_bytes_within
+from mha_harness.util.rebuild import backend_payload, build_backend
 from mha_harness.util.wire import decode
 
 MAX_CONSECUTIVE_LOSSES = 2
@@ -53,6 +53,8 @@ MAX_CONSECUTIVE_LOSSES = 2
 START_TIMEOUT = 300.0
 #: seconds a worker may take to drop a case's loaded layers
 RELEASE_TIMEOUT = 30.0
+#: seconds a worker that is done may take to quit on its own before it is killed
+QUIT_TIMEOUT = 2.0
 #: seconds the backends' threads get, after Ctrl-C or SIGTERM, to finish what they were writing
 INTERRUPT_GRACE = 10.0
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -122,9 +124,7 @@ class Target:
         return self.spec if self.source.startswith(("--backend-spec", "spec ")) else self.importable_as
 
     def payload(self):
-        if self.spec and self.load_spec is not None:
-            return ("spec", (self.spec, self.load_spec), self.name)
-        return ("pickle", pickle.dumps(self.backend), self.name)
+        return backend_payload(self.backend, self.spec, self.load_spec)
 
 
 def unsendable(exc: BaseException) -> str:
@@ -134,17 +134,6 @@ def unsendable(exc: BaseException) -> str:
 
 
 # --- the worker process -------------------------------------------------------------------------------------
-
-def _build_backend(payload) -> AttentionBackend:
-    kind, data, name = payload
-    if kind == "spec":
-        spec, load_spec = data
-        matches = [b for b in load_spec(spec) if b.name == name]
-        if not matches:
-            raise LookupError(f"{spec} no longer produces a backend named {name!r}")
-        return matches[0]
-    return pickle.loads(data)
-
 
 def worker_main(conn, payload, threads: int | None, environ: dict | None = None,
                 path: list | None = None) -> None:
@@ -178,7 +167,7 @@ def worker_main(conn, payload, threads: int | None, environ: dict | None = None,
     from mha_harness.util.wire import encode
     server, startup_error = None, None
     try:
-        server = Server(_build_backend(payload))
+        server = Server(build_backend(payload))
     except BaseException as exc:  # noqa: BLE001 - the plugin's import or constructor: that backend's error
         startup_error = describe_exception(exc)
         startup_error["message"] = f"building the backend in its worker: {startup_error['message']}"
@@ -187,6 +176,8 @@ def worker_main(conn, payload, threads: int | None, environ: dict | None = None,
             op, args = conn.recv()
         except BaseException:  # noqa: BLE001 - the harness went away
             os._exit(0)
+        if op == "quit":  # returning ends the process normally: its exit handlers release what the plugin made
+            return
         try:
             if startup_error is not None:
                 reply = {"error": startup_error}
@@ -293,6 +284,19 @@ class WorkerTransport:
             self.call("hello")  # the plugin's import and constructor are not charged to the case
         finally:
             self.budget, self.limit_message = case_budget, case_message
+
+    def close(self) -> None:
+        """Ask a worker that is done to quit (so its exit cleans up what the plugin made: a multiprocessing lock
+        left to a killed process makes "resource_tracker: ... leaked semaphore objects" at the end of the run),
+        then :meth:`stop` it and whatever is left of its process group."""
+        process = self.process
+        if process is not None and process.is_alive() and not _STOPPING.is_set():
+            try:
+                self.conn.send(("quit", ()))
+                reap(process, QUIT_TIMEOUT)
+            except (OSError, ValueError):
+                pass
+        self.stop()
 
     def stop(self) -> None:
         """Kill the worker and its whole process group (whatever plugin processes it started)."""
@@ -416,7 +420,7 @@ def run_target_isolated(target: Target, cases: list[Case], *, timeout: float, th
             if progress:
                 progress(result)
     finally:
-        transport.stop()
+        transport.close()
     settle_precision_declarations(target.backend, results, progress)
     point_to_undeclared_failures(results)
     return results

@@ -16,6 +16,8 @@ from mha_harness.contract.conventions import QK_NORMS
 from mha_harness.contract.mistakes import explains
 from mha_harness.contract.reference import reference_attention
 
+#: every q/k-norm diagnosis says so (a failure with one drops its guess of a precision from the error's size)
+QK_NORM_MATCH = "q/k norm"
 #: what each mistaken norm does, for the failure message; ``{declared}`` is the config's norm, ``{other}`` the other
 MISTAKES = {
     "other_axis": "the q/k norm taken {other_words} where {declared!r} normalises {declared_words}",
@@ -23,9 +25,9 @@ MISTAKES = {
                       "loaded into the layer's norm weights)"),
     "gains_plus_one": ("the q/k norm scaled by 1 + g where the gain g belongs (a Gemma-style norm computes x * (1 + "
                        "weight): load g - 1 into such a norm's weight)"),
-    "key_unnormed": "the norm applied to q only: k is not normed",
-    "query_unnormed": "the norm applied to k only: q is not normed",
-    "none": "no norm on q and k at all (the layer's norms are the identity, or never called)",
+    "key_unnormed": "the q/k norm applied to q only: k is not normed",
+    "query_unnormed": "the q/k norm applied to k only: q is not normed",
+    "none": "no q/k norm at all (the layer's norms are the identity, or never called)",
 }
 _WORDS = {"rms_per_head": "over each head's d_head features (Qwen 3, Gemma 3)",
           "rms_over_projection": "over the whole projection (OLMo 2)"}
@@ -66,27 +68,31 @@ def with_unit_qk_norm(params: AttentionParams, kind: str) -> AttentionParams:
     return dataclasses.replace(params, config=config, **{n: np.ones(w) for n, w in width.items()})
 
 
-def qk_norm_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
+def qk_norm_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                 compare: np.ndarray | None = None) -> str:
     """The q/k-norm mistake a failing whole output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains
     better than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), as a sentence to append; "".
-    A layer with a norm: each of :data:`MISTAKES`; a layer without one: q and k normed anyway (gains 1), each kind."""
-    got = np.asarray(got, np.float64)
+    A layer with a norm: each of :data:`MISTAKES`; a layer without one: q and k normed anyway (gains 1), each kind.
+    ``compare``: the (batch, Tq) rows of ``got`` that are specified (padded queries' are not)."""
+    pick = (lambda a: np.asarray(a, np.float64)) if compare is None \
+        else (lambda a: np.asarray(a, np.float64)[np.broadcast_to(compare, np.shape(a)[:2])])
+    got = pick(got)
     if not np.all(np.isfinite(got)):
         return ""
     c = params.config
-    truth = reference_attention(params, inputs).output
+    truth = pick(reference_attention(params, inputs).output)
     margin = max(10 * bound, 1e-4)
     if c.qk_norm is None:
         for kind in QK_NORMS:
-            wrong = reference_attention(with_unit_qk_norm(params, kind), inputs).output
+            wrong = pick(reference_attention(with_unit_qk_norm(params, kind), inputs).output)
             if np.max(np.abs(got - wrong)) <= margin and explains(got, wrong, truth):
-                return (f"; the output matches q and k normed by an RMSNorm {_WORDS[kind]} in a layer built without "
+                return (f"; the output matches a q/k norm, an RMSNorm {_WORDS[kind]}, in a layer built without "
                         f"one: a layer with such a norm declares it, Capabilities(qk_norms=({kind!r},)), and builds "
                         "its norms from config.qk_norm (the identity when it is None): \"A layer with a norm on q and "
                         "k\" in docs/plugins.md")
         return ""
     for mistake, label in MISTAKES.items():
-        wrong = wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake))
+        wrong = pick(wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake)))
         if np.max(np.abs(got - wrong)) <= margin and explains(got, wrong, truth):
             other = _other(c.qk_norm)
             return "; the output matches " + label.format(declared=c.qk_norm, declared_words=_WORDS[c.qk_norm],

@@ -193,7 +193,7 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
     finally:
         configuration.set_hypothesis_home_dir(home)
         if isolate:
-            transport.stop()
+            transport.close()
     outcome.seconds = round(time.perf_counter() - start, 2)
     outcome.examples, outcome.rejected = state["n"], state["rejected"]
     outcome.rejections = dict(state["rejections"])

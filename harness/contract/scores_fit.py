@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams
-from mha_harness.contract.mistakes import distance
+from mha_harness.contract.mistakes import distance, wrong_scales
 from mha_harness.contract.reference import (
     logit_softcap,
     logit_softcap_as,
@@ -116,7 +116,13 @@ def scale_mismatch(fit: ScaleFit, params: AttentionParams) -> str:
         at = f" (= {held:.4g} at d_head {d})" if isinstance(declared, str) else ""
         return (f"; the output matches scores scaled by {scale:g}, not by the declared score_scale "
                 f"{score_scale_named()}{at}")
-    return (f"; the output matches scores scaled by {scale:g} ({scale * np.sqrt(d):.4g}/sqrt(d_head) at d_head {d}) "
+    common = next((label for factor, label in wrong_scales(params.config).items()
+                   if np.isclose(scale / held, factor, rtol=1e-2)), None)
+    if common is not None:  # a common scale fitted where the wrong-scale diagnosis could not compare (padded rows)
+        what = f"= {common} at d_head {d}" + (", 1/sqrt(d_head) applied twice" if "1/d_head" in common else "")
+    else:
+        what = f"{scale * np.sqrt(d):.4g}/sqrt(d_head) at d_head {d}"
+    return (f"; the output matches scores scaled by {scale:g} ({what}) "
             f"instead of 1/sqrt(d_head) = {held:.4g}, not a rounding error: a layer built with a scale of its own "
             "declares it, Capabilities(score_scale=...) (\"A layer with a score scale of its own\" in docs/plugins.md)")
 

@@ -496,6 +496,24 @@ class TiledKeyBlocksTopLeft(_TiledLoaded):
         return min(inputs.tk, q1) if inputs.causal else inputs.tk
 
 
+class TiledBlockMaskOfFirstItem(_TiledLoaded):
+    """Classifies each key block by batch item 0's masks and shares that for the batch (FlexAttention's
+    ``create_block_mask(mask_mod, B=None, ...)`` with a mask_mod that reads the batch index): a block every key of
+    which item 0 sees runs unmasked for every item, one item 0 sees none of is skipped for every item; a partly
+    visible one applies each item's own mask. At 10 keys, one short block, partial for every item, it is right."""
+
+    def block_mask(self, inputs, q0, q1, k0, k1):
+        allowed, additive = super().block_mask(inputs, q0, q1, k0, k1)
+        if allowed is None:
+            return allowed, additive
+        first = allowed[0]
+        if first.all() and k1 - k0 == self.block_k:  # a "full" block for item 0 (a short last block, whose missing
+            return None, additive                     # keys count as masked, is partial): no mask_mod evaluated
+        if not first.any():  # an empty block for item 0: skipped
+            return np.zeros_like(allowed), additive
+        return allowed, additive
+
+
 class TiledRunningMaxFromZero(_TiledLoaded):
     """Starts the online softmax's running maximum at 0 instead of -inf: right while a row has a score above about
     -80 (float32), since the first block's maximum then replaces 0 or the exps stay representable; a row whose
@@ -520,6 +538,20 @@ class TiledMaskedBlockNaN(_TiledLoaded):
     def rescale(self, m, m_new):
         with np.errstate(invalid="ignore"):
             return m_new, np.exp(m - m_new)
+
+
+class QKNormGainsSwapped(_GradientMutant):
+    """A wrapper that loads g_q into the k norm and g_k into the q norm: the same forward (each score sums
+    g_q[i] * g_k[i] terms), each gain's gradient the other's."""
+
+    def __init__(self, params, dtype):
+        super().__init__(params, dtype)
+        if params.config.qk_norm is not None:
+            self.weights["g_q"], self.weights["g_k"] = self.weights["g_k"], self.weights["g_q"]
+
+    def compute_vjp(self, inputs: AttentionInputs, cotangent):
+        p = self._params
+        return reference_vjp(p if p.config.qk_norm is None else p.replace(g_q=p.g_k, g_k=p.g_q), inputs, cotangent)
 
 
 class _HandWrittenBackward(NumpyTiledLoaded):
@@ -740,6 +772,9 @@ MUTANTS = (
     Mutant("mutant-gradient-nan-in-rows-without-keys", "a hand-written backward recomputes the weights of a row "
            "without a visible key as 0 / 0 (NaN) while the forward outputs zeros there", GradientNaNInRowsWithoutKeys,
            "the NaN is the backward's own", gradients=True),
+    Mutant("mutant-tiled-block-mask-of-first-item", "a tiled kernel (16-key blocks) classifies its key blocks by batch "
+           "item 0's masks for the whole batch (FlexAttention's create_block_mask(B=None) with a mask_mod that reads "
+           "the batch index: an outside user's layer)", TiledBlockMaskOfFirstItem, "padding"),
     Mutant("mutant-tiled-running-max-from-zero", "a tiled kernel (16-key blocks) starts its running row maximum at 0 "
            "instead of -inf (a stranger's kernel): rows whose every score is far below 0 underflow to zeros",
            TiledRunningMaxFromZero, "far below 0"),
@@ -753,6 +788,9 @@ MUTANTS = (
            "its initial ones)", QKNormGainsNotLoaded, "without its gains", qk_norms=("rms_per_head",)),
     Mutant("mutant-qk-norm-gain-plus-one", "a Gemma-style q/k norm, x * (1 + weight), loaded with the gains "
            "themselves", QKNormGainPlusOne, "1 + g", qk_norms=("rms_per_head",)),
+    Mutant("mutant-qk-norm-gains-swapped", "a wrapper that loads g_q into the k norm and g_k into the q norm (an "
+           "outside user's Qwen 3 copy: the forward is the same)", QKNormGainsSwapped, "loaded into each other's norms",
+           gradients=True, qk_norms=("rms_per_head",)),
     Mutant("mutant-qk-norm-key-forgotten", "normalises q but never calls its k norm", QKNormKeyForgotten,
            "k is not normed", qk_norms=("rms_over_projection",)),
     Mutant("mutant-decode-step-attends-before-writing", "a KV-cache decode step attends over its cache before it "
