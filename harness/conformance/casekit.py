@@ -28,7 +28,7 @@ from mha_harness.conformance.diagnoses import (
     single_key_rows_hint,
 )
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
-from mha_harness.conformance.qk_norm_diagnoses import QK_NORM_MATCH, qk_norm_hint
+from mha_harness.conformance.qk_norm_diagnoses import QK_NORM_MATCH, qk_norm_hint, qk_norm_match
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -60,6 +60,7 @@ from mha_harness.contract.reference import (
     score_scale_named,
 )
 from mha_harness.contract.scoped import scoped
+from mha_harness.contract.scores_fit import scores_mismatch_fit
 from mha_harness.contract.tolerance import Tolerance
 
 
@@ -517,11 +518,14 @@ def _half_level_hint(err: float, tol: Tolerance) -> str:
 def scores_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                 compare: np.ndarray | None = None) -> str:
     """What changed the scores of a failed whole output ``got``: a q/k norm gone wrong, or one in a layer built
-    without it (:func:`~mha_harness.conformance.qk_norm_diagnoses.qk_norm_hint`: a norm kept on under large logits
-    was fitted as a scale of 0.001), else a soft cap or scale fitted to it
-    (:func:`~mha_harness.conformance.diagnoses.scores_fit_hint`; ``compare``: the (batch, Tq) rows that are
-    specified); "" when none."""
-    return qk_norm_hint(got, params, inputs, bound, compare) or scores_fit_hint(got, params, inputs, bound, compare)
+    without it (:func:`~mha_harness.conformance.qk_norm_diagnoses.qk_norm_hint`), or a soft cap or scale fitted to
+    it (:func:`~mha_harness.conformance.diagnoses.scores_fit_hint`), whichever reproduces it closer (under large
+    logits a norm kept on was fitted as a scale of 0.001, and an undeclared cap came within the margin of a norm);
+    ``compare``: the (batch, Tq) rows that are specified; "" when none."""
+    norm = qk_norm_match(got, params, inputs, bound, compare)
+    fit = scores_mismatch_fit(got, params, inputs, bound, compare=compare)
+    found = [f for f in (norm, fit) if f is not None]
+    return min(found, key=lambda f: f[1])[0] if found else ""
 
 
 def scores_fit_named(failure: CaseFailure, got: np.ndarray, params: AttentionParams, inputs: AttentionInputs,

@@ -13,7 +13,7 @@ import numpy as np
 from mha_harness.conformance.diagnoses import wrong_layer_output
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import QK_NORMS
-from mha_harness.contract.mistakes import explains
+from mha_harness.contract.mistakes import distance, explains
 from mha_harness.contract.reference import reference_attention
 
 #: every q/k-norm diagnosis says so (a failure with one drops its guess of a precision from the error's size)
@@ -74,27 +74,35 @@ def qk_norm_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
     better than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), as a sentence to append; "".
     A layer with a norm: each of :data:`MISTAKES`; a layer without one: q and k normed anyway (gains 1), each kind.
     ``compare``: the (batch, Tq) rows of ``got`` that are specified (padded queries' are not)."""
+    found = qk_norm_match(got, params, inputs, bound, compare)
+    return "" if found is None else found[0]
+
+
+def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                  compare: np.ndarray | None = None) -> tuple[str, float] | None:
+    """:func:`qk_norm_hint`'s sentence and its candidate's distance from ``got`` (on the compared rows), for choosing
+    between it and another diagnosis; None when no mistake matches."""
     pick = (lambda a: np.asarray(a, np.float64)) if compare is None \
         else (lambda a: np.asarray(a, np.float64)[np.broadcast_to(compare, np.shape(a)[:2])])
     got = pick(got)
     if not np.all(np.isfinite(got)):
-        return ""
+        return None
     c = params.config
     truth = pick(reference_attention(params, inputs).output)
     margin = max(10 * bound, 1e-4)
     if c.qk_norm is None:
         for kind in QK_NORMS:
             wrong = pick(reference_attention(with_unit_qk_norm(params, kind), inputs).output)
-            if np.max(np.abs(got - wrong)) <= margin and explains(got, wrong, truth):
+            if distance(got, wrong) <= margin and explains(got, wrong, truth):
                 return (f"; the output matches a q/k norm, an RMSNorm {_WORDS[kind]}, in a layer built without "
                         f"one: a layer with such a norm declares it, Capabilities(qk_norms=({kind!r},)), and builds "
                         "its norms from config.qk_norm (the identity when it is None): \"A layer with a norm on q and "
-                        "k\" in docs/plugins.md")
-        return ""
+                        "k\" in docs/plugins.md"), distance(got, wrong)
+        return None
     for mistake, label in MISTAKES.items():
         wrong = pick(wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake)))
-        if np.max(np.abs(got - wrong)) <= margin and explains(got, wrong, truth):
+        if distance(got, wrong) <= margin and explains(got, wrong, truth):
             other = _other(c.qk_norm)
-            return "; the output matches " + label.format(declared=c.qk_norm, declared_words=_WORDS[c.qk_norm],
-                                                          other_words=_WORDS[other])
-    return ""
+            return ("; the output matches " + label.format(declared=c.qk_norm, declared_words=_WORDS[c.qk_norm],
+                                                           other_words=_WORDS[other]), distance(got, wrong))
+    return None

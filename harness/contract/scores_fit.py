@@ -67,11 +67,19 @@ def scores_mismatch(got: np.ndarray, params: AttentionParams, inputs: AttentionI
                     rows=None, compare: np.ndarray | None = None) -> str:
     """The message suffix naming the soft cap (:func:`fitted_softcap`) or the score scale (:func:`fitted_score_scale`)
     under which the reference reproduces ``got``, whichever fits closer; "" when neither does."""
+    found = scores_mismatch_fit(got, params, inputs, bound, rows=rows, compare=compare)
+    return "" if found is None else found[0]
+
+
+def scores_mismatch_fit(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                        rows=None, compare: np.ndarray | None = None) -> tuple[str, float] | None:
+    """:func:`scores_mismatch`'s suffix and the fit's error (:func:`~mha_harness.contract.mistakes.distance` on the
+    compared rows), for choosing between it and another diagnosis; None when neither fits."""
     cap = fitted_softcap(got, params, inputs, bound, rows=rows, compare=compare)
     scale = fitted_score_scale(got, params, inputs, bound, rows=rows, compare=compare)
     if scale is not None and (cap is None or scale.error < cap.error):
-        return scale_mismatch(scale, params)
-    return "" if cap is None else mismatch(cap)
+        return scale_mismatch(scale, params), scale.error
+    return None if cap is None else (mismatch(cap), cap.error)
 
 
 def fitted_softcap(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
