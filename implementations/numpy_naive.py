@@ -41,7 +41,7 @@ class NumpyNaiveLoaded(LoadedAttention):
         d_head features (``rms_per_head``) or over the whole width (``rms_over_projection``)."""
         c = self.config
         b, t, width = y.shape
-        groups = y.reshape(b, t, -1, c.d_head) if c.qk_norm == "rms_per_head" else y
+        groups = y.reshape(b, t, width // c.d_head, c.d_head) if c.qk_norm == "rms_per_head" else y
         gain = self.weights[f"g_{which}"]
         inv = 1.0 / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + self.dtype.type(c.qk_norm_eps))
         return (groups * inv * gain).reshape(b, t, width)

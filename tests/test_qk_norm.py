@@ -141,7 +141,7 @@ class _NormsKeptOn(NumpyNaiveLoaded):
         y = super().project(x, which)
         if which in ("q", "k") and self.config.qk_norm is None:
             b, t, width = y.shape
-            heads = y.reshape(b, t, -1, self.config.d_head)
+            heads = y.reshape(b, t, width // self.config.d_head, self.config.d_head)
             y = (heads / np.sqrt(np.mean(np.square(heads), axis=-1, keepdims=True) + 1e-6)).reshape(b, t, width)
         return y
 
@@ -223,3 +223,22 @@ def test_a_gradient_not_returned_is_named_beside_the_wrong_ones():
     report = mha_harness.check(GainGradientLeftOut(), cases=["check_gradients_match_reference"], isolate=False)
     normed = [r for r in report.failures() if r.params.get("qk_norm")]
     assert normed and "not returned: g_k" in normed[0].message, normed[0].message if normed else report.failures()
+
+
+@pytest.mark.parametrize("kind", QK_NORMS)
+def test_a_decode_step_with_a_norm_runs_over_an_empty_cache_too(kind):
+    """A KV-cache call with nothing cached projects zero cached rows through the norm: a reshape with -1 cannot
+    size an empty array (numpy-naive raised there; search found it on a q/k-norm mutant's decode-step draw)."""
+    from mha_harness.contract.api import as_kv_cache_call
+    backends = [NumpyNaive()]
+    if pytest.importorskip("torch", reason="torch-eager's decode step") is not None:
+        from mha_harness.implementations.torch_eager import TorchEager
+        backends.append(TorchEager())
+    params = make_params(AttentionConfig(16, 2, qk_norm=kind), seed=5)
+    for tq, tk in ((1, 1), (2, 6)):
+        inputs = as_kv_cache_call(make_inputs(params.config, 1, tq, tk, self_attention=False, causal="bottom-right"))
+        expected = reference_attention(params, inputs).output
+        for backend in backends:
+            step = backend.load(params, dtype="float64").prepare_decode_step(inputs)
+            got = backend.load(params, dtype="float64").decode_step_output(step())
+            np.testing.assert_allclose(got, expected, atol=1e-12, err_msg=f"{backend.name} Tq={tq} Tk={tk}")

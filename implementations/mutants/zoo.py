@@ -428,7 +428,7 @@ class QKNormGainPlusOne(NumpyNaiveLoaded):
     def qk_norm(self, y, which):
         c = self.config
         b, t, width = y.shape
-        groups = y.reshape(b, t, -1, c.d_head) if c.qk_norm == "rms_per_head" else y
+        groups = y.reshape(b, t, width // c.d_head, c.d_head) if c.qk_norm == "rms_per_head" else y
         inv = 1.0 / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + c.qk_norm_eps)
         return (groups * inv * (1.0 + self.weights[f"g_{which}"])).reshape(b, t, width)
 
