@@ -36,13 +36,17 @@ class NumpyNaiveLoaded(LoadedAttention):
         y = y if bias is None else y + bias
         return self.qk_norm(y, which) if which in ("q", "k") and self.config.qk_norm else y
 
+    def norm_gain(self, which: str) -> np.ndarray:
+        """The gain the q or k norm multiplies by: the loaded ``g_q`` or ``g_k``."""
+        return self.weights[f"g_{which}"]
+
     def qk_norm(self, y: np.ndarray, which: str) -> np.ndarray:
         """RMSNorm of the q or k projection y (B, T, width): ``y / sqrt(mean(y^2) + eps) * g`` over each head's
         d_head features (``rms_per_head``) or over the whole width (``rms_over_projection``)."""
         c = self.config
         b, t, width = y.shape
         groups = y.reshape(b, t, width // c.d_head, c.d_head) if c.qk_norm == "rms_per_head" else y
-        gain = self.weights[f"g_{which}"]
+        gain = self.norm_gain(which)
         inv = 1.0 / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + self.dtype.type(c.qk_norm_eps))
         return (groups * inv * gain).reshape(b, t, width)
 

@@ -329,7 +329,7 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
                            "into the key projection)",
                            functools.partial(lambda p: reference_attention(p, inputs).output, swapped)))
     weights = [n for n in ("W_q", "W_k", "W_v", "W_o") if getattr(params, n).shape[0] == getattr(params, n).shape[1]]
-    for names in [tuple(weights)] + [(n,) for n in weights] if len(weights) > 1 else [tuple(weights)]:
+    for names in [tuple(weights)] + [(n,) for n in weights]:  # all of them (W_q and W_o are always square), or one
         transposed = with_weights_transposed(params, names)
         if transposed is not None:
             candidates.append((f"{', '.join(names)} {LOADED_UNTRANSPOSED}",

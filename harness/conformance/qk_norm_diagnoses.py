@@ -14,7 +14,8 @@ from mha_harness.conformance.diagnoses import wrong_layer_output
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import QK_NORMS
 from mha_harness.contract.mistakes import distance, explains
-from mha_harness.contract.reference import reference_attention
+from mha_harness.contract.reference import qk_normed, reference_attention
+from mha_harness.contract.validation import qk_norm_gain_shapes
 
 #: every q/k-norm diagnosis says so (a failure with one drops its guess of a precision from the error's size)
 QK_NORM_MATCH = "q/k norm"
@@ -39,22 +40,21 @@ def _other(kind: str) -> str:
 
 def mistaken_qk_norm(params: AttentionParams, mistake: str):
     """``qk_norm_as`` for :func:`~mha_harness.conformance.diagnoses.wrong_layer_output`: the layer's norm
-    (``params.config.qk_norm``) with ``mistake`` (a key of :data:`MISTAKES`)."""
+    (``params.config.qk_norm``) with ``mistake`` (a key of :data:`MISTAKES`), computed by the reference's norm."""
     c = params.config
-    eps = c.qk_norm_eps
+    config = dataclasses.replace(c, qk_norm=_other(c.qk_norm)) if mistake == "other_axis" else c
 
     def normed(y, which, n_heads):
         if mistake == "none" or (mistake, which) in (("key_unnormed", "k"), ("query_unnormed", "q")):
             return y
         gain = np.asarray(getattr(params, f"g_{which}"), np.float64)
         gain = {"gains_ignored": np.ones_like(gain), "gains_plus_one": 1.0 + gain}.get(mistake, gain)
-        kind = _other(c.qk_norm) if mistake == "other_axis" else c.qk_norm
-        b, t, width = y.shape
+        width = y.shape[-1]
         if gain.size != width:  # a head's gains, shared by all heads: per feature of the whole projection
             gain = np.tile(gain, width // gain.size)
-        groups, gain = ((y.reshape(b, t, n_heads, width // n_heads), gain.reshape(n_heads, width // n_heads))
-                        if kind == "rms_per_head" else (y, gain))
-        return (groups / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + eps) * gain).reshape(y.shape)
+        if config.qk_norm == "rms_per_head":  # per feature of each head, as the per-head groups broadcast it
+            gain = gain.reshape(n_heads, width // n_heads)
+        return qk_normed(y, gain, config, n_heads)
     return normed
 
 
@@ -62,10 +62,8 @@ def with_unit_qk_norm(params: AttentionParams, kind: str) -> AttentionParams:
     """``params`` of a layer without a norm, given the norm ``kind`` with gains 1 (a module's norm weights as
     initialised: ones, or Gemma's zeros in ``x * (1 + weight)``)."""
     config = dataclasses.replace(params.config, qk_norm=kind)
-    kv_width = config.kv_heads * config.d_head
-    width = {"g_q": config.d_head, "g_k": config.d_head} if kind == "rms_per_head" else \
-        {"g_q": config.d_model, "g_k": kv_width}
-    return dataclasses.replace(params, config=config, **{n: np.ones(w) for n, w in width.items()})
+    return dataclasses.replace(params, config=config,
+                               **{n: np.ones(shape) for n, shape in qk_norm_gain_shapes(config).items()})
 
 
 def qk_norm_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,

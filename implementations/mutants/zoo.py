@@ -412,25 +412,16 @@ class QKNormOverProjection(NumpyNaiveLoaded):
 class QKNormGainsNotLoaded(NumpyNaiveLoaded):
     """A wrapper that never loads the q/k norms' gains: the module's norm weights keep their initial ones."""
 
-    def qk_norm(self, y, which):
-        kept = self.weights[f"g_{which}"]
-        self.weights[f"g_{which}"] = np.ones_like(kept)
-        try:
-            return super().qk_norm(y, which)
-        finally:
-            self.weights[f"g_{which}"] = kept
+    def norm_gain(self, which):
+        return np.ones_like(super().norm_gain(which))
 
 
 class QKNormGainPlusOne(NumpyNaiveLoaded):
     """A Gemma-style norm (``x * (1 + weight)``) loaded with the gains themselves: each normed feature is scaled
     by 1 + g where g belongs."""
 
-    def qk_norm(self, y, which):
-        c = self.config
-        b, t, width = y.shape
-        groups = y.reshape(b, t, width // c.d_head, c.d_head) if c.qk_norm == "rms_per_head" else y
-        inv = 1.0 / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + c.qk_norm_eps)
-        return (groups * inv * (1.0 + self.weights[f"g_{which}"])).reshape(b, t, width)
+    def norm_gain(self, which):
+        return 1.0 + super().norm_gain(which)
 
 
 class QKNormKeyForgotten(NumpyNaiveLoaded):
