@@ -663,7 +663,8 @@ def cmd_fidelity(args) -> int:
             _say_opted_out(registry)
     doc = run_fidelity(registry, names, Path(args.results), threads=args.threads or DEFAULT_THREADS,
                        overhead_names=names if named else None, sections=args.section,
-                       timing_seq_lens=args.timing_seq_lens, timing_rounds=args.timing_rounds)
+                       timing_seq_lens=args.timing_seq_lens, timing_rounds=args.timing_rounds,
+                       payloads=_worker_payloads(registry, _available_backends(registry, names)))
     return _fidelity_verdict(doc, names, args.section, named)
 
 

@@ -199,20 +199,34 @@ def test_check_and_search_leak_no_semaphore_of_a_plugins_worker(tmp_path, comman
     assert "leaked semaphore" not in out.stderr, out.stderr
 
 
+#: a plugin whose class a factory makes with type(): not importable by its name, so not picklable
+FACTORY_PLUGIN = ("from mha_harness.implementations.numpy_naive import NumpyNaive\n"
+                  "def backends():\n"
+                  "    return [type('Made', (NumpyNaive,), {'name': 'numpy-made'})()]\n")
+
+
 def test_bench_runs_a_plugins_factory_made_classes_that_do_not_pickle(tmp_path):
     """bench's workers rebuild a backend from its module:object spec, as check's do: a class a factory makes with
     type() (not importable by its name, so not picklable) is benchmarked (an outside user's plugin got a raw
     PicklingError on every point)."""
-    (tmp_path / "factory.py").write_text(
-        "from mha_harness.implementations.numpy_naive import NumpyNaive\n"
-        "def backends():\n"
-        "    return [type('Made', (NumpyNaive,), {'name': 'numpy-made'})()]\n")
+    (tmp_path / "factory.py").write_text(FACTORY_PLUGIN)
     out = run_cli("bench", "--backend-spec", "factory:backends", "--seq-lens", "16", "--budget", "0.2",
                   "--results", tmp_path / "results", cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PicklingError" not in out.stdout + out.stderr
     points = json.loads((tmp_path / "results" / "bench" / "bench.json").read_text())["points"]
     assert points and all(p["status"] == "measured" for p in points), points
+
+
+def test_fidelity_times_a_plugins_factory_made_classes_that_do_not_pickle(tmp_path):
+    """fidelity's workers rebuild a backend from its module:object spec, as bench's do: its timing section compares
+    a factory-made plugin class (it had reported "prepare: cannot run the backend in a worker: PicklingError")."""
+    (tmp_path / "factory.py").write_text(FACTORY_PLUGIN)
+    out = run_cli("fidelity", "--backend-spec", "factory:backends", "--section", "timing", "--timing-seq-lens", "16",
+                  "--timing-rounds", "1", "--results", tmp_path / "results", cwd=tmp_path, timeout=300)
+    assert "PicklingError" not in out.stdout + out.stderr, out.stdout + out.stderr
+    rows = json.loads((tmp_path / "results" / "bench" / "fidelity.json").read_text())["timing"]
+    assert [r["backend"] for r in rows] == ["numpy-made"] and rows[0]["sweep_median_s"] is not None, rows
 
 
 def _check_mutant_as_a_plugin(tmp_path, mutant: str, case: str):

@@ -250,7 +250,7 @@ def _timing_rounds(sweep: Sweep, group: list[BenchPoint], call_s: dict, t: int, 
 
 def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LENS, *, rounds: int = TIMING_ROUNDS,
                      max_rounds: int = TIMING_MAX_ROUNDS, autorange_s: float = AUTORANGE_MAX_RUN_S,
-                     log=print) -> list[dict]:
+                     log=print, payloads: dict | None = None) -> list[dict]:
     """The bench engine's turns in a sweep vs the same engine alone vs torch.utils.benchmark's adaptive_autorange,
     per backend and T, each ratio taken within about a second.
 
@@ -267,7 +267,8 @@ def timing_agreement(backends: list, config: BenchConfig, seq_lens=TIMING_SEQ_LE
     the sweep turns, alone turns and autorange runs; every round.
     """
     sweep = Sweep(backends, replace(config), None, {"machine": {"gemm_peak_gflops_float32": None,
-                                                                "memory_bandwidth_gbs": None}}, log=_quiet)
+                                                                "memory_bandwidth_gbs": None}}, log=_quiet,
+                  payloads=payloads)
     by_name = {b.name: b for b in backends}
     rows = []
     try:
@@ -441,7 +442,7 @@ def _memory_line(row: dict) -> str:
 
 
 def harness_overhead(registry, config: BenchConfig, seq_len: int = 1024, rounds: int = 30, log=print,
-                     names=None) -> list[dict]:
+                     names=None, payloads: dict | None = None) -> list[dict]:
     """Prepared callable vs the backend's direct library call (public hook ``direct_callable``), same inputs;
     for ``names`` (those that offer the hook; a plugin's too), by default the built-ins that do."""
     rows = []
@@ -453,7 +454,8 @@ def harness_overhead(registry, config: BenchConfig, seq_len: int = 1024, rounds:
             rows.append({"backend": name, "not_runnable": "no direct_callable (the library call written by hand)"})
             log(f"  overhead {name}: not runnable: it offers no direct_callable")
             continue
-        worker = BackendWorker(entry.backend, config.threads, max_bytes=config.max_memory_bytes)
+        worker = BackendWorker(entry.backend, config.threads, max_bytes=config.max_memory_bytes,
+                               payload=(payloads or {}).get(name))
         shape = Shape(config.batch, seq_len, seq_len, config.d_model, config.num_heads, config.dtype,
                       timing_shape_causal(entry.backend))
         try:
@@ -716,12 +718,14 @@ def _log_summary(s: dict, log) -> None:
 
 
 def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=print, overhead_names=None,
-                 sections=None, timing_seq_lens=None, timing_rounds=None) -> dict:
+                 sections=None, timing_seq_lens=None, timing_rounds=None, payloads: dict | None = None) -> dict:
     """The figures of the chosen ``sections`` (names of :data:`SECTIONS`; None: all four) and their summary;
     written to ``<results>/bench/fidelity.json`` after every section. A section left out holds a "not run" text
     saying so, and the summary names it: a run of some sections validates only what they measure.
     ``timing_seq_lens`` and ``timing_rounds`` (None: :data:`TIMING_SEQ_LENS`, :data:`TIMING_ROUNDS`) shape the
-    timing section: ``timing_rounds`` rounds at each length, up to three times as many for an unsure ratio."""
+    timing section: ``timing_rounds`` rounds at each length, up to three times as many for an unsure ratio.
+    ``payloads``: backend name -> how its worker rebuilds it (:func:`mha_harness.util.rebuild.backend_payload`:
+    from its ``module:object`` spec, so a plugin's factory-made classes need not pickle); others are pickled."""
     import importlib.util
     chosen = list(SECTIONS) if sections is None else [n for n in SECTIONS if n in sections]
     unknown = sorted(set(sections or ()) - set(SECTIONS))
@@ -752,7 +756,7 @@ def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=pr
     if "overhead" in chosen:
         log("harness overhead (prepared callable vs the backend's direct library call):", flush=True)
         _section(doc, "overhead", path, log,
-                 lambda: harness_overhead(registry, config, log=log, names=overhead_names))
+                 lambda: harness_overhead(registry, config, log=log, names=overhead_names, payloads=payloads))
     if "tiled-vs-naive" in chosen:
         log("numpy-tiled vs numpy-naive:", flush=True)
         _section(doc, "tiled_vs_naive", path, log, lambda: tiled_vs_naive(registry, config, log=log))
@@ -765,7 +769,7 @@ def run_fidelity(registry, names, results_dir: Path, threads: int = 2, *, log=pr
         log(_stability_line(doc["speed_stability"]), flush=True)
         _section(doc, "timing", path, log,
                  lambda: timing_agreement([registry.get(n).backend for n in names], config, seq_lens, rounds=rounds,
-                                          max_rounds=max_rounds, log=log))
+                                          max_rounds=max_rounds, log=log, payloads=payloads))
     doc["summary"] = summary(doc)
     doc["complete"] = True
     write_json_atomic(path, doc)
