@@ -53,12 +53,13 @@ GRID = {
     "multi_query": (1, 8, 64, 129, 129, False, 1),
 }
 #: rows of layers with a norm on q and k (Capabilities.qk_norms; the same tuple as GRID's, then the norm): Qwen 3's
-#: per-head RMSNorm with grouped-query heads and biases, OLMo 2's over the projection, each at Tq = Tk, which every
-#: input form runs (an outside user's OLMo 2 layer, one x only, skipped a Tq != Tk row: its norm was never compared).
-#: A backend that declares no such norm skips them naming it.
+#: per-head RMSNorm with grouped-query heads and biases, OLMo 2's over the projection, ViT-22B's per-head LayerNorm
+#: with biases, each at Tq = Tk, which every input form runs (an outside user's OLMo 2 layer, one x only, skipped a
+#: Tq != Tk row: its norm was never compared). A backend that declares no such norm skips them naming it.
 QK_NORM_GRID = {
     "qk_norm_per_head": (3, 4, 16, 33, 33, True, 2, "rms_per_head"),
     "qk_norm_over_projection": (2, 4, 16, 40, 40, False, None, "rms_over_projection"),
+    "qk_layer_norm_per_head": (2, 4, 16, 24, 24, True, None, "layer_per_head"),
 }
 
 
@@ -67,8 +68,8 @@ def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None) -> str | None:
     reason: a bias-free backend runs the row without them."""
     caps = backend.capabilities
     if qk_norm and qk_norm not in caps.qk_norms:
-        return (f"does not declare qk_norms {qk_norm!r} (Capabilities.qk_norms: a layer with an RMSNorm of q and k, "
-                "as Qwen 3, Gemma 3 and OLMo 2 have, declares it)")
+        return (f"does not declare qk_norms {qk_norm!r} (Capabilities.qk_norms: a layer with a norm of q and k, "
+                "as Qwen 3, Gemma 3, OLMo 2 and ViT-22B have, declares it)")
     if tq != tk and not cross_ok(backend):
         return (FormRefusal(f"declares inputs='self' (one x): Tq = {tq} != Tk = {tk} is not defined for that form")
                 if caps.inputs == "self"

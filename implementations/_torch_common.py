@@ -18,6 +18,7 @@ from mha_harness.contract.api import (
     AttentionParams,
     LoadedAttention,
 )
+from mha_harness.contract.conventions import QK_NORMS_CENTRED, QK_NORMS_PER_HEAD
 from mha_harness.util.install import install_hint
 
 TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -86,13 +87,18 @@ def synchronize(device: str) -> None:
 
 
 def qk_normed(y, gain, kind: str | None, d_head: int, eps: float):
-    """The q or k projection ``y`` (B, T, width) through an RMSNorm, ``y * rsqrt(mean(y^2) + eps) * gain``, over
-    each head's ``d_head`` features (``kind="rms_per_head"``, Qwen 3's and Gemma 3's q_norm/k_norm) or the whole
-    width (``"rms_over_projection"``, OLMo 2's); unchanged for ``kind=None``. In the tensors' dtype."""
+    """The q or k projection ``y`` (B, T, width) through its norm: an RMSNorm, ``y * rsqrt(mean(y^2) + eps) *
+    gain``, over each head's ``d_head`` features (``kind="rms_per_head"``, Qwen 3's and Gemma 3's q_norm/k_norm) or
+    the whole width (``"rms_over_projection"``, OLMo 2's); torch's LayerNorm without a bias over each head's
+    features (``"layer_per_head"``, ViT-22B's, timm's with its bias zero); unchanged for ``kind=None``. In the
+    tensors' dtype."""
+    import torch.nn.functional as F
     if kind is None:
         return y
     b, t, width = y.shape
-    groups = y.reshape(b, t, width // d_head, d_head) if kind == "rms_per_head" else y
+    groups = y.reshape(b, t, width // d_head, d_head) if kind in QK_NORMS_PER_HEAD else y
+    if kind in QK_NORMS_CENTRED:
+        return F.layer_norm(groups, (d_head,), weight=gain, eps=eps).reshape(b, t, width)
     normed = groups * (groups.pow(2).mean(dim=-1, keepdim=True) + eps).rsqrt() * gain
     return normed.reshape(b, t, width)
 

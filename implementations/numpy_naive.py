@@ -17,7 +17,7 @@ from mha_harness.contract.api import (
     Capabilities,
     LoadedAttention,
 )
-from mha_harness.contract.conventions import MASK_POLARITY, QK_NORMS
+from mha_harness.contract.conventions import MASK_POLARITY, QK_NORMS, QK_NORMS_CENTRED, QK_NORMS_PER_HEAD
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.toolkit.masks import full_mask
 
@@ -40,12 +40,21 @@ class NumpyNaiveLoaded(LoadedAttention):
         """The gain the q or k norm multiplies by: the loaded ``g_q`` or ``g_k``."""
         return self.weights[f"g_{which}"]
 
+    def norm_centred(self, groups: np.ndarray) -> np.ndarray:
+        """What the q or k norm divides: a LayerNorm's ``groups`` less their mean (``layer_per_head``); an RMSNorm's
+        ``groups`` as they are."""
+        if self.config.qk_norm in QK_NORMS_CENTRED:
+            return groups - np.mean(groups, axis=-1, keepdims=True)
+        return groups
+
     def qk_norm(self, y: np.ndarray, which: str) -> np.ndarray:
-        """RMSNorm of the q or k projection y (B, T, width): ``y / sqrt(mean(y^2) + eps) * g`` over each head's
-        d_head features (``rms_per_head``) or over the whole width (``rms_over_projection``)."""
+        """The q or k projection y (B, T, width) normed: ``x / sqrt(mean(x^2) + eps) * g`` over each head's d_head
+        features (``rms_per_head``, ``layer_per_head``) or over the whole width (``rms_over_projection``), x being
+        :meth:`norm_centred`'s (y, or y less its mean for a LayerNorm)."""
         c = self.config
         b, t, width = y.shape
-        groups = y.reshape(b, t, width // c.d_head, c.d_head) if c.qk_norm == "rms_per_head" else y
+        groups = y.reshape(b, t, width // c.d_head, c.d_head) if c.qk_norm in QK_NORMS_PER_HEAD else y
+        groups = self.norm_centred(groups)
         gain = self.norm_gain(which)
         inv = 1.0 / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + self.dtype.type(c.qk_norm_eps))
         return (groups * inv * gain).reshape(b, t, width)

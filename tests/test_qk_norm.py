@@ -48,17 +48,20 @@ def test_the_references_backward_through_the_qk_norm_is_the_derivative_of_its_fo
         assert magnitudes[name].shape == grads[name].shape and np.all(magnitudes[name] > 0)
 
 
-def test_the_references_per_head_norm_is_torchs_rms_norm_of_each_head():
+@pytest.mark.parametrize("kind, torch_norm", [("rms_per_head", "rms_norm"), ("layer_per_head", "layer_norm")])
+def test_the_references_per_head_norm_is_torchs_norm_of_each_head(kind, torch_norm):
+    """rms_per_head is torch's RMSNorm of each head; layer_per_head its LayerNorm without a bias."""
     torch = pytest.importorskip("torch")
-    config = AttentionConfig(32, 4, 2, qk_norm="rms_per_head", qk_norm_eps=1e-5)
+    norm = getattr(torch.nn.functional, torch_norm)
+    config = AttentionConfig(32, 4, 2, qk_norm=kind, qk_norm_eps=1e-5)
     params = make_params(config, seed=2)
     inputs = make_inputs(config, 2, 5, 6)
     t = {n: torch.tensor(a) for n, a in params.arrays().items()}
     q = (torch.tensor(inputs.query) @ t["W_q"]).view(2, 5, 4, 8)
     k = (torch.tensor(inputs.key) @ t["W_k"]).view(2, 6, 2, 8)
     v = (torch.tensor(inputs.value) @ t["W_v"]).view(2, 6, 2, 8)
-    q = torch.nn.functional.rms_norm(q, (8,), t["g_q"], 1e-5).transpose(1, 2)
-    k = torch.nn.functional.rms_norm(k, (8,), t["g_k"], 1e-5).transpose(1, 2).repeat_interleave(2, dim=1)
+    q = norm(q, (8,), t["g_q"], eps=1e-5).transpose(1, 2)
+    k = norm(k, (8,), t["g_k"], eps=1e-5).transpose(1, 2).repeat_interleave(2, dim=1)
     v = v.transpose(1, 2).repeat_interleave(2, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 5, 32) @ t["W_o"]
     np.testing.assert_allclose(reference_attention(params, inputs).output, out.numpy(), atol=1e-12)
@@ -117,7 +120,7 @@ def test_the_grids_norm_rows_skip_naming_the_capability_for_a_backend_without_a_
     from mha_harness.implementations.numpy_tiled import NumpyTiled
     report = mha_harness.check(NumpyTiled(), cases=[GRID], isolate=False)
     skipped = {r.params.get("variant"): r.message for r in report.results if r.status == "skipped"}
-    assert set(skipped) == {"qk_norm_per_head", "qk_norm_over_projection"}
+    assert set(skipped) == {"qk_norm_per_head", "qk_norm_over_projection", "qk_layer_norm_per_head"}
     assert "does not declare qk_norms 'rms_per_head'" in skipped["qk_norm_per_head"]
 
 
@@ -195,8 +198,8 @@ def test_the_other_diagnoses_hold_on_a_layer_with_a_norm_a_wrong_scale_and_tiled
 
 def test_the_policy_tables_scores_column_names_the_declared_norms():
     report = mha_harness.check(NumpyNaive(), cases=["check_parameter_count_is_4_d_model_squared"], isolate=False)
-    assert "q and k RMS-normed in the layers whose config asks (rms_per_head, rms_over_projection declared)" \
-        in report.policies()["numpy-naive"]["scores"]
+    assert ("q and k normed in the layers whose config asks (rms_per_head, rms_over_projection, layer_per_head "
+            "declared)") in report.policies()["numpy-naive"]["scores"]
 
 
 class _GainGradientLeftOut(NumpyNaiveLoaded):
@@ -242,3 +245,26 @@ def test_a_decode_step_with_a_norm_runs_over_an_empty_cache_too(kind):
             step = backend.load(params, dtype="float64").prepare_decode_step(inputs)
             got = backend.load(params, dtype="float64").decode_step_output(step())
             np.testing.assert_allclose(got, expected, atol=1e-12, err_msg=f"{backend.name} Tq={tq} Tk={tk}")
+
+
+@pytest.mark.parametrize("tk", [1, 6])
+def test_flax_normalize_qk_is_the_per_head_layer_norm_in_its_forward_and_its_own_decode_cache(tk):
+    """flax-mha declares layer_per_head as MultiHeadDotProductAttention(normalize_qk=True); its autoregressive cache
+    holds keys through the module's key LayerNorm, so the cache the adapter fills must norm them too."""
+    pytest.importorskip("flax")
+    from mha_harness.contract.api import as_kv_cache_call
+    from mha_harness.implementations.flax_mha import FlaxMha
+    params = make_params(AttentionConfig(16, 2, bias=True, qk_norm="layer_per_head"), seed=6)
+    inputs = as_kv_cache_call(make_inputs(params.config, 2, 1, tk, self_attention=False, causal="bottom-right"))
+    loaded = FlaxMha().load(params, dtype="float64")
+    got = loaded.decode_step_output(loaded.prepare_decode_step(inputs)())
+    np.testing.assert_allclose(got, reference_attention(params, inputs).output, atol=1e-12)
+
+
+def test_flax_refuses_an_epsilon_its_normalize_qk_cannot_take_naming_the_accepted_value():
+    pytest.importorskip("flax")
+    from mha_harness.contract.api import Unsupported
+    from mha_harness.implementations.flax_mha import FlaxMha
+    params = make_params(AttentionConfig(16, 2, qk_norm="layer_per_head", qk_norm_eps=1e-5), seed=6)
+    with pytest.raises(Unsupported, match=r"qk_norm_eps: got 1e-05; accepted: 1e-06"):
+        FlaxMha().load(params, dtype="float32")

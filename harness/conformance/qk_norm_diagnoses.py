@@ -1,9 +1,10 @@
-"""Known mistakes of a q/k norm (an RMSNorm of q and k after their projections: ``AttentionConfig.qk_norm``), computed
-in NumPy, so a failed comparison can name the one its output matches: the norm over the other axis (over the whole
-projection where each head's features belong, or the other way round), its gains not applied (a wrapper that never
-loaded them into the module's norm weights), applied as ``1 + g`` (Gemma's norm, ``x * (1 + weight)``, loaded with
-the gains themselves), only one of q and k normed, or no norm at all; and, for a layer run without a norm, that its
-output matches q and k normed anyway (a wrapped module that keeps its norms on whatever the config says)."""
+"""Known mistakes of a q/k norm (a norm of q and k after their projections: ``AttentionConfig.qk_norm``), computed in
+NumPy, so a failed comparison can name the one its output matches: another kind of norm (over the whole projection
+where each head's features belong, or the other way round; an RMSNorm where a LayerNorm subtracts the mean, or the
+other way round), its gains not applied (a wrapper that never loaded them into the module's norm weights), applied as
+``1 + g`` (Gemma's norm, ``x * (1 + weight)``, loaded with the gains themselves), only one of q and k normed, or no
+norm at all; and, for a layer run without a norm, that its output matches q and k normed anyway (a wrapped module
+that keeps its norms on whatever the config says)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,16 +13,25 @@ import numpy as np
 
 from mha_harness.conformance.diagnoses import wrong_layer_output
 from mha_harness.contract.api import AttentionInputs, AttentionParams
-from mha_harness.contract.conventions import QK_NORMS
+from mha_harness.contract.conventions import QK_NORMS, QK_NORMS_PER_HEAD
 from mha_harness.contract.mistakes import distance, explains
 from mha_harness.contract.reference import qk_normed, reference_attention
 from mha_harness.contract.validation import qk_norm_gain_shapes
 
 #: every q/k-norm diagnosis says so (a failure with one drops its guess of a precision from the error's size)
 QK_NORM_MATCH = "q/k norm"
-#: what each mistaken norm does, for the failure message; ``{declared}`` is the config's norm, ``{other}`` the other
+#: what each norm is, for the failure messages
+_WORDS = {"rms_per_head": "an RMSNorm over each head's d_head features (Qwen 3, Gemma 3)",
+          "rms_over_projection": "an RMSNorm over the whole projection (OLMo 2)",
+          "layer_per_head": "a LayerNorm over each head's d_head features, its mean subtracted (ViT-22B, flax's "
+                            "normalize_qk)"}
+#: the other kinds a layer that declares a norm is likely to compute instead: the same kind of norm over the other
+#: axis, or the other kind of norm over the same axis
+CONFUSED_WITH = {"rms_per_head": ("rms_over_projection", "layer_per_head"),
+                 "rms_over_projection": ("rms_per_head",),
+                 "layer_per_head": ("rms_per_head",)}
+#: what each mistaken norm does, for the failure message; ``{declared}`` is the config's norm
 MISTAKES = {
-    "other_axis": "the q/k norm taken {other_words} where {declared!r} normalises {declared_words}",
     "gains_ignored": ("the q/k norm without its gains g_q and g_k (every normed feature times 1: the gains were not "
                       "loaded into the layer's norm weights)"),
     "gains_plus_one": ("the q/k norm scaled by 1 + g where the gain g belongs (a Gemma-style norm computes x * (1 + "
@@ -30,19 +40,21 @@ MISTAKES = {
     "query_unnormed": "the q/k norm applied to k only: q is not normed",
     "none": "no q/k norm at all (the layer's norms are the identity, or never called)",
 }
-_WORDS = {"rms_per_head": "over each head's d_head features (Qwen 3, Gemma 3)",
-          "rms_over_projection": "over the whole projection (OLMo 2)"}
 
 
-def _other(kind: str) -> str:
-    return next(k for k in QK_NORMS if k != kind)
+def mistakes_of(kind: str) -> dict[str, str]:
+    """The mistakes of a layer whose norm is ``kind``, by name (``other:<kind>`` for another kind of norm) and
+    their labels for a failure message."""
+    other = {f"other:{k}": f"the q/k norm computed as {_WORDS[k]} where {kind!r} is {_WORDS[kind]}"
+             for k in CONFUSED_WITH[kind]}
+    return {**other, **MISTAKES}
 
 
 def mistaken_qk_norm(params: AttentionParams, mistake: str):
     """``qk_norm_as`` for :func:`~mha_harness.conformance.diagnoses.wrong_layer_output`: the layer's norm
-    (``params.config.qk_norm``) with ``mistake`` (a key of :data:`MISTAKES`), computed by the reference's norm."""
+    (``params.config.qk_norm``) with ``mistake`` (a key of :func:`mistakes_of`), computed by the reference's norm."""
     c = params.config
-    config = dataclasses.replace(c, qk_norm=_other(c.qk_norm)) if mistake == "other_axis" else c
+    config = dataclasses.replace(c, qk_norm=mistake.split(":", 1)[1]) if mistake.startswith("other:") else c
 
     def normed(y, which, n_heads):
         if mistake == "none" or (mistake, which) in (("key_unnormed", "k"), ("query_unnormed", "q")):
@@ -52,7 +64,7 @@ def mistaken_qk_norm(params: AttentionParams, mistake: str):
         width = y.shape[-1]
         if gain.size != width:  # a head's gains, shared by all heads: per feature of the whole projection
             gain = np.tile(gain, width // gain.size)
-        if config.qk_norm == "rms_per_head":  # per feature of each head, as the per-head groups broadcast it
+        if config.qk_norm in QK_NORMS_PER_HEAD:  # per feature of each head, as the per-head groups broadcast it
             gain = gain.reshape(n_heads, width // n_heads)
         return qk_normed(y, gain, config, n_heads)
     return normed
@@ -92,15 +104,13 @@ def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
         for kind in QK_NORMS:
             wrong = pick(reference_attention(with_unit_qk_norm(params, kind), inputs).output)
             if distance(got, wrong) <= margin and explains(got, wrong, truth):
-                return (f"; the output matches a q/k norm, an RMSNorm {_WORDS[kind]}, in a layer built without "
+                return (f"; the output matches a q/k norm, {_WORDS[kind]}, in a layer built without "
                         f"one: a layer with such a norm declares it, Capabilities(qk_norms=({kind!r},)), and builds "
                         "its norms from config.qk_norm (the identity when it is None): \"A layer with a norm on q and "
                         "k\" in docs/plugins.md"), distance(got, wrong)
         return None
-    for mistake, label in MISTAKES.items():
+    for mistake, label in mistakes_of(c.qk_norm).items():
         wrong = pick(wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake)))
         if distance(got, wrong) <= margin and explains(got, wrong, truth):
-            other = _other(c.qk_norm)
-            return ("; the output matches " + label.format(declared=c.qk_norm, declared_words=_WORDS[c.qk_norm],
-                                                           other_words=_WORDS[other]), distance(got, wrong))
+            return "; the output matches " + label, distance(got, wrong)
     return None

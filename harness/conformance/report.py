@@ -484,7 +484,7 @@ def _scores_policy(cap, scale=None, qk_norms=()) -> str:
     if cap is not None:
         parts.append(f"soft-capped at {cap:g} (declared: {cap:g} * tanh(s / {cap:g}) before any mask)")
     if qk_norms:
-        parts.append(f"q and k RMS-normed in the layers whose config asks ({', '.join(qk_norms)} declared)")
+        parts.append(f"q and k normed in the layers whose config asks ({', '.join(qk_norms)} declared)")
     return "; ".join(parts) or "as they are"
 
 

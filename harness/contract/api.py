@@ -103,13 +103,13 @@ class Capabilities:
     1/sqrt(d_head)) declares a layer built with another scale (:mod:`~mha_harness.contract.score_scale`): ``"1/d_head"``
     (muP) or a number applied at every head width (``1.0``: T5's unscaled scores; Gemma's
     ``query_pre_attn_scalar ** -0.5``); every case, search and bench then compare it with the reference scaled so, and
-    the scale case checks that scale (the report shows it). ``qk_norms`` (empty) names the norms on q and k the
-    layer can be built with (:data:`~mha_harness.contract.conventions.QK_NORMS`: ``"rms_per_head"``, Qwen 3 and
-    Gemma 3; ``"rms_over_projection"``, OLMo 2): the cases then also run layers whose ``config.qk_norm`` is one of
-    them, with the norm's gains ``g_q`` and ``g_k`` among the parameters, and every other case a layer without
-    one (a wrapper builds its module's norms from ``config.qk_norm``, the identity when it is None). Malformed values
-    (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused here, so nothing
-    is declared by accident.
+    the scale case checks that scale (the report shows it). ``qk_norms`` (empty) names the norms on q and k the layer
+    can be built with (:data:`~mha_harness.contract.conventions.QK_NORMS`: ``"rms_per_head"``, Qwen 3 and Gemma 3;
+    ``"rms_over_projection"``, OLMo 2; ``"layer_per_head"``, ViT-22B and flax's normalize_qk): the cases then also run
+    layers whose ``config.qk_norm`` is one of them, with the norm's gains ``g_q`` and ``g_k`` among the parameters, and
+    every other case a layer without one (a wrapper builds its module's norms from ``config.qk_norm``, the identity when
+    it is None). Malformed values (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are
+    refused here, so nothing is declared by accident.
     """
 
     causal_alignments: tuple[str, ...] = CAUSAL_ALIGNMENTS
@@ -295,11 +295,13 @@ class AttentionConfig:
     num_heads: int
     num_kv_heads: int | None = None
     bias: bool = False
-    #: an RMSNorm of q and of k after their projections, before the scores (None: none): ``"rms_per_head"`` over
-    #: each head's d_head features (Qwen 3, Gemma 3), ``"rms_over_projection"`` over the whole projection (OLMo 2);
-    #: its gains are the parameters ``g_q`` and ``g_k`` (:data:`~mha_harness.contract.conventions.QK_NORMS`)
+    #: a norm of q and of k after their projections, before the scores (None: none): an RMSNorm, ``"rms_per_head"``
+    #: over each head's d_head features (Qwen 3, Gemma 3), ``"rms_over_projection"`` over the whole projection
+    #: (OLMo 2); or a LayerNorm without a bias over each head's d_head features, ``"layer_per_head"`` (ViT-22B,
+    #: flax's normalize_qk); its gains are the parameters ``g_q`` and ``g_k``
+    #: (:data:`~mha_harness.contract.conventions.QK_NORMS`)
     qk_norm: str | None = None
-    #: the epsilon added to the mean square inside the norm's square root
+    #: the epsilon added to the mean square (a LayerNorm's variance) inside the norm's square root
     qk_norm_eps: float = 1e-6
 
     def __post_init__(self):

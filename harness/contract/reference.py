@@ -8,10 +8,10 @@ Soft-capped scores (Gemma 2's ``attn_logit_softcapping``, flash-attn's ``softcap
 ``Capabilities.logit_softcap = c`` is compared with scores ``c * tanh(s / c)``, taken after the scale and before
 any mask (:func:`scores_as_declared`); every other backend with the scores as they are. A score scale of the layer's
 own design (``Capabilities.score_scale``: T5's 1, muP's 1/d_head) replaces the standard 1/sqrt(d_head) the same way.
-A layer whose config has a q/k norm (``AttentionConfig.qk_norm``: Qwen 3's and Gemma 3's RMSNorm of each head,
-OLMo 2's of the whole projection) normalises its q and k projections, ``y / sqrt(mean(y^2) + eps) * g``, before the
-scores; the forward, both backwards (the gains ``g_q``, ``g_k`` get gradients of their own) and the term magnitudes
-go through it.
+A layer whose config has a q/k norm (``AttentionConfig.qk_norm``: Qwen 3's and Gemma 3's RMSNorm of each head, OLMo 2's
+of the whole projection, ViT-22B's LayerNorm of each head) normalises its q and k projections, ``y / sqrt(mean(y^2) +
+eps) * g`` (a LayerNorm's y less its mean), before the scores; the forward, both backwards (the gains ``g_q``, ``g_k``
+get gradients of their own) and the term magnitudes go through it.
 
 Fully masked rows: a query row whose keys are all masked outputs **zeros** before W_o
 (its attention weights are all zero), following flash-attention and torch SDPA >= 2.5.
@@ -38,7 +38,14 @@ from collections import OrderedDict
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams
-from mha_harness.contract.conventions import EPS, PARAM_NAMES, causal_offset, round_to
+from mha_harness.contract.conventions import (
+    EPS,
+    PARAM_NAMES,
+    QK_NORMS_CENTRED,
+    QK_NORMS_PER_HEAD,
+    causal_offset,
+    round_to,
+)
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.score_scale import checked_score_scale, score_scale_at, score_scale_label
@@ -204,9 +211,14 @@ def _project(x, w, bias, dtype):
 
 def _norm_groups(y: np.ndarray, config, n_heads: int) -> np.ndarray:
     """``y`` (batch, T, width) as the groups ``config.qk_norm`` normalises, along the last axis: each head's
-    d_head features (``rms_per_head``; ``n_heads`` of them) or the whole width (``rms_over_projection``)."""
+    d_head features (a norm per head; ``n_heads`` of them) or the whole width (``rms_over_projection``)."""
     b, t, w = y.shape
-    return y.reshape(b, t, n_heads, w // n_heads) if config.qk_norm == "rms_per_head" else y
+    return y.reshape(b, t, n_heads, w // n_heads) if config.qk_norm in QK_NORMS_PER_HEAD else y
+
+
+def _centred(x: np.ndarray, config, r=lambda a: a) -> np.ndarray:
+    """``x`` less its mean over the last axis for a LayerNorm (:data:`QK_NORMS_CENTRED`); ``x`` for an RMSNorm."""
+    return r(x - r(x.mean(axis=-1, keepdims=True))) if config.qk_norm in QK_NORMS_CENTRED else x
 
 
 def _rms_inverse(x: np.ndarray, eps: float, r=lambda a: a) -> np.ndarray:
@@ -216,22 +228,26 @@ def _rms_inverse(x: np.ndarray, eps: float, r=lambda a: a) -> np.ndarray:
 
 def qk_normed(y: np.ndarray, gain, config, n_heads: int, r=lambda a: a) -> np.ndarray:
     """The projection ``y`` (batch, T, width) after the layer's q/k norm (``config.qk_norm``; unchanged without
-    one): ``y / sqrt(mean(y^2) + eps) * gain`` over :func:`_norm_groups`, rounding each stage with ``r``."""
+    one): ``x / sqrt(mean(x^2) + eps) * gain`` over :func:`_norm_groups`, where x is ``y`` (an RMSNorm) or ``y``
+    less its mean (a LayerNorm: :func:`_centred`), rounding each stage with ``r``."""
     if config.qk_norm is None:
         return y
-    x = _norm_groups(y, config, n_heads)
+    x = _centred(_norm_groups(y, config, n_heads), config, r)
     return r(r(x * _rms_inverse(x, config.qk_norm_eps, r)) * r(gain)).reshape(y.shape)
 
 
 def _qk_norm_vjp(y: np.ndarray, gain, d_out: np.ndarray, config, n_heads: int, r=lambda a: a):
     """The backward of :func:`qk_normed` at the projection ``y``: the gradient with respect to ``y`` and to the
     gain, from ``d_out``, the gradient with respect to the normed projection (dx = inv * (u - x_hat * mean(u *
-    x_hat)) with u = gain * d_out, x_hat = x * inv), rounding each stage with ``r``."""
-    x, d = _norm_groups(y, config, n_heads), _norm_groups(d_out, config, n_heads)
+    x_hat)) with u = gain * d_out, x_hat = x * inv; a LayerNorm also subtracts mean(u)), rounding each stage
+    with ``r``."""
+    x, d = _centred(_norm_groups(y, config, n_heads), config, r), _norm_groups(d_out, config, n_heads)
     inv = _rms_inverse(x, config.qk_norm_eps, r)
     x_hat = r(x * inv)
     d_gain = r((d * x_hat).sum(axis=tuple(range(d.ndim - 1))))
     u = r(d * r(gain))
+    if config.qk_norm in QK_NORMS_CENTRED:
+        u = r(u - r(u.mean(axis=-1, keepdims=True)))
     d_x = r(inv * r(u - r(x_hat * r((u * x_hat).mean(axis=-1, keepdims=True)))))
     return d_x.reshape(y.shape), d_gain
 
@@ -576,16 +592,21 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     sq = {n: np.square(np.asarray(x, np.float64)) for n, x in params.arrays().items()}
     x_sq = {n: np.square(np.asarray(getattr(inputs, n), np.float64)) for n in ("query", "key", "value")}
 
-    # the q/k norm's terms: each normed entry is the projection's entry times 1/rms times the gain (the mean of
-    # squares, a sum of positive terms, cancels nothing); its backward d_x = inv * (u - x_hat * mean(u * x_hat))
+    # the q/k norm's terms: each normed entry is the projection's entry (a LayerNorm's less the mean, a difference:
+    # its squares add the mean's, mean(y^2) / n) times 1/rms times the gain (the mean of squares, a sum of positive
+    # terms, cancels nothing); its backward d_x = inv * (u - x_hat * mean(u * x_hat)), a LayerNorm's u less mean(u)
     normed = {}
+    centred = c.qk_norm in QK_NORMS_CENTRED
     for which, n_heads in (("q", c.num_heads), ("k", c.kv_heads)):
         if c.qk_norm is not None:
             x = np.asarray(getattr(inputs, {"q": "query", "k": "key"}[which]), np.float64)
-            y = _norm_groups(_project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"), "float64"),
-                             c, n_heads)
+            y = _centred(_norm_groups(_project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"),
+                                               "float64"), c, n_heads), c)
             inv = _rms_inverse(y, c.qk_norm_eps)
             normed[which] = (y.shape, np.square(inv), np.square(y * inv), sq[f"g_{which}"])
+
+    def mean_terms(a, n):  # the squares of a's terms plus, for a LayerNorm, those of its mean's
+        return a + a.sum(axis=-1, keepdims=True) / n ** 2 if centred else a
 
     def projected(name, n_heads):
         y = x_sq[name] @ sq[f"W_{name[0]}"]
@@ -593,14 +614,14 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
             y = y + sq[f"b_{name[0]}"]
         if name[0] in normed:
             shape, inv_sq, _, gain_sq = normed[name[0]]
-            y = (y.reshape(shape) * inv_sq * gain_sq).reshape(y.shape)
+            y = (mean_terms(y.reshape(shape), shape[-1]) * inv_sq * gain_sq).reshape(y.shape)
         return _heads(y, n_heads)
 
     def through_norm(which, d_proj):  # squares of d_proj's terms -> squares of the projection's, and the gain's
         shape, inv_sq, x_hat_sq, gain_sq = normed[which]
         d = d_proj.reshape(shape)
-        u = gain_sq * d
         n = shape[-1]
+        u = mean_terms(gain_sq * d, n)
         d_x = inv_sq * (u + x_hat_sq * (u * x_hat_sq).sum(axis=-1, keepdims=True) / n ** 2)
         return d_x.reshape(d_proj.shape), (d * x_hat_sq).sum(axis=tuple(range(d.ndim - 1)))
     q = projected("query", c.num_heads)

@@ -20,6 +20,7 @@ from mha_harness.contract.conventions import (
     DTYPES,
     KEY_PADDING_POLARITY,
     QK_NORMS,
+    QK_NORMS_PER_HEAD,
     causal_offset,
 )
 from mha_harness.contract.scoped import scoped
@@ -52,12 +53,13 @@ def validate_config(config: AttentionConfig) -> None:
         raise TypeError(f"bias: got {config.bias!r}; accepted: True or False")
     if config.qk_norm is not None and config.qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm: got {config.qk_norm!r}; accepted: None (no norm on q and k), "
-                         f"{' or '.join(map(repr, QK_NORMS))} (an RMSNorm over each head's features, as Qwen 3 and "
-                         "Gemma 3 have, or over the whole q and k projections, as OLMo 2 has)")
+                         f"{', '.join(map(repr, QK_NORMS))} (an RMSNorm over each head's features, as Qwen 3 and "
+                         "Gemma 3 have, or over the whole q and k projections, as OLMo 2 has; a LayerNorm without a "
+                         "bias over each head's features, as ViT-22B and flax's normalize_qk have)")
     eps = config.qk_norm_eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"qk_norm_eps: got {eps!r}; accepted: a finite number >= 0, the epsilon added to the "
-                         "mean square inside the q/k norm's square root (e.g. 1e-6)")
+                         "mean square (or variance) inside the q/k norm's square root (e.g. 1e-6)")
 
 
 def validate_dtype(dtype: str, allowed=None) -> str:
@@ -127,9 +129,9 @@ def require_inputs(inputs) -> None:
 
 def qk_norm_gain_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
     """The shapes of the q and k norms' gains ``g_q`` and ``g_k`` under ``config.qk_norm`` (empty without a norm):
-    one d_head vector each, shared by all heads, for ``rms_per_head``; the projections' widths for
-    ``rms_over_projection``."""
-    if config.qk_norm == "rms_per_head":
+    one d_head vector each, shared by all heads, for a norm per head (``rms_per_head``, ``layer_per_head``); the
+    projections' widths for ``rms_over_projection``."""
+    if config.qk_norm in QK_NORMS_PER_HEAD:
         return {"g_q": (config.d_head,), "g_k": (config.d_head,)}
     if config.qk_norm == "rms_over_projection":
         return {"g_q": (config.d_model,), "g_k": (config.kv_heads * config.d_head,)}

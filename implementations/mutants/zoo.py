@@ -409,6 +409,22 @@ class QKNormOverProjection(NumpyNaiveLoaded):
         return y / np.sqrt(np.mean(np.square(y), axis=-1, keepdims=True) + c.qk_norm_eps) * gain
 
 
+class QKLayerNormNotCentred(NumpyNaiveLoaded):
+    """A LayerNorm on q and k (ViT-22B's, flax's normalize_qk) computed as an RMSNorm: the mean is never subtracted
+    (a port that mapped the norm to RMSNorm)."""
+
+    def norm_centred(self, groups):
+        return groups
+
+
+class QKRMSNormCentred(NumpyNaiveLoaded):
+    """An RMSNorm on q and k (Qwen 3's) computed as a LayerNorm: each head's mean is subtracted first (a port that
+    mapped the norm to nn.LayerNorm)."""
+
+    def norm_centred(self, groups):
+        return groups - np.mean(groups, axis=-1, keepdims=True)
+
+
 class QKNormGainsNotLoaded(NumpyNaiveLoaded):
     """A wrapper that never loads the q/k norms' gains: the module's norm weights keep their initial ones."""
 
@@ -782,6 +798,10 @@ MUTANTS = (
     Mutant("mutant-qk-norm-gains-swapped", "a wrapper that loads g_q into the k norm and g_k into the q norm (an "
            "outside user's Qwen 3 copy: the forward is the same)", QKNormGainsSwapped, "loaded into each other's norms",
            gradients=True, qk_norms=("rms_per_head",)),
+    Mutant("mutant-qk-layer-norm-not-centred", "a LayerNorm on q and k (ViT-22B's) computed as an RMSNorm: the mean "
+           "is never subtracted", QKLayerNormNotCentred, "an RMSNorm over each head's", qk_norms=("layer_per_head",)),
+    Mutant("mutant-qk-rms-norm-centred", "an RMSNorm on q and k (Qwen 3's) computed as a LayerNorm: each head's mean "
+           "is subtracted first", QKRMSNormCentred, "a LayerNorm over each head's", qk_norms=("rms_per_head",)),
     Mutant("mutant-qk-norm-key-forgotten", "normalises q but never calls its k norm", QKNormKeyForgotten,
            "k is not normed", qk_norms=("rms_over_projection",)),
     Mutant("mutant-decode-step-attends-before-writing", "a KV-cache decode step attends over its cache before it "
