@@ -87,20 +87,19 @@ def synchronize(device: str) -> None:
 
 
 def qk_normed(y, gain, kind: str | None, d_head: int, eps: float):
-    """The q or k projection ``y`` (B, T, width) through its norm: an RMSNorm, ``y * rsqrt(mean(y^2) + eps) *
+    """The q or k projection ``y`` (B, T, width) through its norm: torch's RMSNorm, ``y * rsqrt(mean(y^2) + eps) *
     gain``, over each head's ``d_head`` features (``kind="rms_per_head"``, Qwen 3's and Gemma 3's q_norm/k_norm) or
     the whole width (``"rms_over_projection"``, OLMo 2's); torch's LayerNorm without a bias over each head's
     features (``"layer_per_head"``, ViT-22B's, timm's with its bias zero); unchanged for ``kind=None``. In the
-    tensors' dtype."""
+    tensors' dtype (torch's kernels, not the formula written out: autograd through a float16 ``rsqrt`` overflows
+    at a projection near 0, where d rsqrt(v)/dv = -v^-1.5 / 2 is about 5e8 at eps = 1e-6)."""
     import torch.nn.functional as F
     if kind is None:
         return y
     b, t, width = y.shape
     groups = y.reshape(b, t, width // d_head, d_head) if kind in QK_NORMS_PER_HEAD else y
-    if kind in QK_NORMS_CENTRED:
-        return F.layer_norm(groups, (d_head,), weight=gain, eps=eps).reshape(b, t, width)
-    normed = groups * (groups.pow(2).mean(dim=-1, keepdim=True) + eps).rsqrt() * gain
-    return normed.reshape(b, t, width)
+    norm = F.layer_norm if kind in QK_NORMS_CENTRED else F.rms_norm
+    return norm(groups, (groups.shape[-1],), weight=gain, eps=eps).reshape(b, t, width)
 
 
 class TorchLoaded(LoadedAttention):

@@ -300,7 +300,7 @@ def test_pytest_benchmark_side_by_side_leaves_opt_in_backends_out_unless_named()
 def test_run_survives_a_backend_that_passes_check_but_hangs_in_prepare(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
     out = subprocess.run([sys.executable, "-m", "mha_harness", "run", "--backend", "numpy-tiled", "--backend-spec",
-                          "tests.bench_plugins:HangsInPrepare", "--seq-lens", "32,64", "--bench-timeout", "4",
+                          "tests.bench_plugins:HangsInPrepare", "--seq-lens", "32,64", "--bench-timeout", "15",
                           "--budget", "0.2", "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                          env=env, timeout=1200)  # run includes check --mutants: minutes on a loaded box
     assert out.returncode == 1, out.stdout + out.stderr  # it finishes; the lost points make the benchmark incomplete

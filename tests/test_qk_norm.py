@@ -268,3 +268,37 @@ def test_flax_refuses_an_epsilon_its_normalize_qk_cannot_take_naming_the_accepte
     params = make_params(AttentionConfig(16, 2, qk_norm="layer_per_head", qk_norm_eps=1e-5), seed=6)
     with pytest.raises(Unsupported, match=r"qk_norm_eps: got 1e-05; accepted: 1e-06"):
         FlaxMha().load(params, dtype="float32")
+
+
+#: found by `mha-harness search --backend torch-eager --seed 0`: a one-feature head whose projection is near 0
+HALF_NORM_NEAR_ZERO = {"dtype": "float16", "form": "self", "batch": 1, "tq": 15, "tk": 15, "heads": 1, "kv_heads": 1,
+                       "d_head": 1, "bias": False, "causal": None, "padding": None, "attn_mask": None,
+                       "logit_scale": 1, "cut": 14, "poison": "random", "gradients": True, "malformed": None,
+                       "seed": 0, "qk_norm": "rms_per_head"}
+
+
+def test_torch_eagers_float16_rms_norm_backward_stays_finite_at_a_projection_near_zero():
+    """torch-eager norms with torch's RMSNorm kernel: autograd through the formula written out (a float16 rsqrt of
+    y^2 + eps) gave inf in W_q's gradient, d rsqrt(v)/dv being about 5e8 at v = eps."""
+    pytest.importorskip("torch")
+    from mha_harness.conformance.search_examples import check_example
+    from mha_harness.implementations.torch_eager import TorchEager
+    check_example(TorchEager(), HALF_NORM_NEAR_ZERO)
+
+
+#: found by `mha-harness search --backend flax-mha --seed 0 --dtype float32`: a key head whose two features' mean is
+#: 37 times their spread, where flax's one-pass variance (mean(y^2) - mean(y)^2) loses most of its digits
+ONE_PASS_VARIANCE = {"dtype": "float32", "form": "separate", "batch": 1, "tq": 1, "tk": 4, "heads": 2, "kv_heads": 2,
+                     "d_head": 2, "bias": False, "causal": None, "padding": None, "attn_mask": None,
+                     "logit_scale": 1, "cut": 3, "poison": "random", "gradients": False, "malformed": None, "seed": 0,
+                     "qk_norm": "layer_per_head"}
+
+
+def test_the_tolerance_of_a_layer_norm_covers_the_one_pass_variances_rounding():
+    """The float32 bound of a LayerNorm layer holds the rounding of its variance taken in one pass, at the size of
+    that sum's terms (flax's LayerNorm, jax.nn.standardize): flax-mha's own normalize_qk was 11.6x a bound that held
+    only the two-pass variance's, and 1.5x one that held a single sample of the one-pass rounding."""
+    pytest.importorskip("flax")
+    from mha_harness.conformance.search_examples import check_example
+    from mha_harness.implementations.flax_mha import FlaxMha
+    check_example(FlaxMha(), ONE_PASS_VARIANCE)

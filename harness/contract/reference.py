@@ -226,23 +226,64 @@ def _rms_inverse(x: np.ndarray, eps: float, r=lambda a: a) -> np.ndarray:
     return r(1.0 / np.sqrt(r(r(np.square(x)).mean(axis=-1, keepdims=True) + eps)))
 
 
-def qk_normed(y: np.ndarray, gain, config, n_heads: int, r=lambda a: a) -> np.ndarray:
+def _variance_error(groups: np.ndarray, error_of: str, which: str, rows) -> np.ndarray:
+    """The rounding error of ``error_of`` in a LayerNorm's one-pass variance ``mean(y^2) - mean(y)^2`` of each of
+    ``groups`` (batch, T, [heads,] features): two roundings at the size of its terms, a pseudo-random sign per
+    group (:func:`_rounding_error`; q's and k's independent, a query row's the same whichever ``rows`` are
+    computed). Where a group's mean is large against its spread the terms are far above the variance, and this is
+    the largest error a correct kernel makes there."""
+    size = np.square(groups).mean(axis=-1) + np.square(groups.mean(axis=-1))
+    b, t = size.shape[:2]
+    size = size.reshape(b, t, -1).transpose(0, 2, 1)  # (batch, groups, T): a sign per group and position
+    lanes = np.zeros((b, 2 * size.shape[1], t, 1))
+    lane = {"q": 0, "k": 1}[which]
+    lanes[:, lane::2, :, 0] = 2 * size
+    error = _rounding_error(lanes, error_of, rows if which == "q" else None)[:, lane::2, :, 0]
+    return error.transpose(0, 2, 1).reshape(groups.shape[:-1] + (1,))
+
+
+def _norm_parts(y: np.ndarray, config, n_heads: int, r, one_pass: bool, error_of: str | None = None,
+                which: str = "q", rows=None) -> tuple[np.ndarray, np.ndarray]:
+    """The groups of ``y`` the q/k norm divides (:func:`_centred`) and ``1 / sqrt(mean square + eps)`` for each,
+    rounding each stage with ``r``. ``one_pass``: a LayerNorm's variance taken in one pass, ``mean(y^2) -
+    mean(y)^2`` (at least 0), as flax's LayerNorm (``use_fast_variance``) and ``jax.nn.standardize`` compute it:
+    another valid algorithm, whose rounding error where a group's mean is large against its spread is far above
+    the two-pass one's (an RMSNorm has no such choice). ``error_of``: a dtype; a LayerNorm's variance then carries
+    the rounding of that algorithm in it (:func:`_variance_error`; ``which``: q or k, ``rows``: the query rows)."""
+    groups = _norm_groups(y, config, n_heads)
+    x = _centred(groups, config, r)
+    if config.qk_norm not in QK_NORMS_CENTRED or not (one_pass or error_of):
+        return x, _rms_inverse(x, config.qk_norm_eps, r)
+    if one_pass:
+        mean = r(groups.mean(axis=-1, keepdims=True))
+        variance = r(r(r(np.square(groups)).mean(axis=-1, keepdims=True)) - r(np.square(mean)))
+    else:
+        variance = r(np.square(x).mean(axis=-1, keepdims=True))
+    if error_of is not None:
+        variance = variance + _variance_error(groups, error_of, which, rows)
+    return x, r(1.0 / np.sqrt(r(np.maximum(variance, 0.0) + config.qk_norm_eps)))
+
+
+def qk_normed(y: np.ndarray, gain, config, n_heads: int, r=lambda a: a, one_pass: bool = False,
+              error_of: str | None = None, which: str = "q", rows=None) -> np.ndarray:
     """The projection ``y`` (batch, T, width) after the layer's q/k norm (``config.qk_norm``; unchanged without
     one): ``x / sqrt(mean(x^2) + eps) * gain`` over :func:`_norm_groups`, where x is ``y`` (an RMSNorm) or ``y``
-    less its mean (a LayerNorm: :func:`_centred`), rounding each stage with ``r``."""
+    less its mean (a LayerNorm: :func:`_centred`), rounding each stage with ``r``; ``one_pass``, ``error_of``,
+    ``which``, ``rows``: a LayerNorm's variance in one pass, or carrying its rounding (:func:`_norm_parts`)."""
     if config.qk_norm is None:
         return y
-    x = _centred(_norm_groups(y, config, n_heads), config, r)
-    return r(r(x * _rms_inverse(x, config.qk_norm_eps, r)) * r(gain)).reshape(y.shape)
+    x, inv = _norm_parts(y, config, n_heads, r, one_pass, error_of, which, rows)
+    return r(r(x * inv) * r(gain)).reshape(y.shape)
 
 
-def _qk_norm_vjp(y: np.ndarray, gain, d_out: np.ndarray, config, n_heads: int, r=lambda a: a):
+def _qk_norm_vjp(y: np.ndarray, gain, d_out: np.ndarray, config, n_heads: int, r=lambda a: a,
+                 one_pass: bool = False, error_of: str | None = None, which: str = "q"):
     """The backward of :func:`qk_normed` at the projection ``y``: the gradient with respect to ``y`` and to the
     gain, from ``d_out``, the gradient with respect to the normed projection (dx = inv * (u - x_hat * mean(u *
     x_hat)) with u = gain * d_out, x_hat = x * inv; a LayerNorm also subtracts mean(u)), rounding each stage
-    with ``r``."""
-    x, d = _centred(_norm_groups(y, config, n_heads), config, r), _norm_groups(d_out, config, n_heads)
-    inv = _rms_inverse(x, config.qk_norm_eps, r)
+    with ``r``; ``one_pass``, ``error_of``, ``which``: as :func:`_norm_parts`'s."""
+    x, inv = _norm_parts(y, config, n_heads, r, one_pass, error_of, which)
+    d = _norm_groups(d_out, config, n_heads)
     x_hat = r(x * inv)
     d_gain = r((d * x_hat).sum(axis=tuple(range(d.ndim - 1))))
     u = r(d * r(gain))
@@ -252,11 +293,31 @@ def _qk_norm_vjp(y: np.ndarray, gain, d_out: np.ndarray, config, n_heads: int, r
     return d_x.reshape(y.shape), d_gain
 
 
-def _project_normed(x, params: AttentionParams, which: str, n_heads: int, dtype: str) -> np.ndarray:
-    """The projection ``which`` (q, k or v) of ``x``, through the q/k norm for q and k, split into heads."""
+def _projection_error(x, params: AttentionParams, which: str, error_of: str, rows) -> np.ndarray:
+    """The rounding error of ``error_of`` in the projection ``which`` (q or k) of ``x``: two roundings at the size of
+    its dot products' terms (``|x| @ |W| + |b|``; the sum rounds more than once), a pseudo-random sign per entry
+    (:func:`_rounding_error`; q's and k's independent, a query row's the same whichever ``rows`` are computed)."""
+    bias = getattr(params, f"b_{which}")
+    size = np.abs(x) @ np.abs(getattr(params, f"W_{which}")) + (0.0 if bias is None else np.abs(bias))
+    b, t, w = size.shape
+    lanes = np.zeros((b, 2, t, w))
+    lanes[:, {"q": 0, "k": 1}[which]] = 2 * size
+    return _rounding_error(lanes, error_of, rows if which == "q" else None)[:, {"q": 0, "k": 1}[which]]
+
+
+def _project_normed(x, params: AttentionParams, which: str, n_heads: int, dtype: str,
+                    one_pass: bool = False, error_of: str | None = None, rows=None) -> np.ndarray:
+    """The projection ``which`` (q, k or v) of ``x``, through the q/k norm for q and k (``one_pass``: a
+    LayerNorm's variance in one pass, :func:`_norm_parts`), split into heads. ``error_of``: a dtype; a normed
+    projection then carries its rounding before the norm (:func:`_projection_error`; ``rows``: the query rows
+    ``x`` holds), which a norm can magnify where a group's spread is small against eps or its mean: the error of a
+    kernel whose projections sum in that dtype."""
     y = _project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"), dtype)
+    if which != "v" and error_of is not None and params.config.qk_norm is not None:
+        y = y + _projection_error(x, params, which, error_of, rows)
     if which != "v":
-        y = qk_normed(y, getattr(params, f"g_{which}"), params.config, n_heads, lambda a: round_to(a, dtype))
+        y = qk_normed(y, getattr(params, f"g_{which}"), params.config, n_heads, lambda a: round_to(a, dtype),
+                      one_pass, error_of, which, rows)
     return _heads(y, n_heads)
 
 
@@ -350,11 +411,17 @@ def _merge_heads(d: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype: str, empty_rows: str | None = None,
-                   scale_first: bool = False, score_error_of: str | None = None):
+                   scale_first: bool = False, score_error_of: str | None = None,
+                   projection_error_of: str | None = None):
+    """The forward up to the heads' concatenation; ``projection_error_of`` (default ``score_error_of``): the
+    normed q and k projections carry that dtype's rounding (:func:`_project_normed`)."""
     c = params.config
     query = inputs.query if rows is None else inputs.query[:, np.asarray(rows)]
-    q = _project_normed(query, params, "q", c.num_heads, dtype)
-    k = np.repeat(_project_normed(inputs.key, params, "k", c.kv_heads, dtype), c.group, axis=1)
+    error_of = projection_error_of or score_error_of
+    # the fused kernels' algorithm (scale_first) also takes a LayerNorm's variance in one pass, as flax's does
+    q = _project_normed(query, params, "q", c.num_heads, dtype, scale_first, error_of, rows)
+    k = np.repeat(_project_normed(inputs.key, params, "k", c.kv_heads, dtype, scale_first, error_of), c.group,
+                  axis=1)
     v = np.repeat(_project_normed(inputs.value, params, "v", c.kv_heads, dtype), c.group, axis=1)
     scale = score_scale(c.d_head)
     scores, allowed, _ = _scores(params, inputs, rows, q, k, scale, dtype, scale_first, score_error_of)
@@ -773,7 +840,8 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
     c = params.config
     r = lambda x: round_to(x, dtype)  # noqa: E731
     q, k, v, p, concat, scale, allowed = _forward_parts(params, inputs, None, dtype, scale_first=flash,
-                                                        score_error_of=None if flash else score_error_of)
+                                                        score_error_of=None if flash else score_error_of,
+                                                        projection_error_of=score_error_of)
     g = r(cotangent)
     d_o = _heads(r(g @ r(params.W_o).T), c.num_heads)
     d_p = r(d_o @ v.transpose(0, 1, 3, 2))
@@ -785,14 +853,18 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
     held = _held_rows(allowed, p.shape)
     if held is not None:  # dS = P * (dP - row) = 0 on rows whose scores the layer replaced by a constant
         d_p, row = np.where(held, 0.0, d_p), np.where(held, 0.0, row)
-    return _vjp_from_weights(params, inputs, g, q, k, v, p, concat, scale, d_o, d_p, row, r)
+    return _vjp_from_weights(params, inputs, g, q, k, v, p, concat, scale, d_o, d_p, row, r, one_pass=flash,
+                             projection_error_of=score_error_of)
 
 
 def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k, v, p, concat, scale, d_o, d_p,
-                      row, r, swap_kv: bool = False) -> dict:
+                      row, r, swap_kv: bool = False, one_pass: bool = False,
+                      projection_error_of: str | None = None) -> dict:
     """The backward from the softmax weights ``p`` and its row term ``row`` on: dV, dS = P * (dP - row), dQ, dK,
     then through the projections to the inputs and parameters; ``r`` rounds after every stage. ``swap_kv``: the
-    heads' dK and dV exchanged before the projections (a diagnosis' wrong backward)."""
+    heads' dK and dV exchanged before the projections (a diagnosis' wrong backward). ``one_pass``: a LayerNorm's
+    variance in one pass (:func:`_norm_parts`), as the forward's fused algorithm takes it. ``projection_error_of``:
+    the normed projections carry that dtype's rounding (:func:`_projection_error`), as in the forward."""
     c = params.config
     grads = {"W_o": r(np.einsum("btd,bte->de", concat, g))}
     d_v = r(p.transpose(0, 1, 3, 2) @ d_o)
@@ -811,7 +883,10 @@ def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k,
         if c.qk_norm is not None and name != "v":  # back through the norm to the projection, and to its gain
             w, bias = r(getattr(params, f"W_{name}")), getattr(params, f"b_{name}")
             y = r(r(x) @ w + (0.0 if bias is None else r(bias)))
-            d_proj, grads[f"g_{name}"] = _qk_norm_vjp(y, getattr(params, f"g_{name}"), d_proj, c, n, r)
+            if projection_error_of is not None:
+                y = y + _projection_error(np.asarray(x, np.float64), params, name, projection_error_of, None)
+            d_proj, grads[f"g_{name}"] = _qk_norm_vjp(y, getattr(params, f"g_{name}"), d_proj, c, n, r, one_pass,
+                                                      projection_error_of, name)
         grads[f"W_{name}"] = r(np.einsum("btd,bte->de", r(x), d_proj))
         grads[{"q": "query", "k": "key", "v": "value"}[name]] = r(d_proj @ r(getattr(params, f"W_{name}")).T)
         if c.bias:
