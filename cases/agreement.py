@@ -53,13 +53,15 @@ GRID = {
     "multi_query": (1, 8, 64, 129, 129, False, 1),
 }
 #: rows of layers with a norm on q and k (Capabilities.qk_norms; the same tuple as GRID's, then the norm): Qwen 3's
-#: per-head RMSNorm with grouped-query heads and biases, OLMo 2's over the projection, ViT-22B's per-head LayerNorm
-#: with biases, each at Tq = Tk, which every input form runs (an outside user's OLMo 2 layer, one x only, skipped a
-#: Tq != Tk row: its norm was never compared). A backend that declares no such norm skips them naming it.
+#: per-head RMSNorm with grouped-query heads and biases, OLMo 2's over the projection, timm's per-head LayerNorm with
+#: its bias and ViT-22B's without (the projections' biases on in both), each at Tq = Tk, which every input form runs (an
+#: outside user's OLMo 2 layer, one x only, skipped a Tq != Tk row: its norm was never compared). A backend that
+#: declares no such norm skips them naming it.
 QK_NORM_GRID = {
     "qk_norm_per_head": (3, 4, 16, 33, 33, True, 2, "rms_per_head"),
     "qk_norm_over_projection": (2, 4, 16, 40, 40, False, None, "rms_over_projection"),
     "qk_layer_norm_per_head": (2, 4, 16, 24, 24, True, None, "layer_per_head"),
+    "qk_layer_norm_no_bias_per_head": (2, 4, 16, 24, 24, True, None, "layer_per_head_no_bias"),
 }
 
 

@@ -86,11 +86,12 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def qk_normed(y, gain, kind: str | None, d_head: int, eps: float):
+def qk_normed(y, gain, kind: str | None, d_head: int, eps: float, bias=None):
     """The q or k projection ``y`` (B, T, width) through its norm: torch's RMSNorm, ``y * rsqrt(mean(y^2) + eps) *
     gain``, over each head's ``d_head`` features (``kind="rms_per_head"``, Qwen 3's and Gemma 3's q_norm/k_norm) or
-    the whole width (``"rms_over_projection"``, OLMo 2's); torch's LayerNorm without a bias over each head's
-    features (``"layer_per_head"``, ViT-22B's, timm's with its bias zero); unchanged for ``kind=None``. In the
+    the whole width (``"rms_over_projection"``, OLMo 2's); torch's LayerNorm over each head's features, with
+    ``bias`` (``"layer_per_head"``, timm's) or without (``"layer_per_head_no_bias"``, ViT-22B's); unchanged for
+    ``kind=None``. In the
     tensors' dtype (torch's kernels, not the formula written out: autograd through a float16 ``rsqrt`` overflows
     at a projection near 0, where d rsqrt(v)/dv = -v^-1.5 / 2 is about 5e8 at eps = 1e-6)."""
     import torch.nn.functional as F
@@ -98,8 +99,11 @@ def qk_normed(y, gain, kind: str | None, d_head: int, eps: float):
         return y
     b, t, width = y.shape
     groups = y.reshape(b, t, width // d_head, d_head) if kind in QK_NORMS_PER_HEAD else y
-    norm = F.layer_norm if kind in QK_NORMS_CENTRED else F.rms_norm
-    return norm(groups, (groups.shape[-1],), weight=gain, eps=eps).reshape(b, t, width)
+    if kind in QK_NORMS_CENTRED:
+        normed = F.layer_norm(groups, (groups.shape[-1],), weight=gain, bias=bias, eps=eps)
+    else:
+        normed = F.rms_norm(groups, (groups.shape[-1],), weight=gain, eps=eps)
+    return normed.reshape(b, t, width)
 
 
 class TorchLoaded(LoadedAttention):
@@ -235,7 +239,7 @@ class LinearTorchLoaded(TorchLoaded):
         y = y if bias is None else y + bias
         if which in ("q", "k") and self.config.qk_norm:
             y = qk_normed(y, self.w[f"g_{which}"], self.config.qk_norm, self.config.d_head,
-                          self.config.qk_norm_eps)
+                          self.config.qk_norm_eps, self.w.get(f"beta_{which}"))
         return y
 
     def split_heads(self, x, n_heads: int):

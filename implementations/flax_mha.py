@@ -6,8 +6,9 @@ flax's boolean ``mask`` (True = attend; shape (batch, heads|1, Tq, Tk)); causal 
 alignment become explicit masks. Per-head weights are captured with ``sow_weights=True``.
 The parameter count comes from the module's own initialised param tree. The decode step is flax's own
 autoregressive cache (the same module with ``decode=True``): one new query per call. A layer whose config asks for
-``qk_norm="layer_per_head"`` is the module built with ``normalize_qk=True`` (flax's LayerNorm of each head's q and k,
-without a bias, epsilon 1e-6), its gains ``g_q``, ``g_k`` loaded as ``query_ln`` and ``key_ln``'s scales.
+``qk_norm="layer_per_head_no_bias"`` is the module built with ``normalize_qk=True`` (flax's LayerNorm of each
+head's q and k, without a bias, epsilon 1e-6), its gains ``g_q``, ``g_k`` loaded as ``query_ln`` and ``key_ln``'s
+scales.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def from_flax_tree(tree, config: AttentionConfig) -> dict:
 
 
 #: the q/k norm ``MultiHeadDotProductAttention(normalize_qk=True)`` builds (its LayerNorms' default epsilon)
-NORMALIZE_QK = "layer_per_head"
+NORMALIZE_QK = "layer_per_head_no_bias"
 NORMALIZE_QK_EPS = 1e-6
 
 

@@ -40,6 +40,10 @@ class NumpyNaiveLoaded(LoadedAttention):
         """The gain the q or k norm multiplies by: the loaded ``g_q`` or ``g_k``."""
         return self.weights[f"g_{which}"]
 
+    def norm_bias(self, which: str) -> np.ndarray | None:
+        """The bias the q or k LayerNorm adds after its gain: the loaded ``beta_q`` or ``beta_k`` (None without)."""
+        return self.weights.get(f"beta_{which}")
+
     def norm_centred(self, groups: np.ndarray) -> np.ndarray:
         """What the q or k norm divides: a LayerNorm's ``groups`` less their mean (``layer_per_head``); an RMSNorm's
         ``groups`` as they are."""
@@ -49,15 +53,18 @@ class NumpyNaiveLoaded(LoadedAttention):
 
     def qk_norm(self, y: np.ndarray, which: str) -> np.ndarray:
         """The q or k projection y (B, T, width) normed: ``x / sqrt(mean(x^2) + eps) * g`` over each head's d_head
-        features (``rms_per_head``, ``layer_per_head``) or over the whole width (``rms_over_projection``), x being
-        :meth:`norm_centred`'s (y, or y less its mean for a LayerNorm)."""
+        features (``rms_per_head``, the LayerNorms) or over the whole width (``rms_over_projection``), x being
+        :meth:`norm_centred`'s (y, or y less its mean for a LayerNorm); a LayerNorm's bias (:meth:`norm_bias`)
+        added last."""
         c = self.config
         b, t, width = y.shape
         groups = y.reshape(b, t, width // c.d_head, c.d_head) if c.qk_norm in QK_NORMS_PER_HEAD else y
         groups = self.norm_centred(groups)
         gain = self.norm_gain(which)
         inv = 1.0 / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + self.dtype.type(c.qk_norm_eps))
-        return (groups * inv * gain).reshape(b, t, width)
+        normed = groups * inv * gain
+        bias = self.norm_bias(which)
+        return (normed if bias is None else normed + bias).reshape(b, t, width)
 
     def split_heads(self, x: np.ndarray, n_heads: int) -> np.ndarray:
         """(B, T, n*d_head) -> (B, n, T, d_head): split the *feature* axis."""

@@ -41,15 +41,16 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     ``w`` maps canonical names (W_q, b_q, ...) to x @ W tensors; ``allowed`` (True = attend) and ``additive``
     are mask tensors broadcastable to (B, H, Tq, Tk) or None. A pure function of its tensors, so torch.compile
     can trace it once per shape (torch-compile-cpu). ``attention``: the per-head core, :func:`eager_attention`
-    when None (a test swaps in another). ``qk_norm``: the q and k projections then go through that RMSNorm
-    (:func:`~mha_harness.implementations._torch_common.qk_normed`) with the gains ``w["g_q"]``, ``w["g_k"]``."""
+    when None (a test swaps in another). ``qk_norm``: the q and k projections then go through that norm
+    (:func:`~mha_harness.implementations._torch_common.qk_normed`) with the gains ``w["g_q"]``, ``w["g_k"]`` (and a
+    LayerNorm's biases ``w["beta_q"]``, ``w["beta_k"]``)."""
     attention = attention or eager_attention
     def project(x, which):
         y = x @ w[f"W_{which}"]
         bias = w.get(f"b_{which}")
         y = y if bias is None else y + bias
         if qk_norm and which in ("q", "k"):
-            y = qk_normed(y, w[f"g_{which}"], qk_norm, q.shape[-1] // num_heads, qk_norm_eps)
+            y = qk_normed(y, w[f"g_{which}"], qk_norm, q.shape[-1] // num_heads, qk_norm_eps, w.get(f"beta_{which}"))
         return y
 
     def split(x, n):

@@ -39,18 +39,21 @@ def test_the_references_backward_through_the_qk_norm_is_the_derivative_of_its_fo
     inputs = make_inputs(config, 2, 3, 4, causal="bottom-right")
     cotangent = np.random.default_rng(0).standard_normal((2, 3, 8))
     grads = reference_vjp(params, inputs, cotangent)
-    assert {"g_q", "g_k"} <= set(grads)
-    for name in ("g_q", "g_k", "W_q", "W_k", "b_q", "b_k", "query", "key"):
+    norm_params = [n for n in ("g_q", "g_k", "beta_q", "beta_k") if n in params.arrays()]
+    assert set(params.arrays()) <= set(grads) and len(norm_params) == (4 if kind == "layer_per_head" else 2)
+    for name in (*norm_params, "W_q", "W_k", "b_q", "b_k", "query", "key"):
         fd = _finite_difference(params, inputs, cotangent, name)
         np.testing.assert_allclose(grads[name], fd, rtol=1e-6, atol=1e-8, err_msg=name)
     magnitudes = reference_vjp_magnitudes(params, inputs, cotangent)
-    for name in ("g_q", "g_k"):
+    for name in norm_params:
         assert magnitudes[name].shape == grads[name].shape and np.all(magnitudes[name] > 0)
 
 
-@pytest.mark.parametrize("kind, torch_norm", [("rms_per_head", "rms_norm"), ("layer_per_head", "layer_norm")])
+@pytest.mark.parametrize("kind, torch_norm", [("rms_per_head", "rms_norm"), ("layer_per_head", "layer_norm"),
+                                              ("layer_per_head_no_bias", "layer_norm")])
 def test_the_references_per_head_norm_is_torchs_norm_of_each_head(kind, torch_norm):
-    """rms_per_head is torch's RMSNorm of each head; layer_per_head its LayerNorm without a bias."""
+    """rms_per_head is torch's RMSNorm of each head; layer_per_head its LayerNorm with beta_q, beta_k as its biases,
+    layer_per_head_no_bias its LayerNorm without."""
     torch = pytest.importorskip("torch")
     norm = getattr(torch.nn.functional, torch_norm)
     config = AttentionConfig(32, 4, 2, qk_norm=kind, qk_norm_eps=1e-5)
@@ -60,8 +63,9 @@ def test_the_references_per_head_norm_is_torchs_norm_of_each_head(kind, torch_no
     q = (torch.tensor(inputs.query) @ t["W_q"]).view(2, 5, 4, 8)
     k = (torch.tensor(inputs.key) @ t["W_k"]).view(2, 6, 2, 8)
     v = (torch.tensor(inputs.value) @ t["W_v"]).view(2, 6, 2, 8)
-    q = norm(q, (8,), t["g_q"], eps=1e-5).transpose(1, 2)
-    k = norm(k, (8,), t["g_k"], eps=1e-5).transpose(1, 2).repeat_interleave(2, dim=1)
+    biases = [{"bias": t[f"beta_{w}"]} if f"beta_{w}" in t else {} for w in "qk"]
+    q = norm(q, (8,), t["g_q"], eps=1e-5, **biases[0]).transpose(1, 2)
+    k = norm(k, (8,), t["g_k"], eps=1e-5, **biases[1]).transpose(1, 2).repeat_interleave(2, dim=1)
     v = v.transpose(1, 2).repeat_interleave(2, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 5, 32) @ t["W_o"]
     np.testing.assert_allclose(reference_attention(params, inputs).output, out.numpy(), atol=1e-12)
@@ -120,7 +124,8 @@ def test_the_grids_norm_rows_skip_naming_the_capability_for_a_backend_without_a_
     from mha_harness.implementations.numpy_tiled import NumpyTiled
     report = mha_harness.check(NumpyTiled(), cases=[GRID], isolate=False)
     skipped = {r.params.get("variant"): r.message for r in report.results if r.status == "skipped"}
-    assert set(skipped) == {"qk_norm_per_head", "qk_norm_over_projection", "qk_layer_norm_per_head"}
+    assert set(skipped) == {"qk_norm_per_head", "qk_norm_over_projection", "qk_layer_norm_per_head",
+                            "qk_layer_norm_no_bias_per_head"}
     assert "does not declare qk_norms 'rms_per_head'" in skipped["qk_norm_per_head"]
 
 
@@ -198,8 +203,8 @@ def test_the_other_diagnoses_hold_on_a_layer_with_a_norm_a_wrong_scale_and_tiled
 
 def test_the_policy_tables_scores_column_names_the_declared_norms():
     report = mha_harness.check(NumpyNaive(), cases=["check_parameter_count_is_4_d_model_squared"], isolate=False)
-    assert ("q and k normed in the layers whose config asks (rms_per_head, rms_over_projection, layer_per_head "
-            "declared)") in report.policies()["numpy-naive"]["scores"]
+    assert ("q and k normed in the layers whose config asks (rms_per_head, rms_over_projection, layer_per_head, "
+            "layer_per_head_no_bias declared)") in report.policies()["numpy-naive"]["scores"]
 
 
 class _GainGradientLeftOut(NumpyNaiveLoaded):
@@ -254,7 +259,7 @@ def test_flax_normalize_qk_is_the_per_head_layer_norm_in_its_forward_and_its_own
     pytest.importorskip("flax")
     from mha_harness.contract.api import as_kv_cache_call
     from mha_harness.implementations.flax_mha import FlaxMha
-    params = make_params(AttentionConfig(16, 2, bias=True, qk_norm="layer_per_head"), seed=6)
+    params = make_params(AttentionConfig(16, 2, bias=True, qk_norm="layer_per_head_no_bias"), seed=6)
     inputs = as_kv_cache_call(make_inputs(params.config, 2, 1, tk, self_attention=False, causal="bottom-right"))
     loaded = FlaxMha().load(params, dtype="float64")
     got = loaded.decode_step_output(loaded.prepare_decode_step(inputs)())
@@ -265,7 +270,7 @@ def test_flax_refuses_an_epsilon_its_normalize_qk_cannot_take_naming_the_accepte
     pytest.importorskip("flax")
     from mha_harness.contract.api import Unsupported
     from mha_harness.implementations.flax_mha import FlaxMha
-    params = make_params(AttentionConfig(16, 2, qk_norm="layer_per_head", qk_norm_eps=1e-5), seed=6)
+    params = make_params(AttentionConfig(16, 2, qk_norm="layer_per_head_no_bias", qk_norm_eps=1e-5), seed=6)
     with pytest.raises(Unsupported, match=r"qk_norm_eps: got 1e-05; accepted: 1e-06"):
         FlaxMha().load(params, dtype="float32")
 
@@ -291,7 +296,7 @@ def test_torch_eagers_float16_rms_norm_backward_stays_finite_at_a_projection_nea
 ONE_PASS_VARIANCE = {"dtype": "float32", "form": "separate", "batch": 1, "tq": 1, "tk": 4, "heads": 2, "kv_heads": 2,
                      "d_head": 2, "bias": False, "causal": None, "padding": None, "attn_mask": None,
                      "logit_scale": 1, "cut": 3, "poison": "random", "gradients": False, "malformed": None, "seed": 0,
-                     "qk_norm": "layer_per_head"}
+                     "qk_norm": "layer_per_head_no_bias"}
 
 
 def test_the_tolerance_of_a_layer_norm_covers_the_one_pass_variances_rounding():

@@ -26,6 +26,7 @@ from mha_harness.contract.mistakes import (
     causal_mask_mistakes,
     explains,
     with_kv_weights_swapped,
+    with_qk_weights_swapped,
     with_weights_transposed,
     written_one_slot_late,
 )
@@ -70,7 +71,7 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
         if which != "v" and qk_norm_as is not None:
             y = qk_norm_as(y, which, n)
         elif which != "v":
-            y = qk_normed(y, getattr(params, f"g_{which}"), c, n)
+            y = qk_normed(y, getattr(params, f"g_{which}"), c, n, bias=getattr(params, f"beta_{which}"))
         b, t, width = y.shape
         return y.reshape(b, n, t, width // n) if split_in else y.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
     q = heads(inputs.query, params.W_q, params.b_q, c.num_heads, "q")
@@ -291,7 +292,8 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     split by tokens (on the way in, out, or both), its heads concatenated feature-major, its grouped-query key/value
     heads tiled, its keys or values projected from the wrong input (:func:`wrong_input_calls`), its softmax over the
     queries or over key blocks never rescaled (:data:`UNRESCALED_BLOCKS`), W_k and W_v loaded into each other's
-    projections, square weights loaded untransposed (all of them, or one), or no output projection; "" when none.
+    projections, W_q and W_k loaded into each other's, square weights loaded untransposed (all of them, or one), or
+    no output projection; "" when none.
     A candidate is tried only where it differs from the correct layer; every one that matches is named (with one
     key, a split by tokens on the way in changes nothing, so it cannot be told from the correct split)."""
     if not np.all(np.isfinite(got)):
@@ -327,6 +329,11 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     if swapped is not None:
         candidates.append(("W_k and W_v loaded into each other's projections (W_k into the value projection, W_v "
                            "into the key projection)",
+                           functools.partial(lambda p: reference_attention(p, inputs).output, swapped)))
+    swapped = with_qk_weights_swapped(params)
+    if swapped is not None:
+        candidates.append(("W_q and W_k loaded into each other's projections (W_q into the key projection, W_k "
+                           "into the query projection: a fused qkv weight split in the wrong order)",
                            functools.partial(lambda p: reference_attention(p, inputs).output, swapped)))
     weights = [n for n in ("W_q", "W_k", "W_v", "W_o") if getattr(params, n).shape[0] == getattr(params, n).shape[1]]
     for names in [tuple(weights)] + [(n,) for n in weights]:  # all of them (W_q and W_o are always square), or one

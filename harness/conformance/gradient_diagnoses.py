@@ -23,7 +23,7 @@ from mha_harness.contract.score_scale import score_scale_at
 #: the parameter gradients each part of the backward produces: a wrong group with the others right places the error
 #: (the input gradients of a one-x or shared-K/V layer sum several paths, so they place nothing)
 _PATHS = (("the softmax's backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK from it)",
-           ("W_q", "b_q", "W_k", "b_k", "g_q", "g_k")),
+           ("W_q", "b_q", "W_k", "b_k", "g_q", "g_k", "beta_q", "beta_k")),
           ("the value path (dV = P^T dO)", ("W_v", "b_v")),
           ("the output projection (dW_o)", ("W_o", "b_o")))
 

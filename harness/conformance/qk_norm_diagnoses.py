@@ -13,23 +13,32 @@ import numpy as np
 
 from mha_harness.conformance.diagnoses import wrong_layer_output
 from mha_harness.contract.api import AttentionInputs, AttentionParams
-from mha_harness.contract.conventions import QK_NORMS, QK_NORMS_PER_HEAD
+from mha_harness.contract.conventions import QK_NORMS, QK_NORMS_PER_HEAD, QK_NORMS_WITH_BIAS
 from mha_harness.contract.mistakes import distance, explains
 from mha_harness.contract.reference import qk_normed, reference_attention
-from mha_harness.contract.validation import qk_norm_gain_shapes
+from mha_harness.contract.validation import qk_norm_bias_shapes, qk_norm_gain_shapes
 
 #: every q/k-norm diagnosis says so (a failure with one drops its guess of a precision from the error's size)
 QK_NORM_MATCH = "q/k norm"
 #: what each norm is, for the failure messages
 _WORDS = {"rms_per_head": "an RMSNorm over each head's d_head features (Qwen 3, Gemma 3)",
           "rms_over_projection": "an RMSNorm over the whole projection (OLMo 2)",
-          "layer_per_head": "a LayerNorm over each head's d_head features, its mean subtracted (ViT-22B, flax's "
-                            "normalize_qk)"}
+          "layer_per_head": "a LayerNorm over each head's d_head features, its mean subtracted and its bias added "
+                            "(timm's qk_norm)",
+          "layer_per_head_no_bias": "a LayerNorm over each head's d_head features, its mean subtracted (ViT-22B, "
+                                    "flax's normalize_qk)"}
 #: the other kinds a layer that declares a norm is likely to compute instead: the same kind of norm over the other
-#: axis, or the other kind of norm over the same axis
-CONFUSED_WITH = {"rms_per_head": ("rms_over_projection", "layer_per_head"),
+#: axis, or the other kind of norm over the same axis (a LayerNorm's bias left out is ``biases_ignored``)
+CONFUSED_WITH = {"rms_per_head": ("rms_over_projection", "layer_per_head_no_bias"),
                  "rms_over_projection": ("rms_per_head",),
-                 "layer_per_head": ("rms_per_head",)}
+                 "layer_per_head": ("rms_per_head",),
+                 "layer_per_head_no_bias": ("rms_per_head",)}
+#: the epsilons a norm is commonly built with (torch's nn.LayerNorm and timm's 1e-5, flax's and Qwen's 1e-6, ...): a
+#: norm built with one of them where the config says another is ``eps:<value>``
+COMMON_EPSILONS = (1e-5, 1e-6, 1e-8, 1e-12, 0.0)
+#: a LayerNorm's bias not loaded (its initial zeros), named only for a norm with one
+BIASES_IGNORED = ("the q/k LayerNorm without its biases beta_q and beta_k (the biases were not loaded into the "
+                  "layer's norms: their initial zeros)")
 #: what each mistaken norm does, for the failure message; ``{declared}`` is the config's norm
 MISTAKES = {
     "gains_ignored": ("the q/k norm without its gains g_q and g_k (every normed feature times 1: the gains were not "
@@ -42,12 +51,16 @@ MISTAKES = {
 }
 
 
-def mistakes_of(kind: str) -> dict[str, str]:
-    """The mistakes of a layer whose norm is ``kind``, by name (``other:<kind>`` for another kind of norm) and
-    their labels for a failure message."""
+def mistakes_of(kind: str, eps: float = 1e-6) -> dict[str, str]:
+    """The mistakes of a layer whose norm is ``kind`` with epsilon ``eps``, by name (``other:<kind>`` for another
+    kind of norm, ``eps:<value>`` for another epsilon) and their labels for a failure message."""
     other = {f"other:{k}": f"the q/k norm computed as {_WORDS[k]} where {kind!r} is {_WORDS[kind]}"
              for k in CONFUSED_WITH[kind]}
-    return {**other, **MISTAKES}
+    biases = {"biases_ignored": BIASES_IGNORED} if kind in QK_NORMS_WITH_BIAS else {}
+    epsilons = {f"eps:{e!r}": (f"the q/k norm built with epsilon {e:g} where config.qk_norm_eps is {eps:g} (build "
+                               "the norms with eps=config.qk_norm_eps: torch's nn.LayerNorm defaults to 1e-5)")
+                for e in COMMON_EPSILONS if e != eps}
+    return {**other, **biases, **MISTAKES, **epsilons}
 
 
 def mistaken_qk_norm(params: AttentionParams, mistake: str):
@@ -55,18 +68,24 @@ def mistaken_qk_norm(params: AttentionParams, mistake: str):
     (``params.config.qk_norm``) with ``mistake`` (a key of :func:`mistakes_of`), computed by the reference's norm."""
     c = params.config
     config = dataclasses.replace(c, qk_norm=mistake.split(":", 1)[1]) if mistake.startswith("other:") else c
+    if mistake.startswith("eps:"):
+        config = dataclasses.replace(c, qk_norm_eps=float(mistake.split(":", 1)[1]))
+
+    def per_feature(a, width, n_heads):  # a head's vector, shared by all heads, as the norm's groups broadcast it
+        if a.size != width:
+            a = np.tile(a, width // a.size)
+        return a.reshape(n_heads, width // n_heads) if config.qk_norm in QK_NORMS_PER_HEAD else a
 
     def normed(y, which, n_heads):
         if mistake == "none" or (mistake, which) in (("key_unnormed", "k"), ("query_unnormed", "q")):
             return y
         gain = np.asarray(getattr(params, f"g_{which}"), np.float64)
         gain = {"gains_ignored": np.ones_like(gain), "gains_plus_one": 1.0 + gain}.get(mistake, gain)
-        width = y.shape[-1]
-        if gain.size != width:  # a head's gains, shared by all heads: per feature of the whole projection
-            gain = np.tile(gain, width // gain.size)
-        if config.qk_norm in QK_NORMS_PER_HEAD:  # per feature of each head, as the per-head groups broadcast it
-            gain = gain.reshape(n_heads, width // n_heads)
-        return qk_normed(y, gain, config, n_heads)
+        bias = getattr(params, f"beta_{which}")
+        if bias is not None and mistake != "biases_ignored":  # a bias the mistaken norm keeps, wherever it is
+            bias = per_feature(np.asarray(bias, np.float64), y.shape[-1], n_heads)
+        return qk_normed(y, per_feature(gain, y.shape[-1], n_heads), config, n_heads,
+                         bias=None if mistake == "biases_ignored" else bias)
     return normed
 
 
@@ -75,7 +94,8 @@ def with_unit_qk_norm(params: AttentionParams, kind: str) -> AttentionParams:
     initialised: ones, or Gemma's zeros in ``x * (1 + weight)``)."""
     config = dataclasses.replace(params.config, qk_norm=kind)
     return dataclasses.replace(params, config=config,
-                               **{n: np.ones(shape) for n, shape in qk_norm_gain_shapes(config).items()})
+                               **{n: np.ones(shape) for n, shape in qk_norm_gain_shapes(config).items()},
+                               **{n: np.zeros(shape) for n, shape in qk_norm_bias_shapes(config).items()})
 
 
 def qk_norm_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
@@ -91,7 +111,8 @@ def qk_norm_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
 def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                   compare: np.ndarray | None = None) -> tuple[str, float] | None:
     """:func:`qk_norm_hint`'s sentence and its candidate's distance from ``got`` (on the compared rows), for choosing
-    between it and another diagnosis; None when no mistake matches."""
+    between it and another diagnosis; None when no mistake matches. Of several that match (in half precision a
+    LayerNorm and an RMSNorm kept on can both be within the margin), the closest."""
     pick = (lambda a: np.asarray(a, np.float64)) if compare is None \
         else (lambda a: np.asarray(a, np.float64)[np.broadcast_to(compare, np.shape(a)[:2])])
     got = pick(got)
@@ -100,17 +121,18 @@ def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     c = params.config
     truth = pick(reference_attention(params, inputs).output)
     margin = max(10 * bound, 1e-4)
+    found = []
     if c.qk_norm is None:
         for kind in QK_NORMS:
             wrong = pick(reference_attention(with_unit_qk_norm(params, kind), inputs).output)
             if distance(got, wrong) <= margin and explains(got, wrong, truth):
-                return (f"; the output matches a q/k norm, {_WORDS[kind]}, in a layer built without "
-                        f"one: a layer with such a norm declares it, Capabilities(qk_norms=({kind!r},)), and builds "
-                        "its norms from config.qk_norm (the identity when it is None): \"A layer with a norm on q and "
-                        "k\" in docs/plugins.md"), distance(got, wrong)
-        return None
-    for mistake, label in mistakes_of(c.qk_norm).items():
-        wrong = pick(wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake)))
-        if distance(got, wrong) <= margin and explains(got, wrong, truth):
-            return "; the output matches " + label, distance(got, wrong)
-    return None
+                found.append((f"; the output matches a q/k norm, {_WORDS[kind]}, in a layer built without "
+                              f"one: a layer with such a norm declares it, Capabilities(qk_norms=({kind!r},)), and "
+                              "builds its norms from config.qk_norm (the identity when it is None): \"A layer with a "
+                              "norm on q and k\" in docs/plugins.md", distance(got, wrong)))
+    else:
+        for mistake, label in mistakes_of(c.qk_norm, c.qk_norm_eps).items():
+            wrong = pick(wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake)))
+            if distance(got, wrong) <= margin and explains(got, wrong, truth):
+                found.append(("; the output matches " + label, distance(got, wrong)))
+    return min(found, key=lambda f: f[1]) if found else None

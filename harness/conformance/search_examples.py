@@ -185,7 +185,7 @@ def build(example: Mapping[str, Any]) -> tuple[AttentionParams, AttentionInputs]
     ``logit_scale`` s multiplies W_q, b_q, W_k and b_k by sqrt(s), so every logit is s times its unscaled value
     (unscaled logits are O(1): s = 1000 reaches the range where exp overflows float64 without max subtraction); a
     layer with a q/k norm (``qk_norm``), which the norm would bring back to O(1), has its norm's gains g_q and g_k
-    multiplied so instead."""
+    (and a LayerNorm's biases beta_q and beta_k) multiplied so instead."""
     e = example
     heads, kv = int(e["heads"]), int(e["kv_heads"])
     config = AttentionConfig(heads * int(e["d_head"]), heads, None if kv == heads else kv, bias=bool(e["bias"]),
@@ -193,7 +193,7 @@ def build(example: Mapping[str, Any]) -> tuple[AttentionParams, AttentionInputs]
     params = make_params(config, seed=int(e["seed"]))
     g = float(np.sqrt(float(e.get("logit_scale", 1))))
     if g != 1.0:
-        scaled = ("g_q", "g_k") if config.qk_norm else ("W_q", "W_k", "b_q", "b_k")
+        scaled = ("g_q", "g_k", "beta_q", "beta_k") if config.qk_norm else ("W_q", "W_k", "b_q", "b_k")
         params = params.replace(**{n: a * g for n, a in params.arrays().items() if n in scaled})
     batch, tq, tk = int(e["batch"]), int(e["tq"]), int(e["tk"])
     masks = {"causal": e.get("causal")}

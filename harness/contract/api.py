@@ -42,6 +42,7 @@ from mha_harness.contract.conventions import (
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.score_scale import checked_score_scale
 from mha_harness.contract.validation import (
+    qk_norm_bias_shapes,
     qk_norm_gain_shapes,
     validate_config,
     validate_cotangent,
@@ -105,11 +106,12 @@ class Capabilities:
     ``query_pre_attn_scalar ** -0.5``); every case, search and bench then compare it with the reference scaled so, and
     the scale case checks that scale (the report shows it). ``qk_norms`` (empty) names the norms on q and k the layer
     can be built with (:data:`~mha_harness.contract.conventions.QK_NORMS`: ``"rms_per_head"``, Qwen 3 and Gemma 3;
-    ``"rms_over_projection"``, OLMo 2; ``"layer_per_head"``, ViT-22B and flax's normalize_qk): the cases then also run
-    layers whose ``config.qk_norm`` is one of them, with the norm's gains ``g_q`` and ``g_k`` among the parameters, and
-    every other case a layer without one (a wrapper builds its module's norms from ``config.qk_norm``, the identity when
-    it is None). Malformed values (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are
-    refused here, so nothing is declared by accident.
+    ``"rms_over_projection"``, OLMo 2; ``"layer_per_head"``, timm's qk_norm; ``"layer_per_head_no_bias"``, ViT-22B and
+    flax's normalize_qk): the cases then also run layers whose ``config.qk_norm`` is one of them, with the norm's gains
+    ``g_q`` and ``g_k`` (and a LayerNorm's biases ``beta_q``, ``beta_k``) among the parameters, and every other case a
+    layer without one (a wrapper builds its module's norms from ``config.qk_norm``, the identity when it is None).
+    Malformed values (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused
+    here, so nothing is declared by accident.
     """
 
     causal_alignments: tuple[str, ...] = CAUSAL_ALIGNMENTS
@@ -297,9 +299,9 @@ class AttentionConfig:
     bias: bool = False
     #: a norm of q and of k after their projections, before the scores (None: none): an RMSNorm, ``"rms_per_head"``
     #: over each head's d_head features (Qwen 3, Gemma 3), ``"rms_over_projection"`` over the whole projection
-    #: (OLMo 2); or a LayerNorm without a bias over each head's d_head features, ``"layer_per_head"`` (ViT-22B,
-    #: flax's normalize_qk); its gains are the parameters ``g_q`` and ``g_k``
-    #: (:data:`~mha_harness.contract.conventions.QK_NORMS`)
+    #: (OLMo 2); or a LayerNorm over each head's d_head features, ``"layer_per_head"`` with a bias (timm's qk_norm)
+    #: or ``"layer_per_head_no_bias"`` (ViT-22B, flax's normalize_qk); its gains are the parameters ``g_q`` and
+    #: ``g_k``, a LayerNorm's biases ``beta_q`` and ``beta_k`` (:data:`~mha_harness.contract.conventions.QK_NORMS`)
     qk_norm: str | None = None
     #: the epsilon added to the mean square (a LayerNorm's variance) inside the norm's square root
     qk_norm_eps: float = 1e-6
@@ -321,12 +323,14 @@ class AttentionConfig:
 
     def expected_parameter_count(self) -> int:
         """4*d_model^2 (+4*d_model with biases); K/V shrink to num_kv_heads*d_head columns for grouped-query; a q/k
-        norm adds its gains (2*d_head per head-wise norm, d_model + num_kv_heads*d_head over the projections)."""
+        norm adds its gains (2*d_head per head-wise norm, d_model + num_kv_heads*d_head over the projections), a
+        LayerNorm with a bias its biases (2*d_head)."""
         kv_width = self.kv_heads * self.d_head
         count = 2 * self.d_model * self.d_model + 2 * self.d_model * kv_width
         if self.bias:
             count += 2 * self.d_model + 2 * kv_width
-        return count + sum(int(np.prod(shape)) for shape in qk_norm_gain_shapes(self).values())
+        norms = {**qk_norm_gain_shapes(self), **qk_norm_bias_shapes(self)}
+        return count + sum(int(np.prod(shape)) for shape in norms.values())
 
 
 @dataclass
@@ -345,6 +349,9 @@ class AttentionParams:
     #: the q and k norms' gains, present exactly when ``config.qk_norm`` is set (their shapes: ``qk_norm_gain_shapes``)
     g_q: np.ndarray | None = None
     g_k: np.ndarray | None = None
+    #: the q and k LayerNorms' biases, present exactly when ``config.qk_norm`` has them (``qk_norm_bias_shapes``)
+    beta_q: np.ndarray | None = None
+    beta_k: np.ndarray | None = None
 
     def __post_init__(self):
         validate_params(self)

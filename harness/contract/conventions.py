@@ -85,19 +85,23 @@ BIAS_NAMES = ("b_q", "b_k", "b_v", "b_o")
 #: the gains of the q and k norms (:data:`QK_NORMS`): (d_head,) each for a norm per head; (d_model,) and
 #: (num_kv_heads * d_head,) for ``rms_over_projection``
 NORM_NAMES = ("g_q", "g_k")
-PARAM_NAMES = WEIGHT_NAMES + BIAS_NAMES + NORM_NAMES
+#: the biases (shifts) of the q and k LayerNorms that have them (:data:`QK_NORMS_WITH_BIAS`): (d_head,) each
+NORM_BIAS_NAMES = ("beta_q", "beta_k")
+PARAM_NAMES = WEIGHT_NAMES + BIAS_NAMES + NORM_NAMES + NORM_BIAS_NAMES
 
 # --- q/k norms -------------------------------------------------------------------------------------------------
 
 #: ``AttentionConfig.qk_norm``: a norm of q and of k after their projection (and bias), before the scores. An RMSNorm,
 #: ``y / sqrt(mean(y^2) + eps) * g``, over each head's d_head features with one gain vector shared by all heads
 #: (``rms_per_head``: Qwen 3, Gemma 3), or over the whole q and k projections (``rms_over_projection``: OLMo 2); or a
-#: LayerNorm without a bias, ``(y - mean(y)) / sqrt(var(y) + eps) * g`` (the biased variance), over each head's
-#: d_head features with one gain vector shared by all heads (``layer_per_head``: ViT-22B, flax's
-#: ``MultiHeadDotProductAttention(normalize_qk=True)``; timm's ``Attention(qk_norm=True)`` with its norms' biases
-#: loaded as zeros)
-QK_NORMS = ("rms_per_head", "rms_over_projection", "layer_per_head")
+#: LayerNorm, ``(y - mean(y)) / sqrt(var(y) + eps) * g + beta`` (the biased variance), over each head's d_head
+#: features with one gain vector and one bias vector shared by all heads (``layer_per_head``: timm's
+#: ``Attention(qk_norm=True)``, torch's ``nn.LayerNorm(d_head)``), or without the bias
+#: (``layer_per_head_no_bias``: ViT-22B, flax's ``MultiHeadDotProductAttention(normalize_qk=True)``)
+QK_NORMS = ("rms_per_head", "rms_over_projection", "layer_per_head", "layer_per_head_no_bias")
 #: the norms of :data:`QK_NORMS` taken over each head's d_head features (the others: over the whole projection)
-QK_NORMS_PER_HEAD = ("rms_per_head", "layer_per_head")
+QK_NORMS_PER_HEAD = ("rms_per_head", "layer_per_head", "layer_per_head_no_bias")
 #: the norms of :data:`QK_NORMS` that subtract the mean before dividing (LayerNorms; the others are RMSNorms)
-QK_NORMS_CENTRED = ("layer_per_head",)
+QK_NORMS_CENTRED = ("layer_per_head", "layer_per_head_no_bias")
+#: the norms of :data:`QK_NORMS` that add a bias (``beta_q``, ``beta_k``) after the gain
+QK_NORMS_WITH_BIAS = ("layer_per_head",)

@@ -42,9 +42,10 @@ def explains_as_a_scale(got: np.ndarray, wrong: np.ndarray, truth: np.ndarray, u
 
 def with_score_scale(params: AttentionParams, factor: float) -> AttentionParams:
     """Parameters whose reference output equals the true layer with scores multiplied by ``factor``: q's
-    projection times ``factor``, or, in a layer with a q/k norm (which would undo that), q's norm gain."""
+    projection times ``factor``, or, in a layer with a q/k norm (which would undo that), q's norm gain (and bias)."""
     if params.config.qk_norm is not None:
-        return params.replace(g_q=params.g_q * factor)
+        beta_q = None if params.beta_q is None else params.beta_q * factor
+        return params.replace(g_q=params.g_q * factor, beta_q=beta_q)
     b_q = None if params.b_q is None else params.b_q * factor
     return params.replace(W_q=params.W_q * factor, b_q=b_q)
 
@@ -73,6 +74,15 @@ def with_kv_weights_swapped(params: AttentionParams) -> AttentionParams | None:
     if np.array_equal(params.W_k, params.W_v):
         return None
     return params.replace(W_k=params.W_v, W_v=params.W_k, b_k=params.b_v, b_v=params.b_k)
+
+
+def with_qk_weights_swapped(params: AttentionParams) -> AttentionParams | None:
+    """Parameters whose reference output is the layer with W_q (and b_q) loaded into its key projection and W_k
+    (b_k) into its query projection (a fused qkv weight split in the wrong order); None where the shapes differ
+    (grouped-query heads: such a layer raises) or the swap changes nothing."""
+    if params.W_q.shape != params.W_k.shape or np.array_equal(params.W_q, params.W_k):
+        return None
+    return params.replace(W_q=params.W_k, W_k=params.W_q, b_q=params.b_k, b_k=params.b_q)
 
 
 #: projection weights a wrapper loads into a (out, in) layer (torch's and Equinox's Linear weight) without .T

@@ -5,6 +5,7 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.validation import (
+    qk_norm_bias_shapes,
     qk_norm_gain_shapes,
     require_config,
     validate_causal,
@@ -15,7 +16,8 @@ from mha_harness.contract.validation import (
 
 def make_params(config: AttentionConfig, seed: int = 0, scale: float | None = None) -> AttentionParams:
     """Random parameters with std ``scale`` (default 1/sqrt(d_model), which keeps activations O(1)); a q/k norm's
-    gains uniform in [0.5, 1.5] (a gain that is not 1 everywhere shows whether the layer applies it, and where)."""
+    gains uniform in [0.5, 1.5] (a gain that is not 1 everywhere shows whether the layer applies it, and where), a
+    LayerNorm's biases uniform in [-0.5, 0.5]."""
     require_config(config)
     rng = np.random.default_rng(validate_seed(seed))
     s = 1.0 / np.sqrt(config.d_model) if scale is None else scale
@@ -28,6 +30,8 @@ def make_params(config: AttentionConfig, seed: int = 0, scale: float | None = No
                       b_v=rng.standard_normal(kv) * 0.5, b_o=rng.standard_normal(d) * 0.5)
     for name, shape in qk_norm_gain_shapes(config).items():  # drawn last: the other arrays stay as without a norm
         arrays[name] = rng.uniform(0.5, 1.5, shape)
+    for name, shape in qk_norm_bias_shapes(config).items():
+        arrays[name] = rng.uniform(-0.5, 0.5, shape)
     return AttentionParams(config, **arrays)
 
 

@@ -43,6 +43,7 @@ from mha_harness.contract.conventions import (
     PARAM_NAMES,
     QK_NORMS_CENTRED,
     QK_NORMS_PER_HEAD,
+    QK_NORMS_WITH_BIAS,
     causal_offset,
     round_to,
 )
@@ -265,23 +266,26 @@ def _norm_parts(y: np.ndarray, config, n_heads: int, r, one_pass: bool, error_of
 
 
 def qk_normed(y: np.ndarray, gain, config, n_heads: int, r=lambda a: a, one_pass: bool = False,
-              error_of: str | None = None, which: str = "q", rows=None) -> np.ndarray:
+              error_of: str | None = None, which: str = "q", rows=None, bias=None) -> np.ndarray:
     """The projection ``y`` (batch, T, width) after the layer's q/k norm (``config.qk_norm``; unchanged without
-    one): ``x / sqrt(mean(x^2) + eps) * gain`` over :func:`_norm_groups`, where x is ``y`` (an RMSNorm) or ``y``
-    less its mean (a LayerNorm: :func:`_centred`), rounding each stage with ``r``; ``one_pass``, ``error_of``,
-    ``which``, ``rows``: a LayerNorm's variance in one pass, or carrying its rounding (:func:`_norm_parts`)."""
+    one): ``x / sqrt(mean(x^2) + eps) * gain (+ bias)`` over :func:`_norm_groups`, where x is ``y`` (an RMSNorm) or
+    ``y`` less its mean (a LayerNorm: :func:`_centred`; ``bias``: its bias, None without), rounding each stage with
+    ``r``; ``one_pass``, ``error_of``, ``which``, ``rows``: a LayerNorm's variance in one pass, or carrying its
+    rounding (:func:`_norm_parts`)."""
     if config.qk_norm is None:
         return y
     x, inv = _norm_parts(y, config, n_heads, r, one_pass, error_of, which, rows)
-    return r(r(x * inv) * r(gain)).reshape(y.shape)
+    out = r(r(x * inv) * r(gain))
+    return (out if bias is None else r(out + r(bias))).reshape(y.shape)
 
 
 def _qk_norm_vjp(y: np.ndarray, gain, d_out: np.ndarray, config, n_heads: int, r=lambda a: a,
                  one_pass: bool = False, error_of: str | None = None, which: str = "q"):
     """The backward of :func:`qk_normed` at the projection ``y``: the gradient with respect to ``y`` and to the
     gain, from ``d_out``, the gradient with respect to the normed projection (dx = inv * (u - x_hat * mean(u *
-    x_hat)) with u = gain * d_out, x_hat = x * inv; a LayerNorm also subtracts mean(u)), rounding each stage
-    with ``r``; ``one_pass``, ``error_of``, ``which``: as :func:`_norm_parts`'s."""
+    x_hat)) with u = gain * d_out, x_hat = x * inv; a LayerNorm also subtracts mean(u)), and to a LayerNorm's bias
+    (the sum of ``d_out`` over the groups), rounding each stage with ``r``; ``one_pass``, ``error_of``, ``which``: as
+    :func:`_norm_parts`'s. Returns (d_y, d_gain, d_bias)."""
     x, inv = _norm_parts(y, config, n_heads, r, one_pass, error_of, which)
     d = _norm_groups(d_out, config, n_heads)
     x_hat = r(x * inv)
@@ -290,7 +294,7 @@ def _qk_norm_vjp(y: np.ndarray, gain, d_out: np.ndarray, config, n_heads: int, r
     if config.qk_norm in QK_NORMS_CENTRED:
         u = r(u - r(u.mean(axis=-1, keepdims=True)))
     d_x = r(inv * r(u - r(x_hat * r((u * x_hat).mean(axis=-1, keepdims=True)))))
-    return d_x.reshape(y.shape), d_gain
+    return d_x.reshape(y.shape), d_gain, r(d.sum(axis=tuple(range(d.ndim - 1))))
 
 
 def _projection_error(x, params: AttentionParams, which: str, error_of: str, rows) -> np.ndarray:
@@ -317,7 +321,7 @@ def _project_normed(x, params: AttentionParams, which: str, n_heads: int, dtype:
         y = y + _projection_error(x, params, which, error_of, rows)
     if which != "v":
         y = qk_normed(y, getattr(params, f"g_{which}"), params.config, n_heads, lambda a: round_to(a, dtype),
-                      one_pass, error_of, which, rows)
+                      one_pass, error_of, which, rows, getattr(params, f"beta_{which}"))
     return _heads(y, n_heads)
 
 
@@ -681,16 +685,20 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
             y = y + sq[f"b_{name[0]}"]
         if name[0] in normed:
             shape, inv_sq, _, gain_sq = normed[name[0]]
-            y = (mean_terms(y.reshape(shape), shape[-1]) * inv_sq * gain_sq).reshape(y.shape)
+            y = mean_terms(y.reshape(shape), shape[-1]) * inv_sq * gain_sq
+            if f"beta_{name[0]}" in sq:  # a LayerNorm's bias: one more term
+                y = y + sq[f"beta_{name[0]}"]
+            y = y.reshape(x_sq[name].shape[:2] + (-1,))
         return _heads(y, n_heads)
 
-    def through_norm(which, d_proj):  # squares of d_proj's terms -> squares of the projection's, and the gain's
+    def through_norm(which, d_proj):  # squares of d_proj's terms -> squares of the projection's, the gain's, the bias'
         shape, inv_sq, x_hat_sq, gain_sq = normed[which]
         d = d_proj.reshape(shape)
         n = shape[-1]
         u = mean_terms(gain_sq * d, n)
         d_x = inv_sq * (u + x_hat_sq * (u * x_hat_sq).sum(axis=-1, keepdims=True) / n ** 2)
-        return d_x.reshape(d_proj.shape), (d * x_hat_sq).sum(axis=tuple(range(d.ndim - 1)))
+        groups = tuple(range(d.ndim - 1))
+        return d_x.reshape(d_proj.shape), (d * x_hat_sq).sum(axis=groups), d.sum(axis=groups)
     q = projected("query", c.num_heads)
     k = np.repeat(projected("key", c.kv_heads), c.group, axis=1)
     v = np.repeat(projected("value", c.kv_heads), c.group, axis=1)
@@ -717,7 +725,9 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     for name, d_heads, n in (("query", d_q, c.num_heads), ("key", d_k, c.kv_heads), ("value", d_v, c.kv_heads)):
         d_proj = _merge_heads(d_heads, n)
         if name[0] in normed:
-            d_proj, grads[f"g_{name[0]}"] = through_norm(name[0], d_proj)
+            d_proj, grads[f"g_{name[0]}"], d_bias = through_norm(name[0], d_proj)
+            if c.qk_norm in QK_NORMS_WITH_BIAS:
+                grads[f"beta_{name[0]}"] = d_bias
         grads[f"W_{name[0]}"] = np.einsum("btd,bte->de", x_sq[name], d_proj)
         grads[name] = d_proj @ sq[f"W_{name[0]}"].T
         if c.bias:
@@ -885,8 +895,10 @@ def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k,
             y = r(r(x) @ w + (0.0 if bias is None else r(bias)))
             if projection_error_of is not None:
                 y = y + _projection_error(np.asarray(x, np.float64), params, name, projection_error_of, None)
-            d_proj, grads[f"g_{name}"] = _qk_norm_vjp(y, getattr(params, f"g_{name}"), d_proj, c, n, r, one_pass,
-                                                      projection_error_of, name)
+            d_proj, grads[f"g_{name}"], d_bias = _qk_norm_vjp(y, getattr(params, f"g_{name}"), d_proj, c, n, r,
+                                                              one_pass, projection_error_of, name)
+            if c.qk_norm in QK_NORMS_WITH_BIAS:
+                grads[f"beta_{name}"] = d_bias
         grads[f"W_{name}"] = r(np.einsum("btd,bte->de", r(x), d_proj))
         grads[{"q": "query", "k": "key", "v": "value"}[name]] = r(d_proj @ r(getattr(params, f"W_{name}")).T)
         if c.bias:

@@ -21,6 +21,7 @@ from mha_harness.contract.conventions import (
     KEY_PADDING_POLARITY,
     QK_NORMS,
     QK_NORMS_PER_HEAD,
+    QK_NORMS_WITH_BIAS,
     causal_offset,
 )
 from mha_harness.contract.scoped import scoped
@@ -54,8 +55,9 @@ def validate_config(config: AttentionConfig) -> None:
     if config.qk_norm is not None and config.qk_norm not in QK_NORMS:
         raise ValueError(f"qk_norm: got {config.qk_norm!r}; accepted: None (no norm on q and k), "
                          f"{', '.join(map(repr, QK_NORMS))} (an RMSNorm over each head's features, as Qwen 3 and "
-                         "Gemma 3 have, or over the whole q and k projections, as OLMo 2 has; a LayerNorm without a "
-                         "bias over each head's features, as ViT-22B and flax's normalize_qk have)")
+                         "Gemma 3 have, or over the whole q and k projections, as OLMo 2 has; a LayerNorm over each "
+                         "head's features, with a bias as timm's qk_norm has, or without one as ViT-22B's and flax's "
+                         "normalize_qk have)")
     eps = config.qk_norm_eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"qk_norm_eps: got {eps!r}; accepted: a finite number >= 0, the epsilon added to the "
@@ -138,6 +140,15 @@ def qk_norm_gain_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
     return {}
 
 
+def qk_norm_bias_shapes(config: AttentionConfig) -> dict[str, tuple[int, ...]]:
+    """The shapes of the q and k LayerNorms' biases ``beta_q`` and ``beta_k`` under ``config.qk_norm`` (empty for a
+    norm without one: :data:`~mha_harness.contract.conventions.QK_NORMS_WITH_BIAS`): one d_head vector each,
+    shared by all heads."""
+    if config.qk_norm in QK_NORMS_WITH_BIAS:
+        return {"beta_q": (config.d_head,), "beta_k": (config.d_head,)}
+    return {}
+
+
 def validate_params(params: AttentionParams) -> None:
     require_config(params.config)
     c = params.config
@@ -145,20 +156,23 @@ def validate_params(params: AttentionParams) -> None:
     shapes = {"W_q": (c.d_model, c.d_model), "W_k": (c.d_model, kv_width),
               "W_v": (c.d_model, kv_width), "W_o": (c.d_model, c.d_model),
               "b_q": (c.d_model,), "b_k": (kv_width,), "b_v": (kv_width,), "b_o": (c.d_model,),
-              "g_q": None, "g_k": None, **qk_norm_gain_shapes(c)}
+              "g_q": None, "g_k": None, **qk_norm_gain_shapes(c),
+              "beta_q": None, "beta_k": None, **qk_norm_bias_shapes(c)}
     for name, shape in shapes.items():
         value = getattr(params, name)
-        wanted = {"b": c.bias, "g": c.qk_norm is not None}.get(name[0], True)
-        flag = {"b": "config.bias is True", "g": f"config.qk_norm is {c.qk_norm!r}"}.get(name[0])
+        kind = "beta" if name.startswith("beta_") else name[0]
+        wanted = {"b": c.bias, "g": c.qk_norm is not None, "beta": c.qk_norm in QK_NORMS_WITH_BIAS}.get(kind, True)
+        flag = {"b": "config.bias is True", "g": f"config.qk_norm is {c.qk_norm!r}",
+                "beta": f"config.qk_norm is {c.qk_norm!r}, a LayerNorm with a bias"}.get(kind)
         if value is None:
             if wanted:
                 raise ValueError(f"{name}: got None; accepted: an array of shape {shape}"
                                  + (f" ({flag})" if flag else ""))
             continue
         if not wanted:
-            raise ValueError(f"{name}: got an array but "
-                             + ("config.bias is False" if name[0] == "b" else "config.qk_norm is None")
-                             + "; accepted: None")
+            unwanted = {"b": "config.bias is False", "g": "config.qk_norm is None",
+                        "beta": f"config.qk_norm is {c.qk_norm!r}, a norm without a bias"}[kind]
+            raise ValueError(f"{name}: got an array but {unwanted}; accepted: None")
         _array(name, value)
         if value.shape != shape:
             raise ValueError(f"{name}: got shape {value.shape}; accepted: {shape} "

@@ -4,6 +4,7 @@ as a GPT-2-style self-attention module (one x, packed c_attn projection) and a s
 packed K/V projection), by composing the bug class with the module class."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -387,6 +388,18 @@ class KVWeightsSwapped(NumpyNaiveLoaded):
             w["b_k"], w["b_v"] = w["b_v"], w["b_k"]
 
 
+class QKWeightsSwapped(NumpyNaiveLoaded):
+    """A wrapper that splits a fused qkv weight in the wrong order: W_q (and b_q) into the key projection, W_k (b_k)
+    into the query projection."""
+
+    def __init__(self, params, dtype):
+        super().__init__(params, dtype)
+        w = self.weights
+        w["W_q"], w["W_k"] = w["W_k"], w["W_q"]
+        if "b_q" in w:
+            w["b_q"], w["b_k"] = w["b_k"], w["b_q"]
+
+
 class WeightsUntransposed(NumpyNaiveLoaded):
     """A wrapper that loads each projection weight W into an (out, in) Linear as it is, where W.T belongs: the layer
     computes x @ W.T (its shapes fit only where W is square: it declares no grouped-query heads)."""
@@ -415,6 +428,26 @@ class QKLayerNormNotCentred(NumpyNaiveLoaded):
 
     def norm_centred(self, groups):
         return groups
+
+
+class QKLayerNormBiasesNotLoaded(NumpyNaiveLoaded):
+    """A wrapper that never loads the q/k LayerNorms' biases (timm's): the norms keep their initial zeros."""
+
+    def norm_bias(self, which):
+        return None
+
+
+class QKNormEpsDefault(NumpyNaiveLoaded):
+    """q/k LayerNorms built with torch's default epsilon, 1e-5, whatever config.qk_norm_eps says (an outside user's
+    timm copy: nn.LayerNorm(d_head) as timm builds it)."""
+
+    def qk_norm(self, y, which):
+        config = self.config
+        self.config = dataclasses.replace(config, qk_norm_eps=1e-5)
+        try:
+            return super().qk_norm(y, which)
+        finally:
+            self.config = config
 
 
 class QKRMSNormCentred(NumpyNaiveLoaded):
@@ -787,6 +820,8 @@ MUTANTS = (
            TiledRunningMaxFromZero, "far below 0"),
     Mutant("mutant-kv-weights-swapped", "a wrapper that loads W_k into the value projection and W_v into the key "
            "projection (an outside user's Equinox copy)", KVWeightsSwapped, "W_k and W_v loaded into each other's"),
+    Mutant("mutant-qk-weights-swapped", "a wrapper that splits a fused qkv weight as [W_k | W_q | W_v] (an outside "
+           "user's timm copy)", QKWeightsSwapped, "W_q and W_k loaded into each other's", grouped_query=False),
     Mutant("mutant-weights-untransposed", "a wrapper that loads W into an (out, in) Linear where W.T belongs (an "
            "outside user's Equinox copy)", WeightsUntransposed, "loaded untransposed", grouped_query=False),
     Mutant("mutant-qk-norm-over-projection", "a per-head q/k norm (Qwen 3's) taken over the whole projection (OLMo "
@@ -800,6 +835,12 @@ MUTANTS = (
            gradients=True, qk_norms=("rms_per_head",)),
     Mutant("mutant-qk-layer-norm-not-centred", "a LayerNorm on q and k (ViT-22B's) computed as an RMSNorm: the mean "
            "is never subtracted", QKLayerNormNotCentred, "an RMSNorm over each head's", qk_norms=("layer_per_head",)),
+    Mutant("mutant-qk-layer-norm-biases-not-loaded", "a wrapper that never loads the q/k LayerNorms' biases (timm's: "
+           "the norms keep their initial zeros)", QKLayerNormBiasesNotLoaded, "without its biases beta_q and beta_k",
+           qk_norms=("layer_per_head",)),
+    Mutant("mutant-qk-norm-eps-default", "q/k LayerNorms built with torch's default epsilon 1e-5 where the config "
+           "says 1e-6 (timm's nn.LayerNorm)", QKNormEpsDefault, "built with epsilon 1e-05",
+           qk_norms=("layer_per_head",)),
     Mutant("mutant-qk-rms-norm-centred", "an RMSNorm on q and k (Qwen 3's) computed as a LayerNorm: each head's mean "
            "is subtracted first", QKRMSNormCentred, "a LayerNorm over each head's", qk_norms=("rms_per_head",)),
     Mutant("mutant-qk-norm-key-forgotten", "normalises q but never calls its k norm", QKNormKeyForgotten,
