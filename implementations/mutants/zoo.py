@@ -380,24 +380,22 @@ class QueryReusedAsScratch(NumpyNaiveLoaded):
 class KVWeightsSwapped(NumpyNaiveLoaded):
     """A wrapper that loads W_k (and b_k) into the value projection and W_v (b_v) into the key projection."""
 
+    #: the two projections whose weights (and biases) are loaded into each other
+    swapped = ("k", "v")
+
     def __init__(self, params, dtype):
         super().__init__(params, dtype)
-        w = self.weights
-        w["W_k"], w["W_v"] = w["W_v"], w["W_k"]
-        if "b_k" in w:
-            w["b_k"], w["b_v"] = w["b_v"], w["b_k"]
+        w, (a, b) = self.weights, self.swapped
+        w[f"W_{a}"], w[f"W_{b}"] = w[f"W_{b}"], w[f"W_{a}"]
+        if f"b_{a}" in w:
+            w[f"b_{a}"], w[f"b_{b}"] = w[f"b_{b}"], w[f"b_{a}"]
 
 
-class QKWeightsSwapped(NumpyNaiveLoaded):
+class QKWeightsSwapped(KVWeightsSwapped):
     """A wrapper that splits a fused qkv weight in the wrong order: W_q (and b_q) into the key projection, W_k (b_k)
     into the query projection."""
 
-    def __init__(self, params, dtype):
-        super().__init__(params, dtype)
-        w = self.weights
-        w["W_q"], w["W_k"] = w["W_k"], w["W_q"]
-        if "b_q" in w:
-            w["b_q"], w["b_k"] = w["b_k"], w["b_q"]
+    swapped = ("q", "k")
 
 
 class WeightsUntransposed(NumpyNaiveLoaded):
