@@ -9,9 +9,10 @@ Soft-capped scores (Gemma 2's ``attn_logit_softcapping``, flash-attn's ``softcap
 any mask (:func:`scores_as_declared`); every other backend with the scores as they are. A score scale of the layer's
 own design (``Capabilities.score_scale``: T5's 1, muP's 1/d_head) replaces the standard 1/sqrt(d_head) the same way.
 A layer whose config has a q/k norm (``AttentionConfig.qk_norm``: Qwen 3's and Gemma 3's RMSNorm of each head, OLMo 2's
-of the whole projection, ViT-22B's LayerNorm of each head) normalises its q and k projections, ``y / sqrt(mean(y^2) +
-eps) * g`` (a LayerNorm's y less its mean), before the scores; the forward, both backwards (the gains ``g_q``, ``g_k``
-get gradients of their own) and the term magnitudes go through it.
+of the whole projection, timm's and ViT-22B's LayerNorm of each head, with and without its bias) normalises its q and
+k projections, ``y / sqrt(mean(y^2) + eps) * g`` (a LayerNorm's y less its mean, then its bias ``beta`` added),
+before the scores; the forward, both backwards (the gains ``g_q``, ``g_k`` and biases ``beta_q``, ``beta_k`` get
+gradients of their own) and the term magnitudes go through it.
 
 Fully masked rows: a query row whose keys are all masked outputs **zeros** before W_o
 (its attention weights are all zero), following flash-attention and torch SDPA >= 2.5.
