@@ -36,9 +36,11 @@ CONFUSED_WITH = {"rms_per_head": ("rms_over_projection", "layer_per_head_no_bias
 #: the epsilons a norm is commonly built with (torch's nn.LayerNorm and timm's 1e-5, flax's and Qwen's 1e-6, ...): a
 #: norm built with one of them where the config says another is ``eps:<value>``
 COMMON_EPSILONS = (1e-5, 1e-6, 1e-8, 1e-12, 0.0)
-#: a LayerNorm's bias not loaded (its initial zeros), named only for a norm with one
+#: a LayerNorm's bias not loaded (its initial zeros), named only for a norm with one (k's bias cancels in the softmax,
+#: so the output shows q's)
 BIASES_IGNORED = ("the q/k LayerNorm without its biases beta_q and beta_k (the biases were not loaded into the "
-                  "layer's norms: their initial zeros)")
+                  "layer's norms: their initial zeros; or the layer's LayerNorm has no bias, and it declares "
+                  "'layer_per_head_no_bias')")
 #: what each mistaken norm does, for the failure message; ``{declared}`` is the config's norm
 MISTAKES = {
     "gains_ignored": ("the q/k norm without its gains g_q and g_k (every normed feature times 1: the gains were not "
@@ -56,6 +58,10 @@ def mistakes_of(kind: str, eps: float = 1e-6) -> dict[str, str]:
     kind of norm, ``eps:<value>`` for another epsilon) and their labels for a failure message."""
     other = {f"other:{k}": f"the q/k norm computed as {_WORDS[k]} where {kind!r} is {_WORDS[kind]}"
              for k in CONFUSED_WITH[kind]}
+    if kind in QK_NORMS_WITH_BIAS:  # a module without a bias swapped in (torch.nn.RMSNorm) drops the bias too
+        other.update({f"other_unbiased:{k}": f"the q/k norm computed as {_WORDS[k]}, without the LayerNorm's bias "
+                                             f"(torch.nn.RMSNorm has none), where {kind!r} is {_WORDS[kind]}"
+                      for k in CONFUSED_WITH[kind] if k not in QK_NORMS_WITH_BIAS})
     biases = {"biases_ignored": BIASES_IGNORED} if kind in QK_NORMS_WITH_BIAS else {}
     epsilons = {f"eps:{e!r}": (f"the q/k norm built with epsilon {e:g} where config.qk_norm_eps is {eps:g} (build "
                                "the norms with eps=config.qk_norm_eps: torch's nn.LayerNorm defaults to 1e-5)")
@@ -67,7 +73,9 @@ def mistaken_qk_norm(params: AttentionParams, mistake: str):
     """``qk_norm_as`` for :func:`~mha_harness.conformance.diagnoses.wrong_layer_output`: the layer's norm
     (``params.config.qk_norm``) with ``mistake`` (a key of :func:`mistakes_of`), computed by the reference's norm."""
     c = params.config
-    config = dataclasses.replace(c, qk_norm=mistake.split(":", 1)[1]) if mistake.startswith("other:") else c
+    other = mistake.startswith(("other:", "other_unbiased:"))
+    config = dataclasses.replace(c, qk_norm=mistake.split(":", 1)[1]) if other else c
+    unbiased = mistake in ("biases_ignored",) or mistake.startswith("other_unbiased:")
     if mistake.startswith("eps:"):
         config = dataclasses.replace(c, qk_norm_eps=float(mistake.split(":", 1)[1]))
 
@@ -82,10 +90,10 @@ def mistaken_qk_norm(params: AttentionParams, mistake: str):
         gain = np.asarray(getattr(params, f"g_{which}"), np.float64)
         gain = {"gains_ignored": np.ones_like(gain), "gains_plus_one": 1.0 + gain}.get(mistake, gain)
         bias = getattr(params, f"beta_{which}")
-        if bias is not None and mistake != "biases_ignored":  # a bias the mistaken norm keeps, wherever it is
+        if bias is not None and not unbiased:  # a bias the mistaken norm keeps, wherever it is
             bias = per_feature(np.asarray(bias, np.float64), y.shape[-1], n_heads)
         return qk_normed(y, per_feature(gain, y.shape[-1], n_heads), config, n_heads,
-                         bias=None if mistake == "biases_ignored" else bias)
+                         bias=None if unbiased else bias)
     return normed
 
 

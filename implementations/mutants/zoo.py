@@ -428,6 +428,14 @@ class QKLayerNormNotCentred(NumpyNaiveLoaded):
         return groups
 
 
+class QKRMSNormModuleForLayerNorm(QKLayerNormNotCentred):
+    """torch.nn.RMSNorm swapped in for a LayerNorm with a bias (timm's): the mean is never subtracted and there is no
+    bias (an outside user's timm copy)."""
+
+    def norm_bias(self, which):
+        return None
+
+
 class QKLayerNormBiasesNotLoaded(NumpyNaiveLoaded):
     """A wrapper that never loads the q/k LayerNorms' biases (timm's): the norms keep their initial zeros."""
 
@@ -831,8 +839,11 @@ MUTANTS = (
     Mutant("mutant-qk-norm-gains-swapped", "a wrapper that loads g_q into the k norm and g_k into the q norm (an "
            "outside user's Qwen 3 copy: the forward is the same)", QKNormGainsSwapped, "loaded into each other's norms",
            gradients=True, qk_norms=("rms_per_head",)),
-    Mutant("mutant-qk-layer-norm-not-centred", "a LayerNorm on q and k (ViT-22B's) computed as an RMSNorm: the mean "
+    Mutant("mutant-qk-layer-norm-not-centred", "a LayerNorm on q and k (timm's) computed as an RMSNorm: the mean "
            "is never subtracted", QKLayerNormNotCentred, "an RMSNorm over each head's", qk_norms=("layer_per_head",)),
+    Mutant("mutant-qk-rms-norm-module-for-layer-norm", "torch.nn.RMSNorm swapped in for timm's q/k LayerNorms (no "
+           "mean subtracted, no bias; an outside user's timm copy)", QKRMSNormModuleForLayerNorm,
+           "without the LayerNorm's bias", qk_norms=("layer_per_head",)),
     Mutant("mutant-qk-layer-norm-biases-not-loaded", "a wrapper that never loads the q/k LayerNorms' biases (timm's: "
            "the norms keep their initial zeros)", QKLayerNormBiasesNotLoaded, "without its biases beta_q and beta_k",
            qk_norms=("layer_per_head",)),
