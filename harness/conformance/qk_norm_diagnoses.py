@@ -41,7 +41,7 @@ COMMON_EPSILONS = (1e-5, 1e-6, 1e-8, 1e-12, 0.0)
 BIASES_IGNORED = ("the q/k LayerNorm without its biases beta_q and beta_k (the biases were not loaded into the "
                   "layer's norms: their initial zeros; or the layer's LayerNorm has no bias, and it declares "
                   "'layer_per_head_no_bias')")
-#: what each mistaken norm does, for the failure message; ``{declared}`` is the config's norm
+#: what each mistaken norm does, for the failure message
 MISTAKES = {
     "gains_ignored": ("the q/k norm without its gains g_q and g_k (every normed feature times 1: the gains were not "
                       "loaded into the layer's norm weights)"),
@@ -75,7 +75,7 @@ def mistaken_qk_norm(params: AttentionParams, mistake: str):
     c = params.config
     other = mistake.startswith(("other:", "other_unbiased:"))
     config = dataclasses.replace(c, qk_norm=mistake.split(":", 1)[1]) if other else c
-    unbiased = mistake in ("biases_ignored",) or mistake.startswith("other_unbiased:")
+    unbiased = mistake == "biases_ignored" or mistake.startswith("other_unbiased:")
     if mistake.startswith("eps:"):
         config = dataclasses.replace(c, qk_norm_eps=float(mistake.split(":", 1)[1]))
 
@@ -92,8 +92,7 @@ def mistaken_qk_norm(params: AttentionParams, mistake: str):
         bias = getattr(params, f"beta_{which}")
         if bias is not None and not unbiased:  # a bias the mistaken norm keeps, wherever it is
             bias = per_feature(np.asarray(bias, np.float64), y.shape[-1], n_heads)
-        return qk_normed(y, per_feature(gain, y.shape[-1], n_heads), config, n_heads,
-                         bias=None if unbiased else bias)
+        return qk_normed(y, per_feature(gain, y.shape[-1], n_heads), config, n_heads, bias=None if unbiased else bias)
     return normed
 
 

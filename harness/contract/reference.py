@@ -228,6 +228,16 @@ def _rms_inverse(x: np.ndarray, eps: float, r=lambda a: a) -> np.ndarray:
     return r(1.0 / np.sqrt(r(r(np.square(x)).mean(axis=-1, keepdims=True) + eps)))
 
 
+def _lane_error(size: np.ndarray, error_of: str, which: str, rows) -> np.ndarray:
+    """:func:`_rounding_error` of ``size`` (batch, n, T, m) for q's or k's norm (``which``), their signs independent:
+    q's and k's take alternate lanes of one (batch, 2n, T, m) sign pattern; ``rows``: the query rows (q's)."""
+    b, n, t, m = size.shape
+    lanes = np.zeros((b, 2 * n, t, m))
+    lane = {"q": 0, "k": 1}[which]
+    lanes[:, lane::2] = size
+    return _rounding_error(lanes, error_of, rows if which == "q" else None)[:, lane::2]
+
+
 def _variance_error(groups: np.ndarray, error_of: str, which: str, rows) -> np.ndarray:
     """The rounding error of ``error_of`` in a LayerNorm's one-pass variance ``mean(y^2) - mean(y)^2`` of each of
     ``groups`` (batch, T, [heads,] features): two roundings at the size of its terms, a pseudo-random sign per
@@ -237,10 +247,7 @@ def _variance_error(groups: np.ndarray, error_of: str, which: str, rows) -> np.n
     size = np.square(groups).mean(axis=-1) + np.square(groups.mean(axis=-1))
     b, t = size.shape[:2]
     size = size.reshape(b, t, -1).transpose(0, 2, 1)  # (batch, groups, T): a sign per group and position
-    lanes = np.zeros((b, 2 * size.shape[1], t, 1))
-    lane = {"q": 0, "k": 1}[which]
-    lanes[:, lane::2, :, 0] = 2 * size
-    error = _rounding_error(lanes, error_of, rows if which == "q" else None)[:, lane::2, :, 0]
+    error = _lane_error(2 * size[..., None], error_of, which, rows)[..., 0]
     return error.transpose(0, 2, 1).reshape(groups.shape[:-1] + (1,))
 
 
@@ -304,10 +311,7 @@ def _projection_error(x, params: AttentionParams, which: str, error_of: str, row
     (:func:`_rounding_error`; q's and k's independent, a query row's the same whichever ``rows`` are computed)."""
     bias = getattr(params, f"b_{which}")
     size = np.abs(x) @ np.abs(getattr(params, f"W_{which}")) + (0.0 if bias is None else np.abs(bias))
-    b, t, w = size.shape
-    lanes = np.zeros((b, 2, t, w))
-    lanes[:, {"q": 0, "k": 1}[which]] = 2 * size
-    return _rounding_error(lanes, error_of, rows if which == "q" else None)[:, {"q": 0, "k": 1}[which]]
+    return _lane_error(2 * size[:, None], error_of, which, rows)[:, 0]
 
 
 def _project_normed(x, params: AttentionParams, which: str, n_heads: int, dtype: str,
