@@ -31,11 +31,13 @@ ALL_FORMS = ("separate", "shared_kv", "self", "kv_cache")
 CROSS_FORMS = ("separate", "shared_kv")
 
 
-def small_layer(backend, *, bias: bool = False, num_kv_heads=None, seed: int = 0, **overrides):
-    """A small layer (d_model 32, 4 heads) using biases only where the backend declares them."""
+def small_layer(backend, *, bias: bool = False, num_kv_heads=None, seed: int = 0, rotary=None,
+                rotary_base: float = 10_000.0, **overrides):
+    """A small layer (d_model 32, 4 heads) using biases only where the backend declares them (``rotary``: with those
+    rotary embeddings)."""
     shape = {**SMALL, **overrides}
     config = AttentionConfig(shape["d_model"], shape["num_heads"], num_kv_heads,
-                             bias=bias and backend.capabilities.bias)
+                             bias=bias and backend.capabilities.bias, rotary=rotary, rotary_base=rotary_base)
     return make_params(config, seed=seed)
 
 

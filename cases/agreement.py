@@ -64,11 +64,26 @@ QK_NORM_GRID = {
     "qk_layer_norm_no_bias_per_head": (2, 4, 16, 24, 24, True, None, "layer_per_head_no_bias"),
 }
 
+#: rows of layers with rotary position embeddings (Capabilities.rotary; GRID's tuple, then the q/k norm, the rotary
+#: pairing and its base): Llama 2's rotate_half with grouped-query heads and biases over 64 positions, Meta's
+#: interleaved pairs at Llama 3's base, the queries as the last 7 of 64 positions (a KV-cache step: a layer that turns
+#: them as positions 0 .. 6 passes every Tq = Tk row), and Qwen 3's layer (its per-head RMSNorm, then rotary at base
+#: 1,000,000). A backend that declares no rotary skips them naming it.
+ROTARY_GRID = {
+    "rotary_half_split": (2, 4, 16, 64, 64, True, 2, None, "half_split", 10_000.0),
+    "rotary_interleaved": (1, 2, 32, 48, 48, False, None, None, "interleaved", 500_000.0),
+    "rotary_more_keys": (2, 4, 16, 7, 64, False, 2, None, "half_split", 500_000.0),
+    "rotary_qk_norm_per_head": (2, 4, 16, 40, 40, False, 2, "rms_per_head", "half_split", 1_000_000.0),
+}
 
-def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None) -> str | None:
+
+def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None, rotary=None) -> str | None:
     """Why the backend cannot run a GRID row, from its declarations (the skip reason), or None. Biases are never a
     reason: a bias-free backend runs the row without them."""
     caps = backend.capabilities
+    if rotary and rotary not in caps.rotary:
+        return (f"does not declare rotary {rotary!r} (Capabilities.rotary: a layer with rotary position embeddings, "
+                "as Llama, Mistral and Qwen have, declares its pairing)")
     if qk_norm and qk_norm not in caps.qk_norms:
         return (f"does not declare qk_norms {qk_norm!r} (Capabilities.qk_norms: a layer with a norm of q and k, "
                 "as Qwen 3, Gemma 3, OLMo 2 and ViT-22B have, declares it)")
@@ -91,17 +106,20 @@ def _grid_variants(backend):
     caps = backend.capabilities
     out, refused = [], []
     for dtype in caps.dtypes:
-        rows = [(name, row + (None,)) for name, row in GRID.items()] + list(QK_NORM_GRID.items())
-        for name, (batch, heads, d_head, tq, tk, bias, kv, qk_norm) in rows:
+        rows = ([(name, row + (None, None, None)) for name, row in GRID.items()]
+                + [(name, row + (None, None)) for name, row in QK_NORM_GRID.items()] + list(ROTARY_GRID.items()))
+        for name, (batch, heads, d_head, tq, tk, bias, kv, qk_norm, rotary, base) in rows:
             v = {"dtype": dtype, "variant": name, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq,
                  "tk": tk, "bias": bias and caps.bias}
             if kv:
                 v["kv_heads"] = kv
             if qk_norm:
                 v["qk_norm"] = qk_norm
+            if rotary:
+                v["rotary"], v["rotary_base"] = rotary, base
             if caps.inputs == "separate" and tq == tk:  # called as a self-attention model calls it: labelled so
                 v["one_x"] = True
-            refusal = _grid_row_refusal(backend, tq, tk, kv, qk_norm)
+            refusal = _grid_row_refusal(backend, tq, tk, kv, qk_norm, rotary)
             if refusal is None:
                 out.append(v)
             elif dtype == primary_dtype(backend):
@@ -119,14 +137,16 @@ def _inputs(form, config, batch, tq, tk=None, seed=1, one_x=False, **masks):
 
 @case(variants=_grid_variants, forms=ALL_FORMS)
 def check_output_matches_reference(backend, *, form, dtype, variant, batch, heads, d_head, seq, tk, bias,
-                                   kv_heads=None, one_x=False, qk_norm=None):
+                                   kv_heads=None, one_x=False, qk_norm=None, rotary=None, rotary_base=10_000.0):
     """Over a grid of batch sizes, sequence lengths (self and cross), head counts and widths, with and without
     biases, in every declared dtype, the output equals the float64 reference within the tolerance rule. A
     separate-form backend gets one x at Tq == Tk (``one_x``: how a self-attention model calls it; the other cases
     give it separate arrays) and separate arrays at Tq != Tk. A layer with a norm on q and k (``qk_norm``, declared
     in ``Capabilities.qk_norms``) runs its rows with that norm and gains that are not 1: the norm's axis and gains
-    are checked too."""
-    config = AttentionConfig(heads * d_head, heads, kv_heads, bias=bias, qk_norm=qk_norm)
+    are checked too; one with rotary position embeddings (``rotary``, declared in ``Capabilities.rotary``) runs its
+    rows turned at the positions of :func:`~mha_harness.contract.conventions.rotary_positions`, with the row's base."""
+    config = AttentionConfig(heads * d_head, heads, kv_heads, bias=bias, qk_norm=qk_norm, rotary=rotary,
+                             rotary_base=rotary_base)
     params = make_params(config, seed=seq + tk)
     inputs = _inputs(form, config, batch, seq, tk, seed=batch + heads, one_x=one_x)
     # an always-causal backend's grid runs causal: a failure names the causal-mask mistake it matches (as every

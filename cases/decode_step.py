@@ -14,6 +14,9 @@ from mha_harness.contract.params import make_inputs
 STEPS = {"one_new_query": (1, None, False, KEYS_ACROSS_BLOCKS - 1),
          "five_new_queries": (5, 2, True, KEYS_ACROSS_BLOCKS - 5),
          "prompt_into_empty_cache": (5, None, False, 0)}
+#: the rotary step: a layer with rotary embeddings (each kind it declares, at Llama 3's base) writes its new keys
+#: turned at their own positions and turns its queries at theirs, Tk - Tq .. Tk - 1, not from 0
+ROTARY_STEP = (5, 2, True, KEYS_ACROSS_BLOCKS - 5, 500_000.0)
 
 
 def _step_variants(backend):
@@ -27,17 +30,24 @@ def _step_variants(backend):
         if kv_heads and caps.grouped_query:
             v["kv_heads"] = kv_heads
         out.append(v)
+    tq, kv_heads, bias, cached, base = ROTARY_STEP
+    for kind in caps.rotary:
+        v = {"dtype": primary_dtype(backend), "variant": f"rotary_{kind}", "tq": tq, "tk": tq + cached,
+             "bias": bias and caps.bias, "rotary": kind, "rotary_base": base}
+        out.append(v | ({"kv_heads": kv_heads} if caps.grouped_query else {}))
     return out
 
 
 @case(variants=_step_variants, forms=("separate", "shared_kv", "kv_cache"))
-def check_decode_step_over_filled_cache_matches_reference(backend, *, dtype, variant, tq, tk, bias, kv_heads=None):
+def check_decode_step_over_filled_cache_matches_reference(backend, *, dtype, variant, tq, tk, bias, kv_heads=None,
+                                                          rotary=None, rotary_base=10_000.0):
     """A decode step whose cache was filled from the first Tk - Tq positions (65 keys in all, across a tiled
     kernel's blocks; or none, a prompt into an empty cache) returns, on its first and on its second call, the
     output the float64 reference gives for the whole KV-cache call: the step writes x_new's keys and values into
     the cache before its queries attend, and every call attends over the same Tk positions. Skips for a backend
-    without a decode step."""
-    params = small_layer(backend, bias=bias, num_kv_heads=kv_heads, seed=tq)
+    without a decode step. A layer with rotary embeddings (each kind it declares) turns the cached keys, the new keys
+    and the new queries at their own positions."""
+    params = small_layer(backend, bias=bias, num_kv_heads=kv_heads, seed=tq, rotary=rotary, rotary_base=rotary_base)
     inputs = as_kv_cache_call(make_inputs(params.config, 2, tq, tk, seed=tq, causal=BOTTOM_RIGHT))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     first, second = backend.load(params, dtype=dtype).decode_step(inputs)

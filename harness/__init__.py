@@ -31,6 +31,7 @@ _PUBLIC = {
     "function_backend": "mha_harness.toolkit.function_backend",
     "configure_jax": "mha_harness.toolkit.jax_setup",
     "parametrize_with_cases": "mha_harness.pytest_plugin",
+    "rotary_positions": "mha_harness.contract.conventions",
 }
 
 __version__ = "0.1.0"
@@ -41,7 +42,7 @@ __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionO
            "make_params",
            "masks",
            "parametrize_with_cases", "reference_attention", "reference_vjp", "reference_vjp_magnitudes", "repro",
-           "score_scale_as"]
+           "rotary_positions", "score_scale_as"]
 
 
 def load_core() -> None:

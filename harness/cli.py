@@ -310,6 +310,8 @@ def cmd_list(args) -> int:
                 parts.append(f"scores soft-capped at {caps.logit_softcap:g}")
             if getattr(caps, "qk_norms", ()):
                 parts.append(f"q/k norms {','.join(caps.qk_norms)}")
+            if getattr(caps, "rotary", ()):
+                parts.append(f"rotary {','.join(caps.rotary)}")
             print(f"{'':<{width}}  " + "; ".join(parts))
             divergences = entry.backend.divergences
             if args.verbose:

@@ -106,6 +106,36 @@ def qk_normed(y, gain, kind: str | None, d_head: int, eps: float, bias=None):
     return normed.reshape(b, t, width)
 
 
+def rotary_turned(x, positions, kind: str | None, base: float):
+    """Heads ``x`` (B, n, T, d_head) at ``positions`` (T,) turned by rotary embeddings of ``kind``: Hugging Face's
+    ``rotate_half`` form, ``x * cos + rotate_half(x) * sin`` with the angles repeated over both halves, for
+    ``"half_split"``; the pairs (2i, 2i + 1) for ``"interleaved"``; ``x`` for None. The angles ``p / base ** (2i /
+    d_head)`` in float32 (float64 for a float64 layer), as transformers computes them, cos and sin then cast to the
+    heads' dtype."""
+    import torch
+    if kind is None:
+        return x
+    d_head = x.shape[-1]
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (base ** (torch.arange(0, d_head, 2, dtype=torch.int64, device=x.device).to(work) / d_head))
+    angles = positions.to(device=x.device, dtype=work)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    if kind == "half_split":
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        rotate_half = torch.cat([-x[..., d_head // 2:], x[..., :d_head // 2]], dim=-1)
+        return x * cos + rotate_half * sin
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+
+
+def call_positions(tq: int, tk: int, device=None):
+    """The rotary positions of a call's queries and keys as int64 tensors
+    (:func:`~mha_harness.contract.conventions.rotary_positions`: the queries are the last Tq of Tk positions)."""
+    import torch
+    return (torch.arange(tk - tq, tk, dtype=torch.int64, device=device),
+            torch.arange(tk, dtype=torch.int64, device=device))
+
+
 class TorchLoaded(LoadedAttention):
     """Parameters as torch tensors on the backend's device; subclasses implement ``forward_tensors``."""
 
@@ -242,6 +272,11 @@ class LinearTorchLoaded(TorchLoaded):
                           self.config.qk_norm_eps, self.w.get(f"beta_{which}"))
         return y
 
+    def rotate(self, heads, positions):
+        """Heads of q or k (B, n, T, d_head) at ``positions`` turned by the layer's rotary embeddings (unchanged
+        without them: :func:`rotary_turned`)."""
+        return rotary_turned(heads, positions, self.config.rotary, self.config.rotary_base)
+
     def split_heads(self, x, n_heads: int):
         """(B, T, n*d_head) -> (B, n, T, d_head)."""
         b, t, _ = x.shape
@@ -253,9 +288,9 @@ class LinearTorchLoaded(TorchLoaded):
         raise NotImplementedError(f"{type(self).__name__} has no attention core of its own (attend_heads)")
 
     def prepare_decode_step(self, inputs: AttentionInputs):
-        """The cached positions' keys and values projected once into a zeroed cache of all Tk slots; each step
-        projects x_new, writes its keys and values into the last Tq slots, attends over the cache
-        (:meth:`attend_heads`) and applies W_o."""
+        """The cached positions' keys and values projected (keys turned at their positions: :meth:`rotate`) once into
+        a zeroed cache of all Tk slots; each step projects x_new, writes its keys and values into the last Tq slots,
+        attends over the cache (:meth:`attend_heads`) and applies W_o."""
         if type(self).attend_heads is LinearTorchLoaded.attend_heads:  # no attention core of its own
             raise NotImplementedError(f"{type(self).__name__} has no decode step (attend_heads)")
         torch, c, start = self.torch, self.config, inputs.tk - inputs.tq
@@ -264,16 +299,20 @@ class LinearTorchLoaded(TorchLoaded):
             cache = {which: torch.zeros((inputs.batch, c.kv_heads, inputs.tk, c.d_head), dtype=self.dtype,
                                         device=self.device) for which in "kv"}
             cached = self.tensor(inputs.cached)
+            q_pos, k_pos = call_positions(inputs.tq, inputs.tk, self.device)
+            turned = {"k": self.rotate, "v": lambda heads, at: heads}
             for which, kv in cache.items():
-                kv[:, :, :start] = self.split_heads(self.project(cached, which), c.kv_heads)
+                kv[:, :, :start] = turned[which](self.split_heads(self.project(cached, which), c.kv_heads),
+                                                 k_pos[:start])
         device = self.device
 
         def step():
             with torch.no_grad():
                 for which, kv in cache.items():
-                    kv[:, :, start:] = self.split_heads(self.project(x_new, which), c.kv_heads)
-                heads = self.attend_heads(self.split_heads(self.project(x_new, "q"), c.num_heads), cache["k"],
-                                          cache["v"], inputs)
+                    kv[:, :, start:] = turned[which](self.split_heads(self.project(x_new, which), c.kv_heads),
+                                                     k_pos[start:])
+                heads = self.attend_heads(self.rotate(self.split_heads(self.project(x_new, "q"), c.num_heads),
+                                                      q_pos), cache["k"], cache["v"], inputs)
                 b, h, t, dh = heads.shape
                 out = self.project(heads.transpose(1, 2).reshape(b, t, h * dh), "o")
             synchronize(device)

@@ -17,7 +17,15 @@ from mha_harness.contract.api import (
     Capabilities,
     LoadedAttention,
 )
-from mha_harness.contract.conventions import MASK_POLARITY, QK_NORMS, QK_NORMS_CENTRED, QK_NORMS_PER_HEAD
+from mha_harness.contract.conventions import (
+    MASK_POLARITY,
+    QK_NORMS,
+    QK_NORMS_CENTRED,
+    QK_NORMS_PER_HEAD,
+    ROTARY_KINDS,
+    rotary_pairs,
+    rotary_positions,
+)
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.toolkit.masks import full_mask
 
@@ -65,6 +73,39 @@ class NumpyNaiveLoaded(LoadedAttention):
         normed = groups * inv * gain
         bias = self.norm_bias(which)
         return (normed if bias is None else normed + bias).reshape(b, t, width)
+
+    def rotary_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """The feature indices (a, b) of each pair the rotary embeddings turn (``config.rotary``'s pairing)."""
+        return rotary_pairs(self.config.rotary, self.config.d_head)
+
+    def rotary_base(self) -> float:
+        """The base of the rotary frequencies: ``config.rotary_base``."""
+        return self.config.rotary_base
+
+    def rotary_angles(self, positions: np.ndarray) -> np.ndarray:
+        """The angles (T, d_head/2), ``position * base ** (-2i / d_head)``: in float32 for a float32 layer (as
+        kernels compute them), in float64 for a float64 one."""
+        work = np.float64 if self.dtype == np.float64 else np.float32
+        i = np.arange(0, self.config.d_head, 2, dtype=work)
+        inv_freq = work(1.0) / work(self.rotary_base()) ** (i / work(self.config.d_head))
+        return positions.astype(work)[:, None] * inv_freq[None, :]
+
+    def rotate(self, x: np.ndarray, positions: np.ndarray, which: str) -> np.ndarray:
+        """Heads ``x`` (B, n, T, d_head) of q or k (``which``) at ``positions`` turned by the layer's rotary
+        embeddings, each pair (x_a, x_b) to (x_a cos - x_b sin, x_b cos + x_a sin); ``x`` without them."""
+        if self.config.rotary is None:
+            return x
+        a, b = self.rotary_pairs()
+        angles = self.rotary_angles(positions)
+        cos, sin = np.cos(angles).astype(self.dtype), np.sin(angles).astype(self.dtype)
+        out = np.empty_like(x)
+        out[..., a] = x[..., a] * cos - x[..., b] * sin
+        out[..., b] = x[..., b] * cos + x[..., a] * sin
+        return out
+
+    def positions(self, tq: int, tk: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rotary positions of a call's queries and keys (:func:`rotary_positions`)."""
+        return rotary_positions(tq, tk)
 
     def split_heads(self, x: np.ndarray, n_heads: int) -> np.ndarray:
         """(B, T, n*d_head) -> (B, n, T, d_head): split the *feature* axis."""
@@ -125,7 +166,8 @@ class NumpyNaiveLoaded(LoadedAttention):
         q, k, v = (self.split_heads(self.project(np.asarray(getattr(inputs, name), self.dtype), which), n)
                    for name, which, n in (("query", "q", c.num_heads), ("key", "k", c.kv_heads),
                                           ("value", "v", c.kv_heads)))
-        return q, k, v
+        q_pos, k_pos = self.positions(inputs.tq, inputs.tk)
+        return self.rotate(q, q_pos, "q"), self.rotate(k, k_pos, "k"), v
 
     def expand_kv_heads(self, kv: np.ndarray) -> np.ndarray:
         """Grouped-query K or V (B, kv_heads, T, d_head) as (B, heads, T, d_head): each key/value head repeated for
@@ -147,23 +189,28 @@ class NumpyNaiveLoaded(LoadedAttention):
         return self.weighted_values(weights, v), weights
 
     def prepare_decode_step(self, inputs: AttentionInputs):
-        """The cached positions' keys and values projected once into a zeroed cache of all Tk slots; each step
-        projects x_new, writes its keys and values into the last Tq slots, attends over the cache and applies W_o."""
+        """The cached positions' keys and values projected (keys turned at their positions) once into a zeroed cache
+        of all Tk slots; each step projects x_new, writes its keys and values into the last Tq slots, attends over the
+        cache and applies W_o."""
         c, start = self.config, inputs.tk - inputs.tq
         x_new = np.asarray(inputs.query, self.dtype)
         cache = {which: np.zeros((inputs.batch, c.kv_heads, inputs.tk, c.d_head), self.dtype) for which in "kv"}
+        q_pos, k_pos = self.positions(inputs.tq, inputs.tk)
+        turned = {"k": lambda heads, at: self.rotate(heads, k_pos[at], "k"), "v": lambda heads, at: heads}
         with np.errstate(invalid="ignore", over="ignore"):
             for which, kv in cache.items():
-                kv[:, :, :start] = self.split_heads(self.project(np.asarray(inputs.cached, self.dtype), which),
-                                                    c.kv_heads)
+                kv[:, :, :start] = turned[which](
+                    self.split_heads(self.project(np.asarray(inputs.cached, self.dtype), which), c.kv_heads),
+                    slice(0, start))
         masks = self.masks(inputs)
 
         def write():
             for which, kv in cache.items():
-                kv[:, :, start:] = self.split_heads(self.project(x_new, which), c.kv_heads)
+                kv[:, :, start:] = turned[which](self.split_heads(self.project(x_new, which), c.kv_heads),
+                                                 slice(start, None))
 
         def attend():
-            q = self.split_heads(self.project(x_new, "q"), c.num_heads)
+            q = self.rotate(self.split_heads(self.project(x_new, "q"), c.num_heads), q_pos, "q")
             return self.output_projection(self.merge_heads(self.attend_projected(q, cache["k"], cache["v"], masks,
                                                                                  inputs)[0]))
 
@@ -184,7 +231,8 @@ class NumpyNaive(AttentionBackend):
     native_causal = "explicit masks in both alignments"
     native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     memory_method = "tracemalloc"
-    capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=True, qk_norms=QK_NORMS)
+    capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=True, qk_norms=QK_NORMS,
+                                rotary=ROTARY_KINDS)
     loaded_class = NumpyNaiveLoaded
 
     def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:

@@ -8,13 +8,15 @@ from __future__ import annotations
 import math
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
-from mha_harness.contract.conventions import MASK_POLARITY, QK_NORMS
+from mha_harness.contract.conventions import MASK_POLARITY, QK_NORMS, ROTARY_KINDS
 from mha_harness.implementations._torch_common import (
     GPU_DTYPES,
     TORCH_DTYPES,
     LinearTorchLoaded,
     TorchBackend,
+    call_positions,
     qk_normed,
+    rotary_turned,
 )
 from mha_harness.toolkit.masks import full_mask
 
@@ -35,7 +37,8 @@ def weighted_values(torch, weights, values):
 
 
 def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: int, need_weights: bool,
-                attention=None, qk_norm: str | None = None, qk_norm_eps: float = 1e-6):
+                attention=None, qk_norm: str | None = None, qk_norm_eps: float = 1e-6, rotary: str | None = None,
+                rotary_base: float = 10_000.0):
     """The whole layer on tensors: projections, head split, masked softmax, weighted values, W_o.
 
     ``w`` maps canonical names (W_q, b_q, ...) to x @ W tensors; ``allowed`` (True = attend) and ``additive``
@@ -43,7 +46,9 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     can trace it once per shape (torch-compile-cpu). ``attention``: the per-head core, :func:`eager_attention`
     when None (a test swaps in another). ``qk_norm``: the q and k projections then go through that norm
     (:func:`~mha_harness.implementations._torch_common.qk_normed`) with the gains ``w["g_q"]``, ``w["g_k"]`` (and a
-    LayerNorm's biases ``w["beta_q"]``, ``w["beta_k"]``)."""
+    LayerNorm's biases ``w["beta_q"]``, ``w["beta_k"]``). ``rotary``: each head of q and k is then turned by rotary
+    embeddings of that kind and base (:func:`~mha_harness.implementations._torch_common.rotary_turned`) at the
+    call's positions (the queries the last Tq of the Tk positions)."""
     attention = attention or eager_attention
     def project(x, which):
         y = x @ w[f"W_{which}"]
@@ -56,8 +61,11 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     def split(x, n):
         b, t, width = x.shape
         return x.reshape(b, t, n, width // n).transpose(1, 2)
-    out, weights = attention(split(project(q, "q"), num_heads), split(project(k, "k"), kv_heads),
-                             split(project(v, "v"), kv_heads), allowed, additive, need_weights)
+    qh, kh = split(project(q, "q"), num_heads), split(project(k, "k"), kv_heads)
+    if rotary is not None:
+        q_pos, k_pos = call_positions(q.shape[1], k.shape[1], q.device)
+        qh, kh = rotary_turned(qh, q_pos, rotary, rotary_base), rotary_turned(kh, k_pos, rotary, rotary_base)
+    out, weights = attention(qh, kh, split(project(v, "v"), kv_heads), allowed, additive, need_weights)
     b, h, t, dh = out.shape
     return project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), weights
 
@@ -96,21 +104,23 @@ class TorchEagerLoaded(LinearTorchLoaded):
         c = self.config
         allowed, additive = full_mask(inputs)
         return self.layer(q, k, v, self.w, self.mask_tensor(allowed), self.mask_tensor(additive), c.num_heads,
-                          c.kv_heads, need_weights, qk_norm=c.qk_norm, qk_norm_eps=c.qk_norm_eps)
+                          c.kv_heads, need_weights, qk_norm=c.qk_norm, qk_norm_eps=c.qk_norm_eps, rotary=c.rotary,
+                          rotary_base=c.rotary_base)
 
 
 class TorchEager(TorchBackend):
     name = "torch-eager"
     native_causal = "explicit masks in both alignments"
     native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
-    capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=TORCH_DTYPES, qk_norms=QK_NORMS)
+    capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=TORCH_DTYPES, qk_norms=QK_NORMS,
+                                rotary=ROTARY_KINDS)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
         self.name = "torch-eager" if device == "cpu" else f"torch-eager-{device}"
         if device != "cpu":
             self.capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=GPU_DTYPES,
-                                             devices=(device,), qk_norms=QK_NORMS)
+                                             devices=(device,), qk_norms=QK_NORMS, rotary=ROTARY_KINDS)
 
     def native_parameter_shapes(self, config: AttentionConfig):
         from mha_harness.contract.params import make_params

@@ -29,6 +29,7 @@ from mha_harness.conformance.diagnoses import (
 )
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
 from mha_harness.conformance.qk_norm_diagnoses import QK_NORM_MATCH, qk_norm_hint, qk_norm_match
+from mha_harness.conformance.rotary_diagnoses import ROTARY_MATCH, rotary_hint
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -85,7 +86,7 @@ class CaseFailure(AssertionError):
         if diagnosis is None:
             diagnosis = hint.removeprefix("; ").strip()
         message, guess = str(self), self.guess
-        if (SOFTCAP_MATCH in hint or SCALE_MATCH in hint or QK_NORM_MATCH in hint) and guess:
+        if (SOFTCAP_MATCH in hint or SCALE_MATCH in hint or QK_NORM_MATCH in hint or ROTARY_MATCH in hint) and guess:
             message, guess = message.replace(guess, ""), ""
         return CaseFailure(message + hint, self.max_error, self.observed, diagnosis or self.diagnosis, guess)
 
@@ -601,7 +602,8 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     constant vector, and on whole outputs (``rows`` None) a wrong score scale, a known wrong layer
     (:func:`~mha_harness.conformance.diagnoses.layer_mistake`: heads split by tokens, heads concatenated
     feature-major, a softmax over the queries, no W_o), a q/k-norm mistake
-    (:func:`~mha_harness.conformance.qk_norm_diagnoses.qk_norm_hint`) or a mask mistake
+    (:func:`~mha_harness.conformance.qk_norm_diagnoses.qk_norm_hint`), a rotary mistake
+    (:func:`~mha_harness.conformance.rotary_diagnoses.rotary_hint`) or a mask mistake
     (:func:`~mha_harness.conformance.diagnoses.mask_mistake`, its wrong calls' rows without a key under the empty-row
     convention the backend follows), else right only where a row sees a single key
     (:func:`~mha_harness.conformance.diagnoses.single_key_rows_hint`)."""
@@ -611,7 +613,7 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
         return offset               # whole outputs
     got = np.asarray(got, np.float64)
     return (scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
-            or qk_norm_hint(got, params, inputs, tol.bound)
+            or qk_norm_hint(got, params, inputs, tol.bound) or rotary_hint(got, params, inputs, tol.bound)
             or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs)
             or scores_fit_hint(got, params, inputs, tol.bound)
             or single_key_rows_hint(got, expected, tol.bound, params, inputs))

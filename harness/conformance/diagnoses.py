@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
-from mha_harness.contract.conventions import causal_offset
+from mha_harness.contract.conventions import causal_offset, rotary_positions
 from mha_harness.contract.mistakes import (
     KV_HEADS_TILED,
     LOADED_UNTRANSPOSED,
@@ -35,6 +35,7 @@ from mha_harness.contract.reference import (
     empty_rows_convention,
     qk_normed,
     reference_attention,
+    rotated,
     score_scale,
     soft_capped,
 )
@@ -73,7 +74,9 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
         elif which != "v":
             y = qk_normed(y, getattr(params, f"g_{which}"), c, n, bias=getattr(params, f"beta_{which}"))
         b, t, width = y.shape
-        return y.reshape(b, n, t, width // n) if split_in else y.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
+        h = y.reshape(b, n, t, width // n) if split_in else y.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)
+        return h if which == "v" else rotated(h, positions[which], c, which=which)
+    positions = dict(zip("qk", rotary_positions(inputs.tq, inputs.tk)))
     q = heads(inputs.query, params.W_q, params.b_q, c.num_heads, "q")
     def expand(kv):
         return np.tile(kv, (1, c.group, 1, 1)) if kv_tiled else np.repeat(kv, c.group, axis=1)

@@ -92,6 +92,8 @@ def describe(example: dict[str, Any] | None) -> str:
         parts.append("bias")
     if e.get("qk_norm"):
         parts.append(f"qk_norm {e['qk_norm']}")
+    if e.get("rotary"):
+        parts.append(f"rotary {e['rotary']} base {float(e.get('rotary_base', 10_000.0)):g}")
     if e.get("causal"):
         parts.append(f"causal {e['causal']}")
     if e.get("padding"):

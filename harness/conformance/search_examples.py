@@ -6,7 +6,8 @@ An *example* is a plain dict (what ``mha-harness search`` draws, shrinks, prints
      "d_head": 2, "bias": false, "causal": null, "padding": null, "attn_mask": null, "logit_scale": 1,
      "cut": 0, "poison": "random", "gradients": false, "malformed": null, "seed": 0}
 
-(plus ``"decode_step": true`` or ``"qk_norm": "rms_per_head"`` where drawn).
+(plus ``"decode_step": true``, ``"qk_norm": "rms_per_head"`` or ``"rotary": "half_split", "rotary_base": 500000.0``
+where drawn).
 
 :func:`build` rebuilds the parameters and inputs from it deterministically (seeded NumPy), and
 :func:`check_example` states the property: the backend's output equals the float64 reference under the one
@@ -189,7 +190,8 @@ def build(example: Mapping[str, Any]) -> tuple[AttentionParams, AttentionInputs]
     e = example
     heads, kv = int(e["heads"]), int(e["kv_heads"])
     config = AttentionConfig(heads * int(e["d_head"]), heads, None if kv == heads else kv, bias=bool(e["bias"]),
-                             qk_norm=e.get("qk_norm"))
+                             qk_norm=e.get("qk_norm"), rotary=e.get("rotary"),
+                             rotary_base=float(e.get("rotary_base", 10_000.0)))
     params = make_params(config, seed=int(e["seed"]))
     g = float(np.sqrt(float(e.get("logit_scale", 1))))
     if g != 1.0:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from mha_harness.conformance.casekit import bad_calls
 from mha_harness.conformance.search_examples import FORMS, Coverage
 from mha_harness.contract.api import AttentionBackend
+from mha_harness.contract.conventions import COMMON_ROTARY_BASES
 
 #: sequence lengths: every small one, then both sides of power-of-two tile sizes (and one in between), in the order
 #: hypothesis shrinks them (towards the front)
@@ -49,6 +50,9 @@ class SearchSpace:
     decode_step: bool = False
     #: the norms on q and k the backend declares (Capabilities.qk_norms): examples draw one of them or none
     qk_norms: tuple[str, ...] = ()
+    #: the rotary embeddings the backend declares (Capabilities.rotary): examples at an even d_head draw one of them
+    #: (at a common base) or none
+    rotary: tuple[str, ...] = ()
 
     @classmethod
     def for_backend(cls, backend: AttentionBackend, *, quick: bool = False, dtypes: tuple[str, ...] | None = None,
@@ -87,6 +91,7 @@ class SearchSpace:
             # one is known only by asking (a backend without one answers Unsupported and the property is not run)
             decode_step=caps.inputs != "self" and caps.cross_attention and "bottom-right" in caps.causal_alignments,
             qk_norms=caps.qk_norms,
+            rotary=caps.rotary,
         )
 
 
@@ -162,6 +167,11 @@ def examples(draw, space: SearchSpace):
         norm = draw(st.sampled_from((None, *space.qk_norms)))
         if norm:
             example["qk_norm"] = norm
+    if space.rotary and example["d_head"] % 2 == 0:  # rotary turns pairs of features (absent when None)
+        kind = draw(st.sampled_from((None, *space.rotary)))
+        if kind:
+            example["rotary"] = kind
+            example["rotary_base"] = draw(st.sampled_from(COMMON_ROTARY_BASES))
     return example
 
 

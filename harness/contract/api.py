@@ -38,6 +38,7 @@ from mha_harness.contract.conventions import (
     INPUT_FORMS,
     PARAM_NAMES,
     QK_NORMS,
+    ROTARY_KINDS,
 )
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.score_scale import checked_score_scale
@@ -110,6 +111,12 @@ class Capabilities:
     flax's normalize_qk): the cases then also run layers whose ``config.qk_norm`` is one of them, with the norm's gains
     ``g_q`` and ``g_k`` (and a LayerNorm's biases ``beta_q``, ``beta_k``) among the parameters, and every other case a
     layer without one (a wrapper builds its module's norms from ``config.qk_norm``, the identity when it is None).
+    ``rotary`` (empty) names the rotary position embeddings the layer can be built with
+    (:data:`~mha_harness.contract.conventions.ROTARY_KINDS`: ``"half_split"``, Hugging Face's Llama, Mistral and Qwen;
+    ``"interleaved"``, GPT-J and Meta's Llama code): the cases then also run layers whose ``config.rotary`` is one of
+    them, at the positions :func:`~mha_harness.contract.conventions.rotary_positions` gives, and every other case a
+    layer without it (a wrapper of a layer that always rotates gives every token one position there: see
+    docs/plugins.md).
     Malformed values (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused
     here, so nothing is declared by accident.
     """
@@ -133,6 +140,7 @@ class Capabilities:
     logit_softcap: float | None = None
     score_scale: float | str | None = None
     qk_norms: tuple[str, ...] = ()
+    rotary: tuple[str, ...] = ()
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -148,6 +156,7 @@ class Capabilities:
         self._names("dtypes", DTYPES, allow_empty=False)
         self._names("devices", None, allow_empty=False)
         self._names("qk_norms", QK_NORMS, allow_empty=True)
+        self._names("rotary", ROTARY_KINDS, allow_empty=True)
         if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool)
                                              or not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
             raise ValueError(f"Capabilities.max_seq_len: got {self.max_seq_len!r}; accepted: None or an integer >= 1")
@@ -305,6 +314,13 @@ class AttentionConfig:
     qk_norm: str | None = None
     #: the epsilon added to the mean square (a LayerNorm's variance) inside the norm's square root
     qk_norm_eps: float = 1e-6
+    #: rotary position embeddings on each head of q and k after the projections and the q/k norm (None: none):
+    #: ``"half_split"`` (Hugging Face's rotate_half: Llama, Mistral, Qwen) or ``"interleaved"`` (GPT-J, Meta's
+    #: Llama code); key j at position j, query i at i + Tk - Tq (:data:`~mha_harness.contract.conventions.ROTARY_KINDS`,
+    #: :func:`~mha_harness.contract.conventions.rotary_positions`)
+    rotary: str | None = None
+    #: the rotary frequencies' base: pair i turns by position * rotary_base ** (-2i / d_head)
+    rotary_base: float = 10_000.0
 
     def __post_init__(self):
         validate_config(self)
@@ -698,6 +714,12 @@ class AttentionBackend:
                              + (f"qk_norms={self.capabilities.qk_norms!r}" if self.capabilities.qk_norms
                                 else "no norm on q and k (Capabilities.qk_norms is empty)")
                              + f"; accepted: {' or '.join(map(repr, (None, *self.capabilities.qk_norms)))}")
+        rotary = params.config.rotary
+        if rotary is not None and rotary not in self.capabilities.rotary:
+            raise ValueError(f"rotary: got {rotary!r} but {self.name} declares "
+                             + (f"rotary={self.capabilities.rotary!r}" if self.capabilities.rotary
+                                else "no rotary position embeddings (Capabilities.rotary is empty)")
+                             + f"; accepted: {' or '.join(map(repr, (None, *self.capabilities.rotary)))}")
         if params.config.kv_heads != params.config.num_heads and not self.capabilities.grouped_query:
             raise ValueError(f"num_kv_heads: got {params.config.kv_heads} but {self.name} does not support "
                              f"grouped-query heads; accepted: num_kv_heads == num_heads ({params.config.num_heads})")

@@ -105,3 +105,33 @@ QK_NORMS_PER_HEAD = ("rms_per_head", "layer_per_head", "layer_per_head_no_bias")
 QK_NORMS_CENTRED = ("layer_per_head", "layer_per_head_no_bias")
 #: the norms of :data:`QK_NORMS` that add a bias (``beta_q``, ``beta_k``) after the gain
 QK_NORMS_WITH_BIAS = ("layer_per_head",)
+
+# --- rotary position embeddings -------------------------------------------------------------------------------
+
+#: ``AttentionConfig.rotary``: rotary position embeddings (RoPE) applied to each head of q and of k after their
+#: projection (and after the q/k norm), before the scores: each pair of features (x_a, x_b) at position p is rotated
+#: by the angle p * base^(-2i / d_head) of its frequency i (i = 0 .. d_head/2 - 1): (x_a cos - x_b sin, x_b cos +
+#: x_a sin). ``half_split`` pairs feature i with feature i + d_head/2 (GPT-NeoX, Hugging Face's ``rotate_half``:
+#: Llama, Mistral, Qwen in transformers); ``interleaved`` pairs features 2i and 2i + 1 (GPT-J, Meta's original Llama
+#: code with complex numbers, ``torchtune``'s RotaryPositionalEmbeddings)
+ROTARY_KINDS = ("half_split", "interleaved")
+#: the frequency bases of common models (``AttentionConfig.rotary_base``): 10,000 (Llama 1 and 2, GPT-NeoX,
+#: Mistral 7B v0.1), 500,000 (Llama 3), 1,000,000 (Qwen 2 and 3, Mistral 7B v0.2, Code Llama)
+COMMON_ROTARY_BASES = (10_000.0, 500_000.0, 1_000_000.0)
+
+
+def rotary_positions(tq: int, tk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions rotary embeddings use in a call of Tq queries and Tk keys: key j at position j, query i at
+    position i + Tk - Tq (the queries are the last Tq positions, as in a KV-cache step: the causal mask's
+    bottom-right alignment; at Tq = Tk both are 0 .. T - 1). Returns (query positions, key positions), int64."""
+    return np.arange(tq, dtype=np.int64) + (tk - tq), np.arange(tk, dtype=np.int64)
+
+
+def rotary_pairs(kind: str, d_head: int) -> tuple[np.ndarray, np.ndarray]:
+    """The feature indices ``(a, b)`` of each rotated pair of frequency i (``a[i]``, ``b[i]``) under ``kind``."""
+    half = np.arange(d_head // 2)
+    if kind == "half_split":
+        return half, half + d_head // 2
+    if kind == "interleaved":
+        return 2 * half, 2 * half + 1
+    raise ValueError(f"rotary: got {kind!r}; accepted: {', '.join(map(repr, ROTARY_KINDS))}")

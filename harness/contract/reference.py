@@ -12,7 +12,9 @@ A layer whose config has a q/k norm (``AttentionConfig.qk_norm``: Qwen 3's and G
 of the whole projection, timm's and ViT-22B's LayerNorm of each head, with and without its bias) normalises its q and
 k projections, ``y / sqrt(mean(y^2) + eps) * g`` (a LayerNorm's y less its mean, then its bias ``beta`` added),
 before the scores; the forward, both backwards (the gains ``g_q``, ``g_k`` and biases ``beta_q``, ``beta_k`` get
-gradients of their own) and the term magnitudes go through it.
+gradients of their own) and the term magnitudes go through it. Rotary position embeddings
+(``AttentionConfig.rotary``: Hugging Face's rotate_half pairing or GPT-J's interleaved one) turn each head's q and k
+after the norm, key j at position j and query i at i + Tk - Tq; the backward turns their gradients back.
 
 Fully masked rows: a query row whose keys are all masked outputs **zeros** before W_o
 (its attention weights are all zero), following flash-attention and torch SDPA >= 2.5.
@@ -46,6 +48,8 @@ from mha_harness.contract.conventions import (
     QK_NORMS_PER_HEAD,
     QK_NORMS_WITH_BIAS,
     causal_offset,
+    rotary_pairs,
+    rotary_positions,
     round_to,
 )
 from mha_harness.contract.numerics import weighted_values
@@ -155,6 +159,82 @@ def soft_capped(scores: np.ndarray, r=lambda x: x) -> np.ndarray:
     stage rounded with ``r``."""
     cap = _LOGIT_SOFTCAP.get()
     return scores if cap is None else r(cap * np.tanh(r(scores / cap)))
+
+
+#: the rotary mistakes the reference can make, for diagnoses (:func:`rotary_mistaken`): only q or only k turned,
+#: the queries turned at positions 0 .. Tq - 1 where a KV-cache step's or a cross call's are Tk - Tq .. Tk - 1, or
+#: q and k turned before their q/k norm instead of after it (forward only)
+ROTARY_MISTAKES = ("q_only", "k_only", "queries_from_zero", "before_norm")
+_ROTARY_MISTAKE: contextvars.ContextVar[str | None] = contextvars.ContextVar("rotary_mistake", default=None)
+
+
+@contextlib.contextmanager
+def rotary_mistaken(mistake: str | None):
+    """Within this block the reference applies a layer's rotary embeddings with ``mistake`` (one of
+    :data:`ROTARY_MISTAKES`; None: as the config says), forward and backward: what a diagnosis compares with."""
+    if mistake is not None and mistake not in ROTARY_MISTAKES:
+        raise ValueError(f"mistake: got {mistake!r}; accepted: None, {', '.join(map(repr, ROTARY_MISTAKES))}")
+    with scoped(_ROTARY_MISTAKE, mistake):
+        yield
+
+
+def rotary_tables(positions: np.ndarray, d_head: int, base: float, dtype: str = "float64"
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the rotary angles ``p * base ** (-2i / d_head)``, (len(positions), d_head // 2), rounded to
+    ``dtype``. Below float64 the angles are computed as kernels compute them, in float32 whatever the dtype (the
+    frequencies ``1 / base ** (2i / d_head)`` and their products with the positions each rounded to float32: at
+    position p an angle is off by about p * 2^-24), which at long positions is most of a float32 layer's error."""
+    i = np.arange(d_head // 2, dtype=np.float64)
+    p = np.asarray(positions, np.float64)[:, None]
+    if dtype == "float64":
+        theta = p * np.float64(base) ** (-2.0 * i / d_head)
+    else:
+        f32 = lambda a: np.asarray(a, np.float32).astype(np.float64)  # noqa: E731
+        theta = f32(p * f32(1.0 / f32(f32(base) ** f32(2.0 * i / d_head))))
+    return round_to(np.cos(theta), dtype), round_to(np.sin(theta), dtype)
+
+
+def _call_positions(inputs: AttentionInputs, rows=None) -> tuple[np.ndarray, np.ndarray]:
+    """The rotary positions of the call's queries (those of ``rows``) and keys, as :func:`rotary_positions` gives
+    them, or the queries' from 0 under the ``queries_from_zero`` mistake."""
+    q_pos, k_pos = rotary_positions(inputs.tq, inputs.tk)
+    if _ROTARY_MISTAKE.get() == "queries_from_zero":
+        q_pos = np.arange(inputs.tq, dtype=np.int64)
+    return (q_pos if rows is None else q_pos[np.asarray(rows)]), k_pos
+
+
+def rotated(x: np.ndarray, positions: np.ndarray, config, dtype: str = "float64", which: str = "q",
+            inverse: bool = False) -> np.ndarray:
+    """Heads ``x`` (batch, heads, T, d_head) at ``positions`` (T,) turned by the config's rotary embeddings (its
+    pairs: :func:`~mha_harness.contract.conventions.rotary_pairs`; ``x`` itself without them, or for ``which``
+    (q or k) under a :func:`rotary_mistaken` that leaves it out), each stage rounded to ``dtype``. ``inverse``:
+    turned back (the transpose: the backward of the rotation)."""
+    mistake = _ROTARY_MISTAKE.get()
+    if config.rotary is None or (mistake, which) in (("q_only", "k"), ("k_only", "q")):
+        return x
+    r = lambda a: round_to(a, dtype)  # noqa: E731
+    a, b = rotary_pairs(config.rotary, config.d_head)
+    cos, sin = rotary_tables(positions, config.d_head, config.rotary_base, dtype)
+    if inverse:
+        sin = -sin
+    xa, xb = x[..., a], x[..., b]
+    ya, yb = r(r(xa * cos) - r(xb * sin)), r(r(xb * cos) + r(xa * sin))
+    out = np.empty(x.shape, ya.dtype)
+    out[..., a], out[..., b] = ya, yb
+    return out
+
+
+def _rotated_squares(x_sq: np.ndarray, positions: np.ndarray, config) -> np.ndarray:
+    """The squares of the terms of each rotated entry (:func:`rotated`, either way) from those of ``x_sq``'s:
+    ``cos^2 x_a^2 + sin^2 x_b^2`` (a rotated entry is a sum of two terms)."""
+    if config.rotary is None:
+        return x_sq
+    a, b = rotary_pairs(config.rotary, config.d_head)
+    cos, sin = (np.square(t) for t in rotary_tables(positions, config.d_head, config.rotary_base))
+    out = np.empty_like(x_sq)
+    out[..., a] = cos * x_sq[..., a] + sin * x_sq[..., b]
+    out[..., b] = cos * x_sq[..., b] + sin * x_sq[..., a]
+    return out
 
 
 def _softcap_slope(q, k, scale: float) -> np.ndarray | None:
@@ -315,19 +395,35 @@ def _projection_error(x, params: AttentionParams, which: str, error_of: str, row
 
 
 def _project_normed(x, params: AttentionParams, which: str, n_heads: int, dtype: str,
-                    one_pass: bool = False, error_of: str | None = None, rows=None) -> np.ndarray:
+                    one_pass: bool = False, error_of: str | None = None, rows=None, before_norm=None) -> np.ndarray:
     """The projection ``which`` (q, k or v) of ``x``, through the q/k norm for q and k (``one_pass``: a
     LayerNorm's variance in one pass, :func:`_norm_parts`), split into heads. ``error_of``: a dtype; a normed
     projection then carries its rounding before the norm (:func:`_projection_error`; ``rows``: the query rows
     ``x`` holds), which a norm can magnify where a group's spread is small against eps or its mean: the error of a
-    kernel whose projections sum in that dtype."""
+    kernel whose projections sum in that dtype. ``before_norm``: a function of the projection (batch, T, width) applied
+    before the norm (a diagnosis' mistake)."""
     y = _project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"), dtype)
     if which != "v" and error_of is not None and params.config.qk_norm is not None:
         y = y + _projection_error(x, params, which, error_of, rows)
+    if which != "v" and before_norm is not None:
+        y = before_norm(y)
     if which != "v":
         y = qk_normed(y, getattr(params, f"g_{which}"), params.config, n_heads, lambda a: round_to(a, dtype),
                       one_pass, error_of, which, rows, getattr(params, f"beta_{which}"))
     return _heads(y, n_heads)
+
+
+def _turned_heads(x, params: AttentionParams, which: str, n_heads: int, dtype: str, positions, one_pass: bool = False,
+                  error_of: str | None = None, rows=None) -> np.ndarray:
+    """q's or k's heads (:func:`_project_normed`) turned by the rotary embeddings at ``positions`` (:func:`rotated`):
+    after the q/k norm, or before it under the ``before_norm`` mistake."""
+    c = params.config
+    if _ROTARY_MISTAKE.get() == "before_norm" and c.qk_norm is not None and c.rotary is not None:
+        def early(y):
+            return _merge_heads(rotated(_heads(y, n_heads), positions, c, dtype, which), n_heads)
+        return _project_normed(x, params, which, n_heads, dtype, one_pass, error_of, rows, before_norm=early)
+    return rotated(_project_normed(x, params, which, n_heads, dtype, one_pass, error_of, rows), positions, c, dtype,
+                   which)
 
 
 def _empty_row_weight(empty_rows: str, tk: int) -> float:
@@ -428,8 +524,9 @@ def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype
     query = inputs.query if rows is None else inputs.query[:, np.asarray(rows)]
     error_of = projection_error_of or score_error_of
     # the fused kernels' algorithm (scale_first) also takes a LayerNorm's variance in one pass, as flax's does
-    q = _project_normed(query, params, "q", c.num_heads, dtype, scale_first, error_of, rows)
-    k = np.repeat(_project_normed(inputs.key, params, "k", c.kv_heads, dtype, scale_first, error_of), c.group,
+    q_pos, k_pos = _call_positions(inputs, rows)
+    q = _turned_heads(query, params, "q", c.num_heads, dtype, q_pos, scale_first, error_of, rows)
+    k = np.repeat(_turned_heads(inputs.key, params, "k", c.kv_heads, dtype, k_pos, scale_first, error_of), c.group,
                   axis=1)
     v = np.repeat(_project_normed(inputs.value, params, "v", c.kv_heads, dtype), c.group, axis=1)
     scale = score_scale(c.d_head)
@@ -467,7 +564,7 @@ def _call_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes:
     c = params.config
     query = np.asarray(inputs.query)
     same = lambda x: "same as query" if x is inputs.query else np.asarray(x)  # noqa: E731
-    return _digest(c.d_model, c.num_heads, c.kv_heads, c.bias, c.qk_norm, c.qk_norm_eps,
+    return _digest(c.d_model, c.num_heads, c.kv_heads, c.bias, c.qk_norm, c.qk_norm_eps, c.rotary, c.rotary_base,
                    *(getattr(params, n) for n in PARAM_NAMES),
                    query, same(inputs.key), same(inputs.value), inputs.causal, inputs.key_padding_mask,
                    inputs.attn_mask)
@@ -497,7 +594,7 @@ def _held_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes | No
 
 def _content_key(kind: str, params: AttentionParams, inputs: AttentionInputs, *extra) -> bytes:
     return _digest(kind, _held_digest(params, inputs) or _call_digest(params, inputs), _LOGIT_SOFTCAP.get(),
-                   _SCORE_SCALE.get(), *extra)
+                   _SCORE_SCALE.get(), _ROTARY_MISTAKE.get(), *extra)
 
 
 class _ContentCache:
@@ -704,8 +801,9 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
         d_x = inv_sq * (u + x_hat_sq * (u * x_hat_sq).sum(axis=-1, keepdims=True) / n ** 2)
         groups = tuple(range(d.ndim - 1))
         return d_x.reshape(d_proj.shape), (d * x_hat_sq).sum(axis=groups), d.sum(axis=groups)
-    q = projected("query", c.num_heads)
-    k = np.repeat(projected("key", c.kv_heads), c.group, axis=1)
+    q_pos, k_pos = _call_positions(inputs)
+    q = _rotated_squares(projected("query", c.num_heads), q_pos, c)
+    k = np.repeat(_rotated_squares(projected("key", c.kv_heads), k_pos, c), c.group, axis=1)
     v = np.repeat(projected("value", c.kv_heads), c.group, axis=1)
     q_exact, k_exact, _, p, _, scale, allowed = _forward_parts(params, inputs, None, "float64")
     p2, scale2 = np.square(p), scale ** 2
@@ -724,8 +822,8 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     slope = _softcap_slope(q_exact, k_exact, scale)
     if slope is not None:
         d_s = d_s * np.square(slope)
-    d_q = d_s @ k * scale2
-    d_k = d_s.transpose(0, 1, 3, 2) @ q * scale2
+    d_q = _rotated_squares(d_s @ k * scale2, q_pos, c)
+    d_k = _rotated_squares(d_s.transpose(0, 1, 3, 2) @ q * scale2, k_pos, c)
 
     for name, d_heads, n in (("query", d_q, c.num_heads), ("key", d_k, c.kv_heads), ("value", d_v, c.kv_heads)):
         d_proj = _merge_heads(d_heads, n)
@@ -869,18 +967,22 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
     if held is not None:  # dS = P * (dP - row) = 0 on rows whose scores the layer replaced by a constant
         d_p, row = np.where(held, 0.0, d_p), np.where(held, 0.0, row)
     return _vjp_from_weights(params, inputs, g, q, k, v, p, concat, scale, d_o, d_p, row, r, one_pass=flash,
-                             projection_error_of=score_error_of)
+                             projection_error_of=score_error_of, dtype=dtype)
 
 
 def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k, v, p, concat, scale, d_o, d_p,
                       row, r, swap_kv: bool = False, one_pass: bool = False,
-                      projection_error_of: str | None = None) -> dict:
+                      projection_error_of: str | None = None, dtype: str = "float64") -> dict:
     """The backward from the softmax weights ``p`` and its row term ``row`` on: dV, dS = P * (dP - row), dQ, dK,
     then through the projections to the inputs and parameters; ``r`` rounds after every stage. ``swap_kv``: the
     heads' dK and dV exchanged before the projections (a diagnosis' wrong backward). ``one_pass``: a LayerNorm's
     variance in one pass (:func:`_norm_parts`), as the forward's fused algorithm takes it. ``projection_error_of``:
-    the normed projections carry that dtype's rounding (:func:`_projection_error`), as in the forward."""
+    the normed projections carry that dtype's rounding (:func:`_projection_error`), as in the forward. ``dtype``:
+    the one ``r`` rounds to (the rotary tables' and the gradients' turn back in it)."""
     c = params.config
+    if _ROTARY_MISTAKE.get() == "before_norm":
+        raise ValueError("rotary_mistaken('before_norm') has a forward only; accepted in a backward: None, "
+                         + ", ".join(repr(m) for m in ROTARY_MISTAKES if m != "before_norm"))
     grads = {"W_o": r(np.einsum("btd,bte->de", concat, g))}
     d_v = r(p.transpose(0, 1, 3, 2) @ d_o)
     d_s = r(p * r(d_p - row))
@@ -889,6 +991,10 @@ def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k,
         d_s = r(d_s * slope)
     d_q = r(d_s @ k * scale)
     d_k = r(d_s.transpose(0, 1, 3, 2) @ q * scale)
+    if c.rotary is not None:  # turned back: the rotation's transpose
+        q_pos, k_pos = _call_positions(inputs)
+        d_q = rotated(d_q, q_pos, c, dtype, "q", inverse=True)
+        d_k = rotated(d_k, k_pos, c, dtype, "k", inverse=True)
     if swap_kv:
         d_k, d_v = d_v, d_k
 

@@ -22,6 +22,7 @@ from mha_harness.contract.conventions import (
     QK_NORMS,
     QK_NORMS_PER_HEAD,
     QK_NORMS_WITH_BIAS,
+    ROTARY_KINDS,
     causal_offset,
 )
 from mha_harness.contract.scoped import scoped
@@ -58,6 +59,18 @@ def validate_config(config: AttentionConfig) -> None:
                          "Gemma 3 have, or over the whole q and k projections, as OLMo 2 has; a LayerNorm over each "
                          "head's features, with a bias as timm's qk_norm has, or without one as ViT-22B's and flax's "
                          "normalize_qk have)")
+    if config.rotary is not None:
+        if config.rotary not in ROTARY_KINDS:
+            raise ValueError(f"rotary: got {config.rotary!r}; accepted: None (no rotary position embeddings), "
+                             f"{', '.join(map(repr, ROTARY_KINDS))} (features i and i + d_head/2 paired, as Hugging "
+                             "Face's rotate_half; or 2i and 2i + 1, as GPT-J and Meta's Llama code)")
+        if (d_model // num_heads) % 2:
+            raise ValueError(f"rotary: got {config.rotary!r} with d_head = {d_model // num_heads}; accepted: an even "
+                             "d_head (rotary embeddings turn pairs of a head's features), or rotary=None")
+    base = config.rotary_base
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
+        raise ValueError(f"rotary_base: got {base!r}; accepted: a finite number > 1, the base of the rotary "
+                         "frequencies (10000.0 for Llama 2, 500000.0 for Llama 3, 1000000.0 for Qwen 2 and 3)")
     eps = config.qk_norm_eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"qk_norm_eps: got {eps!r}; accepted: a finite number >= 0, the epsilon added to the "
@@ -97,7 +110,7 @@ def require_config(config) -> None:
     """``config`` must be an AttentionConfig (a TypeError naming ``config`` otherwise)."""
     _require_kind("config", config, ("d_model", "num_heads", "kv_heads", "d_head", "bias"),
                   "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False, "
-                  "qk_norm=None, qk_norm_eps=1e-6)")
+                  "qk_norm=None, qk_norm_eps=1e-6, rotary=None, rotary_base=10000.0)")
 
 
 def require_params(params) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, Capabilities
-from mha_harness.contract.conventions import causal_offset
+from mha_harness.contract.conventions import ROTARY_KINDS, causal_offset, rotary_pairs
 from mha_harness.contract.reference import reference_vjp
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
 from mha_harness.implementations.numpy_tiled import NumpyTiledLoaded
@@ -36,6 +36,8 @@ class Mutant:
     qk_norms: tuple[str, ...] = ()
     #: whether it declares grouped-query heads (a mutant whose shapes fit only full-width K/V declares none)
     grouped_query: bool = True
+    #: the rotary embeddings it declares (Capabilities.rotary): a rotary mutant declares the ones it gets wrong
+    rotary: tuple[str, ...] = ()
 
 
 class SelfAttentionModule(NumpyNaiveLoaded):
@@ -486,6 +488,67 @@ class QKNormKeyForgotten(NumpyNaiveLoaded):
         return y if which == "k" else super().qk_norm(y, which)
 
 
+class RotaryOtherPairing(NumpyNaiveLoaded):
+    """Rotary embeddings that pair the other features: GPT-J's (2i, 2i + 1) where Hugging Face's rotate_half pairs i
+    with i + d_head/2, or the other way round (Meta's Llama weights loaded into a rotate_half layer without
+    transformers' permutation of W_q and W_k)."""
+
+    def rotary_pairs(self):
+        other = {"half_split": "interleaved", "interleaved": "half_split"}[self.config.rotary]
+        return rotary_pairs(other, self.config.d_head)
+
+
+class RotaryBaseDefault(NumpyNaiveLoaded):
+    """Rotary embeddings built with the common default base 10,000 whatever config.rotary_base says (a Llama 3 or
+    Qwen layer whose rope_theta was never passed on)."""
+
+    def rotary_base(self):
+        return 10_000.0
+
+
+class RotaryKeysNotTurned(NumpyNaiveLoaded):
+    """Turns q by its rotary embeddings but not k (the key's rotary call dropped in a rewrite)."""
+
+    def rotate(self, x, positions, which):
+        return x if which == "k" else super().rotate(x, positions, which)
+
+
+class RotaryQueriesFromZero(NumpyNaiveLoaded):
+    """Turns the queries at positions 0 .. Tq - 1 whatever the keys before them: in a KV-cache step (or any call with
+    fewer queries than keys) the new tokens get the cache's first positions, not their own (position_ids never
+    offset by the cache length)."""
+
+    def positions(self, tq, tk):
+        _, keys = super().positions(tq, tk)
+        return np.arange(tq), keys
+
+
+class RotaryBeforeNorm(NumpyNaiveLoaded):
+    """Turns q and k before their q/k norm instead of after it (Qwen 3 norms each head, then applies rotary)."""
+
+    def project(self, x, which):
+        y = x @ self.weights[f"W_{which}"]
+        bias = self.weights.get(f"b_{which}")
+        y = y if bias is None else y + bias
+        if which in ("q", "k") and self.config.rotary is not None:
+            b, t, width = y.shape
+            n = width // self.config.d_head
+            positions = self._positions[which]
+            y = self.rotate(y.reshape(b, t, n, -1).transpose(0, 2, 1, 3), positions, which) \
+                .transpose(0, 2, 1, 3).reshape(b, t, width)
+        return self.qk_norm(y, which) if which in ("q", "k") and self.config.qk_norm else y
+
+    def prepare_decode_step(self, inputs):
+        raise NotImplementedError("no decode step: its keys are turned inside the projection")
+
+    def heads(self, inputs):
+        self._positions = dict(zip("qk", self.positions(inputs.tq, inputs.tk)))
+        c = self.config
+        return tuple(self.split_heads(self.project(np.asarray(getattr(inputs, name), self.dtype), which), n)
+                     for name, which, n in (("query", "q", c.num_heads), ("key", "k", c.kv_heads),
+                                            ("value", "v", c.kv_heads)))
+
+
 class _GradientMutant(NumpyNaiveLoaded):
     """numpy-naive forward with reference gradients, so gradient cases have something to catch."""
 
@@ -854,6 +917,19 @@ MUTANTS = (
            "is subtracted first", QKRMSNormCentred, "a LayerNorm over each head's", qk_norms=("rms_per_head",)),
     Mutant("mutant-qk-norm-key-forgotten", "normalises q but never calls its k norm", QKNormKeyForgotten,
            "k is not normed", qk_norms=("rms_over_projection",)),
+    Mutant("mutant-rotary-other-pairing", "rotary embeddings that pair features 2i and 2i + 1 where the layer's "
+           "rotate_half pairs i and i + d_head/2, and the other way round (Meta's Llama weights in a Hugging Face "
+           "layer without the W_q/W_k permutation)", RotaryOtherPairing, "pairs features", rotary=ROTARY_KINDS),
+    Mutant("mutant-rotary-base-default", "rotary embeddings built with base 10,000 whatever config.rotary_base says "
+           "(Llama 3's rope_theta never passed on)", RotaryBaseDefault, "base 10000", rotary=ROTARY_KINDS),
+    Mutant("mutant-rotary-keys-not-turned", "turns q by its rotary embeddings but not k", RotaryKeysNotTurned,
+           "k is not turned", rotary=ROTARY_KINDS),
+    Mutant("mutant-rotary-queries-from-zero", "turns the queries of a call with fewer queries than keys (a KV-cache "
+           "step) at positions 0 .. Tq - 1, not Tk - Tq .. Tk - 1 (position_ids never offset by the cache length)",
+           RotaryQueriesFromZero, "positions 0 .. Tq - 1", rotary=ROTARY_KINDS),
+    Mutant("mutant-rotary-before-norm", "turns q and k by rotary before their per-head RMSNorm, not after it (Qwen 3 "
+           "norms, then turns)", RotaryBeforeNorm, "before their q/k norm", qk_norms=("rms_per_head",),
+           rotary=ROTARY_KINDS),
     Mutant("mutant-decode-step-attends-before-writing", "a KV-cache decode step attends over its cache before it "
            "writes x_new's keys and values into it (its forward is right)", DecodeStepAttendsBeforeWriting,
            "attends before it writes"),
@@ -911,7 +987,7 @@ class MutantBackend(NumpyNaive):
         self.capabilities = Capabilities(dtypes=("float32",), gradients=mutant.gradients, max_seq_len=512,
                                          inputs=mutant.inputs, attention_weights=weights,
                                          cross_attention=mutant.cross_attention, qk_norms=mutant.qk_norms,
-                                         grouped_query=mutant.grouped_query)
+                                         grouped_query=mutant.grouped_query, rotary=mutant.rotary)
         self.loaded_class = mutant.loaded
 
     def native_parameter_shapes(self, config):

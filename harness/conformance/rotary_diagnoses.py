@@ -1,0 +1,95 @@
+"""Known mistakes of rotary position embeddings (``AttentionConfig.rotary``), computed by the reference, so a failed
+comparison can name the one its output matches: the other pairing of features (GPT-J's interleaved pairs where
+Hugging Face's rotate_half pairs i with i + d_head/2, or the other way round), another common base, only one of q
+and k turned, the queries of a call with fewer queries than keys turned from position 0, q and k turned before the
+q/k norm, or no rotary at all; and, for a layer run without rotary, that its output matches q and k turned anyway (a
+wrapped Llama-style module given positions 0 .. T - 1 where the harness's layer has none)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mha_harness.contract.api import AttentionInputs, AttentionParams
+from mha_harness.contract.conventions import COMMON_ROTARY_BASES, ROTARY_KINDS
+from mha_harness.contract.mistakes import distance, explains
+from mha_harness.contract.reference import reference_attention, rotary_mistaken
+
+#: every rotary diagnosis says so (a failure with one drops its guess of a precision from the error's size)
+ROTARY_MATCH = "rotary embeddings"
+#: what each pairing is, for the failure messages
+_PAIRS = {"half_split": "features i and i + d_head/2 (Hugging Face's rotate_half, GPT-NeoX)",
+          "interleaved": "features 2i and 2i + 1 (GPT-J, Meta's Llama code with complex numbers)"}
+#: what each mistake the reference can make (:func:`~mha_harness.contract.reference.rotary_mistaken`) is
+_MISTAKEN = {
+    "q_only": "rotary embeddings applied to q only: k is not turned",
+    "k_only": "rotary embeddings applied to k only: q is not turned",
+    "queries_from_zero": ("the queries' rotary embeddings turned at positions 0 .. Tq - 1 where they are the last "
+                          "Tq of the Tk positions, Tk - Tq .. Tk - 1 (a KV-cache step's position_ids not offset by "
+                          "the cache length; key j is at position j)"),
+    "before_norm": ("q and k turned by their rotary embeddings before their q/k norm where they are normed first, "
+                    "then turned (Qwen 3)"),
+}
+
+
+def _candidates(params: AttentionParams, inputs: AttentionInputs):
+    """(label, wrong parameters, the reference's mistake or None) for each rotary mistake of this layer."""
+    c = params.config
+    if c.rotary is None:
+        if c.d_head % 2:
+            return
+        for kind in ROTARY_KINDS:
+            for base in COMMON_ROTARY_BASES:
+                turned = dataclasses.replace(c, rotary=kind, rotary_base=base)
+                yield (f"; the output matches rotary embeddings ({kind!r}, base {base:g}) in a layer built without "
+                       "them: give every token, cached and new, one and the same position (a Llama-style module "
+                       "then checks everything but positions; \"A layer with rotary position embeddings\" in "
+                       f"docs/plugins.md), or declare Capabilities(rotary=({kind!r},)) and build the layer's "
+                       "rotary from config.rotary and config.rotary_base", params.replace(config=turned), None)
+        return
+    other = next(k for k in ROTARY_KINDS if k != c.rotary)
+    yield (f"; the output matches rotary embeddings that pair {_PAIRS[other]} where config.rotary {c.rotary!r} pairs "
+           f"{_PAIRS[c.rotary]} (Meta's Llama weights in a rotate_half layer need transformers' permutation of W_q "
+           "and W_k's rows within each head)", params.replace(config=dataclasses.replace(c, rotary=other)), None)
+    for base in COMMON_ROTARY_BASES:
+        if base != c.rotary_base:
+            yield (f"; the output matches rotary embeddings built with base {base:g} where config.rotary_base is "
+                   f"{c.rotary_base:g} (build them from config.rotary_base: rope_theta not passed on)",
+                   params.replace(config=dataclasses.replace(c, rotary_base=base)), None)
+    yield ("; the output matches no rotary embeddings at all (q and k never turned: declare only the rotary the layer "
+           "applies)", params.replace(config=dataclasses.replace(c, rotary=None)), None)
+    for mistake, label in _MISTAKEN.items():
+        if mistake == "queries_from_zero" and inputs.tq == inputs.tk:
+            continue  # the same positions
+        if mistake == "before_norm" and c.qk_norm is None:
+            continue
+        yield "; the output matches " + label, params, mistake
+
+
+def rotary_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                 compare: np.ndarray | None = None) -> tuple[str, float] | None:
+    """The rotary mistake a failing whole output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains better
+    than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), the closest of those that match, as
+    (sentence to append, its distance from ``got``); None when none matches. ``compare``: the (batch, Tq) rows of
+    ``got`` that are specified."""
+    pick = (lambda a: np.asarray(a, np.float64)) if compare is None \
+        else (lambda a: np.asarray(a, np.float64)[np.broadcast_to(compare, np.shape(a)[:2])])
+    got = pick(got)
+    if not np.all(np.isfinite(got)):
+        return None
+    truth = pick(reference_attention(params, inputs).output)
+    margin = max(10 * bound, 1e-4)
+    found = []
+    for label, wrong_params, mistake in _candidates(params, inputs):
+        with rotary_mistaken(mistake):
+            wrong = pick(reference_attention(wrong_params, inputs).output)
+        if distance(got, wrong) <= margin and explains(got, wrong, truth):
+            found.append((label, distance(got, wrong)))
+    return min(found, key=lambda f: f[1]) if found else None
+
+
+def rotary_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                compare: np.ndarray | None = None) -> str:
+    """:func:`rotary_match`'s sentence, or ""."""
+    found = rotary_match(got, params, inputs, bound, compare)
+    return "" if found is None else found[0]

@@ -1,0 +1,197 @@
+"""Rotary position embeddings: the reference, the declarations, the backends that declare them, the cases and the
+diagnoses of the rotary mistakes people make."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mha_harness
+from mha_harness.contract.api import AttentionConfig, Capabilities
+from mha_harness.contract.conventions import ROTARY_KINDS, rotary_positions
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import reference_attention, reference_vjp, reference_vjp_magnitudes
+from tests.test_qk_norm import _finite_difference
+
+GRID = "check_output_matches_reference"
+
+
+def _llama_rotary(x, positions, base, kind):
+    """An independent rotary: Hugging Face's rotate_half (half_split), or Meta's complex multiplication
+    (interleaved), on (batch, heads, T, d_head) heads."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (np.arange(0, d, 2) / d)
+    angles = np.outer(positions, inv_freq)
+    if kind == "interleaved":
+        pairs = x.reshape(*x.shape[:-1], d // 2, 2)
+        turned = (pairs[..., 0] + 1j * pairs[..., 1]) * np.exp(1j * angles)
+        return np.stack([turned.real, turned.imag], axis=-1).reshape(x.shape)
+    emb = np.concatenate([angles, angles], axis=-1)
+    rotate_half = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+    return x * np.cos(emb) + rotate_half * np.sin(emb)
+
+
+def _attention_with_rotary(params, inputs, kind, base):
+    c = params.config
+    heads = lambda y, n: y.reshape(*y.shape[:2], n, -1).transpose(0, 2, 1, 3)  # noqa: E731
+    q_pos, k_pos = rotary_positions(inputs.tq, inputs.tk)
+    q = _llama_rotary(heads(inputs.query @ params.W_q, c.num_heads), q_pos, base, kind)
+    k = np.repeat(_llama_rotary(heads(inputs.key @ params.W_k, c.kv_heads), k_pos, base, kind), c.group, axis=1)
+    v = np.repeat(heads(inputs.value @ params.W_v, c.kv_heads), c.group, axis=1)
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(c.d_head)
+    if inputs.causal:
+        s = np.where(np.arange(inputs.tk)[None, :] <= np.arange(inputs.tq)[:, None] + inputs.tk - inputs.tq, s,
+                     -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    o = (p / p.sum(axis=-1, keepdims=True)) @ v
+    return o.transpose(0, 2, 1, 3).reshape(inputs.batch, inputs.tq, c.d_model) @ params.W_o
+
+
+@pytest.mark.parametrize("kind", ROTARY_KINDS)
+@pytest.mark.parametrize("base", [10_000.0, 500_000.0])
+def test_the_references_rotary_is_llamas_rotate_half_or_metas_complex_turn_at_the_last_positions(kind, base):
+    config = AttentionConfig(32, 4, 2, rotary=kind, rotary_base=base)
+    params = make_params(config, seed=2)
+    for tq, tk, causal in ((6, 6, None), (3, 9, "bottom-right")):
+        inputs = make_inputs(config, 2, tq, tk, seed=3, causal=causal)
+        np.testing.assert_allclose(reference_attention(params, inputs).output,
+                                   _attention_with_rotary(params, inputs, kind, base), atol=1e-12)
+        rows = [0, tq - 1]
+        np.testing.assert_allclose(reference_attention(params, inputs, rows=rows).output,
+                                   reference_attention(params, inputs).output[:, rows], atol=1e-14)
+
+
+def test_the_two_pairings_and_two_bases_give_different_outputs_and_no_rotary_another():
+    outputs = []
+    for kind, base in ((None, 10_000.0), ("half_split", 10_000.0), ("interleaved", 10_000.0),
+                       ("half_split", 1_000_000.0)):
+        config = AttentionConfig(32, 2, rotary=kind, rotary_base=base)
+        outputs.append(reference_attention(make_params(config, seed=1), make_inputs(config, 1, 12, seed=1)).output)
+    for i in range(len(outputs)):
+        for j in range(i):
+            assert np.abs(outputs[i] - outputs[j]).max() > 1e-3, (i, j)
+
+
+@pytest.mark.parametrize("kind", ROTARY_KINDS)
+@pytest.mark.parametrize("qk_norm", [None, "rms_per_head"])
+def test_the_references_backward_through_the_rotary_is_the_derivative_of_its_forward(kind, qk_norm):
+    config = AttentionConfig(8, 2, 1, bias=True, rotary=kind, qk_norm=qk_norm)
+    params = make_params(config, seed=3)
+    inputs = make_inputs(config, 2, 3, 5, causal="bottom-right")
+    cotangent = np.random.default_rng(0).standard_normal((2, 3, 8))
+    grads = reference_vjp(params, inputs, cotangent)
+    for name in ("W_q", "W_k", "b_q", "b_k", "query", "key", *(("g_q", "g_k") if qk_norm else ())):
+        fd = _finite_difference(params, inputs, cotangent, name)
+        np.testing.assert_allclose(grads[name], fd, rtol=1e-6, atol=1e-8, err_msg=name)
+    for name, low in reference_vjp(params, inputs, cotangent, "float32").items():
+        np.testing.assert_allclose(low, grads[name], rtol=1e-3, atol=1e-4, err_msg=name)
+    magnitudes = reference_vjp_magnitudes(params, inputs, cotangent)
+    assert all(np.all(np.isfinite(m)) and m.shape == grads[n].shape for n, m in magnitudes.items())
+    # at position 0 (one query, one key) nothing turns: the terms are those of the layer without rotary
+    one = make_inputs(config, 2, 1, 1)
+    plain = params.replace(config=AttentionConfig(8, 2, 1, bias=True, qk_norm=qk_norm))
+    for name, m in reference_vjp_magnitudes(params, one, cotangent[:, :1]).items():
+        np.testing.assert_allclose(m, reference_vjp_magnitudes(plain, one, cotangent[:, :1])[name], rtol=1e-12)
+
+
+def test_a_malformed_rotary_declaration_is_refused_naming_the_parameter_and_the_accepted_values():
+    with pytest.raises(ValueError, match=r"rotary: got 'rope'; accepted: None .*'half_split', 'interleaved'"):
+        AttentionConfig(16, 2, rotary="rope")
+    with pytest.raises(ValueError, match=r"rotary: got 'half_split' with d_head = 3; accepted: an even d_head"):
+        AttentionConfig(6, 2, rotary="half_split")
+    for base in (1.0, float("inf"), "10000", True):
+        with pytest.raises(ValueError, match=r"rotary_base: got .*; accepted: a finite number > 1"):
+            AttentionConfig(16, 2, rotary="half_split", rotary_base=base)
+    with pytest.raises(ValueError, match=r"Capabilities.rotary: .*'half_split'"):
+        Capabilities(rotary=("rope",))
+    with pytest.raises((TypeError, ValueError), match=r"Capabilities.rotary"):
+        Capabilities(rotary="half_split")
+
+
+def test_a_backend_refuses_a_rotary_it_does_not_declare_naming_the_accepted_values():
+    from mha_harness.implementations.numpy_tiled import NumpyTiled
+    params = make_params(AttentionConfig(16, 2, rotary="interleaved"))
+    with pytest.raises(ValueError, match=r"rotary: got 'interleaved' but numpy-tiled declares no rotary position "
+                                         r"embeddings \(Capabilities.rotary is empty\); accepted: None"):
+        NumpyTiled().load(params)
+
+
+@pytest.mark.parametrize("backend_name", ["numpy-naive", "torch-eager"])
+@pytest.mark.parametrize("kind", ROTARY_KINDS)
+def test_the_backends_that_declare_rotary_match_the_reference_forward_backward_and_decode_step(backend_name, kind):
+    if backend_name == "torch-eager":
+        pytest.importorskip("torch")
+    if backend_name == "numpy-naive":
+        from mha_harness.implementations.numpy_naive import NumpyNaive as make
+    else:
+        from mha_harness.implementations.torch_eager import TorchEager as make
+    backend = make()
+    config = AttentionConfig(32, 4, 2, bias=True, rotary=kind, rotary_base=500_000.0)
+    params = make_params(config, seed=5)
+    loaded = backend.load(params, dtype="float64")
+    for tq, tk in ((7, 7), (3, 11)):
+        inputs = make_inputs(config, 2, tq, tk, seed=6, causal="bottom-right")
+        want = reference_attention(params, inputs).output
+        np.testing.assert_allclose(loaded.forward(inputs).output, want, atol=1e-12)
+        from mha_harness.contract.api import as_kv_cache_call
+        cached = as_kv_cache_call(inputs)
+        np.testing.assert_allclose(np.asarray(loaded.prepare_decode_step(cached)(), np.float64),
+                                   reference_attention(params, cached).output, atol=1e-12)
+        if backend.capabilities.gradients:
+            cotangent = np.random.default_rng(1).standard_normal(want.shape)
+            got = loaded.vjp(inputs, cotangent)
+            for name, grad in reference_vjp(params, inputs, cotangent).items():
+                np.testing.assert_allclose(got[name], grad, atol=1e-11, err_msg=name)
+
+
+class _RotaryKeptOn:
+    """A wrapped Llama-style module that turns q and k at positions 0 .. T - 1 (rotate_half, base 10,000) whatever
+    the config says: the wrapper never gave every token one position."""
+
+    @staticmethod
+    def loaded():
+        from mha_harness.implementations.numpy_naive import NumpyNaiveLoaded
+
+        class Loaded(NumpyNaiveLoaded):
+            def rotate(self, x, positions, which):
+                if self.config.rotary is not None or self.config.d_head % 2:
+                    return super().rotate(x, positions, which)
+                import dataclasses
+                real = self.config
+                self.config = dataclasses.replace(real, rotary="half_split")
+                try:
+                    return super().rotate(x, positions, which)
+                finally:
+                    self.config = real
+        return Loaded
+
+
+def test_a_layer_that_turns_q_and_k_without_rotary_in_the_config_is_told_to_give_one_position_or_declare_it():
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    backend = type("RotaryKeptOn", (NumpyNaive,), {"name": "rotary-kept-on", "loaded_class": _RotaryKeptOn.loaded(),
+                                                    "capabilities": Capabilities(dtypes=("float32",))})()
+    report = mha_harness.check(backend, cases=[GRID], isolate=False)
+    failed = report.failures()
+    assert failed and all(r.params["seq"] > 1 or r.params["tk"] > 1 for r in failed)
+    named = [r for r in failed if "the output matches rotary embeddings ('half_split', base 10000) in a layer built "
+             "without them: give every token, cached and new, one and the same position" in r.message]
+    assert len(named) >= len(failed) - 1, [r.message for r in failed if r not in named]
+
+
+def test_the_rotary_rows_skip_naming_the_capability_for_a_backend_without_rotary():
+    from mha_harness.implementations.numpy_tiled import NumpyTiled
+    report = mha_harness.check(NumpyTiled(), cases=[GRID], isolate=False)
+    skipped = {r.params.get("variant"): r.message for r in report.results if r.status == "skipped"}
+    assert {"rotary_half_split", "rotary_interleaved", "rotary_more_keys", "rotary_qk_norm_per_head"} <= set(skipped)
+    assert "does not declare rotary 'half_split' (Capabilities.rotary" in skipped["rotary_half_split"]
+
+
+def test_each_rotary_mutant_is_caught_and_named_by_the_grid_and_the_decode_step():
+    from mha_harness.implementations.mutants import mutant_backends
+    mutants = [b for b in mutant_backends() if b.name.startswith("mutant-rotary-")]
+    assert len(mutants) == 5
+    for mutant in mutants:
+        report = mha_harness.check(mutant, cases=[GRID, "check_decode_step_over_filled_cache_matches_reference"],
+                                   isolate=False)
+        failed = report.failures()
+        assert failed and all(mutant.mutant.message_mentions in r.message for r in failed), \
+            (mutant.name, [r.message for r in failed])
