@@ -143,7 +143,8 @@ def test_an_error_no_known_mistake_explains_is_listed_but_not_named():
     text = _diagnose(got, inputs, cotangent)
     assert text == ("; wrong gradients: W_v; right: query, key, value, W_q, W_k, W_o, b_q, b_k, b_v, b_o; the "
                     "parameters' gradients place the error in the value path (dV = P^T dO); right in the softmax's "
-                    "backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK from it) and the output projection (dW_o)")
+                    "backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK from it, back through a rotary or q/k norm "
+                    "if any) and the output projection (dW_o)")
 
 
 def test_the_gradient_case_appends_the_diagnosis_to_its_failure():

@@ -185,13 +185,25 @@ def test_the_rotary_rows_skip_naming_the_capability_for_a_backend_without_rotary
     assert "does not declare rotary 'half_split' (Capabilities.rotary" in skipped["rotary_half_split"]
 
 
-def test_each_rotary_mutant_is_caught_and_named_by_the_grid_and_the_decode_step():
+def test_each_rotary_mutant_is_caught_and_named_by_the_grid_the_decode_step_and_the_gradients():
     from mha_harness.implementations.mutants import mutant_backends
     mutants = [b for b in mutant_backends() if b.name.startswith("mutant-rotary-")]
-    assert len(mutants) == 5
+    assert len(mutants) == 6
     for mutant in mutants:
-        report = mha_harness.check(mutant, cases=[GRID, "check_decode_step_over_filled_cache_matches_reference"],
-                                   isolate=False)
+        report = mha_harness.check(mutant, cases=[GRID, "check_decode_step_over_filled_cache_matches_reference",
+                                                  "check_gradients_match_reference"], isolate=False)
         failed = report.failures()
         assert failed and all(mutant.mutant.message_mentions in r.message for r in failed), \
             (mutant.name, [r.message for r in failed])
+
+
+def test_q_k_norm_gains_loaded_into_each_others_norms_are_named_in_the_forward_of_a_rotary_layer():
+    """Without rotary they give the same scores (only the gradients show them); the turned pairs mix features."""
+    import dataclasses
+
+    from mha_harness.implementations.mutants import mutant_backends
+    mutant = next(b for b in mutant_backends() if b.name == "mutant-qk-norm-gains-swapped")
+    mutant.capabilities = dataclasses.replace(mutant.capabilities, rotary=ROTARY_KINDS)
+    failed = mha_harness.check(mutant, cases=[GRID], isolate=False).failures()
+    assert [r.params["variant"] for r in failed] == ["rotary_qk_norm_per_head"]
+    assert "the q/k norms' gains loaded into each other's norms" in failed[0].message, failed[0].message

@@ -22,7 +22,8 @@ from mha_harness.contract.score_scale import score_scale_at
 
 #: the parameter gradients each part of the backward produces: a wrong group with the others right places the error
 #: (the input gradients of a one-x or shared-K/V layer sum several paths, so they place nothing)
-_PATHS = (("the softmax's backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK from it)",
+_PATHS = (("the softmax's backward (dS = P * (dP - rowsum(dP * P)), and dQ, dK from it, back through a rotary or q/k "
+           "norm if any)",
            ("W_q", "b_q", "W_k", "b_k", "g_q", "g_k", "beta_q", "beta_k")),
           ("the value path (dV = P^T dO)", ("W_v", "b_v")),
           ("the output projection (dW_o)", ("W_o", "b_o")))
@@ -195,7 +196,8 @@ def _whole_backward_mistake(arrays: dict, wrong: list[str], right: list[str], pa
 
 def _backward_mistakes(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray):
     """(what the mistake is, its gradients computed when called) for each backward mistake that applies to this
-    call: the softmax's row term left out; each set of the masks the call applies ignored by the whole backward,
+    call: the softmax's row term left out; the key and value gradients swapped; a rotary layer's q and k gradients
+    turned forward again; each set of the masks the call applies ignored by the whole backward,
     or only where it recomputes the weights (as a softmax, or as exp(s - lse) with the forward's log-sum-exp)."""
     yield ("the softmax's backward has no row term: dS = P * dP where dS = P * (dP - rowsum(dP * P)) belongs (the "
            "softmax differentiated as if each weight depended on its own score alone)",
@@ -203,6 +205,11 @@ def _backward_mistakes(params: AttentionParams, inputs: AttentionInputs, cotange
     yield ("the key and value gradients swapped: the heads' dK returned where dV belongs and dV where dK belongs (a "
            "custom backward's results in the wrong order), each then projected as the other's",
            lambda: mistaken_vjp(params, inputs, cotangent, kv_swapped=True))
+    if params.config.rotary is not None:
+        yield ("the gradients of q and k turned by the rotary angles again where the backward turns them back, by "
+               "minus the angle (a hand-written rotary backward that reuses the forward's sin: the transpose of a "
+               "rotation is the rotation back)",
+               lambda: mistaken_vjp(params, inputs, cotangent, rotary_turned_forward=True))
     for row_from in ("output", "weights"):
         yield ("the backward recomputes the weights as exp(s - m) with the row maximum m where the log-sum-exp "
                "belongs (the forward saves its running maximum without + log(rowsum): the weights are not "

@@ -69,9 +69,16 @@ def mistakes_of(kind: str, eps: float = 1e-6) -> dict[str, str]:
     return {**other, **biases, **MISTAKES, **epsilons}
 
 
+#: the gains loaded into each other's norms: named only in a layer with rotary, whose forward shows it (without
+#: rotary each score sums g_q[i] * g_k[i] terms, the same either way: the gradient case names it there)
+GAINS_SWAPPED = ("the q/k norms' gains loaded into each other's norms (q_norm holds g_k and k_norm g_q; rotary pairs "
+                 "mix the features, so the scores show it)")
+
+
 def mistaken_qk_norm(params: AttentionParams, mistake: str):
     """``qk_norm_as`` for :func:`~mha_harness.conformance.diagnoses.wrong_layer_output`: the layer's norm
-    (``params.config.qk_norm``) with ``mistake`` (a key of :func:`mistakes_of`), computed by the reference's norm."""
+    (``params.config.qk_norm``) with ``mistake`` (a key of :func:`mistakes_of`, or ``"gains_swapped"``), computed by
+    the reference's norm."""
     c = params.config
     other = mistake.startswith(("other:", "other_unbiased:"))
     config = dataclasses.replace(c, qk_norm=mistake.split(":", 1)[1]) if other else c
@@ -87,7 +94,8 @@ def mistaken_qk_norm(params: AttentionParams, mistake: str):
     def normed(y, which, n_heads):
         if mistake == "none" or (mistake, which) in (("key_unnormed", "k"), ("query_unnormed", "q")):
             return y
-        gain = np.asarray(getattr(params, f"g_{which}"), np.float64)
+        gain = np.asarray(getattr(params, f"g_{'k' if which == 'q' else 'q'}" if mistake == "gains_swapped"
+                                  else f"g_{which}"), np.float64)
         gain = {"gains_ignored": np.ones_like(gain), "gains_plus_one": 1.0 + gain}.get(mistake, gain)
         bias = getattr(params, f"beta_{which}")
         if bias is not None and not unbiased:  # a bias the mistaken norm keeps, wherever it is
@@ -138,7 +146,10 @@ def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
                               "builds its norms from config.qk_norm (the identity when it is None): \"A layer with a "
                               "norm on q and k\" in docs/plugins.md", distance(got, wrong)))
     else:
-        for mistake, label in mistakes_of(c.qk_norm, c.qk_norm_eps).items():
+        mistakes = mistakes_of(c.qk_norm, c.qk_norm_eps)
+        if c.rotary is not None and np.shape(params.g_q) == np.shape(params.g_k):
+            mistakes["gains_swapped"] = GAINS_SWAPPED
+        for mistake, label in mistakes.items():
             wrong = pick(wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake)))
             if distance(got, wrong) <= margin and explains(got, wrong, truth):
                 found.append(("; the output matches " + label, distance(got, wrong)))

@@ -884,7 +884,8 @@ MASK_FIELDS = ("causal", "key_padding_mask", "attn_mask")
 
 def mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, *, row_term: bool = True,
                  recomputed_without: tuple[str, ...] = (), recompute: str = "softmax",
-                 row_from: str = "weights", kv_swapped: bool = False) -> dict[str, np.ndarray]:
+                 row_from: str = "weights", kv_swapped: bool = False,
+                 rotary_turned_forward: bool = False) -> dict[str, np.ndarray]:
     """A known wrong backward of the correct forward, in float64, for diagnoses. ``row_term=False``: the softmax's
     backward taken as ``dS = P * dP``, its row term left out (each weight differentiated as if it depended on its
     own score alone). ``recomputed_without``: the backward recomputes the weights without these masks
@@ -895,7 +896,9 @@ def mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np
     tiled forward that saves its running maximum without ``+ log(rowsum)``): unnormalised. ``row_from``: the row term
     as ``rowsum(dP * P)`` of the weights the backward has (``"weights"``) or as FlashAttention-2 takes it,
     ``rowsum(dO * O)`` of the forward's output (``"output"``). ``kv_swapped``: the heads' dK returned as dV and dV
-    as dK (a custom backward's results in the wrong order), each then projected as the other's."""
+    as dK (a custom backward's results in the wrong order), each then projected as the other's.
+    ``rotary_turned_forward``: the gradients of a rotary layer's q and k turned by the forward's angles again where
+    the backward turns them back (a hand-written rotary backward that reuses the forward's sin)."""
     for field in recomputed_without:
         if field not in MASK_FIELDS:
             raise ValueError(f"recomputed_without: got {field!r}; accepted: {', '.join(MASK_FIELDS)}")
@@ -907,18 +910,19 @@ def mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np
 
     def compute():
         grads = _mistaken_vjp(params, inputs, cotangent, row_term, tuple(recomputed_without), recompute, row_from,
-                              kv_swapped)
+                              kv_swapped, rotary_turned_forward)
         _read_only(*grads.values())
         return grads
 
     key = _content_key("vjp-mistaken", params, inputs, cotangent, empty_rows_convention(), row_term,
-                       tuple(recomputed_without), recompute, row_from, kv_swapped)
+                       tuple(recomputed_without), recompute, row_from, kv_swapped, rotary_turned_forward)
     grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
     return {name: grad.copy() for name, grad in grads.items()}
 
 
 def _mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, row_term: bool,
-                  without: tuple[str, ...], recompute: str, row_from: str, kv_swapped: bool) -> dict:
+                  without: tuple[str, ...], recompute: str, row_from: str, kv_swapped: bool,
+                  rotary_turned_forward: bool = False) -> dict:
     """:func:`mistaken_vjp`'s backward, in float64."""
     c = params.config
     q, k, v, p, concat, scale, allowed = _forward_parts(params, inputs, None, "float64")
@@ -941,7 +945,8 @@ def _mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
     row = (d_o * _heads(concat, c.num_heads)).sum(axis=-1, keepdims=True) if row_from == "output" \
         else (d_p * p).sum(axis=-1, keepdims=True)
     return _vjp_from_weights(params, inputs, cotangent, q, k, v, p, concat, scale, d_o, d_p,
-                             row if row_term else 0.0, lambda x: x, swap_kv=kv_swapped)
+                             row if row_term else 0.0, lambda x: x, swap_kv=kv_swapped,
+                             rotary_back=not rotary_turned_forward)
 
 
 def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
@@ -972,13 +977,14 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
 
 def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k, v, p, concat, scale, d_o, d_p,
                       row, r, swap_kv: bool = False, one_pass: bool = False,
-                      projection_error_of: str | None = None, dtype: str = "float64") -> dict:
+                      projection_error_of: str | None = None, dtype: str = "float64", rotary_back: bool = True) -> dict:
     """The backward from the softmax weights ``p`` and its row term ``row`` on: dV, dS = P * (dP - row), dQ, dK,
     then through the projections to the inputs and parameters; ``r`` rounds after every stage. ``swap_kv``: the
     heads' dK and dV exchanged before the projections (a diagnosis' wrong backward). ``one_pass``: a LayerNorm's
     variance in one pass (:func:`_norm_parts`), as the forward's fused algorithm takes it. ``projection_error_of``:
     the normed projections carry that dtype's rounding (:func:`_projection_error`), as in the forward. ``dtype``:
-    the one ``r`` rounds to (the rotary tables' and the gradients' turn back in it)."""
+    the one ``r`` rounds to (the rotary tables' and the gradients' turn back in it). ``rotary_back=False``: q's and
+    k's gradients turned by the forward's angles again, not back (a diagnosis' wrong backward)."""
     c = params.config
     if _ROTARY_MISTAKE.get() == "before_norm":
         raise ValueError("rotary_mistaken('before_norm') has a forward only; accepted in a backward: None, "
@@ -993,8 +999,8 @@ def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k,
     d_k = r(d_s.transpose(0, 1, 3, 2) @ q * scale)
     if c.rotary is not None:  # turned back: the rotation's transpose
         q_pos, k_pos = _call_positions(inputs)
-        d_q = rotated(d_q, q_pos, c, dtype, "q", inverse=True)
-        d_k = rotated(d_k, k_pos, c, dtype, "k", inverse=True)
+        d_q = rotated(d_q, q_pos, c, dtype, "q", inverse=rotary_back)
+        d_k = rotated(d_k, k_pos, c, dtype, "k", inverse=rotary_back)
     if swap_kv:
         d_k, d_v = d_v, d_k
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, Capabilities
 from mha_harness.contract.conventions import ROTARY_KINDS, causal_offset, rotary_pairs
-from mha_harness.contract.reference import reference_vjp
+from mha_harness.contract.reference import mistaken_vjp, reference_vjp
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
 from mha_harness.implementations.numpy_tiled import NumpyTiledLoaded
 from mha_harness.toolkit.masks import block_mask, full_mask
@@ -581,6 +581,14 @@ class GradientOfWoTransposed(_GradientMutant):
         return grads
 
 
+class RotaryBackwardTurnsForward(_GradientMutant):
+    """A hand-written rotary backward that turns the gradients of q and k by the forward's angles again (it reuses the
+    forward's sin where the transpose of the rotation needs -sin). Its forward is right."""
+
+    def compute_vjp(self, inputs, cotangent):
+        return mistaken_vjp(self._params, inputs, cotangent, rotary_turned_forward=True)
+
+
 class DecodeStepAttendsBeforeWriting(NumpyNaiveLoaded):
     """A KV-cache decode step that attends over its cache first and writes x_new's keys and values into it after:
     the new queries miss their own keys and values (a fresh cache's zeros on the first step; in a model, the
@@ -930,6 +938,9 @@ MUTANTS = (
     Mutant("mutant-rotary-before-norm", "turns q and k by rotary before their per-head RMSNorm, not after it (Qwen 3 "
            "norms, then turns)", RotaryBeforeNorm, "before their q/k norm", qk_norms=("rms_per_head",),
            rotary=ROTARY_KINDS),
+    Mutant("mutant-rotary-backward-turns-forward", "a hand-written rotary backward turns the gradients of q and k by "
+           "the forward's angles again, not back (the forward's sin where -sin belongs; its forward is right)",
+           RotaryBackwardTurnsForward, "turned by the rotary angles again", gradients=True, rotary=ROTARY_KINDS),
     Mutant("mutant-decode-step-attends-before-writing", "a KV-cache decode step attends over its cache before it "
            "writes x_new's keys and values into it (its forward is right)", DecodeStepAttendsBeforeWriting,
            "attends before it writes"),
