@@ -68,12 +68,14 @@ QK_NORM_GRID = {
 #: pairing and its base): Llama 2's rotate_half with grouped-query heads and biases over 64 positions, Meta's
 #: interleaved pairs at Llama 3's base, the queries as the last 7 of 64 positions (a KV-cache step: a layer that turns
 #: them as positions 0 .. 6 passes every Tq = Tk row), and Qwen 3's layer (its per-head RMSNorm, then rotary at base
-#: 1,000,000). A backend that declares no rotary skips them naming it.
+#: 1,000,000). A backend that declares no rotary skips them naming it. The last two rows (pairing None) run with the
+#: first pairing the backend declares, so a layer with either pairing alone gets a row at Tq != Tk (an outside user's
+#: Meta-style interleaved layer, its queries turned from 0, was caught by the gradients only).
 ROTARY_GRID = {
     "rotary_half_split": (2, 4, 16, 64, 64, True, 2, None, "half_split", 10_000.0),
     "rotary_interleaved": (1, 2, 32, 48, 48, False, None, None, "interleaved", 500_000.0),
-    "rotary_more_keys": (2, 4, 16, 7, 64, False, 2, None, "half_split", 500_000.0),
-    "rotary_qk_norm_per_head": (2, 4, 16, 40, 40, False, 2, "rms_per_head", "half_split", 1_000_000.0),
+    "rotary_more_keys": (2, 4, 16, 7, 64, False, 2, None, None, 500_000.0),
+    "rotary_qk_norm_per_head": (2, 4, 16, 40, 40, False, 2, "rms_per_head", None, 1_000_000.0),
 }
 
 
@@ -109,6 +111,8 @@ def _grid_variants(backend):
         rows = ([(name, row + (None, None, None)) for name, row in GRID.items()]
                 + [(name, row + (None, None)) for name, row in QK_NORM_GRID.items()] + list(ROTARY_GRID.items()))
         for name, (batch, heads, d_head, tq, tk, bias, kv, qk_norm, rotary, base) in rows:
+            if name in ROTARY_GRID and rotary is None:  # the first pairing declared, half_split where none is
+                rotary = (caps.rotary or ("half_split",))[0]
             v = {"dtype": dtype, "variant": name, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq,
                  "tk": tk, "bias": bias and caps.bias}
             if kv:

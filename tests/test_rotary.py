@@ -207,3 +207,56 @@ def test_q_k_norm_gains_loaded_into_each_others_norms_are_named_in_the_forward_o
     failed = mha_harness.check(mutant, cases=[GRID], isolate=False).failures()
     assert [r.params["variant"] for r in failed] == ["rotary_qk_norm_per_head"]
     assert "the q/k norms' gains loaded into each other's norms" in failed[0].message, failed[0].message
+
+
+class _NewTokensFromZero:
+    """A Hugging Face-style KV-cache step given position_ids = arange(Tq): its queries and the keys of its new tokens
+    (the last Tq) are turned from position 0, the cached keys at their own positions."""
+
+    @staticmethod
+    def backend():
+        from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+        class Loaded(NumpyNaiveLoaded):
+            def positions(self, tq, tk):
+                return np.arange(tq), np.concatenate([np.arange(tk - tq), np.arange(tq)])
+
+        return type("NewTokensFromZero", (NumpyNaive,), {"name": "new-tokens-from-zero", "loaded_class": Loaded,
+                                                          "capabilities": Capabilities(dtypes=("float32",),
+                                                                                       rotary=ROTARY_KINDS)})()
+
+
+def test_a_step_that_turns_its_new_tokens_from_position_zero_is_named_with_its_keys_too():
+    """An outside user's Hugging Face copy: position_ids = arange(Tq) turns the new keys with the queries (one
+    cos/sin), which "the queries turned from 0" alone did not match."""
+    failed = mha_harness.check(_NewTokensFromZero.backend(), cases=[GRID], isolate=False).failures()
+    assert [r.params["variant"] for r in failed] == ["rotary_more_keys"]
+    assert "the new tokens' rotary embeddings, the queries' and their own keys'" in failed[0].message, \
+        failed[0].message
+
+
+def test_mistakes_that_give_a_call_the_same_output_are_named_together_the_specific_one_first():
+    """At one new query and one cached key both positions are 0 when the new tokens are turned from 0: no rotary at
+    all gives the same output, and search's shrunk example said only that, with the advice to declare no rotary."""
+    from mha_harness.conformance.rotary_diagnoses import rotary_hint
+    from mha_harness.contract.reference import rotary_mistaken
+    config = AttentionConfig(8, 1, rotary="half_split")
+    params = make_params(config, seed=1)
+    inputs = make_inputs(config, 1, 1, 2, seed=1)
+    with rotary_mistaken("new_tokens_from_zero"):
+        got = reference_attention(params, inputs).output
+    hint = rotary_hint(got, params, inputs, 1e-6)
+    assert hint.startswith("; the output matches the new tokens' rotary embeddings"), hint
+    assert "; or, the same output at this call, no rotary embeddings at all" in hint, hint
+
+
+def test_a_layer_with_only_the_interleaved_pairing_runs_the_rows_with_more_keys_and_a_norm_in_it():
+    """The rows without a pairing of their own take the first declared (an outside user's Meta-style layer got no
+    Tq != Tk row)."""
+    from mha_harness.cases.agreement import _grid_variants
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    backend = type("Interleaved", (NumpyNaive,), {"name": "interleaved-only", "capabilities": Capabilities(
+        dtypes=("float32",), rotary=("interleaved",), qk_norms=("rms_per_head",))})()
+    rows = {v["variant"]: v for v in _grid_variants(backend) if v["variant"].startswith("rotary_")}
+    assert rows["rotary_more_keys"]["rotary"] == rows["rotary_qk_norm_per_head"]["rotary"] == "interleaved"
+    assert "unsupported" in rows["rotary_half_split"] and "unsupported" not in rows["rotary_more_keys"]

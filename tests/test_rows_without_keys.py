@@ -166,3 +166,18 @@ def test_the_fully_masked_case_runs_in_every_dtype_and_catches_rows_nan_in_one_o
     report = mha_harness.check(ShiftedFloat32SoftmaxDeclared(), cases=["check_fully_masked_rows_output_zeros"])
     assert not report.failures() and {r.status for r in report.results} == {"expected-divergence"}, \
         [(r.variant, r.message[:150]) for r in report.failures()]
+
+
+@pytest.mark.parametrize("mask", [{"padding": {"valid": [0], "side": "end"}},
+                                  {"batch": 2, "padding": {"valid": [1, 0], "side": "end"}},
+                                  {"attn_mask": {"kind": "bool", "per": "shared", "density": 1.0, "empty_rows": [0],
+                                                 "seed": 0}}])
+def test_search_leaves_a_declared_nan_row_out_of_its_comparison(mask):
+    """An outside user's Meta-style layer declared NaN rows and failed search's one-key example with every key
+    masked: "expected finite values, got nan (in the output compared against)", named a soft cap. The reference's
+    row is NaN under that convention too: neither side is compared, nor in the leak check of another item's rows."""
+    from mha_harness.conformance.search_examples import check_example
+    example = {"dtype": "float32", "form": "separate", "batch": 1, "tq": 2, "tk": 1, "heads": 1, "kv_heads": 1,
+               "d_head": 2, "bias": False, "causal": None, "padding": None, "attn_mask": None, "logit_scale": 1,
+               "cut": 0, "poison": "random", "gradients": False, "malformed": None, "seed": 0, **mask}
+    check_example(NaNRows(), example)

@@ -52,7 +52,7 @@ from mha_harness.contract.expected import (  # noqa: F401 - part of casekit's AP
     naive_gradients,
     tolerance_for,
 )
-from mha_harness.contract.mistakes import explains_as_a_scale, with_score_scale, wrong_scales
+from mha_harness.contract.mistakes import distance, explains_as_a_scale, with_score_scale, wrong_scales
 from mha_harness.contract.reference import (
     allowed_and_bias,
     reference_attention,
@@ -612,11 +612,22 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     if offset or rows is not None:  # the others cost reference calls: only when no bias diagnosis came first, on
         return offset               # whole outputs
     got = np.asarray(got, np.float64)
-    return (scale_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
+    return (_scale_or_qk_norm_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
             or qk_norm_hint(got, params, inputs, tol.bound) or rotary_hint(got, params, inputs, tol.bound)
             or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs)
             or scores_fit_hint(got, params, inputs, tol.bound)
             or single_key_rows_hint(got, expected, tol.bound, params, inputs))
+
+
+def _scale_or_qk_norm_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
+    """A wrong score scale (:func:`scale_match`), or, where a q/k-norm mistake also matches, the closer of the two
+    (in half precision a LayerNorm kept on in a layer built without one came within a 1/sqrt(d_model) scale's margin
+    at d_head 64 and 80, and was named a scale); "" when no scale matches."""
+    scale = scale_match(got, params, inputs, bound)
+    if scale is None:
+        return ""
+    norm = qk_norm_match(got, params, inputs, bound)
+    return norm[0] if norm is not None and norm[1] < scale[1] else scale[0]
 
 
 def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str | None:
@@ -630,6 +641,13 @@ def wrong_scale(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
 
 def _wrong_scale(got, params, inputs, bound) -> tuple[str, float] | None:
     """:func:`wrong_scale`'s label and its factor over the scale the reference holds."""
+    found = _wrong_scale_match(got, params, inputs, bound)
+    return None if found is None else found[:2]
+
+
+def _wrong_scale_match(got, params, inputs, bound) -> tuple[str, float, float] | None:
+    """:func:`wrong_scale`'s label, its factor over the scale the reference holds and its output's distance from
+    ``got``."""
     scales = wrong_scales(params.config, score_scale_declared())
     if not np.all(np.isfinite(got)) or not scales:
         return None
@@ -639,7 +657,7 @@ def _wrong_scale(got, params, inputs, bound) -> tuple[str, float] | None:
         return None
     truth = reference_attention(params, inputs).output
     uniform = reference_attention(with_score_scale(params, 0.0), inputs).output
-    return (scales[factor], factor) if explains_as_a_scale(got, wrong, truth, uniform) else None
+    return (scales[factor], factor, distance(got, wrong)) if explains_as_a_scale(got, wrong, truth, uniform) else None
 
 
 #: a scale other than 1/sqrt(d_head) is a bug, unless the layer is built with it (T5's unscaled scores, muP's
@@ -653,10 +671,23 @@ def scale_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs
     """The diagnosis of an output right for another of the common score scales (:func:`wrong_scale`) than the one
     the layer declares (1/sqrt(d_head) unless declared otherwise); "" if none. An undeclared unscaled or 1/d_head
     scale also says how to declare a layer built with it on purpose (T5, muP)."""
-    found = _wrong_scale(got, params, inputs, bound)
+    found = scale_match(got, params, inputs, bound)
+    return "" if found is None else found[0]
+
+
+def scale_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float
+                ) -> tuple[str, float] | None:
+    """:func:`scale_hint`'s sentence and its candidate's distance from ``got``, for choosing between it and another
+    diagnosis; None when no other scale matches."""
+    found = _wrong_scale_match(got, params, inputs, bound)
     if found is None:
-        return ""
-    label, factor = found
+        return None
+    label, factor, far = found
+    return _scale_sentence(label, factor, params), far
+
+
+def _scale_sentence(label: str, factor: float, params: AttentionParams) -> str:
+    """The diagnosis of another score scale ``label`` (``factor`` times the scale the reference holds)."""
     if score_scale_declared() is not None:  # the value too: a fixed declared scale is matched by another rule at
         d = params.config.d_head            # each head width
         return (f"; the output matches scores scaled by {label} (= {factor * score_scale(d):.4g} at d_head {d}), not "

@@ -1,9 +1,10 @@
 """Known mistakes of rotary position embeddings (``AttentionConfig.rotary``), computed by the reference, so a failed
 comparison can name the one its output matches: the other pairing of features (GPT-J's interleaved pairs where
 Hugging Face's rotate_half pairs i with i + d_head/2, or the other way round), another common base, only one of q
-and k turned, the queries of a call with fewer queries than keys turned from position 0, q and k turned before the
-q/k norm, or no rotary at all; and, for a layer run without rotary, that its output matches q and k turned anyway (a
-wrapped Llama-style module given positions 0 .. T - 1 where the harness's layer has none)."""
+and k turned, the queries of a call with fewer queries than keys turned from position 0 (with their own keys, or
+alone), q and k turned before the q/k norm, or no rotary at all; and, for a layer run without rotary, that its
+output matches q and k turned anyway (a wrapped Llama-style module given positions 0 .. T - 1 where the harness's
+layer has none)."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,10 @@ _MISTAKEN = {
     "queries_from_zero": ("the queries' rotary embeddings turned at positions 0 .. Tq - 1 where they are the last "
                           "Tq of the Tk positions, Tk - Tq .. Tk - 1 (a KV-cache step's position_ids not offset by "
                           "the cache length; key j is at position j)"),
+    "new_tokens_from_zero": ("the new tokens' rotary embeddings, the queries' and their own keys' (the last Tq of "
+                             "the Tk), turned at positions 0 .. Tq - 1 where they are Tk - Tq .. Tk - 1, the cached "
+                             "keys at theirs (a KV-cache step given position_ids = arange(Tq): Hugging Face turns q "
+                             "and the new k with one cos/sin; offset the positions by the cache length)"),
     "before_norm": ("q and k turned by their rotary embeddings before their q/k norm where they are normed first, "
                     "then turned (Qwen 3)"),
 }
@@ -56,22 +61,23 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
             yield (f"; the output matches rotary embeddings built with base {base:g} where config.rotary_base is "
                    f"{c.rotary_base:g} (build them from config.rotary_base: rope_theta not passed on)",
                    params.replace(config=dataclasses.replace(c, rotary_base=base)), None)
-    yield ("; the output matches no rotary embeddings at all (q and k never turned: declare only the rotary the layer "
-           "applies)", params.replace(config=dataclasses.replace(c, rotary=None)), None)
     for mistake, label in _MISTAKEN.items():
-        if mistake == "queries_from_zero" and inputs.tq == inputs.tk:
-            continue  # the same positions
+        if mistake in ("queries_from_zero", "new_tokens_from_zero") and inputs.tq >= inputs.tk:
+            continue  # the same positions (or no new keys of their own)
         if mistake == "before_norm" and c.qk_norm is None:
             continue
         yield "; the output matches " + label, params, mistake
+    yield ("; the output matches no rotary embeddings at all (q and k never turned: declare only the rotary the layer "
+           "applies)", params.replace(config=dataclasses.replace(c, rotary=None)), None)
 
 
 def rotary_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                  compare: np.ndarray | None = None) -> tuple[str, float] | None:
     """The rotary mistake a failing whole output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains better
     than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), the closest of those that match, as
-    (sentence to append, its distance from ``got``); None when none matches. ``compare``: the (batch, Tq) rows of
-    ``got`` that are specified."""
+    (sentence to append, its distance from ``got``); None when none matches. Mistakes that give this call the same
+    output (one new query and one cached key: the new tokens turned from 0 is no rotary at all) are named together,
+    the more specific first. ``compare``: the (batch, Tq) rows of ``got`` that are specified."""
     pick = (lambda a: np.asarray(a, np.float64)) if compare is None \
         else (lambda a: np.asarray(a, np.float64)[np.broadcast_to(compare, np.shape(a)[:2])])
     got = pick(got)
@@ -85,7 +91,13 @@ def rotary_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
             wrong = pick(reference_attention(wrong_params, inputs).output)
         if distance(got, wrong) <= margin and explains(got, wrong, truth):
             found.append((label, distance(got, wrong)))
-    return min(found, key=lambda f: f[1]) if found else None
+    if not found:
+        return None
+    best = min(distance for _, distance in found)
+    tied = [label for label, distance in found if distance <= best + 1e-12 * (1.0 + best)]
+    prefix = "; the output matches "
+    others = "".join(f"; or, the same output at this call, {label.removeprefix(prefix)}" for label in tied[1:])
+    return tied[0] + others, best
 
 
 def rotary_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,

@@ -56,6 +56,9 @@ class SearchOutcome:
     repro: str = ""
     saved: str | None = None
     extra: dict = field(default_factory=dict)
+    #: of the examples that ran, how many drew each optional feature the backend declares (a q/k norm, rotary, a
+    #: decode step): feature -> count
+    drew: dict[str, int] = field(default_factory=dict)
 
     def why_rejected(self, width: int = 120, most: int = 3) -> str:
         """The commonest reasons for rejecting a draw, each with its count (every reason, not only the first)."""
@@ -67,6 +70,8 @@ class SearchOutcome:
 
     def lines(self) -> list[str]:
         head = f"search {self.backend}: {self.examples} examples in {self.seconds:.1f} s"
+        if self.drew:  # how much of the search reached the optional features the backend declares
+            head += " (" + ", ".join(f"{feature} in {n}" for feature, n in self.drew.items()) + ")"
         if self.rejected:  # hypothesis draws again for each: max_examples counts the examples that ran
             head += f" ({self.rejected} of them rejected as unsupported and drawn again: {self.why_rejected()})"
         if self.passed:
@@ -144,6 +149,9 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
                                  message=f"the worker process could not build {target.name}: {exc}")
     folder = search_dir(results)
     state: dict[str, Any] = {"n": 0, "rejected": 0, "rejections": {}, "failing": None}
+    features = {"a q/k norm": ("qk_norm", bool(space.qk_norms)), "rotary": ("rotary", bool(space.rotary)),
+                "a decode step": ("decode_step", space.decode_step)}
+    drew = {feature: 0 for feature, (_, declared) in features.items() if declared}
     start = time.perf_counter()
 
     def body(example):
@@ -169,6 +177,8 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
         finally:
             if isolate:
                 transport.end_case()
+        for feature in drew:  # an example that ran and passed (a rejected or failing one raised above)
+            drew[feature] += bool(example.get(features[feature][0]))
 
     test = settings(max_examples=max_examples, deadline=None, derandomize=False, report_multiple_bugs=False,
                     database=DirectoryBasedExampleDatabase(str(folder / ".hypothesis" / target.name)),
@@ -197,7 +207,7 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
         if isolate:
             transport.close()
     outcome.seconds = round(time.perf_counter() - start, 2)
-    outcome.examples, outcome.rejected = state["n"], state["rejected"]
+    outcome.examples, outcome.rejected, outcome.drew = state["n"], state["rejected"], dict(drew)
     outcome.rejections = dict(state["rejections"])
     if state["failing"] is not None:
         example, exc = state["failing"]

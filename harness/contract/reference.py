@@ -162,9 +162,11 @@ def soft_capped(scores: np.ndarray, r=lambda x: x) -> np.ndarray:
 
 
 #: the rotary mistakes the reference can make, for diagnoses (:func:`rotary_mistaken`): only q or only k turned,
-#: the queries turned at positions 0 .. Tq - 1 where a KV-cache step's or a cross call's are Tk - Tq .. Tk - 1, or
-#: q and k turned before their q/k norm instead of after it (forward only)
-ROTARY_MISTAKES = ("q_only", "k_only", "queries_from_zero", "before_norm")
+#: the queries turned at positions 0 .. Tq - 1 where a KV-cache step's or a cross call's are Tk - Tq .. Tk - 1, the
+#: new tokens (the queries and the last Tq keys, their own) turned so while the cached keys keep their positions (a
+#: Hugging Face step given position_ids = arange(Tq)), or q and k turned before their q/k norm instead of after it
+#: (forward only)
+ROTARY_MISTAKES = ("q_only", "k_only", "queries_from_zero", "new_tokens_from_zero", "before_norm")
 _ROTARY_MISTAKE: contextvars.ContextVar[str | None] = contextvars.ContextVar("rotary_mistake", default=None)
 
 
@@ -196,10 +198,14 @@ def rotary_tables(positions: np.ndarray, d_head: int, base: float, dtype: str = 
 
 def _call_positions(inputs: AttentionInputs, rows=None) -> tuple[np.ndarray, np.ndarray]:
     """The rotary positions of the call's queries (those of ``rows``) and keys, as :func:`rotary_positions` gives
-    them, or the queries' from 0 under the ``queries_from_zero`` mistake."""
+    them, or the queries' from 0 under the ``queries_from_zero`` mistake, and the last Tq keys' too under
+    ``new_tokens_from_zero``."""
     q_pos, k_pos = rotary_positions(inputs.tq, inputs.tk)
-    if _ROTARY_MISTAKE.get() == "queries_from_zero":
+    mistake = _ROTARY_MISTAKE.get()
+    if mistake in ("queries_from_zero", "new_tokens_from_zero"):
         q_pos = np.arange(inputs.tq, dtype=np.int64)
+    if mistake == "new_tokens_from_zero" and inputs.tq <= inputs.tk:
+        k_pos = np.concatenate([k_pos[:inputs.tk - inputs.tq], np.arange(inputs.tq, dtype=np.int64)])
     return (q_pos if rows is None else q_pos[np.asarray(rows)]), k_pos
 
 
