@@ -260,3 +260,29 @@ def test_a_layer_with_only_the_interleaved_pairing_runs_the_rows_with_more_keys_
     rows = {v["variant"]: v for v in _grid_variants(backend) if v["variant"].startswith("rotary_")}
     assert rows["rotary_more_keys"]["rotary"] == rows["rotary_qk_norm_per_head"]["rotary"] == "interleaved"
     assert "unsupported" in rows["rotary_half_split"] and "unsupported" not in rows["rotary_more_keys"]
+
+
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_one_of_q_and_k_turned_with_the_other_pairing_is_named(which):
+    """An outside user's copy permuted W_q for the other pairing and not W_k: numbers only before."""
+    from mha_harness.contract.conventions import rotary_pairs
+    from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+    class Loaded(NumpyNaiveLoaded):
+        def rotate(self, x, positions, side):
+            if side != which or self.config.rotary is None:
+                return super().rotate(x, positions, side)
+            pairs = self.rotary_pairs
+            other = next(k for k in ROTARY_KINDS if k != self.config.rotary)
+            self.rotary_pairs = lambda: rotary_pairs(other, self.config.d_head)
+            try:
+                return super().rotate(x, positions, side)
+            finally:
+                self.rotary_pairs = pairs
+
+    backend = type("OnePairing", (NumpyNaive,), {"name": f"{which}-other-pairing", "loaded_class": Loaded,
+                                                  "capabilities": Capabilities(dtypes=("float32",),
+                                                                               rotary=ROTARY_KINDS)})()
+    failed = mha_harness.check(backend, cases=[GRID], isolate=False).failures()
+    assert failed and all(f"{which}'s rotary embeddings pairing the other features" in r.message for r in failed), \
+        [r.message[-300:] for r in failed]

@@ -32,6 +32,10 @@ _MISTAKEN = {
                              "the Tk), turned at positions 0 .. Tq - 1 where they are Tk - Tq .. Tk - 1, the cached "
                              "keys at theirs (a KV-cache step given position_ids = arange(Tq): Hugging Face turns q "
                              "and the new k with one cos/sin; offset the positions by the cache length)"),
+    "q_other_pairing": ("q's rotary embeddings pairing the other features than k's (W_q's rows permuted within each "
+                        "head for the other pairing and W_k's not, or the other way round: permute both or neither)"),
+    "k_other_pairing": ("k's rotary embeddings pairing the other features than q's (W_k's rows permuted within each "
+                        "head for the other pairing and W_q's not, or the other way round: permute both or neither)"),
     "before_norm": ("q and k turned by their rotary embeddings before their q/k norm where they are normed first, "
                     "then turned (Qwen 3)"),
 }
