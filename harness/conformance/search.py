@@ -70,7 +70,7 @@ class SearchOutcome:
 
     def lines(self) -> list[str]:
         head = f"search {self.backend}: {self.examples} examples in {self.seconds:.1f} s"
-        if self.drew:  # how much of the search reached the optional features the backend declares
+        if self.drew and self.passed:  # how much of a clean search reached the optional features declared
             head += " (" + ", ".join(f"{feature} in {n}" for feature, n in self.drew.items()) + ")"
         if self.rejected:  # hypothesis draws again for each: max_examples counts the examples that ran
             head += f" ({self.rejected} of them rejected as unsupported and drawn again: {self.why_rejected()})"
