@@ -701,6 +701,15 @@ class AttentionBackend:
         """
         raise Unsupported(f"{self.name} offers no direct library call")
 
+    def _require_declared(self, name: str, value: str | None, declared: str, none: str) -> None:
+        """A ValueError naming the config field ``name`` when its ``value`` is not None and not among the kinds the
+        capability ``declared`` lists (``none``: what an empty declaration means, in words)."""
+        kinds = getattr(self.capabilities, declared)
+        if value is not None and value not in kinds:
+            raise ValueError(f"{name}: got {value!r} but {self.name} declares "
+                             + (f"{declared}={kinds!r}" if kinds else f"{none} (Capabilities.{declared} is empty)")
+                             + f"; accepted: {' or '.join(map(repr, (None, *kinds)))}")
+
     def load(self, params: AttentionParams, *, dtype: str = "float32") -> LoadedAttention:
         """Validate, then load canonical ``params`` into the backend's native form in ``dtype``."""
         if not isinstance(params, AttentionParams):
@@ -708,18 +717,8 @@ class AttentionBackend:
         validate_dtype(dtype, self.capabilities.dtypes)
         if params.config.bias and not self.capabilities.bias:
             raise ValueError(f"params: got biases but {self.name} does not support them; accepted: config.bias=False")
-        norm = params.config.qk_norm
-        if norm is not None and norm not in self.capabilities.qk_norms:
-            raise ValueError(f"qk_norm: got {norm!r} but {self.name} declares "
-                             + (f"qk_norms={self.capabilities.qk_norms!r}" if self.capabilities.qk_norms
-                                else "no norm on q and k (Capabilities.qk_norms is empty)")
-                             + f"; accepted: {' or '.join(map(repr, (None, *self.capabilities.qk_norms)))}")
-        rotary = params.config.rotary
-        if rotary is not None and rotary not in self.capabilities.rotary:
-            raise ValueError(f"rotary: got {rotary!r} but {self.name} declares "
-                             + (f"rotary={self.capabilities.rotary!r}" if self.capabilities.rotary
-                                else "no rotary position embeddings (Capabilities.rotary is empty)")
-                             + f"; accepted: {' or '.join(map(repr, (None, *self.capabilities.rotary)))}")
+        self._require_declared("qk_norm", params.config.qk_norm, "qk_norms", "no norm on q and k")
+        self._require_declared("rotary", params.config.rotary, "rotary", "no rotary position embeddings")
         if params.config.kv_heads != params.config.num_heads and not self.capabilities.grouped_query:
             raise ValueError(f"num_kv_heads: got {params.config.kv_heads} but {self.name} does not support "
                              f"grouped-query heads; accepted: num_kv_heads == num_heads ({params.config.num_heads})")
