@@ -263,26 +263,21 @@ def test_a_layer_with_only_the_interleaved_pairing_runs_the_rows_with_more_keys_
 
 
 @pytest.mark.parametrize("which", ["q", "k"])
-def test_one_of_q_and_k_turned_with_the_other_pairing_is_named(which):
-    """An outside user's copy permuted W_q for the other pairing and not W_k: numbers only before."""
-    from mha_harness.contract.conventions import rotary_pairs
-    from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_one_weight_alone_permuted_between_the_pairings_is_named(which, kv_heads):
+    """An outside user's copy loaded an interleaved layer into Hugging Face's rotate_half module permuting W_q's
+    columns (transformers' [0, 2, ..., 1, 3, ...] per head) and not W_k's: numbers only before."""
+    import dataclasses
 
-    class Loaded(NumpyNaiveLoaded):
-        def rotate(self, x, positions, side):
-            if side != which or self.config.rotary is None:
-                return super().rotate(x, positions, side)
-            pairs = self.rotary_pairs
-            other = next(k for k in ROTARY_KINDS if k != self.config.rotary)
-            self.rotary_pairs = lambda: rotary_pairs(other, self.config.d_head)
-            try:
-                return super().rotate(x, positions, side)
-            finally:
-                self.rotary_pairs = pairs
-
-    backend = type("OnePairing", (NumpyNaive,), {"name": f"{which}-other-pairing", "loaded_class": Loaded,
-                                                  "capabilities": Capabilities(dtypes=("float32",),
-                                                                               rotary=ROTARY_KINDS)})()
-    failed = mha_harness.check(backend, cases=[GRID], isolate=False).failures()
-    assert failed and all(f"{which}'s rotary embeddings pairing the other features" in r.message for r in failed), \
-        [r.message[-300:] for r in failed]
+    from mha_harness.conformance.rotary_diagnoses import pairing_permutation, rotary_hint
+    config = AttentionConfig(32, 4, kv_heads, bias=True, rotary="interleaved", rotary_base=500_000.0)
+    params = make_params(config, seed=1)
+    inputs = make_inputs(config, 2, 6, 9, seed=2)
+    order = pairing_permutation(config)
+    permuted = {f"W_{which}": getattr(params, f"W_{which}")[:, order[:getattr(params, f"W_{which}").shape[1]]],
+                f"b_{which}": getattr(params, f"b_{which}")[order[:getattr(params, f"b_{which}").shape[0]]]}
+    module = params.replace(config=dataclasses.replace(config, rotary="half_split"), **permuted)
+    got = reference_attention(module, inputs).output  # the rotate_half module with one side permuted
+    assert rotary_hint(got, params, inputs, 1e-6).startswith(
+        "; the output matches W_q's and W_k's columns in different orders within each head: one of them (with its "
+        "bias) permuted between the two pairings"), rotary_hint(got, params, inputs, 1e-6)

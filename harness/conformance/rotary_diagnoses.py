@@ -1,8 +1,9 @@
 """Known mistakes of rotary position embeddings (``AttentionConfig.rotary``), computed by the reference, so a failed
 comparison can name the one its output matches: the other pairing of features (GPT-J's interleaved pairs where
 Hugging Face's rotate_half pairs i with i + d_head/2, or the other way round), another common base, only one of q
-and k turned, the queries of a call with fewer queries than keys turned from position 0 (with their own keys, or
-alone), q and k turned before the q/k norm, or no rotary at all; and, for a layer run without rotary, that its
+and k turned, W_q's or W_k's columns alone permuted between the pairings, the queries of a call with fewer queries
+than keys turned from position 0 (with their own keys, or alone), q and k turned before the q/k norm, or no rotary at
+all; and, for a layer run without rotary, that its
 output matches q and k turned anyway (a wrapped Llama-style module given positions 0 .. T - 1 where the harness's
 layer has none)."""
 from __future__ import annotations
@@ -32,10 +33,6 @@ _MISTAKEN = {
                              "the Tk), turned at positions 0 .. Tq - 1 where they are Tk - Tq .. Tk - 1, the cached "
                              "keys at theirs (a KV-cache step given position_ids = arange(Tq): Hugging Face turns q "
                              "and the new k with one cos/sin; offset the positions by the cache length)"),
-    "q_other_pairing": ("q's rotary embeddings pairing the other features than k's (W_q's rows permuted within each "
-                        "head for the other pairing and W_k's not, or the other way round: permute both or neither)"),
-    "k_other_pairing": ("k's rotary embeddings pairing the other features than q's (W_k's rows permuted within each "
-                        "head for the other pairing and W_q's not, or the other way round: permute both or neither)"),
     "before_norm": ("q and k turned by their rotary embeddings before their q/k norm where they are normed first, "
                     "then turned (Qwen 3)"),
 }
@@ -60,6 +57,16 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
     yield (f"; the output matches rotary embeddings that pair {_PAIRS[other]} where config.rotary {c.rotary!r} pairs "
            f"{_PAIRS[c.rotary]} (Meta's Llama weights in a rotate_half layer need transformers' permutation of W_q "
            "and W_k's rows within each head)", params.replace(config=dataclasses.replace(c, rotary=other)), None)
+    for which in ("q", "k"):  # one side's weight permuted between the two pairings (the same sentence either way)
+        for inverse in (False, True):
+            weight, bias = getattr(params, f"W_{which}"), getattr(params, f"b_{which}")
+            order = pairing_permutation(c, inverse)[:weight.shape[1]]  # k's heads are q's first kv_heads
+            yield ("; the output matches W_q's and W_k's columns in different orders within each head: one of them "
+                   "(with its bias) permuted between the two pairings ([0, 2, 4, ..., 1, 3, 5, ...] per head, as "
+                   "transformers' convert_llama_weights_to_hf permutes Meta's weights for rotate_half) and the other "
+                   "not: permute W_q and W_k both, or neither",
+                   params.replace(**{f"W_{which}": weight[:, order],
+                                     f"b_{which}": None if bias is None else bias[order]}), None)
     for base in COMMON_ROTARY_BASES:
         if base != c.rotary_base:
             yield (f"; the output matches rotary embeddings built with base {base:g} where config.rotary_base is "
@@ -73,6 +80,16 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
         yield "; the output matches " + label, params, mistake
     yield ("; the output matches no rotary embeddings at all (q and k never turned: declare only the rotary the layer "
            "applies)", params.replace(config=dataclasses.replace(c, rotary=None)), None)
+
+
+def pairing_permutation(config, inverse: bool = False) -> np.ndarray:
+    """The column order, within each head of q's (or k's) projection, that turns Meta's interleaved pairs (2i, 2i +
+    1) into rotate_half's (i, i + d_head/2): [0, 2, 4, ..., 1, 3, 5, ...] per head (transformers'
+    convert_llama_weights_to_hf), or its inverse; over all num_heads * d_head columns (q's width; k's is a prefix)."""
+    d = config.d_head
+    within = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+    order = (np.arange(config.num_heads)[:, None] * d + within[None, :]).reshape(-1)
+    return np.argsort(order) if inverse else order
 
 
 def rotary_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,

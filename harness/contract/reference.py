@@ -47,7 +47,6 @@ from mha_harness.contract.conventions import (
     QK_NORMS_CENTRED,
     QK_NORMS_PER_HEAD,
     QK_NORMS_WITH_BIAS,
-    ROTARY_KINDS,
     causal_offset,
     rotary_pairs,
     rotary_positions,
@@ -165,11 +164,9 @@ def soft_capped(scores: np.ndarray, r=lambda x: x) -> np.ndarray:
 #: the rotary mistakes the reference can make, for diagnoses (:func:`rotary_mistaken`): only q or only k turned,
 #: the queries turned at positions 0 .. Tq - 1 where a KV-cache step's or a cross call's are Tk - Tq .. Tk - 1, the
 #: new tokens (the queries and the last Tq keys, their own) turned so while the cached keys keep their positions (a
-#: Hugging Face step given position_ids = arange(Tq)), q or k turned with the other pairing than the other one (a
-#: weight permuted for the other pairing on one side only), or q and k turned before their q/k norm instead of after
-#: it (forward only)
-ROTARY_MISTAKES = ("q_only", "k_only", "queries_from_zero", "new_tokens_from_zero", "q_other_pairing",
-                   "k_other_pairing", "before_norm")
+#: Hugging Face step given position_ids = arange(Tq)), or q and k turned before their q/k norm instead of after it
+#: (forward only)
+ROTARY_MISTAKES = ("q_only", "k_only", "queries_from_zero", "new_tokens_from_zero", "before_norm")
 _ROTARY_MISTAKE: contextvars.ContextVar[str | None] = contextvars.ContextVar("rotary_mistake", default=None)
 
 
@@ -222,10 +219,7 @@ def rotated(x: np.ndarray, positions: np.ndarray, config, dtype: str = "float64"
     if config.rotary is None or (mistake, which) in (("q_only", "k"), ("k_only", "q")):
         return x
     r = lambda a: round_to(a, dtype)  # noqa: E731
-    kind = config.rotary
-    if mistake == f"{which}_other_pairing":
-        kind = next(k for k in ROTARY_KINDS if k != kind)
-    a, b = rotary_pairs(kind, config.d_head)
+    a, b = rotary_pairs(config.rotary, config.d_head)
     cos, sin = rotary_tables(positions, config.d_head, config.rotary_base, dtype)
     if inverse:
         sin = -sin
