@@ -115,7 +115,7 @@ def rotary_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
     if not found:
         return None
     best = min(distance for _, distance in found)
-    tied = [label for label, distance in found if distance <= best + 1e-12 * (1.0 + best)]
+    tied = list(dict.fromkeys(label for label, distance in found if distance <= best + 1e-12 * (1.0 + best)))
     prefix = "; the output matches "
     others = "".join(f"; or, the same output at this call, {label.removeprefix(prefix)}" for label in tied[1:])
     return tied[0] + others, best
