@@ -18,7 +18,7 @@ from mha_harness.contract.api import (
     AttentionParams,
     LoadedAttention,
 )
-from mha_harness.contract.conventions import QK_NORMS_CENTRED, QK_NORMS_PER_HEAD
+from mha_harness.contract.conventions import QK_NORMS_CENTRED, QK_NORMS_PER_HEAD, rotary_positions
 from mha_harness.util.install import install_hint
 
 TORCH_DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -132,8 +132,7 @@ def call_positions(tq: int, tk: int, device=None):
     """The rotary positions of a call's queries and keys as int64 tensors
     (:func:`~mha_harness.contract.conventions.rotary_positions`: the queries are the last Tq of Tk positions)."""
     import torch
-    return (torch.arange(tk - tq, tk, dtype=torch.int64, device=device),
-            torch.arange(tk, dtype=torch.int64, device=device))
+    return tuple(torch.as_tensor(p, device=device) for p in rotary_positions(tq, tk))
 
 
 class TorchLoaded(LoadedAttention):

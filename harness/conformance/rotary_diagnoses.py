@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams
-from mha_harness.contract.conventions import COMMON_ROTARY_BASES, ROTARY_KINDS
+from mha_harness.contract.conventions import COMMON_ROTARY_BASES, ROTARY_KINDS, rotary_pairs
 from mha_harness.contract.mistakes import distance, explains
 from mha_harness.contract.reference import reference_attention, rotary_mistaken
 
@@ -87,7 +87,7 @@ def pairing_permutation(config, inverse: bool = False) -> np.ndarray:
     1) into rotate_half's (i, i + d_head/2): [0, 2, 4, ..., 1, 3, 5, ...] per head (transformers'
     convert_llama_weights_to_hf), or its inverse; over all num_heads * d_head columns (q's width; k's is a prefix)."""
     d = config.d_head
-    within = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+    within = np.concatenate(rotary_pairs("interleaved", d))  # each interleaved pair's first features, then seconds
     order = (np.arange(config.num_heads)[:, None] * d + within[None, :]).reshape(-1)
     return np.argsort(order) if inverse else order
 

@@ -56,8 +56,8 @@ class SearchOutcome:
     repro: str = ""
     saved: str | None = None
     extra: dict = field(default_factory=dict)
-    #: of the examples that ran, how many drew each optional feature the backend declares (a q/k norm, rotary, a
-    #: decode step): feature -> count
+    #: of the examples that ran and passed, how many drew each optional feature the backend declares (a q/k norm,
+    #: rotary, a decode step): feature -> count
     drew: dict[str, int] = field(default_factory=dict)
 
     def why_rejected(self, width: int = 120, most: int = 3) -> str:

@@ -526,27 +526,21 @@ class RotaryQueriesFromZero(NumpyNaiveLoaded):
 class RotaryBeforeNorm(NumpyNaiveLoaded):
     """Turns q and k before their q/k norm instead of after it (Qwen 3 norms each head, then applies rotary)."""
 
-    def project(self, x, which):
-        y = x @ self.weights[f"W_{which}"]
-        bias = self.weights.get(f"b_{which}")
-        y = y if bias is None else y + bias
-        if which in ("q", "k") and self.config.rotary is not None:
-            b, t, width = y.shape
-            n = width // self.config.d_head
-            positions = self._positions[which]
-            y = self.rotate(y.reshape(b, t, n, -1).transpose(0, 2, 1, 3), positions, which) \
-                .transpose(0, 2, 1, 3).reshape(b, t, width)
-        return self.qk_norm(y, which) if which in ("q", "k") and self.config.qk_norm else y
+    def heads(self, inputs):
+        self._positions = dict(zip("qk", self.positions(inputs.tq, inputs.tk)))
+        return super().heads(inputs)
+
+    def qk_norm(self, y, which):
+        b, t, width = y.shape
+        heads = y.reshape(b, t, width // self.config.d_head, self.config.d_head).transpose(0, 2, 1, 3)
+        turned = super().rotate(heads, self._positions[which], which).transpose(0, 2, 1, 3).reshape(b, t, width)
+        return super().qk_norm(turned, which)
+
+    def rotate(self, x, positions, which):  # with a norm, already turned before it
+        return x if self.config.qk_norm else super().rotate(x, positions, which)
 
     def prepare_decode_step(self, inputs):
         raise NotImplementedError("no decode step: its keys are turned inside the projection")
-
-    def heads(self, inputs):
-        self._positions = dict(zip("qk", self.positions(inputs.tq, inputs.tk)))
-        c = self.config
-        return tuple(self.split_heads(self.project(np.asarray(getattr(inputs, name), self.dtype), which), n)
-                     for name, which, n in (("query", "q", c.num_heads), ("key", "k", c.kv_heads),
-                                            ("value", "v", c.kv_heads)))
 
 
 class _GradientMutant(NumpyNaiveLoaded):
