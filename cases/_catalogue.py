@@ -14,7 +14,8 @@ from mha_harness.contract.conventions import QK_NORMS, ROTARY_KINDS
 
 class _DeclaresEverything(AttentionBackend):
     name = "any"
-    capabilities = Capabilities(gradients=True, dtypes=DTYPES, qk_norms=QK_NORMS, rotary=ROTARY_KINDS)
+    capabilities = Capabilities(gradients=True, dtypes=DTYPES, qk_norms=QK_NORMS, rotary=ROTARY_KINDS,
+                                partial_rotary=True)
 
 
 def case_parameters() -> dict[str, dict]:

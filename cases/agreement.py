@@ -70,22 +70,28 @@ QK_NORM_GRID = {
 #: them as positions 0 .. 6 passes every Tq = Tk row), and Qwen 3's layer (its per-head RMSNorm, then rotary at base
 #: 1,000,000). A backend that declares no rotary skips them naming it. The last two rows (pairing None) run with the
 #: first pairing the backend declares, so a layer with either pairing alone gets a row at Tq != Tk (an outside user's
-#: Meta-style interleaved layer, its queries turned from 0, was caught by the gradients only).
+#: Meta-style interleaved layer, its queries turned from 0, was caught by the gradients only). The last field is the
+#: rotary's width (``rotary_dims``): ``rotary_partial`` is Phi-2's layer (d_head 80, its first 32 features turned,
+#: the other 48 passed, with biases), which a backend declaring ``Capabilities.partial_rotary`` runs.
 ROTARY_GRID = {
-    "rotary_half_split": (2, 4, 16, 64, 64, True, 2, None, "half_split", 10_000.0),
-    "rotary_interleaved": (1, 2, 32, 48, 48, False, None, None, "interleaved", 500_000.0),
-    "rotary_more_keys": (2, 4, 16, 7, 64, False, 2, None, None, 500_000.0),
-    "rotary_qk_norm_per_head": (2, 4, 16, 40, 40, False, 2, "rms_per_head", None, 1_000_000.0),
+    "rotary_half_split": (2, 4, 16, 64, 64, True, 2, None, "half_split", 10_000.0, None),
+    "rotary_interleaved": (1, 2, 32, 48, 48, False, None, None, "interleaved", 500_000.0, None),
+    "rotary_more_keys": (2, 4, 16, 7, 64, False, 2, None, None, 500_000.0, None),
+    "rotary_qk_norm_per_head": (2, 4, 16, 40, 40, False, 2, "rms_per_head", None, 1_000_000.0, None),
+    "rotary_partial": (2, 2, 80, 48, 48, True, None, None, None, 10_000.0, 32),
 }
 
 
-def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None, rotary=None) -> str | None:
+def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None, rotary=None, rotary_dims=None) -> str | None:
     """Why the backend cannot run a GRID row, from its declarations (the skip reason), or None. Biases are never a
     reason: a bias-free backend runs the row without them."""
     caps = backend.capabilities
     if rotary and rotary not in caps.rotary:
         return (f"does not declare rotary {rotary!r} (Capabilities.rotary: a layer with rotary position embeddings, "
                 "as Llama, Mistral and Qwen have, declares its pairing)")
+    if rotary_dims and not caps.partial_rotary:
+        return (f"does not declare partial_rotary (rotary_dims = {rotary_dims}: Capabilities.partial_rotary, a layer "
+                "whose rotary turns only each head's first features, as GPT-NeoX, Phi and StableLM have)")
     if qk_norm and qk_norm not in caps.qk_norms:
         return (f"does not declare qk_norms {qk_norm!r} (Capabilities.qk_norms: a layer with a norm of q and k, "
                 "as Qwen 3, Gemma 3, OLMo 2 and ViT-22B have, declares it)")
@@ -108,9 +114,9 @@ def _grid_variants(backend):
     caps = backend.capabilities
     out, refused = [], []
     for dtype in caps.dtypes:
-        rows = ([(name, row + (None, None, None)) for name, row in GRID.items()]
-                + [(name, row + (None, None)) for name, row in QK_NORM_GRID.items()] + list(ROTARY_GRID.items()))
-        for name, (batch, heads, d_head, tq, tk, bias, kv, qk_norm, rotary, base) in rows:
+        rows = ([(name, row + (None, None, None, None)) for name, row in GRID.items()]
+                + [(name, row + (None, None, None)) for name, row in QK_NORM_GRID.items()] + list(ROTARY_GRID.items()))
+        for name, (batch, heads, d_head, tq, tk, bias, kv, qk_norm, rotary, base, rotary_dims) in rows:
             if name in ROTARY_GRID and rotary is None:  # the first pairing declared, half_split where none is
                 rotary = (caps.rotary or ("half_split",))[0]
             v = {"dtype": dtype, "variant": name, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq,
@@ -121,9 +127,11 @@ def _grid_variants(backend):
                 v["qk_norm"] = qk_norm
             if rotary:
                 v["rotary"], v["rotary_base"] = rotary, base
+            if rotary_dims:
+                v["rotary_dims"] = rotary_dims
             if caps.inputs == "separate" and tq == tk:  # called as a self-attention model calls it: labelled so
                 v["one_x"] = True
-            refusal = _grid_row_refusal(backend, tq, tk, kv, qk_norm, rotary)
+            refusal = _grid_row_refusal(backend, tq, tk, kv, qk_norm, rotary, rotary_dims)
             if refusal is None:
                 out.append(v)
             elif dtype == primary_dtype(backend):
@@ -141,16 +149,19 @@ def _inputs(form, config, batch, tq, tk=None, seed=1, one_x=False, **masks):
 
 @case(variants=_grid_variants, forms=ALL_FORMS)
 def check_output_matches_reference(backend, *, form, dtype, variant, batch, heads, d_head, seq, tk, bias,
-                                   kv_heads=None, one_x=False, qk_norm=None, rotary=None, rotary_base=10_000.0):
+                                   kv_heads=None, one_x=False, qk_norm=None, rotary=None, rotary_base=10_000.0,
+                                   rotary_dims=None):
     """Over a grid of batch sizes, sequence lengths (self and cross), head counts and widths, with and without
     biases, in every declared dtype, the output equals the float64 reference within the tolerance rule. A
     separate-form backend gets one x at Tq == Tk (``one_x``: how a self-attention model calls it; the other cases
     give it separate arrays) and separate arrays at Tq != Tk. A layer with a norm on q and k (``qk_norm``, declared
     in ``Capabilities.qk_norms``) runs its rows with that norm and gains that are not 1: the norm's axis and gains
     are checked too; one with rotary position embeddings (``rotary``, declared in ``Capabilities.rotary``) runs its
-    rows turned at the positions of :func:`~mha_harness.contract.conventions.rotary_positions`, with the row's base."""
+    rows turned at the positions of :func:`~mha_harness.contract.conventions.rotary_positions`, with the row's base,
+    and one declaring ``Capabilities.partial_rotary`` a row whose rotary turns only each head's first
+    ``rotary_dims`` features."""
     config = AttentionConfig(heads * d_head, heads, kv_heads, bias=bias, qk_norm=qk_norm, rotary=rotary,
-                             rotary_base=rotary_base)
+                             rotary_base=rotary_base, rotary_dims=rotary_dims)
     params = make_params(config, seed=seq + tk)
     inputs = _inputs(form, config, batch, seq, tk, seed=batch + heads, one_x=one_x)
     # an always-causal backend's grid runs causal: a failure names the causal-mask mistake it matches (as every

@@ -106,23 +106,26 @@ def qk_normed(y, gain, kind: str | None, d_head: int, eps: float, bias=None):
     return normed.reshape(b, t, width)
 
 
-def rotary_turned(x, positions, kind: str | None, base: float):
+def rotary_turned(x, positions, kind: str | None, base: float, dims: int | None = None):
     """Heads ``x`` (B, n, T, d_head) at ``positions`` (T,) turned by rotary embeddings of ``kind``: Hugging Face's
     ``rotate_half`` form, ``x * cos + rotate_half(x) * sin`` with the angles repeated over both halves, for
-    ``"half_split"``; the pairs (2i, 2i + 1) for ``"interleaved"``; ``x`` for None. The angles ``p / base ** (2i /
-    d_head)`` in float32 (float64 for a float64 layer), as transformers computes them, cos and sin then cast to the
-    heads' dtype."""
+    ``"half_split"``; the pairs (2i, 2i + 1) for ``"interleaved"``; ``x`` for None. ``dims`` (None: all d_head): a
+    partial rotary turns only each head's first ``dims`` features and passes the rest, as GPT-NeoX's and Phi's
+    layers split ``x[..., :rotary_ndims]`` from ``x[..., rotary_ndims:]``. The angles ``p / base ** (2i / dims)`` in
+    float32 (float64 for a float64 layer), as transformers computes them, cos and sin then cast to the heads' dtype."""
     import torch
     if kind is None:
         return x
-    d_head = x.shape[-1]
+    width = x.shape[-1] if dims is None else dims
+    if width < x.shape[-1]:
+        return torch.cat([rotary_turned(x[..., :width], positions, kind, base), x[..., width:]], dim=-1)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv_freq = 1.0 / (base ** (torch.arange(0, d_head, 2, dtype=torch.int64, device=x.device).to(work) / d_head))
+    inv_freq = 1.0 / (base ** (torch.arange(0, width, 2, dtype=torch.int64, device=x.device).to(work) / width))
     angles = positions.to(device=x.device, dtype=work)[:, None] * inv_freq[None, :]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     if kind == "half_split":
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-        rotate_half = torch.cat([-x[..., d_head // 2:], x[..., :d_head // 2]], dim=-1)
+        rotate_half = torch.cat([-x[..., width // 2:], x[..., :width // 2]], dim=-1)
         return x * cos + rotate_half * sin
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
@@ -274,7 +277,7 @@ class LinearTorchLoaded(TorchLoaded):
     def rotate(self, heads, positions):
         """Heads of q or k (B, n, T, d_head) at ``positions`` turned by the layer's rotary embeddings (unchanged
         without them: :func:`rotary_turned`)."""
-        return rotary_turned(heads, positions, self.config.rotary, self.config.rotary_base)
+        return rotary_turned(heads, positions, self.config.rotary, self.config.rotary_base, self.config.rotary_dims)
 
     def split_heads(self, x, n_heads: int):
         """(B, T, n*d_head) -> (B, n, T, d_head)."""

@@ -74,31 +74,42 @@ class NumpyNaiveLoaded(LoadedAttention):
         bias = self.norm_bias(which)
         return (normed if bias is None else normed + bias).reshape(b, t, width)
 
+    def rotary_width(self) -> int:
+        """How many of each head's leading features the rotary embeddings turn (``config.rotary_width``: d_head, or
+        a partial rotary's ``rotary_dims``)."""
+        return self.config.rotary_width
+
     def rotary_pairs(self) -> tuple[np.ndarray, np.ndarray]:
-        """The feature indices (a, b) of each pair the rotary embeddings turn (``config.rotary``'s pairing)."""
-        return rotary_pairs(self.config.rotary, self.config.d_head)
+        """The feature indices (a, b) of each pair the rotary embeddings turn (``config.rotary``'s pairing among the
+        first :meth:`rotary_width` features of each head)."""
+        return rotary_pairs(self.config.rotary, self.rotary_width())
 
     def rotary_base(self) -> float:
         """The base of the rotary frequencies: ``config.rotary_base``."""
         return self.config.rotary_base
 
+    def rotary_frequencies(self, work: type) -> np.ndarray:
+        """The frequencies ``base ** (-2i / r)`` (i = 0 .. r/2 - 1) over the r = :meth:`rotary_width` features
+        turned, computed in ``work``."""
+        width = self.rotary_width()
+        return work(1.0) / work(self.rotary_base()) ** (np.arange(0, width, 2, dtype=work) / work(width))
+
     def rotary_angles(self, positions: np.ndarray) -> np.ndarray:
-        """The angles (T, d_head/2), ``position * base ** (-2i / d_head)``: in float32 for a float32 layer (as
-        kernels compute them), in float64 for a float64 one."""
+        """The angles (T, r/2), each position times each frequency: in float32 for a float32 layer (as kernels
+        compute them), in float64 for a float64 one."""
         work = np.float64 if self.dtype == np.float64 else np.float32
-        i = np.arange(0, self.config.d_head, 2, dtype=work)
-        inv_freq = work(1.0) / work(self.rotary_base()) ** (i / work(self.config.d_head))
-        return positions.astype(work)[:, None] * inv_freq[None, :]
+        return positions.astype(work)[:, None] * self.rotary_frequencies(work)[None, :]
 
     def rotate(self, x: np.ndarray, positions: np.ndarray, which: str) -> np.ndarray:
         """Heads ``x`` (B, n, T, d_head) of q or k (``which``) at ``positions`` turned by the layer's rotary
-        embeddings, each pair (x_a, x_b) to (x_a cos - x_b sin, x_b cos + x_a sin); ``x`` without them."""
+        embeddings, each pair (x_a, x_b) to (x_a cos - x_b sin, x_b cos + x_a sin), a partial rotary's other
+        features unturned; ``x`` without them."""
         if self.config.rotary is None:
             return x
         a, b = self.rotary_pairs()
         angles = self.rotary_angles(positions)
         cos, sin = np.cos(angles).astype(self.dtype), np.sin(angles).astype(self.dtype)
-        out = np.empty_like(x)
+        out = x.copy()
         out[..., a] = x[..., a] * cos - x[..., b] * sin
         out[..., b] = x[..., b] * cos + x[..., a] * sin
         return out
@@ -232,7 +243,7 @@ class NumpyNaive(AttentionBackend):
     native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     memory_method = "tracemalloc"
     capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=True, qk_norms=QK_NORMS,
-                                rotary=ROTARY_KINDS)
+                                rotary=ROTARY_KINDS, partial_rotary=True)
     loaded_class = NumpyNaiveLoaded
 
     def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:

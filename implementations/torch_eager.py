@@ -38,7 +38,7 @@ def weighted_values(torch, weights, values):
 
 def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: int, need_weights: bool,
                 attention=None, qk_norm: str | None = None, qk_norm_eps: float = 1e-6, rotary: str | None = None,
-                rotary_base: float = 10_000.0):
+                rotary_base: float = 10_000.0, rotary_dims: int | None = None):
     """The whole layer on tensors: projections, head split, masked softmax, weighted values, W_o.
 
     ``w`` maps canonical names (W_q, b_q, ...) to x @ W tensors; ``allowed`` (True = attend) and ``additive``
@@ -48,7 +48,8 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     (:func:`~mha_harness.implementations._torch_common.qk_normed`) with the gains ``w["g_q"]``, ``w["g_k"]`` (and a
     LayerNorm's biases ``w["beta_q"]``, ``w["beta_k"]``). ``rotary``: each head of q and k is then turned by rotary
     embeddings of that kind and base (:func:`~mha_harness.implementations._torch_common.rotary_turned`) at the
-    call's positions (the queries the last Tq of the Tk positions)."""
+    call's positions (the queries the last Tq of the Tk positions), only its first ``rotary_dims`` features when
+    that is set (a partial rotary)."""
     attention = attention or eager_attention
     def project(x, which):
         y = x @ w[f"W_{which}"]
@@ -64,7 +65,8 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     qh, kh = split(project(q, "q"), num_heads), split(project(k, "k"), kv_heads)
     if rotary is not None:
         q_pos, k_pos = call_positions(q.shape[1], k.shape[1], q.device)
-        qh, kh = rotary_turned(qh, q_pos, rotary, rotary_base), rotary_turned(kh, k_pos, rotary, rotary_base)
+        qh = rotary_turned(qh, q_pos, rotary, rotary_base, rotary_dims)
+        kh = rotary_turned(kh, k_pos, rotary, rotary_base, rotary_dims)
     out, weights = attention(qh, kh, split(project(v, "v"), kv_heads), allowed, additive, need_weights)
     b, h, t, dh = out.shape
     return project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), weights
@@ -105,7 +107,7 @@ class TorchEagerLoaded(LinearTorchLoaded):
         allowed, additive = full_mask(inputs)
         return self.layer(q, k, v, self.w, self.mask_tensor(allowed), self.mask_tensor(additive), c.num_heads,
                           c.kv_heads, need_weights, qk_norm=c.qk_norm, qk_norm_eps=c.qk_norm_eps, rotary=c.rotary,
-                          rotary_base=c.rotary_base)
+                          rotary_base=c.rotary_base, rotary_dims=c.rotary_dims)
 
 
 class TorchEager(TorchBackend):
@@ -113,14 +115,15 @@ class TorchEager(TorchBackend):
     native_causal = "explicit masks in both alignments"
     native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=TORCH_DTYPES, qk_norms=QK_NORMS,
-                                rotary=ROTARY_KINDS)
+                                rotary=ROTARY_KINDS, partial_rotary=True)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
         self.name = "torch-eager" if device == "cpu" else f"torch-eager-{device}"
         if device != "cpu":
             self.capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=GPU_DTYPES,
-                                             devices=(device,), qk_norms=QK_NORMS, rotary=ROTARY_KINDS)
+                                             devices=(device,), qk_norms=QK_NORMS, rotary=ROTARY_KINDS,
+                                             partial_rotary=True)
 
     def native_parameter_shapes(self, config: AttentionConfig):
         from mha_harness.contract.params import make_params

@@ -2,10 +2,11 @@
 comparison can name the one its output matches: the other pairing of features (GPT-J's interleaved pairs where
 Hugging Face's rotate_half pairs i with i + d_head/2, or the other way round), another common base, only one of q
 and k turned, W_q's or W_k's columns alone permuted between the pairings, the queries of a call with fewer queries
-than keys turned from position 0 (with their own keys, or alone), q and k turned before the q/k norm, or no rotary at
-all; and, for a layer run without rotary, that its
-output matches q and k turned anyway (a wrapped Llama-style module given positions 0 .. T - 1 where the harness's
-layer has none)."""
+than keys turned from position 0 (with their own keys, or alone), q and k turned before the q/k norm, the wrong
+width (a partial rotary's whole head turned, its frequencies over d_head, or a common fraction of each head turned
+where the config turns all of it), or no rotary at all; and, for a layer run without rotary, that its output matches
+q and k turned anyway (a wrapped Llama-style module given positions 0 .. T - 1 where the harness's layer has
+none)."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +36,13 @@ _MISTAKEN = {
                              "and the new k with one cos/sin; offset the positions by the cache length)"),
     "before_norm": ("q and k turned by their rotary embeddings before their q/k norm where they are normed first, "
                     "then turned (Qwen 3)"),
+    "frequencies_over_head": ("a partial rotary's frequencies over all d_head features, base ** (-2i / d_head), "
+                              "where they are over the rotary_dims features it turns, base ** (-2i / rotary_dims) "
+                              "(an inv_freq built from head_dim: build it from the rotary's width)"),
 }
+#: the widths a partial rotary commonly has, as fractions of d_head (GPT-NeoX's and StableLM's rotary_pct 0.25,
+#: Phi-2's partial_rotary_factor 0.4, ChatGLM's and Phi-3-small's 0.5)
+COMMON_PARTIAL_FRACTIONS = (0.25, 0.4, 0.5)
 
 
 def _candidates(params: AttentionParams, inputs: AttentionInputs):
@@ -72,22 +79,45 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
             yield (f"; the output matches rotary embeddings built with base {base:g} where config.rotary_base is "
                    f"{c.rotary_base:g} (build them from config.rotary_base: rope_theta not passed on)",
                    params.replace(config=dataclasses.replace(c, rotary_base=base)), None)
+    yield from _width_candidates(params)
     for mistake, label in _MISTAKEN.items():
         if mistake in ("queries_from_zero", "new_tokens_from_zero") and inputs.tq >= inputs.tk:
             continue  # the same positions (or no new keys of their own)
         if mistake == "before_norm" and c.qk_norm is None:
             continue
+        if mistake == "frequencies_over_head" and not c.partial_rotary:
+            continue  # the same frequencies
         yield "; the output matches " + label, params, mistake
     yield ("; the output matches no rotary embeddings at all (q and k never turned: declare only the rotary the layer "
-           "applies)", params.replace(config=dataclasses.replace(c, rotary=None)), None)
+           "applies)", params.replace(config=dataclasses.replace(c, rotary=None, rotary_dims=None)), None)
+
+
+def _width_candidates(params: AttentionParams):
+    """The wrong widths of a rotary layer's turn: a partial rotary's ``rotary_dims`` ignored (every feature turned),
+    or a layer that always turns a common fraction of each head where the config asks for all of it."""
+    c = params.config
+    if c.partial_rotary:
+        yield (f"; the output matches rotary embeddings that turn every feature of each head where config.rotary_dims "
+               f"= {c.rotary_dims} turns only the first {c.rotary_dims} of its {c.d_head} (a partial rotary's width "
+               "never passed on: build it from config.rotary_dims; GPT-NeoX's rotary_pct, Phi's "
+               "partial_rotary_factor)", params.replace(config=dataclasses.replace(c, rotary_dims=None)), None)
+        return
+    exact = [f * c.d_head for f in COMMON_PARTIAL_FRACTIONS if abs(f * c.d_head - round(f * c.d_head)) < 1e-9]
+    for width in sorted({round(w) for w in exact if round(w) >= 2 and round(w) % 2 == 0}):
+        yield (f"; the output matches rotary embeddings on the first {width} of each head's {c.d_head} features "
+               "only, where config.rotary_dims = None turns them all (a partial rotary, as GPT-NeoX's rotary_pct "
+               "and Phi's partial_rotary_factor make: build the layer's width from config.rotary_dims, None meaning "
+               "all d_head, and declare Capabilities(partial_rotary=True))",
+               params.replace(config=dataclasses.replace(c, rotary_dims=width)), None)
 
 
 def pairing_permutation(config, inverse: bool = False) -> np.ndarray:
     """The column order, within each head of q's (or k's) projection, that turns Meta's interleaved pairs (2i, 2i +
     1) into rotate_half's (i, i + d_head/2): [0, 2, 4, ..., 1, 3, 5, ...] per head (transformers'
     convert_llama_weights_to_hf), or its inverse; over all num_heads * d_head columns (q's width; k's is a prefix)."""
-    d = config.d_head
-    within = np.concatenate(rotary_pairs("interleaved", d))  # each interleaved pair's first features, then seconds
+    d, width = config.d_head, config.rotary_width
+    # each interleaved pair's first features, then seconds; a partial rotary's unturned features stay where they are
+    within = np.concatenate([*rotary_pairs("interleaved", width), np.arange(width, d)])
     order = (np.arange(config.num_heads)[:, None] * d + within[None, :]).reshape(-1)
     return np.argsort(order) if inverse else order
 

@@ -53,6 +53,9 @@ class SearchSpace:
     #: the rotary embeddings the backend declares (Capabilities.rotary): examples at an even d_head draw one of them
     #: (at a common base) or none
     rotary: tuple[str, ...] = ()
+    #: whether the backend declares a partial rotary (Capabilities.partial_rotary): a rotary example at d_head >= 4
+    #: then draws how many of each head's features it turns (``rotary_dims``, absent when all)
+    partial_rotary: bool = False
 
     @classmethod
     def for_backend(cls, backend: AttentionBackend, *, quick: bool = False, dtypes: tuple[str, ...] | None = None,
@@ -92,6 +95,7 @@ class SearchSpace:
             decode_step=caps.inputs != "self" and caps.cross_attention and "bottom-right" in caps.causal_alignments,
             qk_norms=caps.qk_norms,
             rotary=caps.rotary,
+            partial_rotary=caps.partial_rotary,
         )
 
 
@@ -172,6 +176,10 @@ def examples(draw, space: SearchSpace):
         if kind:
             example["rotary"] = kind
             example["rotary_base"] = draw(st.sampled_from(COMMON_ROTARY_BASES))
+            if space.partial_rotary and example["d_head"] >= 4:  # an even width below d_head, or all (absent)
+                width = draw(st.sampled_from((None, *range(2, example["d_head"], 2))))
+                if width:
+                    example["rotary_dims"] = width
     return example
 
 

@@ -116,7 +116,9 @@ class Capabilities:
     ``"interleaved"``, GPT-J and Meta's Llama code): the cases then also run layers whose ``config.rotary`` is one of
     them, at the positions :func:`~mha_harness.contract.conventions.rotary_positions` gives, and every other case a
     layer without it (a wrapper of a layer that always rotates gives every token one position there: see
-    docs/plugins.md).
+    docs/plugins.md). ``partial_rotary`` (OFF) declares a layer whose rotary can turn fewer than d_head features of
+    each head (``config.rotary_dims``: GPT-NeoX and StableLM's ``rotary_pct``, Phi's ``partial_rotary_factor``,
+    GPT-J's ``rotary_dim``); the cases then also run such layers.
     Malformed values (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused
     here, so nothing is declared by accident.
     """
@@ -141,6 +143,7 @@ class Capabilities:
     score_scale: float | str | None = None
     qk_norms: tuple[str, ...] = ()
     rotary: tuple[str, ...] = ()
+    partial_rotary: bool = False
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -319,8 +322,12 @@ class AttentionConfig:
     #: Llama code); key j at position j, query i at i + Tk - Tq (:data:`~mha_harness.contract.conventions.ROTARY_KINDS`,
     #: :func:`~mha_harness.contract.conventions.rotary_positions`)
     rotary: str | None = None
-    #: the rotary frequencies' base: pair i turns by position * rotary_base ** (-2i / d_head)
+    #: the rotary frequencies' base: pair i turns by position * rotary_base ** (-2i / r), r = :attr:`rotary_width`
     rotary_base: float = 10_000.0
+    #: how many of each head's leading features the rotary embeddings turn (None: all d_head); fewer makes a partial
+    #: rotary, whose other features pass unturned and whose frequencies are over these r (GPT-NeoX's and StableLM's
+    #: ``rotary_pct``, Phi's ``partial_rotary_factor``, GPT-J's ``rotary_dim``); an even number, only with ``rotary``
+    rotary_dims: int | None = None
 
     def __post_init__(self):
         validate_config(self)
@@ -336,6 +343,16 @@ class AttentionConfig:
     @property
     def group(self) -> int:
         return self.num_heads // self.kv_heads
+
+    @property
+    def rotary_width(self) -> int:
+        """The number r of each head's leading features the rotary embeddings turn: ``rotary_dims``, or d_head."""
+        return self.d_head if self.rotary_dims is None else int(self.rotary_dims)
+
+    @property
+    def partial_rotary(self) -> bool:
+        """True for rotary embeddings that turn fewer than d_head of each head's features."""
+        return self.rotary is not None and self.rotary_width < self.d_head
 
     def expected_parameter_count(self) -> int:
         """4*d_model^2 (+4*d_model with biases); K/V shrink to num_kv_heads*d_head columns for grouped-query; a q/k
@@ -719,6 +736,10 @@ class AttentionBackend:
             raise ValueError(f"params: got biases but {self.name} does not support them; accepted: config.bias=False")
         self._require_declared("qk_norm", params.config.qk_norm, "qk_norms", "no norm on q and k")
         self._require_declared("rotary", params.config.rotary, "rotary", "no rotary position embeddings")
+        if params.config.partial_rotary and not self.capabilities.partial_rotary:
+            raise ValueError(f"rotary_dims: got {params.config.rotary_dims} of d_head = {params.config.d_head} but "
+                             f"{self.name} does not declare Capabilities.partial_rotary; accepted: None or "
+                             f"{params.config.d_head} (every feature of each head turned)")
         if params.config.kv_heads != params.config.num_heads and not self.capabilities.grouped_query:
             raise ValueError(f"num_kv_heads: got {params.config.kv_heads} but {self.name} does not support "
                              f"grouped-query heads; accepted: num_kv_heads == num_heads ({params.config.num_heads})")

@@ -110,10 +110,13 @@ QK_NORMS_WITH_BIAS = ("layer_per_head",)
 
 #: ``AttentionConfig.rotary``: rotary position embeddings (RoPE) applied to each head of q and of k after their
 #: projection (and after the q/k norm), before the scores: each pair of features (x_a, x_b) at position p is rotated
-#: by the angle p * base^(-2i / d_head) of its frequency i (i = 0 .. d_head/2 - 1): (x_a cos - x_b sin, x_b cos +
-#: x_a sin). ``half_split`` pairs feature i with feature i + d_head/2 (GPT-NeoX, Hugging Face's ``rotate_half``:
-#: Llama, Mistral, Qwen in transformers); ``interleaved`` pairs features 2i and 2i + 1 (GPT-J, Meta's original Llama
-#: code with complex numbers, ``torchtune``'s RotaryPositionalEmbeddings)
+#: by the angle p * base^(-2i / r) of its frequency i (i = 0 .. r/2 - 1), where r is the number of each head's
+#: leading features turned (``AttentionConfig.rotary_dims``; d_head unless the rotary is partial, as GPT-NeoX's
+#: ``rotary_pct``, Phi's ``partial_rotary_factor`` and GPT-J's ``rotary_dim`` make it; the other d_head - r features
+#: pass unturned): (x_a cos - x_b sin, x_b cos + x_a sin). ``half_split`` pairs feature i with feature i + r/2
+#: (GPT-NeoX, Hugging Face's ``rotate_half``: Llama, Mistral, Qwen in transformers); ``interleaved`` pairs features
+#: 2i and 2i + 1 (GPT-J, Meta's original Llama code with complex numbers, ``torchtune``'s
+#: RotaryPositionalEmbeddings)
 ROTARY_KINDS = ("half_split", "interleaved")
 #: the frequency bases of common models (``AttentionConfig.rotary_base``): 10,000 (Llama 1 and 2, GPT-NeoX,
 #: Mistral 7B v0.1), 500,000 (Llama 3), 1,000,000 (Qwen 2 and 3, Mistral 7B v0.2, Code Llama)
@@ -127,11 +130,12 @@ def rotary_positions(tq: int, tk: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(tq, dtype=np.int64) + (tk - tq), np.arange(tk, dtype=np.int64)
 
 
-def rotary_pairs(kind: str, d_head: int) -> tuple[np.ndarray, np.ndarray]:
-    """The feature indices ``(a, b)`` of each rotated pair of frequency i (``a[i]``, ``b[i]``) under ``kind``."""
-    half = np.arange(d_head // 2)
+def rotary_pairs(kind: str, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The feature indices ``(a, b)`` of each rotated pair of frequency i (``a[i]``, ``b[i]``) under ``kind``, among
+    a head's first ``width`` features (d_head, or a partial rotary's ``rotary_dims``)."""
+    half = np.arange(width // 2)
     if kind == "half_split":
-        return half, half + d_head // 2
+        return half, half + width // 2
     if kind == "interleaved":
         return 2 * half, 2 * half + 1
     raise ValueError(f"rotary: got {kind!r}; accepted: {', '.join(map(repr, ROTARY_KINDS))}")

@@ -165,8 +165,10 @@ def soft_capped(scores: np.ndarray, r=lambda x: x) -> np.ndarray:
 #: the queries turned at positions 0 .. Tq - 1 where a KV-cache step's or a cross call's are Tk - Tq .. Tk - 1, the
 #: new tokens (the queries and the last Tq keys, their own) turned so while the cached keys keep their positions (a
 #: Hugging Face step given position_ids = arange(Tq)), or q and k turned before their q/k norm instead of after it
-#: (forward only)
-ROTARY_MISTAKES = ("q_only", "k_only", "queries_from_zero", "new_tokens_from_zero", "before_norm")
+#: (forward only), or a partial rotary's frequencies spread over all d_head features instead of the r it turns
+#: (``base ** (-2i / d_head)``: the inv_freq of a full rotary, cut to r/2 frequencies)
+ROTARY_MISTAKES = ("q_only", "k_only", "queries_from_zero", "new_tokens_from_zero", "before_norm",
+                   "frequencies_over_head")
 _ROTARY_MISTAKE: contextvars.ContextVar[str | None] = contextvars.ContextVar("rotary_mistake", default=None)
 
 
@@ -180,20 +182,30 @@ def rotary_mistaken(mistake: str | None):
         yield
 
 
-def rotary_tables(positions: np.ndarray, d_head: int, base: float, dtype: str = "float64"
+def rotary_tables(positions: np.ndarray, width: int, base: float, dtype: str = "float64", spread: int | None = None
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of the rotary angles ``p * base ** (-2i / d_head)``, (len(positions), d_head // 2), rounded to
-    ``dtype``. Below float64 the angles are computed as kernels compute them, in float32 whatever the dtype (the
-    frequencies ``1 / base ** (2i / d_head)`` and their products with the positions each rounded to float32: at
-    position p an angle is off by about p * 2^-24), which at long positions is most of a float32 layer's error."""
-    i = np.arange(d_head // 2, dtype=np.float64)
+    """cos and sin of the rotary angles ``p * base ** (-2i / width)``, (len(positions), width // 2), rounded to
+    ``dtype`` (``width``: the features turned, d_head or a partial rotary's r; ``spread``: the denominator instead,
+    for the mistake of a partial rotary's frequencies over d_head). Below float64 the angles are computed as kernels
+    compute them, in float32 whatever the dtype (the frequencies ``1 / base ** (2i / width)`` and their products with
+    the positions each rounded to float32: at position p an angle is off by about p * 2^-24), which at long positions
+    is most of a float32 layer's error."""
+    i = np.arange(width // 2, dtype=np.float64)
+    over = width if spread is None else spread
     p = np.asarray(positions, np.float64)[:, None]
     if dtype == "float64":
-        theta = p * np.float64(base) ** (-2.0 * i / d_head)
+        theta = p * np.float64(base) ** (-2.0 * i / over)
     else:
         f32 = lambda a: np.asarray(a, np.float32).astype(np.float64)  # noqa: E731
-        theta = f32(p * f32(1.0 / f32(f32(base) ** f32(2.0 * i / d_head))))
+        theta = f32(p * f32(1.0 / f32(f32(base) ** f32(2.0 * i / over))))
     return round_to(np.cos(theta), dtype), round_to(np.sin(theta), dtype)
+
+
+def _config_tables(positions: np.ndarray, config, dtype: str = "float64") -> tuple[np.ndarray, np.ndarray]:
+    """:func:`rotary_tables` of the config's rotary (its width and base), spread over d_head under the
+    ``frequencies_over_head`` mistake."""
+    spread = config.d_head if _ROTARY_MISTAKE.get() == "frequencies_over_head" else None
+    return rotary_tables(positions, config.rotary_width, config.rotary_base, dtype, spread)
 
 
 def _call_positions(inputs: AttentionInputs, rows=None) -> tuple[np.ndarray, np.ndarray]:
@@ -212,20 +224,21 @@ def _call_positions(inputs: AttentionInputs, rows=None) -> tuple[np.ndarray, np.
 def rotated(x: np.ndarray, positions: np.ndarray, config, dtype: str = "float64", which: str = "q",
             inverse: bool = False) -> np.ndarray:
     """Heads ``x`` (batch, heads, T, d_head) at ``positions`` (T,) turned by the config's rotary embeddings (its
-    pairs: :func:`~mha_harness.contract.conventions.rotary_pairs`; ``x`` itself without them, or for ``which``
+    pairs among the first ``config.rotary_width`` features, the rest unturned:
+    :func:`~mha_harness.contract.conventions.rotary_pairs`; ``x`` itself without them, or for ``which``
     (q or k) under a :func:`rotary_mistaken` that leaves it out), each stage rounded to ``dtype``. ``inverse``:
     turned back (the transpose: the backward of the rotation)."""
     mistake = _ROTARY_MISTAKE.get()
     if config.rotary is None or (mistake, which) in (("q_only", "k"), ("k_only", "q")):
         return x
     r = lambda a: round_to(a, dtype)  # noqa: E731
-    a, b = rotary_pairs(config.rotary, config.d_head)
-    cos, sin = rotary_tables(positions, config.d_head, config.rotary_base, dtype)
+    a, b = rotary_pairs(config.rotary, config.rotary_width)
+    cos, sin = _config_tables(positions, config, dtype)
     if inverse:
         sin = -sin
     xa, xb = x[..., a], x[..., b]
     ya, yb = r(r(xa * cos) - r(xb * sin)), r(r(xb * cos) + r(xa * sin))
-    out = np.empty(x.shape, ya.dtype)
+    out = np.array(x, dtype=ya.dtype)  # a partial rotary's features past its width pass unturned
     out[..., a], out[..., b] = ya, yb
     return out
 
@@ -235,9 +248,9 @@ def _rotated_squares(x_sq: np.ndarray, positions: np.ndarray, config) -> np.ndar
     ``cos^2 x_a^2 + sin^2 x_b^2`` (a rotated entry is a sum of two terms)."""
     if config.rotary is None:
         return x_sq
-    a, b = rotary_pairs(config.rotary, config.d_head)
-    cos, sin = (np.square(t) for t in rotary_tables(positions, config.d_head, config.rotary_base))
-    out = np.empty_like(x_sq)
+    a, b = rotary_pairs(config.rotary, config.rotary_width)
+    cos, sin = (np.square(t) for t in _config_tables(positions, config))
+    out = np.array(x_sq)
     out[..., a] = cos * x_sq[..., a] + sin * x_sq[..., b]
     out[..., b] = cos * x_sq[..., b] + sin * x_sq[..., a]
     return out
@@ -571,6 +584,7 @@ def _call_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes:
     query = np.asarray(inputs.query)
     same = lambda x: "same as query" if x is inputs.query else np.asarray(x)  # noqa: E731
     return _digest(c.d_model, c.num_heads, c.kv_heads, c.bias, c.qk_norm, c.qk_norm_eps, c.rotary, c.rotary_base,
+                   c.rotary_dims,
                    *(getattr(params, n) for n in PARAM_NAMES),
                    query, same(inputs.key), same(inputs.value), inputs.causal, inputs.key_padding_mask,
                    inputs.attn_mask)

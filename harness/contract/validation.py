@@ -67,6 +67,17 @@ def validate_config(config: AttentionConfig) -> None:
         if (d_model // num_heads) % 2:
             raise ValueError(f"rotary: got {config.rotary!r} with d_head = {d_model // num_heads}; accepted: an even "
                              "d_head (rotary embeddings turn pairs of a head's features), or rotary=None")
+    dims, d_head = config.rotary_dims, d_model // num_heads
+    if dims is not None:
+        if isinstance(dims, bool) or not isinstance(dims, (int, np.integer)) or dims < 2 or dims > d_head or dims % 2:
+            raise ValueError(f"rotary_dims: got {dims!r} with d_head = {d_head}; accepted: None (all of each head's "
+                             f"features turned) or an even integer from 2 to {d_head}, the number of each head's "
+                             "leading features turned (GPT-NeoX's rotary_pct * d_head, Phi's partial_rotary_factor * "
+                             "d_head, GPT-J's rotary_dim)")
+        if config.rotary is None:
+            raise ValueError(f"rotary_dims: got {dims!r} with rotary=None; accepted: None, or set rotary to one of "
+                             f"{', '.join(map(repr, ROTARY_KINDS))} (rotary_dims says how many of each head's "
+                             "features the rotary embeddings turn)")
     base = config.rotary_base
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
         raise ValueError(f"rotary_base: got {base!r}; accepted: a finite number > 1, the base of the rotary "
@@ -110,7 +121,7 @@ def require_config(config) -> None:
     """``config`` must be an AttentionConfig (a TypeError naming ``config`` otherwise)."""
     _require_kind("config", config, ("d_model", "num_heads", "kv_heads", "d_head", "bias"),
                   "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False, "
-                  "qk_norm=None, qk_norm_eps=1e-6, rotary=None, rotary_base=10000.0)")
+                  "qk_norm=None, qk_norm_eps=1e-6, rotary=None, rotary_base=10000.0, rotary_dims=None)")
 
 
 def require_params(params) -> None:

@@ -38,6 +38,8 @@ class Mutant:
     grouped_query: bool = True
     #: the rotary embeddings it declares (Capabilities.rotary): a rotary mutant declares the ones it gets wrong
     rotary: tuple[str, ...] = ()
+    #: whether it declares a partial rotary (Capabilities.partial_rotary)
+    partial_rotary: bool = False
 
 
 class SelfAttentionModule(NumpyNaiveLoaded):
@@ -495,7 +497,7 @@ class RotaryOtherPairing(NumpyNaiveLoaded):
 
     def rotary_pairs(self):
         other = {"half_split": "interleaved", "interleaved": "half_split"}[self.config.rotary]
-        return rotary_pairs(other, self.config.d_head)
+        return rotary_pairs(other, self.rotary_width())
 
 
 class RotaryBaseDefault(NumpyNaiveLoaded):
@@ -504,6 +506,23 @@ class RotaryBaseDefault(NumpyNaiveLoaded):
 
     def rotary_base(self):
         return 10_000.0
+
+
+class RotaryPartialWholeHead(NumpyNaiveLoaded):
+    """A partial rotary (config.rotary_dims of each head's features) that turns every feature of the head, over
+    d_head's frequencies: GPT-NeoX's rotary_pct, Phi's partial_rotary_factor or GPT-J's rotary_dim never passed on."""
+
+    def rotary_width(self):
+        return self.config.d_head
+
+
+class RotaryPartialFrequenciesOverHead(NumpyNaiveLoaded):
+    """A partial rotary that turns the right features, but with the frequencies of a full one: base ** (-2i /
+    d_head) where they are over the r features turned, base ** (-2i / r) (the inv_freq built from head_dim)."""
+
+    def rotary_frequencies(self, work):
+        width, d_head = self.rotary_width(), self.config.d_head
+        return work(1.0) / work(self.rotary_base()) ** (np.arange(0, width, 2, dtype=work) / work(d_head))
 
 
 class RotaryKeysNotTurned(NumpyNaiveLoaded):
@@ -924,6 +943,12 @@ MUTANTS = (
            "layer without the W_q/W_k permutation)", RotaryOtherPairing, "pairs features", rotary=ROTARY_KINDS),
     Mutant("mutant-rotary-base-default", "rotary embeddings built with base 10,000 whatever config.rotary_base says "
            "(Llama 3's rope_theta never passed on)", RotaryBaseDefault, "base 10000", rotary=ROTARY_KINDS),
+    Mutant("mutant-rotary-partial-whole-head", "a partial rotary (rotary_dims of each head's features) that turns "
+           "the whole head (rotary_pct or partial_rotary_factor never passed on)", RotaryPartialWholeHead,
+           "turn every feature of each head", rotary=ROTARY_KINDS, partial_rotary=True),
+    Mutant("mutant-rotary-partial-frequencies-over-head", "a partial rotary whose frequencies are over d_head, base ** "
+           "(-2i / d_head), where they are over the rotary_dims features turned", RotaryPartialFrequenciesOverHead,
+           "frequencies over all d_head", rotary=ROTARY_KINDS, partial_rotary=True),
     Mutant("mutant-rotary-keys-not-turned", "turns q by its rotary embeddings but not k", RotaryKeysNotTurned,
            "k is not turned", rotary=ROTARY_KINDS),
     Mutant("mutant-rotary-queries-from-zero", "turns the queries of a call with fewer queries than keys (a KV-cache "
@@ -992,7 +1017,8 @@ class MutantBackend(NumpyNaive):
         self.capabilities = Capabilities(dtypes=("float32",), gradients=mutant.gradients, max_seq_len=512,
                                          inputs=mutant.inputs, attention_weights=weights,
                                          cross_attention=mutant.cross_attention, qk_norms=mutant.qk_norms,
-                                         grouped_query=mutant.grouped_query, rotary=mutant.rotary)
+                                         grouped_query=mutant.grouped_query, rotary=mutant.rotary,
+                                         partial_rotary=mutant.partial_rotary)
         self.loaded_class = mutant.loaded
 
     def native_parameter_shapes(self, config):
