@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import mha_harness
-from mha_harness.contract.api import AttentionConfig, Capabilities, as_kv_cache_call
+from mha_harness.contract.api import AttentionConfig, Capabilities
 from mha_harness.contract.conventions import ROTARY_KINDS, rotary_positions
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention, reference_vjp
 from tests.test_qk_norm import _finite_difference
+from tests.test_rotary import assert_float64_layer_matches_reference
 
 GRID = "check_output_matches_reference"
 
@@ -118,20 +119,7 @@ def test_the_backends_that_declare_a_partial_rotary_match_the_reference_forward_
     backend = make()
     assert backend.capabilities.partial_rotary
     config = AttentionConfig(80, 2, 1, bias=True, rotary=kind, rotary_base=10_000.0, rotary_dims=16)
-    params = make_params(config, seed=5)
-    loaded = backend.load(params, dtype="float64")
-    for tq, tk in ((7, 7), (3, 11)):
-        inputs = make_inputs(config, 2, tq, tk, seed=6, causal="bottom-right")
-        want = reference_attention(params, inputs).output
-        np.testing.assert_allclose(loaded.forward(inputs).output, want, atol=1e-12)
-        cached = as_kv_cache_call(inputs)
-        np.testing.assert_allclose(np.asarray(loaded.prepare_decode_step(cached)(), np.float64),
-                                   reference_attention(params, cached).output, atol=1e-12)
-        if backend.capabilities.gradients:
-            cotangent = np.random.default_rng(1).standard_normal(want.shape)
-            got = loaded.vjp(inputs, cotangent)
-            for name, grad in reference_vjp(params, inputs, cotangent).items():
-                np.testing.assert_allclose(got[name], grad, atol=1e-11, err_msg=name)
+    assert_float64_layer_matches_reference(backend, make_params(config, seed=5))
 
 
 def test_the_partial_rotary_rows_run_for_a_backend_that_declares_one():

@@ -124,15 +124,19 @@ def test_the_backends_that_declare_rotary_match_the_reference_forward_backward_a
         from mha_harness.implementations.numpy_naive import NumpyNaive as make
     else:
         from mha_harness.implementations.torch_eager import TorchEager as make
-    backend = make()
     config = AttentionConfig(32, 4, 2, bias=True, rotary=kind, rotary_base=500_000.0)
-    params = make_params(config, seed=5)
+    assert_float64_layer_matches_reference(make(), make_params(config, seed=5))
+
+
+def assert_float64_layer_matches_reference(backend, params):
+    """The backend's float64 layer equals the reference to 1e-12 (its gradients to 1e-11) at Tq = Tk and at Tq < Tk
+    (bottom-right causal), and so does its decode step over the same call."""
+    from mha_harness.contract.api import as_kv_cache_call
     loaded = backend.load(params, dtype="float64")
     for tq, tk in ((7, 7), (3, 11)):
-        inputs = make_inputs(config, 2, tq, tk, seed=6, causal="bottom-right")
+        inputs = make_inputs(params.config, 2, tq, tk, seed=6, causal="bottom-right")
         want = reference_attention(params, inputs).output
         np.testing.assert_allclose(loaded.forward(inputs).output, want, atol=1e-12)
-        from mha_harness.contract.api import as_kv_cache_call
         cached = as_kv_cache_call(inputs)
         np.testing.assert_allclose(np.asarray(loaded.prepare_decode_step(cached)(), np.float64),
                                    reference_attention(params, cached).output, atol=1e-12)
