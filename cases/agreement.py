@@ -28,6 +28,7 @@ from mha_harness.conformance.casekit import (
 )
 from mha_harness.conformance.diagnoses import polarity_hint
 from mha_harness.contract.api import AttentionConfig
+from mha_harness.contract.conventions import COMMON_ROTARY_SCALINGS
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention
 from mha_harness.contract.tolerance import farthest, tolerance_from
@@ -72,17 +73,22 @@ QK_NORM_GRID = {
 #: first pairing the backend declares, so a layer with either pairing alone gets a row at Tq != Tk (an outside user's
 #: Meta-style interleaved layer, its queries turned from 0, was caught by the gradients only). The last field is the
 #: rotary's width (``rotary_dims``): ``rotary_partial`` is Phi-2's layer (d_head 80, its first 32 features turned,
-#: the other 48 passed, with biases), which a backend declaring ``Capabilities.partial_rotary`` runs.
+#: the other 48 passed, with biases), which a backend declaring ``Capabilities.partial_rotary`` runs. The very last
+#: is the frequencies' rescaling (``COMMON_ROTARY_SCALINGS``' kind): ``rotary_scaled_llama3`` is Llama 3.1's layer
+#: (its ``rope_type="llama3"`` scaling by 8, base 500,000, grouped-query heads), ``rotary_scaled_linear`` a position
+#: interpolation by 4; each runs for a backend that declares that kind in ``Capabilities.rotary_scalings``.
 ROTARY_GRID = {
-    "rotary_half_split": (2, 4, 16, 64, 64, True, 2, None, "half_split", 10_000.0, None),
-    "rotary_interleaved": (1, 2, 32, 48, 48, False, None, None, "interleaved", 500_000.0, None),
-    "rotary_more_keys": (2, 4, 16, 7, 64, False, 2, None, None, 500_000.0, None),
-    "rotary_qk_norm_per_head": (2, 4, 16, 40, 40, False, 2, "rms_per_head", None, 1_000_000.0, None),
-    "rotary_partial": (2, 2, 80, 48, 48, True, None, None, None, 10_000.0, 32),
+    "rotary_half_split": (2, 4, 16, 64, 64, True, 2, None, "half_split", 10_000.0, None, None),
+    "rotary_interleaved": (1, 2, 32, 48, 48, False, None, None, "interleaved", 500_000.0, None, None),
+    "rotary_more_keys": (2, 4, 16, 7, 64, False, 2, None, None, 500_000.0, None, None),
+    "rotary_qk_norm_per_head": (2, 4, 16, 40, 40, False, 2, "rms_per_head", None, 1_000_000.0, None, None),
+    "rotary_partial": (2, 2, 80, 48, 48, True, None, None, None, 10_000.0, 32, None),
+    "rotary_scaled_llama3": (2, 2, 32, 64, 64, False, 1, None, None, 500_000.0, None, "llama3"),
+    "rotary_scaled_linear": (1, 2, 32, 48, 48, False, None, None, None, 10_000.0, None, "linear"),
 }
 
 
-def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None, rotary=None, rotary_dims=None) -> str | None:
+def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None, rotary=None, rotary_dims=None, scaling=None) -> str | None:
     """Why the backend cannot run a GRID row, from its declarations (the skip reason), or None. Biases are never a
     reason: a bias-free backend runs the row without them."""
     caps = backend.capabilities
@@ -92,6 +98,9 @@ def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None, rotary=None, rotary_dim
     if rotary_dims and not caps.partial_rotary:
         return (f"does not declare partial_rotary (rotary_dims = {rotary_dims}: Capabilities.partial_rotary, a layer "
                 "whose rotary turns only each head's first features, as GPT-NeoX, Phi and StableLM have)")
+    if scaling and scaling not in caps.rotary_scalings:
+        return (f"does not declare rotary_scalings {scaling!r} (Capabilities.rotary_scalings: a layer whose rotary "
+                "frequencies are rescaled for long contexts, as Llama 3.1's rope_type='llama3' does, declares it)")
     if qk_norm and qk_norm not in caps.qk_norms:
         return (f"does not declare qk_norms {qk_norm!r} (Capabilities.qk_norms: a layer with a norm of q and k, "
                 "as Qwen 3, Gemma 3, OLMo 2 and ViT-22B have, declares it)")
@@ -114,9 +123,9 @@ def _grid_variants(backend):
     caps = backend.capabilities
     out, refused = [], []
     for dtype in caps.dtypes:
-        rows = ([(name, row + (None, None, None, None)) for name, row in GRID.items()]
-                + [(name, row + (None, None, None)) for name, row in QK_NORM_GRID.items()] + list(ROTARY_GRID.items()))
-        for name, (batch, heads, d_head, tq, tk, bias, kv, qk_norm, rotary, base, rotary_dims) in rows:
+        rows = ([(name, row + (None,) * 5) for name, row in GRID.items()]
+                + [(name, row + (None,) * 4) for name, row in QK_NORM_GRID.items()] + list(ROTARY_GRID.items()))
+        for name, (batch, heads, d_head, tq, tk, bias, kv, qk_norm, rotary, base, rotary_dims, scaling) in rows:
             if name in ROTARY_GRID and rotary is None:  # the first pairing declared, half_split where none is
                 rotary = (caps.rotary or ("half_split",))[0]
             v = {"dtype": dtype, "variant": name, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq,
@@ -129,9 +138,11 @@ def _grid_variants(backend):
                 v["rotary"], v["rotary_base"] = rotary, base
             if rotary_dims:
                 v["rotary_dims"] = rotary_dims
+            if scaling:
+                v["rotary_scaling"] = scaling
             if caps.inputs == "separate" and tq == tk:  # called as a self-attention model calls it: labelled so
                 v["one_x"] = True
-            refusal = _grid_row_refusal(backend, tq, tk, kv, qk_norm, rotary, rotary_dims)
+            refusal = _grid_row_refusal(backend, tq, tk, kv, qk_norm, rotary, rotary_dims, scaling)
             if refusal is None:
                 out.append(v)
             elif dtype == primary_dtype(backend):
@@ -150,7 +161,7 @@ def _inputs(form, config, batch, tq, tk=None, seed=1, one_x=False, **masks):
 @case(variants=_grid_variants, forms=ALL_FORMS)
 def check_output_matches_reference(backend, *, form, dtype, variant, batch, heads, d_head, seq, tk, bias,
                                    kv_heads=None, one_x=False, qk_norm=None, rotary=None, rotary_base=10_000.0,
-                                   rotary_dims=None):
+                                   rotary_dims=None, rotary_scaling=None):
     """Over a grid of batch sizes, sequence lengths (self and cross), head counts and widths, with and without
     biases, in every declared dtype, the output equals the float64 reference within the tolerance rule. A
     separate-form backend gets one x at Tq == Tk (``one_x``: how a self-attention model calls it; the other cases
@@ -159,9 +170,11 @@ def check_output_matches_reference(backend, *, form, dtype, variant, batch, head
     are checked too; one with rotary position embeddings (``rotary``, declared in ``Capabilities.rotary``) runs its
     rows turned at the positions of :func:`~mha_harness.contract.conventions.rotary_positions`, with the row's base,
     and one declaring ``Capabilities.partial_rotary`` a row whose rotary turns only each head's first
-    ``rotary_dims`` features."""
+    ``rotary_dims`` features, and one declaring ``Capabilities.rotary_scalings`` a row with each declared rescaling
+    of the frequencies (``rotary_scaling``, the kind of :data:`COMMON_ROTARY_SCALINGS`: Llama 3.1's, a linear one)."""
     config = AttentionConfig(heads * d_head, heads, kv_heads, bias=bias, qk_norm=qk_norm, rotary=rotary,
-                             rotary_base=rotary_base, rotary_dims=rotary_dims)
+                             rotary_base=rotary_base, rotary_dims=rotary_dims,
+                             rotary_scaling=rotary_scaling and COMMON_ROTARY_SCALINGS[rotary_scaling])
     params = make_params(config, seed=seq + tk)
     inputs = _inputs(form, config, batch, seq, tk, seed=batch + heads, one_x=one_x)
     # an always-causal backend's grid runs causal: a failure names the causal-mask mistake it matches (as every

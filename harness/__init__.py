@@ -32,6 +32,7 @@ _PUBLIC = {
     "configure_jax": "mha_harness.toolkit.jax_setup",
     "parametrize_with_cases": "mha_harness.pytest_plugin",
     "rotary_positions": "mha_harness.contract.conventions",
+    "RotaryScaling": "mha_harness.contract.conventions",
 }
 
 __version__ = "0.1.0"
@@ -42,7 +43,7 @@ __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionO
            "make_params",
            "masks",
            "parametrize_with_cases", "reference_attention", "reference_vjp", "reference_vjp_magnitudes", "repro",
-           "rotary_positions", "score_scale_as"]
+           "RotaryScaling", "rotary_positions", "score_scale_as"]
 
 
 def load_core() -> None:

@@ -5,6 +5,7 @@ torch is imported lazily, so listing backends never fails where torch is missing
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import tempfile
 import warnings
@@ -106,21 +107,43 @@ def qk_normed(y, gain, kind: str | None, d_head: int, eps: float, bias=None):
     return normed.reshape(b, t, width)
 
 
-def rotary_turned(x, positions, kind: str | None, base: float, dims: int | None = None):
+def scaled_frequencies(inv_freq, scaling):
+    """The rotary frequencies ``inv_freq`` rescaled as transformers' ``rope_type`` of ``scaling.kind`` does
+    (:class:`~mha_harness.contract.conventions.RotaryScaling`): ``"linear"`` divides them all by the factor;
+    ``"llama3"`` divides those whose wavelength exceeds ``original_max_positions / low_freq_factor``, keeps those below
+    ``original_max_positions / high_freq_factor`` and blends the ones between."""
+    import torch
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    old = scaling.original_max_positions
+    wavelength = 2 * math.pi / inv_freq
+    low, high = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    llama = torch.where(wavelength > low, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * llama / scaling.factor + smooth * llama
+    return torch.where(~(wavelength < high) & ~(wavelength > low), smoothed, llama)
+
+
+def rotary_turned(x, positions, kind: str | None, base: float, dims: int | None = None, scaling=None):
     """Heads ``x`` (B, n, T, d_head) at ``positions`` (T,) turned by rotary embeddings of ``kind``: Hugging Face's
     ``rotate_half`` form, ``x * cos + rotate_half(x) * sin`` with the angles repeated over both halves, for
     ``"half_split"``; the pairs (2i, 2i + 1) for ``"interleaved"``; ``x`` for None. ``dims`` (None: all d_head): a
     partial rotary turns only each head's first ``dims`` features and passes the rest, as GPT-NeoX's and Phi's
-    layers split ``x[..., :rotary_ndims]`` from ``x[..., rotary_ndims:]``. The angles ``p / base ** (2i / dims)`` in
-    float32 (float64 for a float64 layer), as transformers computes them, cos and sin then cast to the heads' dtype."""
+    layers split ``x[..., :rotary_ndims]`` from ``x[..., rotary_ndims:]``. The angles ``p / base ** (2i / dims)``
+    (rescaled by ``scaling``: :func:`scaled_frequencies`) in float32 (float64 for a float64 layer), as transformers
+    computes them, cos and sin then cast to the heads' dtype."""
     import torch
     if kind is None:
         return x
     width = x.shape[-1] if dims is None else dims
     if width < x.shape[-1]:
-        return torch.cat([rotary_turned(x[..., :width], positions, kind, base), x[..., width:]], dim=-1)
+        return torch.cat([rotary_turned(x[..., :width], positions, kind, base, scaling=scaling), x[..., width:]],
+                         dim=-1)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     inv_freq = 1.0 / (base ** (torch.arange(0, width, 2, dtype=torch.int64, device=x.device).to(work) / width))
+    inv_freq = scaled_frequencies(inv_freq, scaling)
     angles = positions.to(device=x.device, dtype=work)[:, None] * inv_freq[None, :]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     if kind == "half_split":
@@ -277,7 +300,8 @@ class LinearTorchLoaded(TorchLoaded):
     def rotate(self, heads, positions):
         """Heads of q or k (B, n, T, d_head) at ``positions`` turned by the layer's rotary embeddings (unchanged
         without them: :func:`rotary_turned`)."""
-        return rotary_turned(heads, positions, self.config.rotary, self.config.rotary_base, self.config.rotary_dims)
+        c = self.config
+        return rotary_turned(heads, positions, c.rotary, c.rotary_base, c.rotary_dims, c.rotary_scaling)
 
     def split_heads(self, x, n_heads: int):
         """(B, T, n*d_head) -> (B, n, T, d_head)."""

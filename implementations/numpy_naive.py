@@ -23,6 +23,7 @@ from mha_harness.contract.conventions import (
     QK_NORMS_CENTRED,
     QK_NORMS_PER_HEAD,
     ROTARY_KINDS,
+    ROTARY_SCALING_KINDS,
     rotary_pairs,
     rotary_positions,
 )
@@ -88,11 +89,16 @@ class NumpyNaiveLoaded(LoadedAttention):
         """The base of the rotary frequencies: ``config.rotary_base``."""
         return self.config.rotary_base
 
+    def rotary_scaling(self):
+        """The rescaling of the rotary frequencies (``config.rotary_scaling``: a RotaryScaling, or None)."""
+        return self.config.rotary_scaling
+
     def rotary_frequencies(self, work: type) -> np.ndarray:
         """The frequencies ``base ** (-2i / r)`` (i = 0 .. r/2 - 1) over the r = :meth:`rotary_width` features
-        turned, computed in ``work``."""
-        width = self.rotary_width()
-        return work(1.0) / work(self.rotary_base()) ** (np.arange(0, width, 2, dtype=work) / work(width))
+        turned, rescaled by :meth:`rotary_scaling` (:meth:`RotaryScaling.frequencies`) if any, in ``work``."""
+        width, scaling = self.rotary_width(), self.rotary_scaling()
+        inv_freq = work(1.0) / work(self.rotary_base()) ** (np.arange(0, width, 2, dtype=work) / work(width))
+        return inv_freq if scaling is None else scaling.frequencies(inv_freq).astype(work)
 
     def rotary_angles(self, positions: np.ndarray) -> np.ndarray:
         """The angles (T, r/2), each position times each frequency: in float32 for a float32 layer (as kernels
@@ -243,7 +249,8 @@ class NumpyNaive(AttentionBackend):
     native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     memory_method = "tracemalloc"
     capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=True, qk_norms=QK_NORMS,
-                                rotary=ROTARY_KINDS, partial_rotary=True)
+                                rotary=ROTARY_KINDS, partial_rotary=True,
+                                rotary_scalings=ROTARY_SCALING_KINDS)
     loaded_class = NumpyNaiveLoaded
 
     def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
-from mha_harness.contract.conventions import MASK_POLARITY, QK_NORMS, ROTARY_KINDS
+from mha_harness.contract.conventions import MASK_POLARITY, QK_NORMS, ROTARY_KINDS, ROTARY_SCALING_KINDS
 from mha_harness.implementations._torch_common import (
     GPU_DTYPES,
     TORCH_DTYPES,
@@ -38,7 +38,7 @@ def weighted_values(torch, weights, values):
 
 def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: int, need_weights: bool,
                 attention=None, qk_norm: str | None = None, qk_norm_eps: float = 1e-6, rotary: str | None = None,
-                rotary_base: float = 10_000.0, rotary_dims: int | None = None):
+                rotary_base: float = 10_000.0, rotary_dims: int | None = None, rotary_scaling=None):
     """The whole layer on tensors: projections, head split, masked softmax, weighted values, W_o.
 
     ``w`` maps canonical names (W_q, b_q, ...) to x @ W tensors; ``allowed`` (True = attend) and ``additive``
@@ -49,7 +49,7 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     LayerNorm's biases ``w["beta_q"]``, ``w["beta_k"]``). ``rotary``: each head of q and k is then turned by rotary
     embeddings of that kind and base (:func:`~mha_harness.implementations._torch_common.rotary_turned`) at the
     call's positions (the queries the last Tq of the Tk positions), only its first ``rotary_dims`` features when
-    that is set (a partial rotary)."""
+    that is set (a partial rotary), its frequencies rescaled by ``rotary_scaling`` when that is set."""
     attention = attention or eager_attention
     def project(x, which):
         y = x @ w[f"W_{which}"]
@@ -65,8 +65,8 @@ def eager_layer(q, k, v, w: dict, allowed, additive, num_heads: int, kv_heads: i
     qh, kh = split(project(q, "q"), num_heads), split(project(k, "k"), kv_heads)
     if rotary is not None:
         q_pos, k_pos = call_positions(q.shape[1], k.shape[1], q.device)
-        qh = rotary_turned(qh, q_pos, rotary, rotary_base, rotary_dims)
-        kh = rotary_turned(kh, k_pos, rotary, rotary_base, rotary_dims)
+        qh = rotary_turned(qh, q_pos, rotary, rotary_base, rotary_dims, rotary_scaling)
+        kh = rotary_turned(kh, k_pos, rotary, rotary_base, rotary_dims, rotary_scaling)
     out, weights = attention(qh, kh, split(project(v, "v"), kv_heads), allowed, additive, need_weights)
     b, h, t, dh = out.shape
     return project(out.transpose(1, 2).reshape(b, t, h * dh), "o"), weights
@@ -107,7 +107,7 @@ class TorchEagerLoaded(LinearTorchLoaded):
         allowed, additive = full_mask(inputs)
         return self.layer(q, k, v, self.w, self.mask_tensor(allowed), self.mask_tensor(additive), c.num_heads,
                           c.kv_heads, need_weights, qk_norm=c.qk_norm, qk_norm_eps=c.qk_norm_eps, rotary=c.rotary,
-                          rotary_base=c.rotary_base, rotary_dims=c.rotary_dims)
+                          rotary_base=c.rotary_base, rotary_dims=c.rotary_dims, rotary_scaling=c.rotary_scaling)
 
 
 class TorchEager(TorchBackend):
@@ -115,7 +115,8 @@ class TorchEager(TorchBackend):
     native_causal = "explicit masks in both alignments"
     native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=TORCH_DTYPES, qk_norms=QK_NORMS,
-                                rotary=ROTARY_KINDS, partial_rotary=True)
+                                rotary=ROTARY_KINDS, partial_rotary=True,
+                                rotary_scalings=ROTARY_SCALING_KINDS)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -123,7 +124,7 @@ class TorchEager(TorchBackend):
         if device != "cpu":
             self.capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=GPU_DTYPES,
                                              devices=(device,), qk_norms=QK_NORMS, rotary=ROTARY_KINDS,
-                                             partial_rotary=True)
+                                             partial_rotary=True, rotary_scalings=ROTARY_SCALING_KINDS)
 
     def native_parameter_shapes(self, config: AttentionConfig):
         from mha_harness.contract.params import make_params

@@ -15,11 +15,11 @@ from tests.test_qk_norm import _finite_difference
 GRID = "check_output_matches_reference"
 
 
-def _llama_rotary(x, positions, base, kind):
+def _llama_rotary(x, positions, base, kind, inv_freq=None):
     """An independent rotary: Hugging Face's rotate_half (half_split), or Meta's complex multiplication
-    (interleaved), on (batch, heads, T, d_head) heads."""
+    (interleaved), on (batch, heads, T, d_head) heads (``inv_freq``: frequencies of its own instead of base's)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / base ** (np.arange(0, d, 2) / d)
+    inv_freq = 1.0 / base ** (np.arange(0, d, 2) / d) if inv_freq is None else inv_freq
     angles = np.outer(positions, inv_freq)
     if kind == "interleaved":
         pairs = x.reshape(*x.shape[:-1], d // 2, 2)
@@ -191,9 +191,9 @@ def test_the_rotary_rows_skip_naming_the_capability_for_a_backend_without_rotary
 
 def test_each_rotary_mutant_is_caught_and_named_by_the_grid_the_decode_step_and_the_gradients():
     from mha_harness.implementations.mutants import mutant_backends
-    mutants = [b for b in mutant_backends()
-               if b.name.startswith("mutant-rotary-") and not b.name.startswith("mutant-rotary-partial-")]
-    assert len(mutants) == 6  # the partial rotary's two: tests/test_partial_rotary.py
+    mutants = [b for b in mutant_backends() if b.name.startswith("mutant-rotary-")
+               and not b.name.startswith(("mutant-rotary-partial-", "mutant-rotary-scaling-"))]
+    assert len(mutants) == 6  # the partial rotary's two and the rescaling's: test_partial_rotary, test_rotary_scaling
     for mutant in mutants:
         report = mha_harness.check(mutant, cases=[GRID, "check_decode_step_over_filled_cache_matches_reference",
                                                   "check_gradients_match_reference"], isolate=False)

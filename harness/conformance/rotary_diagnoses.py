@@ -4,9 +4,10 @@ Hugging Face's rotate_half pairs i with i + d_head/2, or the other way round), a
 and k turned, W_q's or W_k's columns alone permuted between the pairings, the queries of a call with fewer queries
 than keys turned from position 0 (with their own keys, or alone), q and k turned before the q/k norm, the wrong
 width (a partial rotary's whole head turned, its frequencies over d_head, or a common fraction of each head turned
-where the config turns all of it), or no rotary at all; and, for a layer run without rotary, that its output matches
-q and k turned anyway (a wrapped Llama-style module given positions 0 .. T - 1 where the harness's layer has
-none)."""
+where the config turns all of it), the frequencies' rescaling (Llama 3.1's rope_type "llama3", a linear one) left
+out, another in its place or one kept where the config has none, or no rotary at all; and, for a layer run without
+rotary, that its output matches q and k turned anyway (a wrapped Llama-style module given positions 0 .. T - 1 where
+the harness's layer has none)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams
-from mha_harness.contract.conventions import COMMON_ROTARY_BASES, ROTARY_KINDS, rotary_pairs
+from mha_harness.contract.conventions import COMMON_ROTARY_BASES, COMMON_ROTARY_SCALINGS, ROTARY_KINDS, rotary_pairs
 from mha_harness.contract.mistakes import distance, explains
 from mha_harness.contract.reference import reference_attention, rotary_mistaken
 
@@ -80,6 +81,7 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
                    f"{c.rotary_base:g} (build them from config.rotary_base: rope_theta not passed on)",
                    params.replace(config=dataclasses.replace(c, rotary_base=base)), None)
     yield from _width_candidates(params)
+    yield from _scaling_candidates(params)
     for mistake, label in _MISTAKEN.items():
         if mistake in ("queries_from_zero", "new_tokens_from_zero") and inputs.tq >= inputs.tk:
             continue  # the same positions (or no new keys of their own)
@@ -89,7 +91,35 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
             continue  # the same frequencies
         yield "; the output matches " + label, params, mistake
     yield ("; the output matches no rotary embeddings at all (q and k never turned: declare only the rotary the layer "
-           "applies)", params.replace(config=dataclasses.replace(c, rotary=None, rotary_dims=None)), None)
+           "applies)", params.replace(config=dataclasses.replace(c, rotary=None, rotary_dims=None,
+                                                                  rotary_scaling=None)), None)
+
+
+def _scaling_candidates(params: AttentionParams):
+    """The wrong rescalings of a rotary layer's frequencies: the config's left out, another common kind in its place,
+    or a common one kept in a layer whose config has none (a long-context model's rope_scaling)."""
+    c, scaling = params.config, params.config.rotary_scaling
+    if scaling is not None:
+        yield (f"; the output matches rotary embeddings whose frequencies lack the {scaling.kind!r} rescaling "
+               f"config.rotary_scaling asks for ({_scaling_words(scaling)}: rope_scaling never reached the module; "
+               "build it from config.rotary_scaling)",
+               params.replace(config=dataclasses.replace(c, rotary_scaling=None)), None)
+    for kind, common in COMMON_ROTARY_SCALINGS.items():
+        if scaling is None or kind != scaling.kind:
+            yield (f"; the output matches rotary embeddings with frequencies rescaled as {_scaling_words(common)} "
+                   f"where config.rotary_scaling is {'None' if scaling is None else repr(scaling.kind)} (a model's "
+                   "rope_scaling kept where the config has another: build it from config.rotary_scaling, None "
+                   "meaning none, and declare the kinds in Capabilities.rotary_scalings)",
+                   params.replace(config=dataclasses.replace(c, rotary_scaling=common)), None)
+
+
+def _scaling_words(scaling) -> str:
+    """A rescaling in words, as transformers' rope_parameters name it."""
+    if scaling.kind == "linear":
+        return f"rope_type 'linear', factor {scaling.factor:g}"
+    return (f"rope_type 'llama3', factor {scaling.factor:g}, low_freq_factor {scaling.low_freq_factor:g}, "
+            f"high_freq_factor {scaling.high_freq_factor:g}, original_max_position_embeddings "
+            f"{scaling.original_max_positions}")
 
 
 def _width_candidates(params: AttentionParams):

@@ -7,7 +7,7 @@ An *example* is a plain dict (what ``mha-harness search`` draws, shrinks, prints
      "cut": 0, "poison": "random", "gradients": false, "malformed": null, "seed": 0}
 
 (plus ``"decode_step": true``, ``"qk_norm": "rms_per_head"`` or ``"rotary": "half_split", "rotary_base": 500000.0``
-and a partial rotary's ``"rotary_dims": 4`` where drawn).
+a partial rotary's ``"rotary_dims": 4`` and a rescaling's ``"rotary_scaling": "llama3"`` where drawn).
 
 :func:`build` rebuilds the parameters and inputs from it deterministically (seeded NumPy), and
 :func:`check_example` states the property: the backend's output equals the float64 reference under the one
@@ -50,7 +50,7 @@ from mha_harness.contract.api import (
     Unsupported,
     as_kv_cache_call,
 )
-from mha_harness.contract.conventions import BOTTOM_RIGHT
+from mha_harness.contract.conventions import BOTTOM_RIGHT, COMMON_ROTARY_SCALINGS
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import allowed_and_bias, empty_rows_as, scores_as_declared
 
@@ -191,7 +191,8 @@ def build(example: Mapping[str, Any]) -> tuple[AttentionParams, AttentionInputs]
     heads, kv = int(e["heads"]), int(e["kv_heads"])
     config = AttentionConfig(heads * int(e["d_head"]), heads, None if kv == heads else kv, bias=bool(e["bias"]),
                              qk_norm=e.get("qk_norm"), rotary=e.get("rotary"),
-                             rotary_base=float(e.get("rotary_base", 10_000.0)), rotary_dims=e.get("rotary_dims"))
+                             rotary_base=float(e.get("rotary_base", 10_000.0)), rotary_dims=e.get("rotary_dims"),
+                             rotary_scaling=COMMON_ROTARY_SCALINGS.get(e.get("rotary_scaling")))
     params = make_params(config, seed=int(e["seed"]))
     g = float(np.sqrt(float(e.get("logit_scale", 1))))
     if g != 1.0:

@@ -56,6 +56,9 @@ class SearchSpace:
     #: whether the backend declares a partial rotary (Capabilities.partial_rotary): a rotary example at d_head >= 4
     #: then draws how many of each head's features it turns (``rotary_dims``, absent when all)
     partial_rotary: bool = False
+    #: the rescalings of the rotary frequencies the backend declares (Capabilities.rotary_scalings): a rotary example
+    #: then draws one of them (``rotary_scaling``, the kind of COMMON_ROTARY_SCALINGS; absent when none)
+    rotary_scalings: tuple[str, ...] = ()
 
     @classmethod
     def for_backend(cls, backend: AttentionBackend, *, quick: bool = False, dtypes: tuple[str, ...] | None = None,
@@ -96,6 +99,7 @@ class SearchSpace:
             qk_norms=caps.qk_norms,
             rotary=caps.rotary,
             partial_rotary=caps.partial_rotary,
+            rotary_scalings=caps.rotary_scalings,
         )
 
 
@@ -180,6 +184,10 @@ def examples(draw, space: SearchSpace):
                 width = draw(st.sampled_from((None, *range(2, example["d_head"], 2))))
                 if width:
                     example["rotary_dims"] = width
+            if space.rotary_scalings:
+                scaling = draw(st.sampled_from((None, *space.rotary_scalings)))
+                if scaling:
+                    example["rotary_scaling"] = scaling
     return example
 
 

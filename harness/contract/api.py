@@ -39,6 +39,8 @@ from mha_harness.contract.conventions import (
     PARAM_NAMES,
     QK_NORMS,
     ROTARY_KINDS,
+    ROTARY_SCALING_KINDS,
+    RotaryScaling,
 )
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.score_scale import checked_score_scale
@@ -118,7 +120,10 @@ class Capabilities:
     layer without it (a wrapper of a layer that always rotates gives every token one position there: see
     docs/plugins.md). ``partial_rotary`` (OFF) declares a layer whose rotary can turn fewer than d_head features of
     each head (``config.rotary_dims``: GPT-NeoX and StableLM's ``rotary_pct``, Phi's ``partial_rotary_factor``,
-    GPT-J's ``rotary_dim``); the cases then also run such layers.
+    GPT-J's ``rotary_dim``); the cases then also run such layers. ``rotary_scalings`` (empty) names the rescalings of
+    the rotary frequencies the layer can be built with (``config.rotary_scaling``'s kind,
+    :data:`~mha_harness.contract.conventions.ROTARY_SCALING_KINDS`: ``"llama3"``, Llama 3.1's ``rope_type``;
+    ``"linear"``, position interpolation).
     Malformed values (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused
     here, so nothing is declared by accident.
     """
@@ -144,6 +149,7 @@ class Capabilities:
     qk_norms: tuple[str, ...] = ()
     rotary: tuple[str, ...] = ()
     partial_rotary: bool = False
+    rotary_scalings: tuple[str, ...] = ()
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -160,6 +166,7 @@ class Capabilities:
         self._names("devices", None, allow_empty=False)
         self._names("qk_norms", QK_NORMS, allow_empty=True)
         self._names("rotary", ROTARY_KINDS, allow_empty=True)
+        self._names("rotary_scalings", ROTARY_SCALING_KINDS, allow_empty=True)
         if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool)
                                              or not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
             raise ValueError(f"Capabilities.max_seq_len: got {self.max_seq_len!r}; accepted: None or an integer >= 1")
@@ -328,6 +335,10 @@ class AttentionConfig:
     #: rotary, whose other features pass unturned and whose frequencies are over these r (GPT-NeoX's and StableLM's
     #: ``rotary_pct``, Phi's ``partial_rotary_factor``, GPT-J's ``rotary_dim``); an even number, only with ``rotary``
     rotary_dims: int | None = None
+    #: a rescaling of the rotary frequencies for long contexts (None: none), e.g. Llama 3.1's
+    #: ``RotaryScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_positions=8192)``
+    #: (:class:`~mha_harness.contract.conventions.RotaryScaling`); only with ``rotary``
+    rotary_scaling: RotaryScaling | None = None
 
     def __post_init__(self):
         validate_config(self)
@@ -736,6 +747,9 @@ class AttentionBackend:
             raise ValueError(f"params: got biases but {self.name} does not support them; accepted: config.bias=False")
         self._require_declared("qk_norm", params.config.qk_norm, "qk_norms", "no norm on q and k")
         self._require_declared("rotary", params.config.rotary, "rotary", "no rotary position embeddings")
+        scaling = params.config.rotary_scaling
+        self._require_declared("rotary_scaling", None if scaling is None else scaling.kind, "rotary_scalings",
+                               "no rescaled rotary frequencies")
         if params.config.partial_rotary and not self.capabilities.partial_rotary:
             raise ValueError(f"rotary_dims: got {params.config.rotary_dims} of d_head = {params.config.d_head} but "
                              f"{self.name} does not declare Capabilities.partial_rotary; accepted: None or "

@@ -6,6 +6,9 @@ NumPy has no bfloat16, so it is emulated by rounding float32 to 8 mantissa bits
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
 # --- floating-point formats -------------------------------------------------------------------------------------
@@ -139,3 +142,63 @@ def rotary_pairs(kind: str, width: int) -> tuple[np.ndarray, np.ndarray]:
     if kind == "interleaved":
         return 2 * half, 2 * half + 1
     raise ValueError(f"rotary: got {kind!r}; accepted: {', '.join(map(repr, ROTARY_KINDS))}")
+
+
+#: ``RotaryScaling.kind``: how a long-context model rescales its rotary frequencies. ``linear``: every frequency
+#: divided by the factor (position interpolation; transformers' ``rope_type="linear"``); ``llama3``: Llama 3.1's
+#: (``rope_type="llama3"``), frequencies whose wavelength is longer than ``original_max_positions /
+#: low_freq_factor`` divided by the factor, those shorter than ``original_max_positions / high_freq_factor`` kept, and
+#: those between blended smoothly
+ROTARY_SCALING_KINDS = ("linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RotaryScaling:
+    """A rescaling of the rotary frequencies (``AttentionConfig.rotary_scaling``), as transformers' ``rope_parameters``
+    hold it; the defaults are Llama 3.1's (``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``). ``linear`` uses ``factor`` only. It does
+    not depend on the call's length (dynamic NTK and YaRN are not among the kinds)."""
+
+    kind: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ROTARY_SCALING_KINDS:
+            raise ValueError(f"RotaryScaling.kind: got {self.kind!r}; accepted: "
+                             f"{', '.join(map(repr, ROTARY_SCALING_KINDS))}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"RotaryScaling.{name}: got {value!r}; accepted: a finite number > 0 "
+                                 "(Llama 3.1's: factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0)")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"RotaryScaling.high_freq_factor: got {self.high_freq_factor!r} with low_freq_factor "
+                             f"{self.low_freq_factor!r}; accepted: a number above low_freq_factor (Llama 3.1's: 4.0 "
+                             "and 1.0)")
+        n = self.original_max_positions
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"RotaryScaling.original_max_positions: got {n!r}; accepted: an integer >= 1, the "
+                             "context length the model was trained at before scaling (Llama 3.1's: 8192)")
+
+    def frequencies(self, inv_freq: np.ndarray) -> np.ndarray:
+        """The rescaled frequencies (radians per position) of the unscaled ``inv_freq``."""
+        inv_freq = np.asarray(inv_freq, np.float64)
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        wavelength = 2 * np.pi / inv_freq
+        low_wavelength = self.original_max_positions / self.low_freq_factor
+        high_wavelength = self.original_max_positions / self.high_freq_factor
+        smooth = (self.original_max_positions / wavelength - self.low_freq_factor) \
+            / (self.high_freq_factor - self.low_freq_factor)
+        blended = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        return np.where(wavelength > low_wavelength, inv_freq / self.factor,
+                        np.where(wavelength < high_wavelength, inv_freq, blended))
+
+
+#: the scalings the cases and search build (``Capabilities.rotary_scalings`` declares the kinds): Llama 3.1's, and a
+#: linear interpolation by 4 (LongChat's, Vicuna's 16k)
+COMMON_ROTARY_SCALINGS = {"llama3": RotaryScaling(), "linear": RotaryScaling("linear", 4.0)}

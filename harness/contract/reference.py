@@ -182,30 +182,32 @@ def rotary_mistaken(mistake: str | None):
         yield
 
 
-def rotary_tables(positions: np.ndarray, width: int, base: float, dtype: str = "float64", spread: int | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def rotary_tables(positions: np.ndarray, width: int, base: float, dtype: str = "float64", spread: int | None = None,
+                  scaling=None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of the rotary angles ``p * base ** (-2i / width)``, (len(positions), width // 2), rounded to
     ``dtype`` (``width``: the features turned, d_head or a partial rotary's r; ``spread``: the denominator instead,
-    for the mistake of a partial rotary's frequencies over d_head). Below float64 the angles are computed as kernels
-    compute them, in float32 whatever the dtype (the frequencies ``1 / base ** (2i / width)`` and their products with
-    the positions each rounded to float32: at position p an angle is off by about p * 2^-24), which at long positions
-    is most of a float32 layer's error."""
+    for the mistake of a partial rotary's frequencies over d_head; ``scaling``: a
+    :class:`~mha_harness.contract.conventions.RotaryScaling` of the frequencies, or None). Below float64 the angles
+    are computed as kernels compute them, in float32 whatever the dtype (the frequencies ``1 / base ** (2i /
+    width)``, their scaling and their products with the positions each rounded to float32: at position p an angle is
+    off by about p * 2^-24), which at long positions is most of a float32 layer's error."""
     i = np.arange(width // 2, dtype=np.float64)
     over = width if spread is None else spread
     p = np.asarray(positions, np.float64)[:, None]
+    scaled = (lambda f: f) if scaling is None else scaling.frequencies
     if dtype == "float64":
-        theta = p * np.float64(base) ** (-2.0 * i / over)
+        theta = p * scaled(np.float64(base) ** (-2.0 * i / over))
     else:
         f32 = lambda a: np.asarray(a, np.float32).astype(np.float64)  # noqa: E731
-        theta = f32(p * f32(1.0 / f32(f32(base) ** f32(2.0 * i / over))))
+        theta = f32(p * f32(scaled(f32(1.0 / f32(f32(base) ** f32(2.0 * i / over))))))
     return round_to(np.cos(theta), dtype), round_to(np.sin(theta), dtype)
 
 
 def _config_tables(positions: np.ndarray, config, dtype: str = "float64") -> tuple[np.ndarray, np.ndarray]:
-    """:func:`rotary_tables` of the config's rotary (its width and base), spread over d_head under the
+    """:func:`rotary_tables` of the config's rotary (its width, base and scaling), spread over d_head under the
     ``frequencies_over_head`` mistake."""
     spread = config.d_head if _ROTARY_MISTAKE.get() == "frequencies_over_head" else None
-    return rotary_tables(positions, config.rotary_width, config.rotary_base, dtype, spread)
+    return rotary_tables(positions, config.rotary_width, config.rotary_base, dtype, spread, config.rotary_scaling)
 
 
 def _call_positions(inputs: AttentionInputs, rows=None) -> tuple[np.ndarray, np.ndarray]:
@@ -584,7 +586,7 @@ def _call_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes:
     query = np.asarray(inputs.query)
     same = lambda x: "same as query" if x is inputs.query else np.asarray(x)  # noqa: E731
     return _digest(c.d_model, c.num_heads, c.kv_heads, c.bias, c.qk_norm, c.qk_norm_eps, c.rotary, c.rotary_base,
-                   c.rotary_dims,
+                   c.rotary_dims, None if c.rotary_scaling is None else repr(c.rotary_scaling),
                    *(getattr(params, n) for n in PARAM_NAMES),
                    query, same(inputs.key), same(inputs.value), inputs.causal, inputs.key_padding_mask,
                    inputs.attn_mask)

@@ -78,6 +78,16 @@ def validate_config(config: AttentionConfig) -> None:
             raise ValueError(f"rotary_dims: got {dims!r} with rotary=None; accepted: None, or set rotary to one of "
                              f"{', '.join(map(repr, ROTARY_KINDS))} (rotary_dims says how many of each head's "
                              "features the rotary embeddings turn)")
+    scaling = config.rotary_scaling
+    if scaling is not None:
+        if not all(hasattr(scaling, a) for a in ("kind", "factor", "frequencies")):
+            raise TypeError(f"rotary_scaling: got {scaling!r}; accepted: None or a mha_harness.RotaryScaling, e.g. "
+                            "RotaryScaling('llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, "
+                            "original_max_positions=8192) (Llama 3.1's)")
+        if config.rotary is None:
+            raise ValueError(f"rotary_scaling: got {scaling!r} with rotary=None; accepted: None, or set rotary to one "
+                             f"of {', '.join(map(repr, ROTARY_KINDS))} (the scaling rescales the rotary's "
+                             "frequencies)")
     base = config.rotary_base
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
         raise ValueError(f"rotary_base: got {base!r}; accepted: a finite number > 1, the base of the rotary "
@@ -121,7 +131,8 @@ def require_config(config) -> None:
     """``config`` must be an AttentionConfig (a TypeError naming ``config`` otherwise)."""
     _require_kind("config", config, ("d_model", "num_heads", "kv_heads", "d_head", "bias"),
                   "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False, "
-                  "qk_norm=None, qk_norm_eps=1e-6, rotary=None, rotary_base=10000.0, rotary_dims=None)")
+                  "qk_norm=None, qk_norm_eps=1e-6, rotary=None, rotary_base=10000.0, rotary_dims=None, "
+                  "rotary_scaling=None)")
 
 
 def require_params(params) -> None:

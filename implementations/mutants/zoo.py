@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, Capabilities
-from mha_harness.contract.conventions import ROTARY_KINDS, causal_offset, rotary_pairs
+from mha_harness.contract.conventions import ROTARY_KINDS, ROTARY_SCALING_KINDS, causal_offset, rotary_pairs
 from mha_harness.contract.reference import mistaken_vjp, reference_vjp
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
 from mha_harness.implementations.numpy_tiled import NumpyTiledLoaded
@@ -40,6 +40,8 @@ class Mutant:
     rotary: tuple[str, ...] = ()
     #: whether it declares a partial rotary (Capabilities.partial_rotary)
     partial_rotary: bool = False
+    #: the rescalings of the rotary frequencies it declares (Capabilities.rotary_scalings)
+    rotary_scalings: tuple[str, ...] = ()
 
 
 class SelfAttentionModule(NumpyNaiveLoaded):
@@ -525,6 +527,14 @@ class RotaryPartialFrequenciesOverHead(NumpyNaiveLoaded):
         return work(1.0) / work(self.rotary_base()) ** (np.arange(0, width, 2, dtype=work) / work(d_head))
 
 
+class RotaryScalingIgnored(NumpyNaiveLoaded):
+    """Rotary frequencies never rescaled whatever config.rotary_scaling says (a Llama 3.1 layer built without its
+    rope_scaling: rope_type "llama3" lost on the way to the module)."""
+
+    def rotary_scaling(self):
+        return None
+
+
 class RotaryKeysNotTurned(NumpyNaiveLoaded):
     """Turns q by its rotary embeddings but not k (the key's rotary call dropped in a rewrite)."""
 
@@ -949,6 +959,9 @@ MUTANTS = (
     Mutant("mutant-rotary-partial-frequencies-over-head", "a partial rotary whose frequencies are over d_head, base ** "
            "(-2i / d_head), where they are over the rotary_dims features turned", RotaryPartialFrequenciesOverHead,
            "frequencies over all d_head", rotary=ROTARY_KINDS, partial_rotary=True),
+    Mutant("mutant-rotary-scaling-ignored", "rotary frequencies never rescaled whatever config.rotary_scaling says "
+           "(Llama 3.1's rope_type 'llama3' lost on the way to the module)", RotaryScalingIgnored,
+           "frequencies lack the", rotary=ROTARY_KINDS, rotary_scalings=ROTARY_SCALING_KINDS),
     Mutant("mutant-rotary-keys-not-turned", "turns q by its rotary embeddings but not k", RotaryKeysNotTurned,
            "k is not turned", rotary=ROTARY_KINDS),
     Mutant("mutant-rotary-queries-from-zero", "turns the queries of a call with fewer queries than keys (a KV-cache "
@@ -1018,7 +1031,8 @@ class MutantBackend(NumpyNaive):
                                          inputs=mutant.inputs, attention_weights=weights,
                                          cross_attention=mutant.cross_attention, qk_norms=mutant.qk_norms,
                                          grouped_query=mutant.grouped_query, rotary=mutant.rotary,
-                                         partial_rotary=mutant.partial_rotary)
+                                         partial_rotary=mutant.partial_rotary,
+                                         rotary_scalings=mutant.rotary_scalings)
         self.loaded_class = mutant.loaded
 
     def native_parameter_shapes(self, config):

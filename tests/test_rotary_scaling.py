@@ -1,0 +1,152 @@
+"""Rescaled rotary frequencies (``AttentionConfig.rotary_scaling``, declared by ``Capabilities.rotary_scalings``):
+Llama 3.1's ``rope_type="llama3"`` and a linear position interpolation. The rescaling against an independent
+transcription, the reference, the declarations, the backends, the grid rows, search and the diagnoses."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import mha_harness
+from mha_harness.contract.api import AttentionConfig, Capabilities
+from mha_harness.contract.conventions import COMMON_ROTARY_SCALINGS, ROTARY_KINDS, RotaryScaling, rotary_positions
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import reference_attention
+from tests.test_rotary import assert_float64_layer_matches_reference
+
+GRID = "check_output_matches_reference"
+LLAMA_3_1 = RotaryScaling("llama3", 8.0, 1.0, 4.0, 8192)
+
+
+def _llama3_loop(inv_freq, factor, low_freq_factor, high_freq_factor, old_context_len):
+    """Meta's llama-models apply_scaling, one frequency at a time: short wavelengths kept, long ones divided by the
+    factor, the ones between blended by how far their wavelength lies between the two bounds."""
+    out = []
+    for freq in inv_freq:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context_len / high_freq_factor:
+            out.append(freq)
+        elif wavelen > old_context_len / low_freq_factor:
+            out.append(freq / factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("d_head, base", [(128, 500_000.0), (16, 500_000.0), (64, 10_000.0)])
+def test_llama3_rescaling_is_metas_apply_scaling_and_linear_divides_every_frequency(d_head, base):
+    inv_freq = 1.0 / base ** (np.arange(0, d_head, 2) / d_head)
+    scaled = LLAMA_3_1.frequencies(inv_freq)
+    np.testing.assert_allclose(scaled, _llama3_loop(inv_freq, 8.0, 1.0, 4.0, 8192), rtol=1e-15)
+    assert np.any(scaled == inv_freq) and np.any(np.isclose(scaled, inv_freq / 8)), "all three regimes at d_head 128"
+    np.testing.assert_allclose(RotaryScaling("linear", 4.0).frequencies(inv_freq), inv_freq / 4, rtol=1e-15)
+
+
+@pytest.mark.parametrize("kind", ROTARY_KINDS)
+@pytest.mark.parametrize("scaling", list(COMMON_ROTARY_SCALINGS), ids=str)
+def test_the_references_rescaled_rotary_turns_by_the_rescaled_frequencies(kind, scaling):
+    from tests.test_rotary import _llama_rotary
+    config = AttentionConfig(64, 2, rotary=kind, rotary_base=500_000.0, rotary_scaling=COMMON_ROTARY_SCALINGS[scaling])
+    params = make_params(config, seed=1)
+    inputs = make_inputs(config, 1, 5, 40, seed=2)
+    # the rescaled frequencies are base ** (-2i / d) for an equivalent per-frequency base: turn by them directly
+    d = config.d_head
+    inv_freq = config.rotary_scaling.frequencies(1.0 / 500_000.0 ** (np.arange(0, d, 2) / d))
+    heads = lambda y, n: y.reshape(*y.shape[:2], n, -1).transpose(0, 2, 1, 3)  # noqa: E731
+    q_pos, k_pos = rotary_positions(inputs.tq, inputs.tk)
+    turn = lambda x, pos: _llama_rotary(x, pos * 1.0, None, kind, inv_freq)  # noqa: E731
+    q, k = turn(heads(inputs.query @ params.W_q, 2), q_pos), turn(heads(inputs.key @ params.W_k, 2), k_pos)
+    v = heads(inputs.value @ params.W_v, 2)
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(d)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    want = ((p / p.sum(axis=-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(1, 5, 64) @ params.W_o
+    got = reference_attention(params, inputs).output
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    unscaled = params.replace(config=AttentionConfig(64, 2, rotary=kind, rotary_base=500_000.0))
+    assert np.abs(got - reference_attention(unscaled, inputs).output).max() > 1e-3
+
+
+def test_a_malformed_rescaling_is_refused_naming_the_parameter_and_the_accepted_values():
+    with pytest.raises(ValueError, match=r"RotaryScaling.kind: got 'yarn'; accepted: 'linear', 'llama3'"):
+        RotaryScaling("yarn")
+    with pytest.raises(ValueError, match=r"RotaryScaling.factor: got 0; accepted: a finite number > 0"):
+        RotaryScaling("linear", 0)
+    with pytest.raises(ValueError, match=r"RotaryScaling.high_freq_factor: got 1.0 with low_freq_factor 1.0"):
+        RotaryScaling("llama3", 8.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"RotaryScaling.original_max_positions: got 8192.0; accepted: an integer"):
+        RotaryScaling("llama3", original_max_positions=8192.0)
+    with pytest.raises(TypeError, match=r"rotary_scaling: got 'llama3'; accepted: None or a mha_harness.RotaryScaling"):
+        AttentionConfig(32, 2, rotary="half_split", rotary_scaling="llama3")
+    with pytest.raises(ValueError, match=r"rotary_scaling: got .* with rotary=None; accepted: None, or set rotary"):
+        AttentionConfig(32, 2, rotary_scaling=LLAMA_3_1)
+    with pytest.raises(ValueError, match=r"Capabilities.rotary_scalings: got unknown 'yarn'"):
+        Capabilities(rotary_scalings=("yarn",))
+    assert mha_harness.RotaryScaling is RotaryScaling
+
+
+def test_a_backend_refuses_a_rescaling_it_does_not_declare_and_skips_its_rows_naming_it():
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    backend = type("Unscaled", (NumpyNaive,), {"name": "unscaled", "capabilities": Capabilities(rotary=ROTARY_KINDS)})()
+    with pytest.raises(ValueError, match=r"rotary_scaling: got 'llama3' but unscaled declares no rescaled rotary "
+                                         r"frequencies \(Capabilities.rotary_scalings is empty\); accepted: None"):
+        backend.load(make_params(AttentionConfig(32, 2, rotary="half_split", rotary_scaling=LLAMA_3_1)))
+    report = mha_harness.check(backend, cases=[GRID], isolate=False)
+    skipped = {r.params.get("variant"): r.message for r in report.results if r.status == "skipped"}
+    assert "does not declare rotary_scalings 'llama3'" in skipped["rotary_scaled_llama3"], skipped
+    assert "does not declare rotary_scalings 'linear'" in skipped["rotary_scaled_linear"], skipped
+
+
+@pytest.mark.parametrize("backend_name", ["numpy-naive", "torch-eager"])
+@pytest.mark.parametrize("scaling", list(COMMON_ROTARY_SCALINGS), ids=str)
+def test_the_backends_that_declare_a_rescaling_match_the_reference_forward_backward_and_decode_step(backend_name,
+                                                                                                    scaling):
+    if backend_name == "torch-eager":
+        pytest.importorskip("torch")
+        from mha_harness.implementations.torch_eager import TorchEager as make
+    else:
+        from mha_harness.implementations.numpy_naive import NumpyNaive as make
+    backend = make()
+    assert scaling in backend.capabilities.rotary_scalings
+    config = AttentionConfig(64, 2, 1, bias=True, rotary="half_split", rotary_base=500_000.0, rotary_dims=16,
+                             rotary_scaling=COMMON_ROTARY_SCALINGS[scaling])
+    assert_float64_layer_matches_reference(backend, make_params(config, seed=5))
+
+
+class _KeptLlama3:
+    """A wrapped Llama 3.1 module built from the model's own config: its rope_scaling is on whatever the harness's
+    config says."""
+
+    @staticmethod
+    def backend():
+        from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+        class Loaded(NumpyNaiveLoaded):
+            def rotary_scaling(self):
+                return LLAMA_3_1
+
+        return type("KeptLlama3", (NumpyNaive,), {"name": "kept-llama3", "loaded_class": Loaded,
+                                                   "capabilities": Capabilities(dtypes=("float32",),
+                                                                                rotary=ROTARY_KINDS)})()
+
+
+def test_a_layer_that_keeps_llama3_rescaling_where_the_config_has_none_is_told_so():
+    failed = mha_harness.check(_KeptLlama3.backend(), cases=[GRID], isolate=False).failures()
+    assert failed
+    for r in failed:
+        assert ("the output matches rotary embeddings with frequencies rescaled as rope_type 'llama3', factor 8"
+                in r.message and "where config.rotary_scaling is None" in r.message), r.message
+
+
+def test_the_rescaling_mutant_is_caught_and_named_by_both_scaled_rows_and_found_by_search(tmp_path):
+    pytest.importorskip("hypothesis")
+    from mha_harness.conformance.isolation import Target
+    from mha_harness.conformance.search import MUTANT_SPEC, search_backend
+    from mha_harness.implementations.mutants import mutant_backends
+    mutant = next(b for b in mutant_backends() if b.name == "mutant-rotary-scaling-ignored")
+    failed = mha_harness.check(mutant, cases=[GRID], isolate=False).failures()
+    assert sorted(r.params["variant"] for r in failed) == ["rotary_scaled_linear", "rotary_scaled_llama3"]
+    assert all(mutant.mutant.message_mentions in r.message for r in failed), [r.message for r in failed]
+    outcome = search_backend(Target(mutant, MUTANT_SPEC), results=tmp_path, isolate=False, max_examples=200, seed=0)
+    assert not outcome.passed and outcome.example.get("rotary_scaling"), outcome.lines()
