@@ -311,7 +311,10 @@ def cmd_list(args) -> int:
             if getattr(caps, "qk_norms", ()):
                 parts.append(f"q/k norms {','.join(caps.qk_norms)}")
             if getattr(caps, "rotary", ()):
-                parts.append(f"rotary {','.join(caps.rotary)}")
+                parts.append(f"rotary {','.join(caps.rotary)}"
+                             + (" (partial too)" if getattr(caps, "partial_rotary", False) else "")
+                             + (f" rescaled {','.join(caps.rotary_scalings)}"
+                                if getattr(caps, "rotary_scalings", ()) else ""))
             print(f"{'':<{width}}  " + "; ".join(parts))
             divergences = entry.backend.divergences
             if args.verbose:

@@ -144,21 +144,33 @@ class _AlwaysQuarterTurned:
 
         class Loaded(NumpyNaiveLoaded):
             def rotary_width(self):
-                return self.config.d_head // 4
+                return int(self.config.d_head * 0.25)
 
         return type("QuarterTurned", (NumpyNaive,), {"name": "quarter-turned", "loaded_class": Loaded,
                                                       "capabilities": Capabilities(dtypes=("float32",),
-                                                                                   rotary=ROTARY_KINDS)})()
+                                                                                   rotary=ROTARY_KINDS,
+                                                                                   partial_rotary=True)})()
 
 
 def test_a_layer_that_always_turns_a_quarter_of_each_head_is_told_to_read_rotary_dims_and_declare_it():
+    """An outside user's GPT-NeoX wrapper with rotary_pct fixed at 0.25: its partial row (32 of 80 asked, 20 turned)
+    was numbers only, and search's shrunk example (d_head 2, where a quarter turns nothing) said "no rotary at all:
+    declare only the rotary the layer applies"."""
     failed = mha_harness.check(_AlwaysQuarterTurned.backend(), cases=[GRID], isolate=False).failures()
-    assert {r.params["variant"] for r in failed} == {"rotary_half_split", "rotary_interleaved", "rotary_more_keys"}
+    assert {r.params["variant"] for r in failed} == {"rotary_half_split", "rotary_interleaved", "rotary_more_keys",
+                                                     "rotary_partial"}
     for r in failed:
-        d_head = r.params["d_head"]
+        d_head, dims = r.params["d_head"], r.params.get("rotary_dims")
+        asks = "None turns them all" if dims is None else f"{dims} turns {dims}"
         assert (f"the output matches rotary embeddings on the first {d_head // 4} of each head's {d_head} features "
-                "only, where config.rotary_dims = None turns them all") in r.message, r.message
+                f"only, where config.rotary_dims = {asks}") in r.message, r.message
         assert "declare Capabilities(partial_rotary=True)" in r.message
+    from mha_harness.conformance.rotary_diagnoses import rotary_hint
+    config = AttentionConfig(2, 1, rotary="half_split")
+    params, inputs = make_params(config, seed=1), make_inputs(config, 1, 3, 3, seed=1)
+    got = reference_attention(params.replace(config=AttentionConfig(2, 1)), inputs).output
+    assert "; or, at this d_head of 2, a partial rotary whose fraction is fixed in the layer turns no feature" \
+        in rotary_hint(got, params, inputs, 1e-7)
 
 
 def test_the_partial_rotary_mutants_are_named_by_the_grid():

@@ -18,6 +18,7 @@ import numpy as np
 from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
 from mha_harness.contract.conventions import causal_offset, rotary_positions
 from mha_harness.contract.mistakes import (
+    FUSED_QKV_LAYOUTS,
     KV_HEADS_TILED,
     LOADED_UNTRANSPOSED,
     OFFSET_NEGATED,
@@ -25,6 +26,7 @@ from mha_harness.contract.mistakes import (
     alignment_mistake,
     causal_mask_mistakes,
     explains,
+    with_fused_qkv_misread,
     with_kv_weights_swapped,
     with_qk_weights_swapped,
     with_weights_transposed,
@@ -295,7 +297,8 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     split by tokens (on the way in, out, or both), its heads concatenated feature-major, its grouped-query key/value
     heads tiled, its keys or values projected from the wrong input (:func:`wrong_input_calls`), its softmax over the
     queries or over key blocks never rescaled (:data:`UNRESCALED_BLOCKS`), W_k and W_v loaded into each other's
-    projections, W_q and W_k loaded into each other's, square weights loaded untransposed (all of them, or one), or
+    projections, W_q and W_k loaded into each other's, a fused qkv weight loaded in the other layout (blocks into
+    GPT-NeoX's per-head one, or the other way round), square weights loaded untransposed (all of them, or one), or
     no output projection; "" when none.
     A candidate is tried only where it differs from the correct layer; every one that matches is named (with one
     key, a split by tokens on the way in changes nothing, so it cannot be told from the correct split)."""
@@ -338,6 +341,12 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
         candidates.append(("W_q and W_k loaded into each other's projections (W_q into the key projection, W_k "
                            "into the query projection: a fused qkv weight split in the wrong order)",
                            functools.partial(lambda p: reference_attention(p, inputs).output, swapped)))
+    for layout, (reads, loaded) in FUSED_QKV_LAYOUTS.items():
+        misread = with_fused_qkv_misread(params, layout)
+        if misread is not None:
+            candidates.append((f"a fused qkv weight loaded as {loaded} into a layer that reads {reads}: pack W_q, "
+                               "W_k and W_v (and their biases) in the layer's own layout",
+                               functools.partial(lambda p: reference_attention(p, inputs).output, misread)))
     weights = [n for n in ("W_q", "W_k", "W_v", "W_o") if getattr(params, n).shape[0] == getattr(params, n).shape[1]]
     for names in [tuple(weights)] + [(n,) for n in weights]:  # all of them (W_q and W_o are always square), or one
         transposed = with_weights_transposed(params, names)

@@ -90,9 +90,11 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
         if mistake == "frequencies_over_head" and not c.partial_rotary:
             continue  # the same frequencies
         yield "; the output matches " + label, params, mistake
+    none_turned = (f"; or, at this d_head of {c.d_head}, a partial rotary whose fraction is fixed in the layer turns "
+                   "no feature: build its width from config.rotary_dims") if _fixed_widths(c.d_head)[0] < 2 else ""
     yield ("; the output matches no rotary embeddings at all (q and k never turned: declare only the rotary the layer "
-           "applies)", params.replace(config=dataclasses.replace(c, rotary=None, rotary_dims=None,
-                                                                  rotary_scaling=None)), None)
+           f"applies{none_turned})", params.replace(config=dataclasses.replace(c, rotary=None, rotary_dims=None,
+                                                                                 rotary_scaling=None)), None)
 
 
 def _scaling_candidates(params: AttentionParams):
@@ -122,22 +124,30 @@ def _scaling_words(scaling) -> str:
             f"{scaling.original_max_positions}")
 
 
+def _fixed_widths(d_head: int) -> list[int]:
+    """The widths a partial rotary with a common fraction fixed in the layer turns at ``d_head``, as transformers
+    computes them (``int(d_head * fraction)``)."""
+    return sorted({int(f * d_head + 1e-9) for f in COMMON_PARTIAL_FRACTIONS})
+
+
 def _width_candidates(params: AttentionParams):
     """The wrong widths of a rotary layer's turn: a partial rotary's ``rotary_dims`` ignored (every feature turned),
-    or a layer that always turns a common fraction of each head where the config asks for all of it."""
+    or a layer that always turns a common fraction of each head whatever the config's width (all of it, or another)."""
     c = params.config
     if c.partial_rotary:
         yield (f"; the output matches rotary embeddings that turn every feature of each head where config.rotary_dims "
                f"= {c.rotary_dims} turns only the first {c.rotary_dims} of its {c.d_head} (a partial rotary's width "
                "never passed on: build it from config.rotary_dims; GPT-NeoX's rotary_pct, Phi's "
                "partial_rotary_factor)", params.replace(config=dataclasses.replace(c, rotary_dims=None)), None)
-        return
-    exact = [f * c.d_head for f in COMMON_PARTIAL_FRACTIONS if abs(f * c.d_head - round(f * c.d_head)) < 1e-9]
-    for width in sorted({round(w) for w in exact if round(w) >= 2 and round(w) % 2 == 0}):
+    asks = "turns them all" if c.rotary_dims is None else f"turns {c.rotary_dims}"
+    for width in _fixed_widths(c.d_head):
+        if width < 2 or width % 2 or width >= c.d_head or width == c.rotary_width:
+            continue
         yield (f"; the output matches rotary embeddings on the first {width} of each head's {c.d_head} features "
-               "only, where config.rotary_dims = None turns them all (a partial rotary, as GPT-NeoX's rotary_pct "
-               "and Phi's partial_rotary_factor make: build the layer's width from config.rotary_dims, None meaning "
-               "all d_head, and declare Capabilities(partial_rotary=True))",
+               f"only, where config.rotary_dims = {c.rotary_dims} {asks} (a partial rotary's fraction fixed in the "
+               "layer, as GPT-NeoX's rotary_pct and Phi's partial_rotary_factor fix it when the module is not built "
+               "from the config: build the layer's width from config.rotary_dims, None meaning all d_head, and "
+               "declare Capabilities(partial_rotary=True))",
                params.replace(config=dataclasses.replace(c, rotary_dims=width)), None)
 
 

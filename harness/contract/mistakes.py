@@ -85,6 +85,39 @@ def with_qk_weights_swapped(params: AttentionParams) -> AttentionParams | None:
     return params.replace(W_q=params.W_k, W_k=params.W_q, b_q=params.b_k, b_k=params.b_q)
 
 
+#: a fused qkv weight loaded in the other layout, in words: (layout the layer reads, layout loaded)
+FUSED_QKV_LAYOUTS = {
+    "per_head": ("GPT-NeoX's, Bloom's and Falcon's query_key_value: [q | k | v] per head, qkv.view(..., heads, "
+                 "3 * d_head).chunk(3)", "[W_q | W_k | W_v] in blocks (GPT-2's c_attn, timm's qkv)"),
+    "blocks": ("[W_q | W_k | W_v] in blocks (GPT-2's c_attn, timm's qkv)", "GPT-NeoX's per-head [q | k | v] order"),
+}
+
+
+def with_fused_qkv_misread(params: AttentionParams, layer_reads: str) -> AttentionParams | None:
+    """Parameters whose reference output is a layer with one fused qkv projection that reads its columns in
+    ``layer_reads`` layout (``"per_head"``: head h's q, k and v side by side, GPT-NeoX's; ``"blocks"``: all of q, then
+    k, then v) loaded with them in the other; None for grouped-query heads (the fused widths differ) or one head
+    (both layouts are the same)."""
+    c = params.config
+    if c.kv_heads != c.num_heads or c.num_heads == 1:
+        return None
+    d, h, dh = c.d_model, c.num_heads, c.d_head
+    # what was loaded: the blocks as they are into a per-head layer, or packed per head (column j of the per-head
+    # layout is column order[j] of the blocks: head i's q, k, v side by side) into a blocks layer
+    loaded = slice(None) if layer_reads == "per_head" else \
+        (np.arange(3)[None, :, None] * d + np.arange(h)[:, None, None] * dh + np.arange(dh)[None, None, :]).reshape(-1)
+    fused_w = np.concatenate([params.W_q, params.W_k, params.W_v], axis=1)[:, loaded]
+    fused_b = None if params.b_q is None else np.concatenate([params.b_q, params.b_k, params.b_v])[loaded]
+    if layer_reads == "per_head":  # the layer splits the loaded columns per head: q, k, v of head i
+        split = fused_w.reshape(d, h, 3, dh)
+        ws = [split[:, :, j, :].reshape(d, d) for j in range(3)]
+        bs = [None] * 3 if fused_b is None else [fused_b.reshape(h, 3, dh)[:, j, :].reshape(d) for j in range(3)]
+    else:  # the layer splits the loaded columns in three blocks
+        ws = [fused_w[:, j * d:(j + 1) * d] for j in range(3)]
+        bs = [None] * 3 if fused_b is None else [fused_b[j * d:(j + 1) * d] for j in range(3)]
+    return params.replace(W_q=ws[0], W_k=ws[1], W_v=ws[2], b_q=bs[0], b_k=bs[1], b_v=bs[2])
+
+
 #: projection weights a wrapper loads into a (out, in) layer (torch's and Equinox's Linear weight) without .T
 LOADED_UNTRANSPOSED = ("loaded untransposed: W where W.T belongs (torch.nn.Linear and eqx.nn.Linear keep their weight "
                        "as (out, in), the harness's W as (in, out): load W.T)")

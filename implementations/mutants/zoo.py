@@ -59,6 +59,20 @@ class SelfAttentionModule(NumpyNaiveLoaded):
                 self.split_heads(qkv[..., d + kv:], c.kv_heads))
 
 
+class FusedQKVBlocksIntoPerHead(NumpyNaiveLoaded):
+    """A GPT-NeoX-style self-attention layer, whose fused query_key_value is read per head (qkv.view(B, T, heads,
+    3 * d_head), then q, k, v from each head's three slices), loaded with [W_q | W_k | W_v] in blocks, as GPT-2's
+    c_attn is packed (an outside user's GPT-NeoX copy)."""
+
+    def heads(self, inputs):
+        c, w = self.config, self.weights
+        qkv = np.asarray(inputs.query, self.dtype) @ np.concatenate([w["W_q"], w["W_k"], w["W_v"]], axis=1)
+        if "b_q" in w:
+            qkv = qkv + np.concatenate([w["b_q"], w["b_k"], w["b_v"]])
+        per_head = qkv.reshape(*qkv.shape[:2], c.num_heads, 3 * c.d_head).transpose(0, 2, 1, 3)
+        return tuple(per_head[..., j * c.d_head:(j + 1) * c.d_head] for j in range(3))
+
+
 class SharedKVModule(NumpyNaiveLoaded):
     """Encoder-decoder cross-attention: x_q and one x_kv through a packed [W_k | W_v] (inputs.value is never read)."""
 
@@ -922,6 +936,9 @@ MUTANTS = (
            "projection (an outside user's Equinox copy)", KVWeightsSwapped, "W_k and W_v loaded into each other's"),
     Mutant("mutant-qk-weights-swapped", "a wrapper that splits a fused qkv weight as [W_k | W_q | W_v] (an outside "
            "user's timm copy)", QKWeightsSwapped, "W_q and W_k loaded into each other's", grouped_query=False),
+    Mutant("mutant-fused-qkv-blocks-into-per-head", "a GPT-NeoX-style self-attention layer (query_key_value read "
+           "per head) loaded with [W_q | W_k | W_v] in blocks (an outside user's GPT-NeoX copy)",
+           FusedQKVBlocksIntoPerHead, "a fused qkv weight loaded as", inputs="self", grouped_query=False),
     Mutant("mutant-weights-untransposed", "a wrapper that loads W into an (out, in) Linear where W.T belongs (an "
            "outside user's Equinox copy)", WeightsUntransposed, "loaded untransposed", grouped_query=False),
     Mutant("mutant-qk-norm-over-projection", "a per-head q/k norm (Qwen 3's) taken over the whole projection (OLMo "
