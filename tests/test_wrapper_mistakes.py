@@ -63,3 +63,30 @@ def test_a_fitted_scale_that_is_a_common_one_is_named_by_it_where_padded_rows_le
                                isolate=False)
     (failure,) = report.failures()
     assert "scaled by 0.125 (= 1/d_head at d_head 8, 1/sqrt(d_head) applied twice)" in failure.message
+
+
+def test_a_fused_qkv_weight_in_the_other_layout_is_neox_per_head_packing_read_as_blocks_or_the_other_way():
+    """An outside user's GPT-NeoX copy loaded [W_q | W_k | W_v] in blocks into query_key_value, which GPT-NeoX reads
+    per head (qkv.view(B, T, heads, 3 * d_head).chunk(3)): numbers only before. Both directions, against that split
+    written out here, and the correct packing reads back as the layer itself."""
+    from mha_harness.contract.mistakes import with_fused_qkv_misread
+    config = mha_harness.AttentionConfig(12, 3, bias=True)
+    params = mha_harness.make_params(config, seed=1)
+    d, h, dh = 12, 3, 4
+    blocks_w = np.concatenate([params.W_q, params.W_k, params.W_v], axis=1)
+    blocks_b = np.concatenate([params.b_q, params.b_k, params.b_v])
+
+    def neox_split(w):  # (…, 3d) -> q, k, v as GPT-NeoX reads them: heads of [q | k | v]
+        per_head = w.reshape(*w.shape[:-1], h, 3, dh)
+        return [per_head[..., j, :].reshape(*w.shape[:-1], d) for j in range(3)]
+
+    misread = with_fused_qkv_misread(params, "per_head")
+    for got, want in zip((misread.W_q, misread.W_k, misread.W_v, misread.b_q, misread.b_k, misread.b_v),
+                         neox_split(blocks_w) + neox_split(blocks_b)):
+        np.testing.assert_array_equal(got, want)
+    packed = np.stack([w.reshape(d, h, dh) for w in (params.W_q, params.W_k, params.W_v)], 2).reshape(d, 3 * d)
+    for got, want in zip(neox_split(packed), (params.W_q, params.W_k, params.W_v)):  # the documented packing
+        np.testing.assert_array_equal(got, want)
+    back = with_fused_qkv_misread(params, "blocks")  # per-head packing read as blocks
+    np.testing.assert_array_equal(np.concatenate([back.W_q, back.W_k, back.W_v], axis=1), packed)
+    assert with_fused_qkv_misread(mha_harness.make_params(mha_harness.AttentionConfig(12, 3, 1)), "blocks") is None

@@ -791,19 +791,24 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
 
     # the q/k norm's terms: each normed entry is the projection's entry (a LayerNorm's less the mean, a difference:
     # its squares add the mean's, mean(y^2) / n) times 1/rms times the gain (the mean of squares, a sum of positive
-    # terms, cancels nothing); its backward d_x = inv * (u - x_hat * mean(u * x_hat)), a LayerNorm's u less mean(u)
+    # terms, cancels nothing); its backward d_x = inv * (u - x_hat * mean(u * x_hat)), a LayerNorm's u less mean(u).
+    # x_hat's terms are those of the difference, not its value: where the entries equal their mean (one feature
+    # per head), x_hat is 0 but a kernel's y - mean(y) (or torch's sum(dy * y) - mean * sum(dy)) rounds at the
+    # size of y, times 1/sqrt(eps)
     normed = {}
     centred = c.qk_norm in QK_NORMS_CENTRED
-    for which, n_heads in (("q", c.num_heads), ("k", c.kv_heads)):
-        if c.qk_norm is not None:
-            x = np.asarray(getattr(inputs, {"q": "query", "k": "key"}[which]), np.float64)
-            y = _centred(_norm_groups(_project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"),
-                                               "float64"), c, n_heads), c)
-            inv = _rms_inverse(y, c.qk_norm_eps)
-            normed[which] = (y.shape, np.square(inv), np.square(y * inv), sq[f"g_{which}"])
 
     def mean_terms(a, n):  # the squares of a's terms plus, for a LayerNorm, those of its mean's
         return a + a.sum(axis=-1, keepdims=True) / n ** 2 if centred else a
+
+    for which, n_heads in (("q", c.num_heads), ("k", c.kv_heads)):
+        if c.qk_norm is not None:
+            x = np.asarray(getattr(inputs, {"q": "query", "k": "key"}[which]), np.float64)
+            raw = _norm_groups(_project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"), "float64"),
+                               c, n_heads)
+            inv_sq = np.square(_rms_inverse(_centred(raw, c), c.qk_norm_eps))
+            normed[which] = (raw.shape, inv_sq, mean_terms(np.square(raw), raw.shape[-1]) * inv_sq,
+                             sq[f"g_{which}"])
 
     def projected(name, n_heads):
         y = x_sq[name] @ sq[f"W_{name[0]}"]
