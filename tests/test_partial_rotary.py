@@ -161,7 +161,7 @@ def test_a_layer_that_always_turns_a_quarter_of_each_head_is_told_to_read_rotary
                                                      "rotary_partial"}
     for r in failed:
         d_head, dims = r.params["d_head"], r.params.get("rotary_dims")
-        asks = "None turns them all" if dims is None else f"{dims} turns {dims}"
+        asks = "None turns them all" if dims is None else f"{dims} turns the first {dims}"
         assert (f"the output matches rotary embeddings on the first {d_head // 4} of each head's {d_head} features "
                 f"only, where config.rotary_dims = {asks}") in r.message, r.message
         assert "declare Capabilities(partial_rotary=True)" in r.message

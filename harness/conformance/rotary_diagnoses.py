@@ -139,7 +139,7 @@ def _width_candidates(params: AttentionParams):
                f"= {c.rotary_dims} turns only the first {c.rotary_dims} of its {c.d_head} (a partial rotary's width "
                "never passed on: build it from config.rotary_dims; GPT-NeoX's rotary_pct, Phi's "
                "partial_rotary_factor)", params.replace(config=dataclasses.replace(c, rotary_dims=None)), None)
-    asks = "turns them all" if c.rotary_dims is None else f"turns {c.rotary_dims}"
+    asks = "turns them all" if c.rotary_dims is None else f"turns the first {c.rotary_dims}"
     for width in _fixed_widths(c.d_head):
         if width < 2 or width % 2 or width >= c.d_head or width == c.rotary_width:
             continue

@@ -200,5 +200,5 @@ class RotaryScaling:
 
 
 #: the scalings the cases and search build (``Capabilities.rotary_scalings`` declares the kinds): Llama 3.1's, and a
-#: linear interpolation by 4 (LongChat's, Vicuna's 16k)
+#: linear position interpolation by 4 (Vicuna 16k's)
 COMMON_ROTARY_SCALINGS = {"llama3": RotaryScaling(), "linear": RotaryScaling("linear", 4.0)}
