@@ -150,3 +150,27 @@ def test_the_rescaling_mutant_is_caught_and_named_by_both_scaled_rows_and_found_
     assert all(mutant.mutant.message_mentions in r.message for r in failed), [r.message for r in failed]
     outcome = search_backend(Target(mutant, MUTANT_SPEC), results=tmp_path, isolate=False, max_examples=200, seed=0)
     assert not outcome.passed and outcome.example.get("rotary_scaling"), outcome.lines()
+
+
+@pytest.mark.parametrize("name, wrong, named", [
+    ("linear-at-the-configs-factor", lambda s: RotaryScaling("linear", s.factor),
+     "rescaled as rope_type 'linear', factor 8 where config.rotary_scaling is rope_type 'llama3', factor 8"),
+    ("llama-3-2s-factor", lambda s: RotaryScaling(s.kind, 32.0, s.low_freq_factor, s.high_freq_factor,
+                                                  s.original_max_positions),
+     "rescaled as rope_type 'llama3', factor 32, low_freq_factor 1"),
+])
+def test_another_rescaling_in_the_configs_place_is_named_at_its_own_factor(name, wrong, named):
+    """An outside user's Llama 3.1 copies: linear at the config's factor 8, and Llama 3.2's factor 32 where 3.1's 8
+    belongs, were numbers only (the second with a half-precision guess whose declaration would have hidden it)."""
+    from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+    class Loaded(NumpyNaiveLoaded):
+        def rotary_scaling(self):
+            real = self.config.rotary_scaling
+            return real if real is None or real.kind != "llama3" else wrong(real)
+
+    backend = type(name, (NumpyNaive,), {"name": name, "loaded_class": Loaded, "capabilities": Capabilities(
+        dtypes=("float32",), rotary=ROTARY_KINDS, rotary_scalings=("llama3",))})()
+    (failed,) = mha_harness.check(backend, cases=[GRID], isolate=False).failures()
+    assert failed.params["variant"] == "rotary_scaled_llama3"
+    assert named in failed.message and "half precision" not in failed.message, failed.message

@@ -512,7 +512,8 @@ def _half_level_hint(err: float, tol: Tolerance) -> str:
             f"precision_divergences(\"{tol.dtype}\", \"bfloat16\", \"why\", cases=[...]) from "
             "mha_harness.toolkit.divergences (the dtype it computes in; every case the summary's 'failing cases:' "
             "line lists for it); a size alone cannot tell this from scores "
-            "the layer changes by design (a norm on q or k, a scale of its own: docs/plugins.md, 'Layers that "
+            "the layer changes by design (a norm on q or k, a scale of its own, rotary frequencies rescaled by "
+            "another factor: docs/plugins.md, 'Layers that "
             "cannot run every call'), which a precision declaration would hide")
 
 

@@ -97,22 +97,36 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
                                                                                  rotary_scaling=None)), None)
 
 
+#: the factors rescaled rotary frequencies commonly have (Llama 3.1's 8, Llama 3.2's 32, position interpolations by
+#: 4 or 16): a wrong one is tried in each kind
+COMMON_SCALING_FACTORS = (4.0, 8.0, 16.0, 32.0)
+
+
 def _scaling_candidates(params: AttentionParams):
-    """The wrong rescalings of a rotary layer's frequencies: the config's left out, another common kind in its place,
-    or a common one kept in a layer whose config has none (a long-context model's rope_scaling)."""
+    """The wrong rescalings of a rotary layer's frequencies: the config's left out, or another in its place (a
+    common kind at a common factor or at the config's own: Llama 3.2's factor 32 where 3.1's 8 belongs, linear where
+    llama3 does), or one kept in a layer whose config has none (a long-context model's rope_scaling)."""
     c, scaling = params.config, params.config.rotary_scaling
     if scaling is not None:
         yield (f"; the output matches rotary embeddings whose frequencies lack the {scaling.kind!r} rescaling "
                f"config.rotary_scaling asks for ({_scaling_words(scaling)}: rope_scaling never reached the module; "
                "build it from config.rotary_scaling)",
                params.replace(config=dataclasses.replace(c, rotary_scaling=None)), None)
-    for kind, common in COMMON_ROTARY_SCALINGS.items():
-        if scaling is None or kind != scaling.kind:
-            yield (f"; the output matches rotary embeddings with frequencies rescaled as {_scaling_words(common)} "
-                   f"where config.rotary_scaling is {'None' if scaling is None else repr(scaling.kind)} (a model's "
-                   "rope_scaling kept where the config has another: build it from config.rotary_scaling, None "
-                   "meaning none, and declare the kinds in Capabilities.rotary_scalings)",
-                   params.replace(config=dataclasses.replace(c, rotary_scaling=common)), None)
+    factors = COMMON_SCALING_FACTORS if scaling is None else (scaling.factor, *COMMON_SCALING_FACTORS)
+    tried = set()
+    for common in COMMON_ROTARY_SCALINGS.values():
+        for factor in dict.fromkeys(factors):
+            wrong = dataclasses.replace(common, factor=float(factor))
+            if wrong == scaling or wrong in tried:
+                continue
+            tried.add(wrong)
+            yield (f"; the output matches rotary embeddings with frequencies rescaled as {_scaling_words(wrong)} "
+                   f"where config.rotary_scaling is "
+                   + ("None" if scaling is None else _scaling_words(scaling))
+                   + " (a model's rope_scaling kept where the config has another: build it from "
+                   "config.rotary_scaling, None meaning none, and declare the kinds in "
+                   "Capabilities.rotary_scalings)",
+                   params.replace(config=dataclasses.replace(c, rotary_scaling=wrong)), None)
 
 
 def _scaling_words(scaling) -> str:
