@@ -150,7 +150,8 @@ def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
         if c.rotary is not None and np.shape(params.g_q) == np.shape(params.g_k):
             mistakes["gains_swapped"] = GAINS_SWAPPED
         for mistake, label in mistakes.items():
-            wrong = pick(wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake)))
+            with np.errstate(divide="ignore", invalid="ignore"):  # epsilon 0 over a constant group: 0 / 0, no match
+                wrong = pick(wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake)))
             if distance(got, wrong) <= margin and explains(got, wrong, truth):
                 found.append(("; the output matches " + label, distance(got, wrong)))
     return min(found, key=lambda f: f[1]) if found else None
