@@ -12,7 +12,7 @@ import numpy as np
 
 from mha_harness.conformance.casekit import CaseSkipped, input_gradients, primary_dtype  # noqa: F401 - re-exported
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, as_kv_cache_call
-from mha_harness.contract.conventions import COUPLED_FORMS, TOP_LEFT, causal_offset
+from mha_harness.contract.conventions import COMMON_ROTARY_SCALINGS, COUPLED_FORMS, TOP_LEFT, causal_offset
 from mha_harness.contract.params import make_inputs, make_params
 
 SMALL = dict(d_model=32, num_heads=4)
@@ -32,12 +32,15 @@ CROSS_FORMS = ("separate", "shared_kv")
 
 
 def small_layer(backend, *, bias: bool = False, num_kv_heads=None, seed: int = 0, rotary=None,
-                rotary_base: float = 10_000.0, **overrides):
+                rotary_base: float = 10_000.0, rotary_dims=None, rotary_scaling=None, **overrides):
     """A small layer (d_model 32, 4 heads) using biases only where the backend declares them (``rotary``: with those
-    rotary embeddings)."""
+    rotary embeddings, ``rotary_dims`` of each head's features turned, its frequencies rescaled by the
+    ``rotary_scaling`` kind of COMMON_ROTARY_SCALINGS)."""
     shape = {**SMALL, **overrides}
     config = AttentionConfig(shape["d_model"], shape["num_heads"], num_kv_heads,
-                             bias=bias and backend.capabilities.bias, rotary=rotary, rotary_base=rotary_base)
+                             bias=bias and backend.capabilities.bias, rotary=rotary, rotary_base=rotary_base,
+                             rotary_dims=rotary_dims,
+                             rotary_scaling=rotary_scaling and COMMON_ROTARY_SCALINGS[rotary_scaling])
     return make_params(config, seed=seed)
 
 

@@ -31,23 +31,32 @@ def _step_variants(backend):
             v["kv_heads"] = kv_heads
         out.append(v)
     tq, kv_heads, bias, cached, base = ROTARY_STEP
-    for kind in caps.rotary:
-        v = {"dtype": primary_dtype(backend), "variant": f"rotary_{kind}", "tq": tq, "tk": tq + cached,
-             "bias": bias and caps.bias, "rotary": kind, "rotary_base": base}
+    # each pairing declared; then, in the first, a partial rotary (4 of each head's 8 features) and each rescaling
+    # declared, where the cache path turns with the layer's width and frequencies too
+    rotary_steps = [(f"rotary_{kind}", {"rotary": kind}) for kind in caps.rotary]
+    if caps.rotary and caps.partial_rotary:
+        rotary_steps.append(("rotary_partial", {"rotary": caps.rotary[0], "rotary_dims": 4}))
+    rotary_steps += [(f"rotary_scaled_{kind}", {"rotary": caps.rotary[0], "rotary_scaling": kind})
+                     for kind in (caps.rotary_scalings if caps.rotary else ())]
+    for name, rotary in rotary_steps:
+        v = {"dtype": primary_dtype(backend), "variant": name, "tq": tq, "tk": tq + cached,
+             "bias": bias and caps.bias, "rotary_base": base, **rotary}
         out.append(v | ({"kv_heads": kv_heads} if caps.grouped_query else {}))
     return out
 
 
 @case(variants=_step_variants, forms=("separate", "shared_kv", "kv_cache"))
 def check_decode_step_over_filled_cache_matches_reference(backend, *, dtype, variant, tq, tk, bias, kv_heads=None,
-                                                          rotary=None, rotary_base=10_000.0):
+                                                          rotary=None, rotary_base=10_000.0, rotary_dims=None,
+                                                          rotary_scaling=None):
     """A decode step whose cache was filled from the first Tk - Tq positions (65 keys in all, across a tiled
     kernel's blocks; or none, a prompt into an empty cache) returns, on its first and on its second call, the
     output the float64 reference gives for the whole KV-cache call: the step writes x_new's keys and values into
     the cache before its queries attend, and every call attends over the same Tk positions. Skips for a backend
     without a decode step. A layer with rotary embeddings (each kind it declares) turns the cached keys, the new keys
-    and the new queries at their own positions."""
-    params = small_layer(backend, bias=bias, num_kv_heads=kv_heads, seed=tq, rotary=rotary, rotary_base=rotary_base)
+    and the new queries at their own positions, with a partial rotary's width and a rescaling where declared."""
+    params = small_layer(backend, bias=bias, num_kv_heads=kv_heads, seed=tq, rotary=rotary, rotary_base=rotary_base,
+                         rotary_dims=rotary_dims, rotary_scaling=rotary_scaling)
     inputs = as_kv_cache_call(make_inputs(params.config, 2, tq, tk, seed=tq, causal=BOTTOM_RIGHT))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     first, second = backend.load(params, dtype=dtype).decode_step(inputs)

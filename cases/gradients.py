@@ -24,6 +24,7 @@ from mha_harness.conformance.casekit import (
 )
 from mha_harness.conformance.gradient_diagnoses import DOUBLE_WHERE_TRAP
 from mha_harness.contract.api import AttentionConfig
+from mha_harness.contract.conventions import COMMON_ROTARY_SCALINGS
 from mha_harness.contract.params import make_params
 from mha_harness.contract.reference import empty_rows_convention, uniform_row_scores_as
 
@@ -73,6 +74,11 @@ def _gradient_variants(backend):
         out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
                     "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 2 if caps.grouped_query else 4,
                     "rotary": caps.rotary[0], "rotary_dims": 4})
+    # a rescaling (the first declared): the same backward, by the rescaled frequencies
+    if caps.rotary and caps.rotary_scalings:
+        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
+                    "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 2 if caps.grouped_query else 4,
+                    "rotary": caps.rotary[0], "rotary_scaling": caps.rotary_scalings[0]})
     return out
 
 
@@ -101,7 +107,8 @@ def _mask(kinds: str | None, batch: int, tq: int, tk: int, empty_row: bool = Fal
 
 @case(requires=("gradients",), variants=_gradient_variants, forms=ALL_FORMS)
 def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads, one_x=False, mask=None,
-                                    empty_row=False, qk_norm=None, rotary=None, rotary_dims=None):
+                                    empty_row=False, qk_norm=None, rotary=None, rotary_dims=None,
+                                    rotary_scaling=None):
     """Gradients of sum(output * cotangent) with respect to query, key, value and every parameter equal the
     reference's, within the tolerance rule applied to the naive backward in the same dtype. The input gradients
     follow the backend's declared form: one x (``inputs='self'``) gives d/dx, the sum over its three uses; shared
@@ -117,9 +124,11 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     ``Capabilities.qk_norms``) the gradients reach the projections through that norm, and its gains ``g_q`` and
     ``g_k`` have gradients of their own. With ``rotary`` (declared in ``Capabilities.rotary``; base 500,000) the
     gradients of q and k are turned back at their positions (with ``rotary_dims``, a partial rotary declared in
-    ``Capabilities.partial_rotary``: only those of each head's first features)."""
+    ``Capabilities.partial_rotary``: only those of each head's first features; with ``rotary_scaling``, the first
+    kind declared in ``Capabilities.rotary_scalings``: by the rescaled frequencies)."""
     config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias, qk_norm=qk_norm, rotary=rotary,
-                             rotary_base=500_000.0, rotary_dims=rotary_dims)
+                             rotary_base=500_000.0, rotary_dims=rotary_dims,
+                             rotary_scaling=rotary_scaling and COMMON_ROTARY_SCALINGS[rotary_scaling])
     params = make_params(config, seed=21)
     form = "self" if one_x else form
     # Tq != Tk where declared; the causal variant of a layer whose mask is optional is square, while an

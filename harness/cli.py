@@ -310,6 +310,8 @@ def cmd_list(args) -> int:
                 parts.append(f"scores soft-capped at {caps.logit_softcap:g}")
             if getattr(caps, "qk_norms", ()):
                 parts.append(f"q/k norms {','.join(caps.qk_norms)}")
+            if getattr(caps, "d_head_multiple", 1) > 1:
+                parts.append(f"d_head a multiple of {caps.d_head_multiple}")
             if getattr(caps, "rotary", ()):
                 parts.append(f"rotary {','.join(caps.rotary)}"
                              + (" (partial too)" if getattr(caps, "partial_rotary", False) else "")

@@ -197,3 +197,25 @@ def test_search_draws_partial_rotary_widths_and_finds_both_partial_mutants(tmp_p
                                  max_examples=200, seed=0)
         assert not outcome.passed and outcome.example.get("rotary_dims"), outcome.lines()
         assert mutant.mutant.message_mentions in outcome.message, outcome.message
+
+
+def test_the_decode_step_and_gradients_run_a_partial_and_a_rescaled_rotary_and_catch_their_mutants():
+    """The cache path turns with the layer's width and frequencies too: a decode-step variant for each, and a
+    gradient variant for the rescaling."""
+    pytest.importorskip("torch")
+    from mha_harness.cases.decode_step import _step_variants
+    from mha_harness.cases.gradients import _gradient_variants
+    from mha_harness.implementations.mutants import mutant_backends
+    from mha_harness.implementations.torch_eager import TorchEager
+    steps = {v["variant"]: v for v in _step_variants(TorchEager())}
+    assert steps["rotary_partial"]["rotary_dims"] == 4
+    assert {"rotary_scaled_llama3", "rotary_scaled_linear"} <= set(steps)
+    assert [v["rotary_scaling"] for v in _gradient_variants(TorchEager()) if v.get("rotary_scaling")] == ["linear"]
+    step = "check_decode_step_over_filled_cache_matches_reference"
+    assert mha_harness.check(TorchEager(), cases=[step, "check_gradients_match_reference"], isolate=False).ok
+    for name, variants in (("mutant-rotary-partial-whole-head", {"rotary_partial"}),
+                           ("mutant-rotary-scaling-ignored", {"rotary_scaled_llama3", "rotary_scaled_linear"})):
+        mutant = next(b for b in mutant_backends() if b.name == name)
+        failed = mha_harness.check(mutant, cases=[step], isolate=False).failures()
+        assert {r.params["variant"] for r in failed} == variants, (name, [r.params["variant"] for r in failed])
+        assert all(mutant.mutant.message_mentions in r.message for r in failed), [r.message for r in failed]

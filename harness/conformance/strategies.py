@@ -59,6 +59,9 @@ class SearchSpace:
     #: the rescalings of the rotary frequencies the backend declares (Capabilities.rotary_scalings): a rotary example
     #: then draws one of them (``rotary_scaling``, the kind of COMMON_ROTARY_SCALINGS; absent when none)
     rotary_scalings: tuple[str, ...] = ()
+    #: the head widths are multiples of this (Capabilities.d_head_multiple): up to max_d_head, or the multiple and
+    #: its double where it is larger
+    d_head_multiple: int = 1
 
     @classmethod
     def for_backend(cls, backend: AttentionBackend, *, quick: bool = False, dtypes: tuple[str, ...] | None = None,
@@ -100,6 +103,7 @@ class SearchSpace:
             rotary=caps.rotary,
             partial_rotary=caps.partial_rotary,
             rotary_scalings=caps.rotary_scalings,
+            d_head_multiple=caps.d_head_multiple,
         )
 
 
@@ -155,7 +159,7 @@ def examples(draw, space: SearchSpace):
         if space.grouped_query else heads
     example = {
         "dtype": dtype, "form": form, "batch": batch, "tq": tq, "tk": tk, "heads": heads, "kv_heads": kv_heads,
-        "d_head": draw(st.integers(1, space.max_d_head)),
+        "d_head": draw(head_widths(space)),
         "bias": draw(st.booleans()) if space.bias else False,
         "causal": draw(st.sampled_from(space.causal)),
         "padding": draw(st.none() | padding_masks(batch, tk)) if space.padding else None,
@@ -189,6 +193,13 @@ def examples(draw, space: SearchSpace):
                 if scaling:
                     example["rotary_scaling"] = scaling
     return example
+
+
+def head_widths(space: SearchSpace):
+    """d_head from 1 to ``space.max_d_head``, in multiples of ``space.d_head_multiple`` (the multiple and its double
+    where it is larger than max_d_head)."""
+    m = space.d_head_multiple
+    return st.integers(1, max(2, space.max_d_head // m)).map(lambda k: k * m)
 
 
 def _count_bad_calls() -> int:

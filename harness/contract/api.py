@@ -123,7 +123,10 @@ class Capabilities:
     GPT-J's ``rotary_dim``); the cases then also run such layers. ``rotary_scalings`` (empty) names the rescalings of
     the rotary frequencies the layer can be built with (``config.rotary_scaling``'s kind,
     :data:`~mha_harness.contract.conventions.ROTARY_SCALING_KINDS`: ``"llama3"``, Llama 3.1's ``rope_type``;
-    ``"linear"``, position interpolation).
+    ``"linear"``, position interpolation). ``d_head_multiple`` (1) declares a layer built only at head widths that are
+    multiples of it (2: one whose rotary code needs an even d_head even when rotary is off, as transformers'
+    ``LlamaConfig``; 8: FlashAttention's kernels): search draws only such widths, and a case whose layer has another
+    skips, naming it.
     Malformed values (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused
     here, so nothing is declared by accident.
     """
@@ -150,6 +153,7 @@ class Capabilities:
     rotary: tuple[str, ...] = ()
     partial_rotary: bool = False
     rotary_scalings: tuple[str, ...] = ()
+    d_head_multiple: int = 1
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -167,6 +171,11 @@ class Capabilities:
         self._names("qk_norms", QK_NORMS, allow_empty=True)
         self._names("rotary", ROTARY_KINDS, allow_empty=True)
         self._names("rotary_scalings", ROTARY_SCALING_KINDS, allow_empty=True)
+        m = self.d_head_multiple
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"Capabilities.d_head_multiple: got {m!r}; accepted: an integer >= 1, the number every "
+                             "head width the layer can be built with is a multiple of (1: any; 2: even ones, as a "
+                             "Hugging Face rotary layer's config needs; 8: FlashAttention's)")
         if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool)
                                              or not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
             raise ValueError(f"Capabilities.max_seq_len: got {self.max_seq_len!r}; accepted: None or an integer >= 1")
@@ -745,6 +754,10 @@ class AttentionBackend:
         validate_dtype(dtype, self.capabilities.dtypes)
         if params.config.bias and not self.capabilities.bias:
             raise ValueError(f"params: got biases but {self.name} does not support them; accepted: config.bias=False")
+        m = self.capabilities.d_head_multiple
+        if params.config.d_head % m:
+            raise Unsupported(f"d_head = {params.config.d_head}: {self.name} declares d_head_multiple={m} (a layer "
+                              f"built only at head widths that are multiples of {m})")
         self._require_declared("qk_norm", params.config.qk_norm, "qk_norms", "no norm on q and k")
         self._require_declared("rotary", params.config.rotary, "rotary", "no rotary position embeddings")
         scaling = params.config.rotary_scaling
