@@ -59,26 +59,23 @@ def _gradient_variants(backend):
         # double-where trap gives NaN there); same shapes and mask kinds, so no new compiled program
         if attn_mask:
             out.append({**masked, "empty_row": True})
+    # the layer features' variants, each in float32 where declared
+    feature = {"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0], "causal": caps.always_causal,
+               "bias": caps.bias}
     # a layer with a norm on q and k: the backward through each norm it declares, to the projections and the gains
     for norm in caps.qk_norms:
-        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
-                    "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4, "qk_norm": norm})
+        out.append({**feature, "kv_heads": 4, "qk_norm": norm})
     # a layer with rotary embeddings: the backward turns each gradient of q and k back, at the call's positions
     # (Tq != Tk where declared: the queries are the last positions), with grouped-query heads where declared
+    turned = {**feature, "kv_heads": 2 if caps.grouped_query else 4}
     for kind in caps.rotary:
-        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
-                    "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 2 if caps.grouped_query else 4,
-                    "rotary": kind})
+        out.append({**turned, "rotary": kind})
     # a partial rotary (declared): half of each head's 8 features turned, the other half passed back unturned
     if caps.rotary and caps.partial_rotary:
-        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
-                    "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 2 if caps.grouped_query else 4,
-                    "rotary": caps.rotary[0], "rotary_dims": 4})
+        out.append({**turned, "rotary": caps.rotary[0], "rotary_dims": 4})
     # a rescaling (the first declared): the same backward, by the rescaled frequencies
     if caps.rotary and caps.rotary_scalings:
-        out.append({"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
-                    "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 2 if caps.grouped_query else 4,
-                    "rotary": caps.rotary[0], "rotary_scaling": caps.rotary_scalings[0]})
+        out.append({**turned, "rotary": caps.rotary[0], "rotary_scaling": caps.rotary_scalings[0]})
     return out
 
 

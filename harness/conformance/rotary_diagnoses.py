@@ -113,13 +113,11 @@ def _scaling_candidates(params: AttentionParams):
                "build it from config.rotary_scaling)",
                params.replace(config=dataclasses.replace(c, rotary_scaling=None)), None)
     factors = COMMON_SCALING_FACTORS if scaling is None else (scaling.factor, *COMMON_SCALING_FACTORS)
-    tried = set()
     for common in COMMON_ROTARY_SCALINGS.values():
-        for factor in dict.fromkeys(factors):
+        for factor in dict.fromkeys(factors):  # each kind at each distinct factor once
             wrong = dataclasses.replace(common, factor=float(factor))
-            if wrong == scaling or wrong in tried:
+            if wrong == scaling:
                 continue
-            tried.add(wrong)
             yield (f"; the output matches rotary embeddings with frequencies rescaled as {_scaling_words(wrong)} "
                    f"where config.rotary_scaling is "
                    + ("None" if scaling is None else _scaling_words(scaling))
