@@ -13,4 +13,5 @@ from mha_harness.cases import (  # noqa: F401
     masks,
     projections,
     search_regressions,
+    sliding_window,
 )

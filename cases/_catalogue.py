@@ -15,7 +15,7 @@ from mha_harness.contract.conventions import QK_NORMS, ROTARY_KINDS, ROTARY_SCAL
 class _DeclaresEverything(AttentionBackend):
     name = "any"
     capabilities = Capabilities(gradients=True, dtypes=DTYPES, qk_norms=QK_NORMS, rotary=ROTARY_KINDS,
-                                partial_rotary=True, rotary_scalings=ROTARY_SCALING_KINDS)
+                                partial_rotary=True, rotary_scalings=ROTARY_SCALING_KINDS, sliding_window=True)
 
 
 def case_parameters() -> dict[str, dict]:

@@ -14,6 +14,9 @@ from mha_harness.contract.params import make_inputs
 STEPS = {"one_new_query": (1, None, False, KEYS_ACROSS_BLOCKS - 1),
          "five_new_queries": (5, 2, True, KEYS_ACROSS_BLOCKS - 5),
          "prompt_into_empty_cache": (5, None, False, 0)}
+#: the sliding-window step's window (Capabilities.sliding_window): 16 keys, against ROTARY_STEP's 65 positions (60
+#: cached), so most of the cache is behind every new query's window
+WINDOW_STEP = 16
 #: the rotary step: a layer with rotary embeddings (each kind it declares, at Llama 3's base) writes its new keys
 #: turned at their own positions and turns its queries at theirs, Tk - Tq .. Tk - 1, not from 0
 ROTARY_STEP = (5, 2, True, KEYS_ACROSS_BLOCKS - 5, 500_000.0)
@@ -38,6 +41,10 @@ def _step_variants(backend):
         rotary_steps.append(("rotary_partial", {"rotary": caps.rotary[0], "rotary_dims": 4}))
     rotary_steps += [(f"rotary_scaled_{kind}", {"rotary": caps.rotary[0], "rotary_scaling": kind})
                      for kind in (caps.rotary_scalings if caps.rotary else ())]
+    if caps.sliding_window:  # a window shorter than the cache: the step must count it back from its positions
+        out.append({"dtype": primary_dtype(backend), "variant": "sliding_window", "tq": tq, "tk": tq + cached,
+                    "bias": bias and caps.bias, "sliding_window": WINDOW_STEP}
+                   | ({"kv_heads": kv_heads} if caps.grouped_query else {}))
     for name, rotary in rotary_steps:
         v = {"dtype": primary_dtype(backend), "variant": name, "tq": tq, "tk": tq + cached,
              "bias": bias and caps.bias, "rotary_base": base, **rotary}
@@ -48,15 +55,16 @@ def _step_variants(backend):
 @case(variants=_step_variants, forms=("separate", "shared_kv", "kv_cache"))
 def check_decode_step_over_filled_cache_matches_reference(backend, *, dtype, variant, tq, tk, bias, kv_heads=None,
                                                           rotary=None, rotary_base=10_000.0, rotary_dims=None,
-                                                          rotary_scaling=None):
+                                                          rotary_scaling=None, sliding_window=None):
     """A decode step whose cache was filled from the first Tk - Tq positions (65 keys in all, across a tiled
     kernel's blocks; or none, a prompt into an empty cache) returns, on its first and on its second call, the
     output the float64 reference gives for the whole KV-cache call: the step writes x_new's keys and values into
     the cache before its queries attend, and every call attends over the same Tk positions. Skips for a backend
     without a decode step. A layer with rotary embeddings (each kind it declares) turns the cached keys, the new keys
-    and the new queries at their own positions, with a partial rotary's width and a rescaling where declared."""
+    and the new queries at their own positions, with a partial rotary's width and a rescaling where declared; a layer
+    with a sliding window (where declared) counts it back from each new query's position, hiding most of the cache."""
     params = small_layer(backend, bias=bias, num_kv_heads=kv_heads, seed=tq, rotary=rotary, rotary_base=rotary_base,
-                         rotary_dims=rotary_dims, rotary_scaling=rotary_scaling)
+                         rotary_dims=rotary_dims, rotary_scaling=rotary_scaling, sliding_window=sliding_window)
     inputs = as_kv_cache_call(make_inputs(params.config, 2, tq, tk, seed=tq, causal=BOTTOM_RIGHT))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     first, second = backend.load(params, dtype=dtype).decode_step(inputs)

@@ -76,7 +76,16 @@ def _gradient_variants(backend):
     # a rescaling (the first declared): the same backward, by the rescaled frequencies
     if caps.rotary and caps.rotary_scalings:
         out.append({**turned, "rotary": caps.rotary[0], "rotary_scaling": caps.rotary_scalings[0]})
+    # a sliding window (declared): causal over 65 positions, a window of 16 keys, so a backward that recomputes its
+    # softmax without the window gives keys behind it a gradient
+    if caps.sliding_window and caps.causal_alignments:
+        out.append({**feature, "causal": True, "kv_heads": 2 if caps.grouped_query else 4,
+                    "sliding_window": GRADIENT_WINDOW})
     return out
+
+
+#: the window of the gradient case's sliding-window variant
+GRADIENT_WINDOW = 16
 
 
 #: real keys of batch item 1 in the padding variant (item 0 has all 65): the padded ones start inside a key block
@@ -105,7 +114,7 @@ def _mask(kinds: str | None, batch: int, tq: int, tk: int, empty_row: bool = Fal
 @case(requires=("gradients",), variants=_gradient_variants, forms=ALL_FORMS)
 def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads, one_x=False, mask=None,
                                     empty_row=False, qk_norm=None, rotary=None, rotary_dims=None,
-                                    rotary_scaling=None):
+                                    rotary_scaling=None, sliding_window=None):
     """Gradients of sum(output * cotangent) with respect to query, key, value and every parameter equal the
     reference's, within the tolerance rule applied to the naive backward in the same dtype. The input gradients
     follow the backend's declared form: one x (``inputs='self'``) gives d/dx, the sum over its three uses; shared
@@ -122,10 +131,12 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     ``g_k`` have gradients of their own. With ``rotary`` (declared in ``Capabilities.rotary``; base 500,000) the
     gradients of q and k are turned back at their positions (with ``rotary_dims``, a partial rotary declared in
     ``Capabilities.partial_rotary``: only those of each head's first features; with ``rotary_scaling``, the first
-    kind declared in ``Capabilities.rotary_scalings``: by the rescaled frequencies)."""
+    kind declared in ``Capabilities.rotary_scalings``: by the rescaled frequencies). With ``sliding_window`` (declared
+    in ``Capabilities.sliding_window``) the keys behind each query's window get exactly the reference's gradient."""
     config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias, qk_norm=qk_norm, rotary=rotary,
                              rotary_base=500_000.0, rotary_dims=rotary_dims,
-                             rotary_scaling=rotary_scaling and COMMON_ROTARY_SCALINGS[rotary_scaling])
+                             rotary_scaling=rotary_scaling and COMMON_ROTARY_SCALINGS[rotary_scaling],
+                             sliding_window=sliding_window)
     params = make_params(config, seed=21)
     form = "self" if one_x else form
     # Tq != Tk where declared; the causal variant of a layer whose mask is optional is square, while an

@@ -317,6 +317,8 @@ def cmd_list(args) -> int:
                              + (" (partial too)" if getattr(caps, "partial_rotary", False) else "")
                              + (f" rescaled {','.join(caps.rotary_scalings)}"
                                 if getattr(caps, "rotary_scalings", ()) else ""))
+            if getattr(caps, "sliding_window", False):
+                parts.append("sliding window")
             print(f"{'':<{width}}  " + "; ".join(parts))
             divergences = entry.backend.divergences
             if args.verbose:

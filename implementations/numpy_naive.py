@@ -133,7 +133,7 @@ class NumpyNaiveLoaded(LoadedAttention):
         return 1.0 / np.sqrt(self.config.d_head)
 
     def masks(self, inputs: AttentionInputs):
-        return full_mask(inputs)
+        return full_mask(inputs, sliding_window=self.config.sliding_window)
 
     def softmax(self, scores: np.ndarray) -> np.ndarray:
         """Row softmax with the row maximum subtracted; a row of -inf (all masked) gives zeros.
@@ -250,7 +250,7 @@ class NumpyNaive(AttentionBackend):
     memory_method = "tracemalloc"
     capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=True, qk_norms=QK_NORMS,
                                 rotary=ROTARY_KINDS, partial_rotary=True,
-                                rotary_scalings=ROTARY_SCALING_KINDS)
+                                rotary_scalings=ROTARY_SCALING_KINDS, sliding_window=True)
     loaded_class = NumpyNaiveLoaded
 
     def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:

@@ -99,12 +99,12 @@ class TorchEagerLoaded(LinearTorchLoaded):
     layer = staticmethod(eager_layer)
 
     def attend_heads(self, qh, kh, vh, inputs: AttentionInputs):
-        allowed, additive = full_mask(inputs)
+        allowed, additive = full_mask(inputs, sliding_window=self.config.sliding_window)
         return eager_attention(qh, kh, vh, self.mask_tensor(allowed), self.mask_tensor(additive), False)[0]
 
     def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
         c = self.config
-        allowed, additive = full_mask(inputs)
+        allowed, additive = full_mask(inputs, sliding_window=c.sliding_window)
         return self.layer(q, k, v, self.w, self.mask_tensor(allowed), self.mask_tensor(additive), c.num_heads,
                           c.kv_heads, need_weights, qk_norm=c.qk_norm, qk_norm_eps=c.qk_norm_eps, rotary=c.rotary,
                           rotary_base=c.rotary_base, rotary_dims=c.rotary_dims, rotary_scaling=c.rotary_scaling)
@@ -116,7 +116,7 @@ class TorchEager(TorchBackend):
     native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=TORCH_DTYPES, qk_norms=QK_NORMS,
                                 rotary=ROTARY_KINDS, partial_rotary=True,
-                                rotary_scalings=ROTARY_SCALING_KINDS)
+                                rotary_scalings=ROTARY_SCALING_KINDS, sliding_window=True)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -124,7 +124,8 @@ class TorchEager(TorchBackend):
         if device != "cpu":
             self.capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=GPU_DTYPES,
                                              devices=(device,), qk_norms=QK_NORMS, rotary=ROTARY_KINDS,
-                                             partial_rotary=True, rotary_scalings=ROTARY_SCALING_KINDS)
+                                             partial_rotary=True, rotary_scalings=ROTARY_SCALING_KINDS,
+                                             sliding_window=True)
 
     def native_parameter_shapes(self, config: AttentionConfig):
         from mha_harness.contract.params import make_params

@@ -30,6 +30,7 @@ from mha_harness.conformance.diagnoses import (
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
 from mha_harness.conformance.qk_norm_diagnoses import QK_NORM_MATCH, qk_norm_hint, qk_norm_match
 from mha_harness.conformance.rotary_diagnoses import ROTARY_MATCH, rotary_hint
+from mha_harness.conformance.window_diagnoses import window_hint
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -604,7 +605,8 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     (:func:`~mha_harness.conformance.diagnoses.layer_mistake`: heads split by tokens, heads concatenated
     feature-major, a softmax over the queries, no W_o), a q/k-norm mistake
     (:func:`~mha_harness.conformance.qk_norm_diagnoses.qk_norm_hint`), a rotary mistake
-    (:func:`~mha_harness.conformance.rotary_diagnoses.rotary_hint`) or a mask mistake
+    (:func:`~mha_harness.conformance.rotary_diagnoses.rotary_hint`), a sliding-window mistake
+    (:func:`~mha_harness.conformance.window_diagnoses.window_hint`) or a mask mistake
     (:func:`~mha_harness.conformance.diagnoses.mask_mistake`, its wrong calls' rows without a key under the empty-row
     convention the backend follows), else right only where a row sees a single key
     (:func:`~mha_harness.conformance.diagnoses.single_key_rows_hint`)."""
@@ -615,7 +617,8 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     got = np.asarray(got, np.float64)
     return (_scale_or_qk_norm_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
             or qk_norm_hint(got, params, inputs, tol.bound) or rotary_hint(got, params, inputs, tol.bound)
-            or mask_mistake(got, params, inputs) or cache_order_hint(got, params, inputs)
+            or window_hint(got, params, inputs, tol.bound) or mask_mistake(got, params, inputs)
+            or cache_order_hint(got, params, inputs)
             or scores_fit_hint(got, params, inputs, tol.bound)
             or single_key_rows_hint(got, expected, tol.bound, params, inputs))
 

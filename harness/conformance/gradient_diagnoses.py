@@ -17,7 +17,15 @@ import numpy as np
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.expected import gradient_names, input_gradients
 from mha_harness.contract.mistakes import distance, frozen_parameters_hint
-from mha_harness.contract.reference import MASK_FIELDS, mistaken_vjp, reference_vjp, score_scale, score_scale_named
+from mha_harness.contract.reference import (
+    MASK_FIELDS,
+    WINDOW_FIELD,
+    mistaken_vjp,
+    reference_vjp,
+    score_scale,
+    score_scale_named,
+    without_masks,
+)
 from mha_harness.contract.score_scale import score_scale_at
 
 #: the parameter gradients each part of the backward produces: a wrong group with the others right places the error
@@ -46,7 +54,8 @@ _CLOSE = 0.05
 #: how each mask reads in a diagnosis, and the keys it hides
 _MASK_WORDS = {"causal": ("the causal mask", "future keys"),
                "key_padding_mask": ("the key padding mask", "padded keys"),
-               "attn_mask": ("the attn_mask", "masked keys")}
+               "attn_mask": ("the attn_mask", "masked keys"),
+               WINDOW_FIELD: ("the layer's sliding window", "the keys behind each query's window")}
 
 
 def gradient_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,
@@ -216,13 +225,14 @@ def _backward_mistakes(params: AttentionParams, inputs: AttentionInputs, cotange
                "normalised; the forward is right, so W_o's gradient is right)",
                lambda row_from=row_from: mistaken_vjp(params, inputs, cotangent, recompute="max", row_from=row_from))
     present = [f for f in MASK_FIELDS if getattr(inputs, f) is not None]
+    present += [WINDOW_FIELD] if params.config.sliding_window is not None else []
     subsets = [tuple(f for i, f in enumerate(present) if bits >> i & 1) for bits in range(1, 2 ** len(present))]
     for fields in sorted(subsets, key=len):
         what = " and ".join(_MASK_WORDS[f][0] for f in fields)
         where = " and ".join(_MASK_WORDS[f][1] for f in fields)
         yield (f"the backward ignores {what} the forward applies: gradient flows to and from {where} (the whole "
                f"backward computed as if unmasked)",
-               lambda fields=fields: reference_vjp(params, inputs.replace(**dict.fromkeys(fields)), cotangent))
+               lambda fields=fields: reference_vjp(*without_masks(params, inputs, fields), cotangent))
         for row_from in ("weights", "output"):  # the row term from the recomputed weights, or from dO * O
             yield (f"the backward recomputes the weights without {what} (a softmax over every key; the forward "
                    f"applies it, so W_o's gradient is right): gradient flows to and from {where}",

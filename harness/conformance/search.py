@@ -101,6 +101,8 @@ def describe(example: dict[str, Any] | None) -> str:
         parts.append(f"rotary {e['rotary']} base {float(e.get('rotary_base', 10_000.0)):g}"
                      + (f" on {e['rotary_dims']} of {e['d_head']} features" if e.get("rotary_dims") else "")
                      + (f" scaled {e['rotary_scaling']}" if e.get("rotary_scaling") else ""))
+    if e.get("sliding_window"):
+        parts.append(f"sliding window {e['sliding_window']}")
     if e.get("causal"):
         parts.append(f"causal {e['causal']}")
     if e.get("padding"):
@@ -154,6 +156,7 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
     features = {"a q/k norm": ("qk_norm", bool(space.qk_norms)), "rotary": ("rotary", bool(space.rotary)),
                 "a partial rotary": ("rotary_dims", space.partial_rotary and bool(space.rotary)),
                 "a rescaled rotary": ("rotary_scaling", bool(space.rotary_scalings) and bool(space.rotary)),
+                "a sliding window": ("sliding_window", space.sliding_window),
                 "a decode step": ("decode_step", space.decode_step)}
     drew = {feature: 0 for feature, (_, declared) in features.items() if declared}
     start = time.perf_counter()

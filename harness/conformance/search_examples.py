@@ -7,7 +7,8 @@ An *example* is a plain dict (what ``mha-harness search`` draws, shrinks, prints
      "cut": 0, "poison": "random", "gradients": false, "malformed": null, "seed": 0}
 
 (plus ``"decode_step": true``, ``"qk_norm": "rms_per_head"`` or ``"rotary": "half_split", "rotary_base": 500000.0``
-a partial rotary's ``"rotary_dims": 4`` and a rescaling's ``"rotary_scaling": "llama3"`` where drawn).
+a partial rotary's ``"rotary_dims": 4``, a rescaling's ``"rotary_scaling": "llama3"`` and a sliding window's
+``"sliding_window": 3`` where drawn).
 
 :func:`build` rebuilds the parameters and inputs from it deterministically (seeded NumPy), and
 :func:`check_example` states the property: the backend's output equals the float64 reference under the one
@@ -19,6 +20,7 @@ allocates number the expected count. Whatever a backend's declared divergences c
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -192,7 +194,8 @@ def build(example: Mapping[str, Any]) -> tuple[AttentionParams, AttentionInputs]
     config = AttentionConfig(heads * int(e["d_head"]), heads, None if kv == heads else kv, bias=bool(e["bias"]),
                              qk_norm=e.get("qk_norm"), rotary=e.get("rotary"),
                              rotary_base=float(e.get("rotary_base", 10_000.0)), rotary_dims=e.get("rotary_dims"),
-                             rotary_scaling=COMMON_ROTARY_SCALINGS.get(e.get("rotary_scaling")))
+                             rotary_scaling=COMMON_ROTARY_SCALINGS.get(e.get("rotary_scaling")),
+                             sliding_window=e.get("sliding_window"))
     params = make_params(config, seed=int(e["seed"]))
     g = float(np.sqrt(float(e.get("logit_scale", 1))))
     if g != 1.0:
@@ -319,7 +322,10 @@ def _check_leakage(backend, params, inputs, example, loaded, allowed, empty, bas
     never = ~allowed.any(axis=(1, 2))  # (batch, Tk)
     poisoned = never | (np.arange(inputs.tk) > int(example.get("cut", inputs.tk)))[None, :]
     kind = example.get("poison", "random")
-    if kind != "random":  # NaN/inf may only sit at keys every query's mask hides (validate_inputs)
+    if kind != "random":  # NaN/inf may only sit at keys every query's mask hides (validate_inputs): not at keys
+        if params.config.sliding_window is not None:  # only the layer's window hides, which the call cannot know
+            unwindowed = params.replace(config=dataclasses.replace(params.config, sliding_window=None))
+            never = ~allowed_and_bias(unwindowed, inputs)[0].any(axis=(1, 2))
         poisoned &= never
         if coupled:  # ... and never at a query's own row
             poisoned[:, start:] = False

@@ -62,6 +62,9 @@ class SearchSpace:
     #: the head widths are multiples of this (Capabilities.d_head_multiple): up to max_d_head, or the multiple and
     #: its double where it is larger
     d_head_multiple: int = 1
+    #: whether the backend declares a sliding window (Capabilities.sliding_window): examples then draw one of 1 .. Tk
+    #: keys, or none (``sliding_window``, absent when none)
+    sliding_window: bool = False
 
     @classmethod
     def for_backend(cls, backend: AttentionBackend, *, quick: bool = False, dtypes: tuple[str, ...] | None = None,
@@ -104,6 +107,7 @@ class SearchSpace:
             partial_rotary=caps.partial_rotary,
             rotary_scalings=caps.rotary_scalings,
             d_head_multiple=caps.d_head_multiple,
+            sliding_window=caps.sliding_window,
         )
 
 
@@ -192,6 +196,10 @@ def examples(draw, space: SearchSpace):
                 scaling = draw(st.sampled_from((None, *space.rotary_scalings)))
                 if scaling:
                     example["rotary_scaling"] = scaling
+    if space.sliding_window:  # a window of 1 .. Tk keys, or none (absent)
+        window = draw(st.none() | st.integers(1, tk))
+        if window:
+            example["sliding_window"] = window
     return example
 
 

@@ -126,7 +126,9 @@ class Capabilities:
     ``"linear"``, position interpolation). ``d_head_multiple`` (1) declares a layer built only at head widths that are
     multiples of it (2: one whose rotary code needs an even d_head even when rotary is off, as transformers'
     ``LlamaConfig``; 8: FlashAttention's kernels): search draws only such widths, and a case whose layer has another
-    skips, naming it.
+    skips, naming it. ``sliding_window`` (OFF) declares a layer that can be built with a sliding window
+    (``config.sliding_window = w``: each query sees only its own position and the w - 1 before it, as Mistral's,
+    Gemma's and Qwen 2's local layers): the cases then also run such layers, and every other case a layer without one.
     Malformed values (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused
     here, so nothing is declared by accident.
     """
@@ -154,6 +156,7 @@ class Capabilities:
     partial_rotary: bool = False
     rotary_scalings: tuple[str, ...] = ()
     d_head_multiple: int = 1
+    sliding_window: bool = False
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -348,6 +351,11 @@ class AttentionConfig:
     #: ``RotaryScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_positions=8192)``
     #: (:class:`~mha_harness.contract.conventions.RotaryScaling`); only with ``rotary``
     rotary_scaling: RotaryScaling | None = None
+    #: a sliding window of w keys (None: every key): the query at position p sees only the keys at p and the w - 1
+    #: positions before it, on top of every other mask (Mistral's and Gemma's ``sliding_window``, flash-attn's
+    #: ``window_size=(w - 1, -1)``); p is the causal mask's diagonal in a causal call, the last Tq of the Tk positions
+    #: without one (:func:`~mha_harness.contract.conventions.window_offset`)
+    sliding_window: int | None = None
 
     def __post_init__(self):
         validate_config(self)
@@ -767,6 +775,10 @@ class AttentionBackend:
             raise ValueError(f"rotary_dims: got {params.config.rotary_dims} of d_head = {params.config.d_head} but "
                              f"{self.name} does not declare Capabilities.partial_rotary; accepted: None or "
                              f"{params.config.d_head} (every feature of each head turned)")
+        if params.config.sliding_window is not None and not self.capabilities.sliding_window:
+            raise ValueError(f"sliding_window: got {params.config.sliding_window} but {self.name} does not declare "
+                             "Capabilities.sliding_window; accepted: None (every key visible), or declare "
+                             "Capabilities(sliding_window=True) for a layer built with config.sliding_window")
         if params.config.kv_heads != params.config.num_heads and not self.capabilities.grouped_query:
             raise ValueError(f"num_kv_heads: got {params.config.kv_heads} but {self.name} does not support "
                              f"grouped-query heads; accepted: num_kv_heads == num_heads ({params.config.num_heads})")

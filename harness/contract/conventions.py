@@ -53,6 +53,24 @@ def causal_offset(alignment: str, tq: int, tk: int) -> int:
     raise ValueError(f"causal: got {alignment!r}; accepted: {', '.join(map(repr, CAUSAL_ALIGNMENTS))}")
 
 
+def window_offset(alignment: str | None, tq: int, tk: int) -> int:
+    """The sliding window's diagonal: query i is at position ``i + window_offset(...)`` and, in a layer with
+    ``AttentionConfig.sliding_window = w``, sees key j only when ``j > i + window_offset(...) - w`` (its own position
+    and the w - 1 before it, as Mistral's and Gemma's ``sliding_window`` and transformers' ``kv_idx > q_idx -
+    sliding_window``). The diagonal is the causal mask's (:func:`causal_offset`) in a causal call and bottom-right
+    without one (the queries are the last Tq of the Tk positions, flash-attn's ``window_size=(w - 1, -1)``)."""
+    return causal_offset(alignment, tq, tk) if alignment else tk - tq
+
+
+def window_allows(window: int | None, alignment: str | None, tq: int, tk: int, q_idx=None) -> np.ndarray | None:
+    """(R, Tk) bool, True where the sliding window of ``window`` keys lets query ``q_idx`` (all Tq when None) see key
+    j (:func:`window_offset`); None without a window."""
+    if window is None:
+        return None
+    q = np.arange(tq) if q_idx is None else np.asarray(q_idx)
+    return np.arange(tk)[None, :] > q[:, None] + window_offset(alignment, tq, tk) - window
+
+
 def other_alignment(alignment: str) -> str:
     """The alignment that is not ``alignment`` (what a backend that confuses the two computes)."""
     return BOTTOM_RIGHT if alignment == TOP_LEFT else TOP_LEFT

@@ -14,7 +14,9 @@ k projections, ``y / sqrt(mean(y^2) + eps) * g`` (a LayerNorm's y less its mean,
 before the scores; the forward, both backwards (the gains ``g_q``, ``g_k`` and biases ``beta_q``, ``beta_k`` get
 gradients of their own) and the term magnitudes go through it. Rotary position embeddings
 (``AttentionConfig.rotary``: Hugging Face's rotate_half pairing or GPT-J's interleaved one) turn each head's q and k
-after the norm, key j at position j and query i at i + Tk - Tq; the backward turns their gradients back.
+after the norm, key j at position j and query i at i + Tk - Tq; the backward turns their gradients back. A sliding
+window (``AttentionConfig.sliding_window = w``: Mistral's, Gemma's) hides from each query every key more than w - 1
+positions before its own, on top of the call's masks.
 
 Fully masked rows: a query row whose keys are all masked outputs **zeros** before W_o
 (its attention weights are all zero), following flash-attention and torch SDPA >= 2.5.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import hashlib
 import threading
 from collections import OrderedDict
@@ -51,6 +54,7 @@ from mha_harness.contract.conventions import (
     rotary_pairs,
     rotary_positions,
     round_to,
+    window_offset,
 )
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.contract.scoped import scoped
@@ -285,6 +289,10 @@ def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.
     if inputs.causal:
         offset = causal_offset(inputs.causal, tq, tk)
         allowed = allowed & (np.arange(tk)[None, :] <= q_idx[:, None] + offset)[None, None]
+    window = params.config.sliding_window
+    if window is not None:  # the keys at the query's position and the w - 1 before it
+        allowed = allowed & (np.arange(tk)[None, :] > q_idx[:, None] + window_offset(inputs.causal, tq, tk)
+                             - window)[None, None]
     if inputs.key_padding_mask is not None:
         allowed = allowed & ~inputs.key_padding_mask[:, None, None, :]
     if inputs.attn_mask is not None:
@@ -586,7 +594,7 @@ def _call_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes:
     query = np.asarray(inputs.query)
     same = lambda x: "same as query" if x is inputs.query else np.asarray(x)  # noqa: E731
     return _digest(c.d_model, c.num_heads, c.kv_heads, c.bias, c.qk_norm, c.qk_norm_eps, c.rotary, c.rotary_base,
-                   c.rotary_dims, None if c.rotary_scaling is None else repr(c.rotary_scaling),
+                   c.rotary_dims, None if c.rotary_scaling is None else repr(c.rotary_scaling), c.sliding_window,
                    *(getattr(params, n) for n in PARAM_NAMES),
                    query, same(inputs.key), same(inputs.value), inputs.causal, inputs.key_padding_mask,
                    inputs.attn_mask)
@@ -909,6 +917,16 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
 
 #: the fields of :class:`AttentionInputs` that mask keys, which a wrong backward can leave out
 MASK_FIELDS = ("causal", "key_padding_mask", "attn_mask")
+#: the layer's own mask (``AttentionConfig.sliding_window``), which a wrong backward can leave out too
+WINDOW_FIELD = "sliding_window"
+
+
+def without_masks(params: AttentionParams, inputs: AttentionInputs, fields: tuple[str, ...]):
+    """(params, inputs) with the masks named by ``fields`` left out: call fields (:data:`MASK_FIELDS`) set to None,
+    and :data:`WINDOW_FIELD` the layer's sliding window."""
+    if WINDOW_FIELD in fields:
+        params = params.replace(config=dataclasses.replace(params.config, sliding_window=None))
+    return params, inputs.replace(**dict.fromkeys(f for f in fields if f != WINDOW_FIELD))
 
 
 def mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, *, row_term: bool = True,
@@ -918,19 +936,20 @@ def mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np
     """A known wrong backward of the correct forward, in float64, for diagnoses. ``row_term=False``: the softmax's
     backward taken as ``dS = P * dP``, its row term left out (each weight differentiated as if it depended on its
     own score alone). ``recomputed_without``: the backward recomputes the weights without these masks
-    (:data:`MASK_FIELDS`) while the forward applied them (its output, and so W_o's gradient, stays right):
-    ``recompute="softmax"``, a softmax without them; ``"lse"``, as FlashAttention-2 recomputes, ``exp(s - lse)``
-    with the forward's (masked) log-sum-exp, the dropped masks' keys no longer zeroed. ``recompute="max"`` (with
-    every mask): the weights recomputed as ``exp(s - m)`` with the row maximum where the log-sum-exp belongs (a
-    tiled forward that saves its running maximum without ``+ log(rowsum)``): unnormalised. ``row_from``: the row term
-    as ``rowsum(dP * P)`` of the weights the backward has (``"weights"``) or as FlashAttention-2 takes it,
-    ``rowsum(dO * O)`` of the forward's output (``"output"``). ``kv_swapped``: the heads' dK returned as dV and dV
-    as dK (a custom backward's results in the wrong order), each then projected as the other's.
+    (:data:`MASK_FIELDS`, and :data:`WINDOW_FIELD` for the layer's sliding window) while the forward applied them
+    (its output, and so W_o's gradient, stays right): ``recompute="softmax"``, a softmax without them; ``"lse"``, as
+    FlashAttention-2 recomputes, ``exp(s - lse)`` with the forward's (masked) log-sum-exp, the dropped masks' keys no
+    longer zeroed. ``recompute="max"`` (with every mask): the weights recomputed as ``exp(s - m)`` with the row
+    maximum where the log-sum-exp belongs (a tiled forward that saves its running maximum without ``+ log(rowsum)``):
+    unnormalised. ``row_from``: the row term as ``rowsum(dP * P)`` of the weights the backward has (``"weights"``) or
+    as FlashAttention-2 takes it, ``rowsum(dO * O)`` of the forward's output (``"output"``). ``kv_swapped``: the
+    heads' dK returned as dV and dV as dK (a custom backward's results in the wrong order), each then projected as
+    the other's.
     ``rotary_turned_forward``: the gradients of a rotary layer's q and k turned by the forward's angles again where
     the backward turns them back (a hand-written rotary backward that reuses the forward's sin)."""
     for field in recomputed_without:
-        if field not in MASK_FIELDS:
-            raise ValueError(f"recomputed_without: got {field!r}; accepted: {', '.join(MASK_FIELDS)}")
+        if field not in (*MASK_FIELDS, WINDOW_FIELD):
+            raise ValueError(f"recomputed_without: got {field!r}; accepted: {', '.join((*MASK_FIELDS, WINDOW_FIELD))}")
     if recompute not in ("softmax", "lse", "max"):
         raise ValueError(f"recompute: got {recompute!r}; accepted: softmax, lse, max")
     if row_from not in ("weights", "output"):
@@ -963,12 +982,11 @@ def _mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
         top = np.where(visible, masked.max(axis=-1, keepdims=True), 0.0)
         p = np.where(np.isfinite(masked), np.exp(masked - top), 0.0)
     elif without and recompute == "softmax":
-        p = _forward_parts(params, inputs.replace(**dict.fromkeys(without)), None, "float64")[3]
+        p = _forward_parts(*without_masks(params, inputs, without), None, "float64")[3]
     elif without:  # exp(s - lse): the forward's lse, the scores without the dropped masks' -inf or bias
         scores, allowed = _scores(params, inputs, None, q, k, scale, "float64", False)[:2]
         _, lse, visible = _row_lse(scores, np.broadcast_to(allowed, scores.shape))
-        loose, kept = _scores(params, inputs.replace(**dict.fromkeys(without)), None, q, k, scale, "float64",
-                              False)[:2]
+        loose, kept = _scores(*without_masks(params, inputs, without), None, q, k, scale, "float64", False)[:2]
         with np.errstate(over="ignore"):
             p = np.where(visible & np.broadcast_to(kept, loose.shape), np.exp(loose - lse), 0.0)
     row = (d_o * _heads(concat, c.num_heads)).sum(axis=-1, keepdims=True) if row_from == "output" \

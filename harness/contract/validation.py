@@ -88,6 +88,11 @@ def validate_config(config: AttentionConfig) -> None:
             raise ValueError(f"rotary_scaling: got {scaling!r} with rotary=None; accepted: None, or set rotary to one "
                              f"of {', '.join(map(repr, ROTARY_KINDS))} (the scaling rescales the rotary's "
                              "frequencies)")
+    window = config.sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1):
+        raise ValueError(f"sliding_window: got {window!r}; accepted: None (every key visible) or an integer >= 1, the "
+                         "number of keys each query sees: its own position and the ones before it (Mistral's "
+                         "sliding_window, 4096)")
     base = config.rotary_base
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
         raise ValueError(f"rotary_base: got {base!r}; accepted: a finite number > 1, the base of the rotary "
@@ -132,7 +137,7 @@ def require_config(config) -> None:
     _require_kind("config", config, ("d_model", "num_heads", "kv_heads", "d_head", "bias"),
                   "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False, "
                   "qk_norm=None, qk_norm_eps=1e-6, rotary=None, rotary_base=10000.0, rotary_dims=None, "
-                  "rotary_scaling=None)")
+                  "rotary_scaling=None, sliding_window=None)")
 
 
 def require_params(params) -> None:

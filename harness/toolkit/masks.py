@@ -7,6 +7,7 @@ to the scaled scores (``-inf`` = masked); ``key_padding_mask`` True = *padding k
 Public builders (re-exported as ``mha_harness.masks``):
 
 * :func:`causal_mask` (Tq, Tk) in either alignment; :func:`padding_mask` (batch, Tk) from lengths;
+  :func:`sliding_window_mask` (Tq, Tk) of a layer's sliding window;
 * :func:`combined_mask` one boolean mask (batch|1, heads|1, Tq, Tk) for every mask of an
   :class:`~mha_harness.AttentionInputs` call, in the ``"attend"`` polarity (True = may attend) or the
   ``"ignore"`` polarity (True = masked out, e.g. ``torch.nn.MultiheadAttention``'s attn_mask);
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs
-from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, causal_offset
+from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, causal_offset, window_offset
 
 POLARITIES = ("attend", "ignore")
 
@@ -50,18 +51,36 @@ def padding_mask(lengths, tk: int, *, polarity: str = "ignore") -> np.ndarray:
     return _polarity(real, polarity)  # "attend": True = real key; "ignore": True = padding
 
 
-def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int):
-    """Allowed (bool, True = may attend) and additive (float or None) masks for queries q0:q1 and keys k0:k1.
+def sliding_window_mask(tq: int, tk: int, window: int, alignment: str | None = None, *,
+                        polarity: str = "attend") -> np.ndarray:
+    """(Tq, Tk) bool mask of a sliding window of ``window`` keys (``AttentionConfig.sliding_window``): query i, at
+    position i + offset (the causal mask's diagonal in ``alignment``, bottom-right when None), sees key j only when
+    j > i + offset - window: its own position and the window - 1 before it. It hides only the keys behind the
+    window; combine it with :func:`causal_mask` for the keys after the query."""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window: got {window!r}; accepted: an integer >= 1, the number of keys each query sees")
+    if alignment is not None and alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"alignment: got {alignment!r}; accepted: None (bottom-right), 'top-left' or 'bottom-right'")
+    offset = window_offset(alignment, tq, tk)
+    return _polarity(np.arange(tk)[None, :] > np.arange(tq)[:, None] + offset - window, polarity)
+
+
+def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, *, sliding_window: int | None = None):
+    """Allowed (bool, True = may attend) and additive (float or None) masks for queries q0:q1 and keys k0:k1, with
+    the keys behind a layer's ``sliding_window`` (``config.sliding_window``; None: none) hidden too.
 
     Shapes broadcast to (batch, heads, q1 - q0, k1 - k0); ``allowed`` is None when nothing is masked.
     """
     tq, tk = inputs.tq, inputs.tk
-    if inputs.causal is None and inputs.key_padding_mask is None and inputs.attn_mask is None:
+    if (inputs.causal is None and inputs.key_padding_mask is None and inputs.attn_mask is None
+            and sliding_window is None):
         return None, None
     allowed = np.ones((1, 1, q1 - q0, k1 - k0), dtype=bool)
     if inputs.causal:
         offset = causal_offset(inputs.causal, tq, tk)
         allowed = allowed & (np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None] + offset)
+    if sliding_window is not None:
+        allowed = allowed & sliding_window_mask(tq, tk, sliding_window, inputs.causal)[q0:q1, k0:k1]
     if inputs.key_padding_mask is not None:
         allowed = allowed & ~inputs.key_padding_mask[:, None, None, k0:k1]
     additive = None
@@ -76,9 +95,9 @@ def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int):
     return allowed, additive
 
 
-def full_mask(inputs: AttentionInputs):
+def full_mask(inputs: AttentionInputs, *, sliding_window: int | None = None):
     """:func:`block_mask` over all queries and keys: (allowed or None, additive or None)."""
-    return block_mask(inputs, 0, inputs.tq, 0, inputs.tk)
+    return block_mask(inputs, 0, inputs.tq, 0, inputs.tk, sliding_window=sliding_window)
 
 
 def _without_causal(inputs: AttentionInputs, causal: bool) -> AttentionInputs:
@@ -91,22 +110,37 @@ def _without_causal(inputs: AttentionInputs, causal: bool) -> AttentionInputs:
     return inputs if causal or not inputs.causal else inputs.replace(causal=None)
 
 
-def combined_mask(inputs: AttentionInputs, *, polarity: str = "attend", causal: bool = True) -> np.ndarray | None:
+def _windowed_full_mask(inputs: AttentionInputs, causal: bool, sliding_window: int | None):
+    """:func:`full_mask` of ``inputs`` without the causal mask when ``causal`` is False, with the window's diagonal
+    still the call's alignment (a window is the layer's, whatever route its causal mask takes)."""
+    allowed, additive = full_mask(_without_causal(inputs, causal))
+    if sliding_window is None:
+        return allowed, additive
+    window = sliding_window_mask(inputs.tq, inputs.tk, sliding_window, inputs.causal)[None, None]
+    return (window if allowed is None else allowed & window), additive
+
+
+def combined_mask(inputs: AttentionInputs, *, polarity: str = "attend", causal: bool = True,
+                  sliding_window: int | None = None) -> np.ndarray | None:
     """Every mask of the call (causal, key padding, attn_mask) as ONE bool array (batch|1, heads|1, Tq, Tk), or
     None when nothing is masked. ``polarity="attend"``: True = may attend (SDPA, jax); ``"ignore"``: True = masked
     out (``nn.MultiheadAttention``). ``causal=False``: without the causal mask, for a layer given ``inputs.causal``
-    through its own causal flag. The finite values of a float attn_mask are not in it: see :func:`additive_mask`."""
-    allowed, _ = full_mask(_without_causal(inputs, causal))
+    through its own causal flag. ``sliding_window``: the layer's ``config.sliding_window`` (None: none), whose
+    keys behind the window are masked too (:func:`sliding_window_mask`; the window's diagonal is the call's causal
+    alignment even with ``causal=False``). The finite values of a float attn_mask are not in it: see
+    :func:`additive_mask`."""
+    allowed, _ = _windowed_full_mask(inputs, causal, sliding_window)
     return None if allowed is None else _polarity(allowed, polarity)
 
 
 def additive_mask(inputs: AttentionInputs, *, masked_value: float = -np.inf, dtype=np.float64,
-                  causal: bool = True) -> np.ndarray | None:
+                  causal: bool = True, sliding_window: int | None = None) -> np.ndarray | None:
     """Every mask of the call as ONE float array (batch|1, heads|1, Tq, Tk) to add to the scaled scores: the
     finite values of a float attn_mask where allowed, ``masked_value`` where not (a library that cannot take
     -inf may pass a large finite negative value; rows with every key masked then differ). None when unmasked.
-    ``causal=False`` leaves the causal mask out, as in :func:`combined_mask`."""
-    allowed, additive = full_mask(_without_causal(inputs, causal))
+    ``causal=False`` leaves the causal mask out and ``sliding_window`` adds the layer's window, as in
+    :func:`combined_mask`."""
+    allowed, additive = _windowed_full_mask(inputs, causal, sliding_window)
     if allowed is None:
         return None
     base = np.zeros(allowed.shape) if additive is None else np.broadcast_to(additive, np.broadcast_shapes(

@@ -10,11 +10,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, Capabilities
-from mha_harness.contract.conventions import ROTARY_KINDS, ROTARY_SCALING_KINDS, causal_offset, rotary_pairs
+from mha_harness.contract.conventions import (
+    ROTARY_KINDS,
+    ROTARY_SCALING_KINDS,
+    TOP_LEFT,
+    causal_offset,
+    rotary_pairs,
+)
 from mha_harness.contract.reference import mistaken_vjp, reference_vjp
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
 from mha_harness.implementations.numpy_tiled import NumpyTiledLoaded
-from mha_harness.toolkit.masks import block_mask, full_mask
+from mha_harness.toolkit.masks import block_mask, full_mask, sliding_window_mask
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class Mutant:
     partial_rotary: bool = False
     #: the rescalings of the rotary frequencies it declares (Capabilities.rotary_scalings)
     rotary_scalings: tuple[str, ...] = ()
+    #: whether it declares a sliding window (Capabilities.sliding_window): a window mutant declares the one it breaks
+    sliding_window: bool = False
 
 
 class SelfAttentionModule(NumpyNaiveLoaded):
@@ -549,6 +557,36 @@ class RotaryScalingIgnored(NumpyNaiveLoaded):
         return None
 
 
+class SlidingWindowIgnored(NumpyNaiveLoaded):
+    """Declares a sliding window but never applies it: every key up to the query is seen (a Mistral layer whose
+    config.sliding_window never reaches its mask, as with an attention implementation that drops it)."""
+
+    def masks(self, inputs: AttentionInputs):
+        return full_mask(inputs)
+
+
+class SlidingWindowOneKeyTooWide(NumpyNaiveLoaded):
+    """A window of w + 1 keys: each query sees its own position and the w before it (key j when j >= p - w:
+    flash-attn's window_size=(w, 0) where (w - 1, 0) belongs)."""
+
+    def masks(self, inputs: AttentionInputs):
+        w = self.config.sliding_window
+        return full_mask(inputs, sliding_window=None if w is None else w + 1)
+
+
+class SlidingWindowFromQueryIndex(NumpyNaiveLoaded):
+    """Counts the window back from each query's index in the call, i, not its position i + Tk - Tq: in a KV-cache
+    step the window ignores the cached positions (right when Tq = Tk)."""
+
+    def masks(self, inputs: AttentionInputs):
+        allowed, additive = full_mask(inputs)
+        w = self.config.sliding_window
+        if w is None:
+            return allowed, additive
+        from_index = sliding_window_mask(inputs.tq, inputs.tk, w, TOP_LEFT)[None, None]
+        return (from_index if allowed is None else allowed & from_index), additive
+
+
 class RotaryKeysNotTurned(NumpyNaiveLoaded):
     """Turns q by its rotary embeddings but not k (the key's rotary call dropped in a rewrite)."""
 
@@ -830,6 +868,14 @@ class GradientRecomputedWithoutMasks(_HandWrittenBackward):
         return None, None
 
 
+class GradientRecomputedWithoutWindow(_HandWrittenBackward):
+    """A hand-written backward that recomputes its softmax with the call's masks but not the layer's sliding window,
+    which its forward applies: every key behind a query's window gets a gradient from it."""
+
+    def block_mask(self, inputs, q0, q1, k0, k1):
+        return block_mask(inputs, q0, q1, k0, k1, sliding_window=self.config.sliding_window)
+
+
 def _full_width_kv(config: AttentionConfig):
     d = config.d_model
     shapes = {"W_q": (d, d), "W_k": (d, d), "W_v": (d, d), "W_o": (d, d)}
@@ -912,6 +958,10 @@ MUTANTS = (
     Mutant("mutant-gradient-recomputed-without-masks", "a hand-written backward recomputes the softmax weights "
            "without the masks the forward applied (its forward output is right)", GradientRecomputedWithoutMasks,
            "recomputes the weights without", gradients=True),
+    Mutant("mutant-sliding-window-backward-without-window", "a hand-written backward recomputes the softmax "
+           "weights with the call's masks but without the layer's sliding window (its forward output is right)",
+           GradientRecomputedWithoutWindow, "recomputes the weights without the layer's sliding window",
+           gradients=True, sliding_window=True),
     Mutant("mutant-tiled-no-rescale", "a tiled kernel (16-key blocks) never rescales its accumulator and row sum "
            "when the running maximum grows", TiledNoRescale, "never rescales its accumulator"),
     Mutant("mutant-tiled-masked-block-nan", "a tiled kernel (16-key blocks) shifts and rescales by an unguarded "
@@ -979,6 +1029,14 @@ MUTANTS = (
     Mutant("mutant-rotary-scaling-ignored", "rotary frequencies never rescaled whatever config.rotary_scaling says "
            "(Llama 3.1's rope_type 'llama3' lost on the way to the module)", RotaryScalingIgnored,
            "frequencies lack the", rotary=ROTARY_KINDS, rotary_scalings=ROTARY_SCALING_KINDS),
+    Mutant("mutant-sliding-window-ignored", "declares a sliding window but never applies it (every key up to the "
+           "query seen)", SlidingWindowIgnored, "without its sliding window", sliding_window=True),
+    Mutant("mutant-sliding-window-one-key-too-wide", "a sliding window of w + 1 keys where config.sliding_window = w "
+           "(flash-attn's window_size=(w, 0) where (w - 1, 0) belongs)", SlidingWindowOneKeyTooWide,
+           "one key too wide", sliding_window=True),
+    Mutant("mutant-sliding-window-from-query-index", "counts the sliding window back from each query's index in "
+           "the call, not its position (a KV-cache step's window ignores the cached positions)",
+           SlidingWindowFromQueryIndex, "measured from each query's index", sliding_window=True),
     Mutant("mutant-rotary-keys-not-turned", "turns q by its rotary embeddings but not k", RotaryKeysNotTurned,
            "k is not turned", rotary=ROTARY_KINDS),
     Mutant("mutant-rotary-queries-from-zero", "turns the queries of a call with fewer queries than keys (a KV-cache "
@@ -1049,7 +1107,8 @@ class MutantBackend(NumpyNaive):
                                          cross_attention=mutant.cross_attention, qk_norms=mutant.qk_norms,
                                          grouped_query=mutant.grouped_query, rotary=mutant.rotary,
                                          partial_rotary=mutant.partial_rotary,
-                                         rotary_scalings=mutant.rotary_scalings)
+                                         rotary_scalings=mutant.rotary_scalings,
+                                         sliding_window=mutant.sliding_window)
         self.loaded_class = mutant.loaded
 
     def native_parameter_shapes(self, config):

@@ -1,0 +1,111 @@
+"""Known mistakes of a sliding window (``AttentionConfig.sliding_window``), computed by the reference, so a failed
+comparison can name the one its output matches: the window not applied, one key too wide (the query's own key not
+counted among its w: flash-attn's ``window_size=(w, 0)`` where ``(w - 1, 0)`` belongs, as transformers' flash
+path once had against its eager one) or one key too narrow, measured from each query's index in the call instead of
+its position (a KV-cache step's window that does not count the cached positions); and, for a layer built without a
+window, the window a layer with one fixed inside it applies."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mha_harness.contract.api import AttentionInputs, AttentionParams
+from mha_harness.contract.conventions import TOP_LEFT, window_allows, window_offset
+from mha_harness.contract.mistakes import distance, explains
+from mha_harness.contract.reference import reference_attention
+
+
+def _with_allowed(params: AttentionParams, inputs: AttentionInputs, allowed: np.ndarray):
+    """(params, inputs) whose reference is the layer without its window, with ``allowed`` (Tq, Tk) as one more mask:
+    a window the reference does not apply itself, folded into the call's attn_mask."""
+    mask = inputs.attn_mask
+    if mask is None:
+        folded = allowed
+    elif mask.dtype == np.bool_:
+        folded = mask & allowed
+    else:
+        folded = np.where(allowed, mask, -np.inf)
+    config = dataclasses.replace(params.config, sliding_window=None)
+    return params.replace(config=config), inputs.replace(attn_mask=folded)
+
+
+def _first_width_that_differs(got: np.ndarray, truth: np.ndarray, inputs: AttentionInputs, margin: float
+                              ) -> int | None:
+    """The one window width that can explain a causal output of a layer without a window: a window of w keys leaves
+    the queries at positions below w as they are (they see at most w keys) and changes the one at position w, so w
+    is the position of the first query row that differs by more than ``margin``; None when no row or no width fits."""
+    if not inputs.causal:
+        return None
+    rows = np.flatnonzero(np.max(np.abs(got - truth), axis=(0, 2)) > margin)
+    if not len(rows):
+        return None
+    width = int(rows[0]) + window_offset(inputs.causal, inputs.tq, inputs.tk)
+    return width if 1 <= width < inputs.tk else None
+
+
+def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarray, truth: np.ndarray,
+                margin: float):
+    """(label, wrong parameters, wrong inputs) for each window mistake of this layer and call."""
+    c, w = params.config, params.config.sliding_window
+    tq, tk = inputs.tq, inputs.tk
+    if w is None:
+        width = _first_width_that_differs(got, truth, inputs, margin)
+        if width is not None:
+            yield (f"; the output matches a sliding window of {width} keys (each query sees its own position and the "
+                   f"{width - 1} before it) in a layer built without one (config.sliding_window is None): a window "
+                   "fixed in the layer (Mistral's config.sliding_window, Gemma's local layers) applies where the "
+                   "harness's layer has none: build the window from config.sliding_window (None: no window) and "
+                   "declare Capabilities(sliding_window=True)",
+                   params.replace(config=dataclasses.replace(c, sliding_window=width)), inputs)
+        return
+    yield (f"; the output matches attention without its sliding window: config.sliding_window = {w} is not applied "
+           "(every key up to the query's position is seen)",
+           params.replace(config=dataclasses.replace(c, sliding_window=None)), inputs)
+    yield (f"; the output matches a sliding window one key too wide: each query sees {w + 1} keys, its own position "
+           f"and the {w} before it, where config.sliding_window = {w} counts its own among the {w} (key j seen when "
+           f"j >= p - {w} where j > p - {w} belongs: flash-attn's window_size=({w}, 0) where ({w - 1}, 0) belongs)",
+           params.replace(config=dataclasses.replace(c, sliding_window=w + 1)), inputs)
+    if w > 1:
+        yield (f"; the output matches a sliding window one key too narrow: each query sees {w - 1} keys where "
+               f"config.sliding_window = {w} lets it see {w}, its own position and the {w - 1} before it (key j seen "
+               f"when j > p - {w - 1} where j > p - {w} belongs)",
+               params.replace(config=dataclasses.replace(c, sliding_window=w - 1)), inputs)
+    if window_offset(inputs.causal, tq, tk) != 0:  # queries not at 0 .. Tq - 1: a window from their index differs
+        from_index = window_allows(w, TOP_LEFT, tq, tk)
+        yield (f"; the output matches a sliding window measured from each query's index in the call, i, where the "
+               f"query is at position i + {window_offset(inputs.causal, tq, tk)} (the last Tq of the Tk positions): "
+               "a KV-cache step whose window does not count the cached positions (key j seen when j > i - "
+               f"{w}; count the window back from the query's position, cache length + i)",
+               *_with_allowed(params, inputs, from_index))
+
+
+def window_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float
+                 ) -> tuple[str, float] | None:
+    """The sliding-window mistake a failing whole output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains
+    better than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), the closest of those that match,
+    as (sentence to append, its distance from ``got``); None when none matches. Mistakes that give this call the same
+    output are named together."""
+    got = np.asarray(got, np.float64)
+    if not np.all(np.isfinite(got)):
+        return None
+    truth = np.asarray(reference_attention(params, inputs).output, np.float64)
+    margin = max(10 * bound, 1e-4)
+    found = []
+    for label, wrong_params, wrong_inputs in _candidates(params, inputs, got, truth, margin):
+        wrong = np.asarray(reference_attention(wrong_params, wrong_inputs).output, np.float64)
+        if distance(got, wrong) <= margin and explains(got, wrong, truth):
+            found.append((label, distance(got, wrong)))
+    if not found:
+        return None
+    best = min(d for _, d in found)
+    tied = [label for label, d in found if d <= best + 1e-12 * (1.0 + best)]
+    prefix = "; the output matches "
+    others = "".join(f"; or, the same output at this call, {label.removeprefix(prefix)}" for label in tied[1:])
+    return tied[0] + others, best
+
+
+def window_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
+    """:func:`window_match`'s sentence, or ""."""
+    found = window_match(got, params, inputs, bound)
+    return "" if found is None else found[0]

@@ -1,0 +1,191 @@
+"""Sliding windows (``AttentionConfig.sliding_window``, declared by ``Capabilities.sliding_window``): Mistral's,
+Gemma's and Qwen 2's local layers let each query see only its own position and the w - 1 before it. The reference
+against an independent transcription, the declarations and refusals, the mask helpers, the backends, the cases and
+their mutants, search, and the diagnoses."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mha_harness
+from mha_harness.contract.api import AttentionConfig, Capabilities
+from mha_harness.contract.params import make_inputs, make_params
+from mha_harness.contract.reference import reference_attention, reference_vjp
+from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+from tests.test_rotary import assert_float64_layer_matches_reference
+
+WINDOW_CASES = ["check_sliding_window_output_matches_reference", "check_sliding_window_hides_keys_behind_it",
+                "check_decode_step_over_filled_cache_matches_reference"]
+
+
+def _windowed_attention(params, inputs, window):
+    """Written out per query and key as transformers' sliding-window mask reads (``kv_idx > q_idx - sliding_window``
+    and, causal, ``kv_idx <= q_idx``, at cache positions), with a loop: query i at position i + offset, where offset
+    is the causal alignment's diagonal (bottom-right without a causal mask, flash-attn's window convention)."""
+    c = params.config
+    heads = lambda y, n: y.reshape(*y.shape[:2], n, -1).transpose(0, 2, 1, 3)  # noqa: E731
+    q = heads(inputs.query @ params.W_q + params.b_q, c.num_heads)
+    k = np.repeat(heads(inputs.key @ params.W_k + params.b_k, c.kv_heads), c.group, axis=1)
+    v = np.repeat(heads(inputs.value @ params.W_v + params.b_v, c.kv_heads), c.group, axis=1)
+    tq, tk = inputs.tq, inputs.tk
+    offset = 0 if inputs.causal == "top-left" else tk - tq
+    out = np.zeros(q.shape)
+    for i in range(tq):
+        position = i + offset
+        seen = [j for j in range(tk) if j > position - window and (inputs.causal is None or j <= position)]
+        s = q[:, :, i, None, :] @ k[:, :, seen].transpose(0, 1, 3, 2) / np.sqrt(c.d_head)
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        out[:, :, i] = ((p / p.sum(axis=-1, keepdims=True)) @ v[:, :, seen])[:, :, 0]
+    return out.transpose(0, 2, 1, 3).reshape(inputs.batch, tq, c.d_model) @ params.W_o + params.b_o
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("tq, tk, causal", [(10, 10, "bottom-right"), (4, 13, "bottom-right"), (4, 13, "top-left"),
+                                            (9, 9, None), (3, 11, None)])
+def test_the_references_window_hides_the_keys_more_than_w_minus_1_positions_back(window, tq, tk, causal):
+    config = AttentionConfig(32, 4, 2, bias=True, sliding_window=window)
+    params = make_params(config, seed=4)
+    inputs = make_inputs(config, 2, tq, tk, seed=5, causal=causal)
+    np.testing.assert_allclose(reference_attention(params, inputs).output, _windowed_attention(params, inputs, window),
+                               atol=1e-12)
+
+
+def test_a_window_as_long_as_the_keys_changes_nothing_and_a_shorter_one_does():
+    config = AttentionConfig(32, 4, bias=True)
+    params = make_params(config, seed=4)
+    inputs = make_inputs(config, 2, 12, 12, seed=5, causal="bottom-right")
+    plain = reference_attention(params, inputs).output
+    wide = params.replace(config=AttentionConfig(32, 4, bias=True, sliding_window=12))
+    np.testing.assert_array_equal(reference_attention(wide, inputs).output, plain)
+    narrow = params.replace(config=AttentionConfig(32, 4, bias=True, sliding_window=11))
+    got = reference_attention(narrow, inputs).output
+    np.testing.assert_array_equal(got[:, :11], plain[:, :11])  # positions 0..10 see at most 11 keys
+    assert np.abs(got[:, 11] - plain[:, 11]).max() > 1e-3
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "4096"])
+def test_a_malformed_window_is_refused_naming_sliding_window(bad):
+    with pytest.raises(ValueError, match="sliding_window: got .*accepted: None .* or an integer >= 1"):
+        AttentionConfig(32, 4, sliding_window=bad)
+
+
+def test_a_backend_that_does_not_declare_a_window_refuses_one_at_load_naming_it():
+    from mha_harness.implementations.numpy_tiled import NumpyTiled
+    params = make_params(AttentionConfig(32, 4, sliding_window=4))
+    with pytest.raises(ValueError, match=r"sliding_window: got 4 but numpy-tiled does not declare "
+                                         r"Capabilities.sliding_window"):
+        NumpyTiled().load(params)
+    with pytest.raises(TypeError, match="Capabilities.sliding_window"):
+        Capabilities(sliding_window="yes")
+
+
+def test_the_public_mask_helpers_build_the_window_with_the_calls_alignment():
+    from mha_harness import masks
+    from mha_harness.contract.api import AttentionInputs
+    # bottom-right (and no alignment): query i at position i + Tk - Tq sees the keys after position - w
+    want = np.array([[j > i + 3 - 2 for j in range(6)] for i in range(3)])
+    np.testing.assert_array_equal(masks.sliding_window_mask(3, 6, 2), want)
+    np.testing.assert_array_equal(masks.sliding_window_mask(3, 6, 2, "bottom-right"), want)
+    np.testing.assert_array_equal(masks.sliding_window_mask(3, 6, 2, "top-left"),
+                                  np.array([[j > i - 2 for j in range(6)] for i in range(3)]))
+    np.testing.assert_array_equal(masks.sliding_window_mask(3, 6, 2, polarity="ignore"), ~want)
+    with pytest.raises(ValueError, match="window: got 0; accepted: an integer >= 1"):
+        masks.sliding_window_mask(3, 6, 0)
+    x = np.zeros((1, 3, 4))
+    kv = np.zeros((1, 6, 4))
+    call = AttentionInputs(x, kv, kv, causal="bottom-right")
+    combined = masks.combined_mask(call, sliding_window=2)[0, 0]
+    np.testing.assert_array_equal(combined, want & masks.causal_mask(3, 6, "bottom-right"))
+    # without the causal mask (a layer with its own causal flag) the window keeps the call's alignment
+    np.testing.assert_array_equal(masks.combined_mask(call, causal=False, sliding_window=2)[0, 0], want)
+    additive = masks.additive_mask(call, sliding_window=2)[0, 0]
+    np.testing.assert_array_equal(np.isneginf(additive), ~combined)
+    assert masks.combined_mask(AttentionInputs(x, kv, kv)) is None
+
+
+@pytest.mark.parametrize("backend_name", ["numpy-naive", "torch-eager"])
+def test_the_backends_that_declare_a_window_match_the_reference_in_float64(backend_name):
+    if backend_name == "torch-eager":
+        pytest.importorskip("torch")
+        from mha_harness.implementations.torch_eager import TorchEager as backend_class
+    else:
+        backend_class = NumpyNaive
+    backend = backend_class()
+    assert backend.capabilities.sliding_window
+    for window in (1, 4):
+        params = make_params(AttentionConfig(32, 4, 2, bias=True, sliding_window=window), seed=7)
+        assert_float64_layer_matches_reference(backend, params)
+
+
+def test_torch_eagers_gradients_leave_the_keys_behind_the_window_untouched():
+    pytest.importorskip("torch")
+    from mha_harness.implementations.torch_eager import TorchEager
+    params = make_params(AttentionConfig(32, 4, bias=True, sliding_window=3), seed=8)
+    inputs = make_inputs(params.config, 1, 9, 9, seed=9, causal="bottom-right")
+    cotangent = np.zeros((1, 9, 32))
+    cotangent[0, 8] = 1.0  # only the last query's output: it sees keys 6, 7, 8
+    got = TorchEager().load(params, dtype="float64").vjp(inputs, cotangent)
+    np.testing.assert_array_equal(got["key"][0, :6], 0.0)
+    np.testing.assert_array_equal(got["value"][0, :6], 0.0)
+    np.testing.assert_allclose(got["key"], reference_vjp(params, inputs, cotangent)["key"], atol=1e-12)
+
+
+def test_torch_eager_passes_every_window_case_and_numpy_tiled_skips_them_naming_the_declaration():
+    pytest.importorskip("torch")
+    from mha_harness.implementations.numpy_tiled import NumpyTiled
+    from mha_harness.implementations.torch_eager import TorchEager
+    report = mha_harness.check(TorchEager(), cases=WINDOW_CASES + ["check_gradients_match_reference"], isolate=False)
+    assert report.ok, [r.message for r in report.failures()]
+    window_runs = [r for r in report.results if "window" in r.case or r.params.get("sliding_window")]
+    assert len([r for r in window_runs if r.status == "passed"]) >= 5 * 4 + 3
+    tiled = mha_harness.check(NumpyTiled(), cases=WINDOW_CASES[:2], isolate=False)
+    assert {r.status for r in tiled.results} == {"skipped"}
+    assert all("does not declare sliding_window" in r.message for r in tiled.results)
+
+
+def test_every_window_mutant_is_caught_and_named():
+    from mha_harness.conformance.mutation import mutation_score
+    from mha_harness.implementations.mutants import mutant_backends
+    mutants = [b for b in mutant_backends() if b.name.startswith("mutant-sliding-window-")]
+    assert len(mutants) == 4
+    score = mutation_score(mutants, WINDOW_CASES + ["check_gradients_match_reference"])
+    caught = {row["name"]: row["caught_by"] for row in score["mutants"]}
+    assert score["caught"] == 4, caught
+    assert "check_sliding_window_hides_keys_behind_it" in caught["mutant-sliding-window-ignored"]
+    assert "check_sliding_window_hides_keys_behind_it" in caught["mutant-sliding-window-one-key-too-wide"]
+    assert "check_sliding_window_output_matches_reference" in caught["mutant-sliding-window-from-query-index"]
+    assert caught["mutant-sliding-window-backward-without-window"] == ["check_gradients_match_reference"]
+
+
+class _WindowFixedInTheLayer(NumpyNaiveLoaded):
+    """A wrapped Mistral-style module whose window of 16 keys is fixed inside it whatever the config says."""
+
+    def masks(self, inputs):
+        from mha_harness.masks import full_mask
+        return full_mask(inputs, sliding_window=16)
+
+
+def test_a_window_fixed_in_a_layer_built_without_one_is_named_with_its_width():
+    backend = NumpyNaive()
+    backend.name, backend.loaded_class = "fixed-window", _WindowFixedInTheLayer
+    failed = mha_harness.check(backend, cases=["check_causal_output_matches_reference"], isolate=False).failures()
+    assert failed
+    square = next(r for r in failed if r.params["variant"] == "square")
+    assert "a sliding window of 16 keys (each query sees its own position and the 15 before it) in a layer built " \
+           "without one" in square.message, square.message
+
+
+def test_search_draws_windows_and_finds_the_window_mutants(tmp_path):
+    pytest.importorskip("hypothesis")
+    from mha_harness.conformance.isolation import Target
+    from mha_harness.conformance.search import MUTANT_SPEC, search_backend
+    from mha_harness.implementations.mutants import mutant_backends
+    clean = search_backend(Target(NumpyNaive(), "numpy-naive"), results=tmp_path / "clean", isolate=False,
+                           max_examples=120, seed=0)
+    assert clean.passed and clean.drew.get("a sliding window", 0) > 0, (clean.lines(), clean.drew)
+    for mutant in (b for b in mutant_backends() if b.name in ("mutant-sliding-window-ignored",
+                                                               "mutant-sliding-window-one-key-too-wide")):
+        outcome = search_backend(Target(mutant, MUTANT_SPEC), results=tmp_path / mutant.name, isolate=False,
+                                 max_examples=200, seed=0)
+        assert not outcome.passed and outcome.example.get("sliding_window"), outcome.lines()
+        assert mutant.mutant.message_mentions in outcome.message, outcome.message
