@@ -109,7 +109,7 @@ class JaxLoaded(LoadedAttention):
 
     def _vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
         native = self.native_inputs(inputs)
-        static = {k: v for k, v in native.items() if isinstance(v, (bool, int, str))}
+        static = {k: v for k, v in native.items() if isinstance(v, STATIC_OPTIONS)}
         arrays = {k: v for k, v in native.items() if k not in static}
         g_params, gq, gk, gv = self.vjp_program(static)(self.params, arrays, self.array(cotangent))
         out = {"query": self.to_numpy(gq), "key": self.to_numpy(gk), "value": self.to_numpy(gv)}
@@ -136,7 +136,7 @@ class JaxLoaded(LoadedAttention):
     def prepare(self, inputs: AttentionInputs, *, backward: bool = False):
         jax = self.jax
         native = self.native_inputs(inputs)
-        static = {k: v for k, v in native.items() if isinstance(v, (bool, int, str))}
+        static = {k: v for k, v in native.items() if isinstance(v, STATIC_OPTIONS)}
         arrays = {k: v for k, v in native.items() if k not in static}
         if not backward:
             fn = jax.jit(lambda params, a, masks: self.call(params, {**a, **masks, **static}, False)[0])
@@ -237,6 +237,10 @@ def _decode_programs(jax, config, tq: int, tk: int, layout: str, core):
         return (y + w["b_o"] if "b_o" in w else y), cache
     return jax.jit(fill), jax.jit(step, donate_argnums=(2,))
 
+
+#: the types of ``native_inputs`` values that are options of the compiled program, not arrays passed to it (a flag,
+#: a name, a window's (left, right) sizes): each distinct value is its own program
+STATIC_OPTIONS = (bool, int, str, tuple)
 
 #: the native input arrays a forward + backward benchmark differentiates (besides the parameters); every other array
 #: of ``native_inputs`` (masks) is passed along undifferentiated

@@ -3,7 +3,9 @@
 implementation="xla" on CPU (and a "cudnn" variant on GPU). Layout (batch, T, heads, d_head);
 grouped-query heads are native. Causal: top-left through ``is_causal=True`` (JAX's flag is
 top-left when Tq != Tk), bottom-right and every other mask through the boolean ``mask``
-(True = take part in attention); additive masks through ``bias``.
+(True = take part in attention); additive masks through ``bias``. A sliding window (``config.sliding_window``)
+through ``local_window_size=(w - 1, 0)`` where a query's position is its index in the call (jax counts the window
+from the index, top-left), through the mask elsewhere.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from mha_harness.contract.api import (
     Capabilities,
     Unsupported,
 )
+from mha_harness.contract.conventions import window_offset
 from mha_harness.implementations._jax_common import GPU_DTYPES, JaxBackend, JaxLoaded, linear_tree
 from mha_harness.toolkit.divergences import (
     masked_poison_divergences,
@@ -35,13 +38,14 @@ DIVERGENCES = uniform_fully_masked_divergences(_UNIFORM) + precision_divergences
         "long_keys_with_bias", "grouped_query", "grouped_query_more_keys", "multi_query")},
 ) + precision_divergences("float64", "float32", _FLOAT32_INSIDE,
                           ("check_lesson_worked_example_head_weights", "check_gradients_match_reference",
-                           "check_fully_masked_rows_output_zeros"),
+                           "check_fully_masked_rows_output_zeros", "check_sliding_window_output_matches_reference"),
                           ) + masked_poison_divergences("dot_product_attention multiplies masked (zero-weight) values "
                                                         "in P @ V, and 0 * NaN = NaN (observed on jax 0.10.2 CPU)")
 
 
 @functools.cache
-def _compiled(num_heads: int, kv_heads: int, is_causal: bool, implementation: str):
+def _compiled(num_heads: int, kv_heads: int, is_causal: bool, implementation: str,
+              local_window: tuple[int, int] | None = None):
     import jax
 
     def apply(w, query, key, value, mask, bias):
@@ -52,7 +56,7 @@ def _compiled(num_heads: int, kv_heads: int, is_causal: bool, implementation: st
             return y.reshape(b, t, n, width // n)
         out = jax.nn.dot_product_attention(proj(query, "q", num_heads), proj(key, "k", kv_heads),
                                            proj(value, "v", kv_heads), bias=bias, mask=mask, is_causal=is_causal,
-                                           implementation=implementation)
+                                           local_window_size=local_window, implementation=implementation)
         b, t, h, dh = out.shape
         y = out.reshape(b, t, h * dh) @ w["W_o"]
         return (y + w["b_o"] if "b_o" in w else y), None
@@ -65,12 +69,20 @@ class JaxDpaLoaded(JaxLoaded):
 
     def native_inputs(self, inputs: AttentionInputs) -> dict:
         is_causal = inputs.causal == "top-left" and inputs.key_padding_mask is None and inputs.attn_mask is None
-        allowed, additive = full_mask(inputs.replace(causal=None) if is_causal else inputs)
+        window, local = self.config.sliding_window, None
+        if window is not None and window_offset(inputs.causal, inputs.tq, inputs.tk) == 0:
+            # jax's local_window_size counts from each query's index in the call (its window mask is top-left): it
+            # is the layer's window where a query's position is its index, and the later keys stay visible without
+            # a causal mask; elsewhere (a bottom-right call with Tq != Tk) the window goes into the mask
+            local, window = (window - 1, 0 if inputs.causal else inputs.tk), None
+        allowed, additive = full_mask(inputs.replace(causal=None) if is_causal else inputs, sliding_window=window)
         return {"query": self.array(inputs.query), "key": self.array(inputs.key), "value": self.array(inputs.value),
-                "mask": self.array(allowed), "bias": self.array(additive), "is_causal": is_causal}
+                "mask": self.array(allowed), "bias": self.array(additive), "is_causal": is_causal,
+                "local_window": local}
 
     def call(self, params, a: dict, need_weights: bool):
-        fn = _compiled(self.config.num_heads, self.config.kv_heads, a["is_causal"], self.backend.implementation)
+        fn = _compiled(self.config.num_heads, self.config.kv_heads, a["is_causal"], self.backend.implementation,
+                       a["local_window"])
         try:
             return fn(params, a["query"], a["key"], a["value"], a["mask"], a["bias"])
         except Exception as exc:  # noqa: BLE001 - only jax's own refusals are turned into skips
@@ -78,7 +90,8 @@ class JaxDpaLoaded(JaxLoaded):
             raise
 
     def decode_attention(self, inputs: AttentionInputs):
-        allowed = full_mask(inputs)[0]  # bottom-right, through the mask: is_causal is top-left; no other mask
+        # bottom-right, through the mask (is_causal and local_window_size are top-left), with the layer's window
+        allowed = full_mask(inputs, sliding_window=self.config.sliding_window)[0]
         implementation = self.backend.implementation
 
         def core(q, k, v, masks):
@@ -117,7 +130,8 @@ class JaxDpa(JaxBackend):
         self.name = "jax-dpa" if device == "cpu" else f"jax-dpa-{implementation}-{device}"
         # float16 on CPU: jax refuses every call ("precision F16_F16_F32 is not supported by dot_general on CPU")
         self.capabilities = Capabilities(attention_weights=False, gradients=True, devices=(device,),
-                                         dtypes=("float32", "float64", "bfloat16") if device == "cpu" else GPU_DTYPES)
+                                         dtypes=("float32", "float64", "bfloat16") if device == "cpu" else GPU_DTYPES,
+                                         sliding_window=True)
 
     def native_parameter_shapes(self, config: AttentionConfig):
         from mha_harness.contract.params import make_params

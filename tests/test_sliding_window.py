@@ -137,7 +137,7 @@ def test_torch_eager_passes_every_window_case_and_numpy_tiled_skips_them_naming_
     report = mha_harness.check(TorchEager(), cases=WINDOW_CASES + ["check_gradients_match_reference"], isolate=False)
     assert report.ok, [r.message for r in report.failures()]
     window_runs = [r for r in report.results if "window" in r.case or r.params.get("sliding_window")]
-    assert len([r for r in window_runs if r.status == "passed"]) >= 5 * 4 + 3
+    assert len([r for r in window_runs if r.status == "passed"]) == 4 + 4 + 1 + 1 + 1  # the rows, leak, step, gradient
     tiled = mha_harness.check(NumpyTiled(), cases=WINDOW_CASES[:2], isolate=False)
     assert {r.status for r in tiled.results} == {"skipped"}
     assert all("does not declare sliding_window" in r.message for r in tiled.results)
@@ -189,3 +189,34 @@ def test_search_draws_windows_and_finds_the_window_mutants(tmp_path):
                                  max_examples=200, seed=0)
         assert not outcome.passed and outcome.example.get("sliding_window"), outcome.lines()
         assert mutant.mutant.message_mentions in outcome.message, outcome.message
+
+
+def test_jax_dpa_runs_its_window_through_local_window_size_and_jax_counts_that_from_the_querys_index():
+    """jax.nn.dot_product_attention's ``local_window_size`` is top-left (its window mask compares each query's index
+    in the call with the keys'): jax-dpa passes it only where a query's position is its index and folds the window
+    into its mask elsewhere. A layer that passes it in a bottom-right call with fewer queries than keys (a KV-cache
+    step) is named: the window, and the causal mask its right side of 0 makes, counted from the query's index."""
+    pytest.importorskip("jax")
+    from mha_harness.implementations.jax_dpa import JaxDpa, JaxDpaLoaded
+
+    class LocalWindowEverywhere(JaxDpaLoaded):
+        def native_inputs(self, inputs):
+            w = self.config.sliding_window
+            if w is None or inputs.causal is None:
+                return super().native_inputs(inputs)
+            full = super().native_inputs(inputs.replace(causal=None, key_padding_mask=None, attn_mask=None))
+            mask = mha_harness.masks.combined_mask(inputs)
+            return {**full, "mask": self.array(mask), "local_window": (w - 1, 0)}
+
+    class Backend(JaxDpa):
+        def load_native(self, params, dtype):
+            return LocalWindowEverywhere(self, params, dtype)
+
+    right = mha_harness.check(JaxDpa(), cases=WINDOW_CASES[:2], isolate=False)
+    assert right.ok, [r.message for r in right.failures()]
+    backend = Backend()
+    backend.name = "jax-dpa-local-window-everywhere"
+    failed = mha_harness.check(backend, cases=WINDOW_CASES[:1], isolate=False).failures()
+    assert [r.params["variant"] for r in failed] == ["new_queries_against_long_cache"], failed
+    assert "a sliding window and a causal mask both counted from each query's index in the call" in failed[0].message
+    assert "local_window_size=(7, 0) is top-left" in failed[0].message, failed[0].message

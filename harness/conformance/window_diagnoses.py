@@ -2,8 +2,9 @@
 comparison can name the one its output matches: the window not applied, one key too wide (the query's own key not
 counted among its w: flash-attn's ``window_size=(w, 0)`` where ``(w - 1, 0)`` belongs, as transformers' flash
 path once had against its eager one) or one key too narrow, measured from each query's index in the call instead of
-its position (a KV-cache step's window that does not count the cached positions); and, for a layer built without a
-window, the window a layer with one fixed inside it applies."""
+its position (a KV-cache step's window that does not count the cached positions), alone or with the causal mask
+counted so too (jax.nn.dot_product_attention's ``local_window_size=(w - 1, 0)`` in such a call); and, for a layer
+built without a window, the window a layer with one fixed inside it applies."""
 from __future__ import annotations
 
 import dataclasses
@@ -78,6 +79,13 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
                "a KV-cache step whose window does not count the cached positions (key j seen when j > i - "
                f"{w}; count the window back from the query's position, cache length + i)",
                *_with_allowed(params, inputs, from_index))
+        if inputs.causal:  # and its right side too: the causal mask from the index as well (top-left)
+            yield (f"; the output matches a sliding window and a causal mask both counted from each query's index in "
+                   f"the call, i, where the query is at position i + {window_offset(inputs.causal, tq, tk)}: key j "
+                   f"seen when i - {w} < j <= i (jax.nn.dot_product_attention's local_window_size=({w - 1}, 0) is "
+                   "top-left, as its is_causal is: in a call with fewer queries than keys, a KV-cache step, pass "
+                   "the window in the mask)",
+                   *_with_allowed(params, inputs, from_index & (np.arange(tk)[None, :] <= np.arange(tq)[:, None])))
 
 
 def window_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float
