@@ -207,7 +207,8 @@ class Report:
                            "scores": _scores_policy(info.capabilities.get("logit_softcap"),
                                                      info.capabilities.get("score_scale"),
                                                      info.capabilities.get("qk_norms", ()),
-                                                     info.capabilities.get("rotary", ()))}
+                                                     info.capabilities.get("rotary", ()),
+                                                     info.capabilities.get("sliding_window", False))}
         return table
 
     def to_json(self) -> dict:
@@ -477,10 +478,10 @@ GRID_CASE = "check_output_matches_reference"
 DIAGNOSES_SHOWN, DIAGNOSIS_CHARS = 3, 160
 
 
-def _scores_policy(cap, scale=None, qk_norms=(), rotary=()) -> str:
+def _scores_policy(cap, scale=None, qk_norms=(), rotary=(), sliding_window=False) -> str:
     """The scores' conventions a backend declares, in words (the policy table's "scores" column): its score scale
-    when it declares one other than 1/sqrt(d_head), its soft cap, the q/k norms and rotary embeddings it can be built
-    with; "as they are" for none."""
+    when it declares one other than 1/sqrt(d_head), its soft cap, the q/k norms, rotary embeddings and sliding window
+    it can be built with; "as they are" for none."""
     parts = [] if scale is None else [f"scaled by {score_scale_label(scale)} (declared, not 1/sqrt(d_head))"]
     if cap is not None:
         parts.append(f"soft-capped at {cap:g} (declared: {cap:g} * tanh(s / {cap:g}) before any mask)")
@@ -488,6 +489,9 @@ def _scores_policy(cap, scale=None, qk_norms=(), rotary=()) -> str:
         parts.append(f"q and k normed in the layers whose config asks ({', '.join(qk_norms)} declared)")
     if rotary:
         parts.append(f"q and k turned by rotary embeddings in the layers whose config asks ({', '.join(rotary)} "
+                     "declared)")
+    if sliding_window:
+        parts.append("the keys behind a sliding window masked in the layers whose config asks (sliding_window "
                      "declared)")
     return "; ".join(parts) or "as they are"
 
