@@ -98,6 +98,8 @@ def test_the_public_mask_helpers_build_the_window_with_the_calls_alignment():
     np.testing.assert_array_equal(combined, want & masks.causal_mask(3, 6, "bottom-right"))
     # without the causal mask (a layer with its own causal flag) the window keeps the call's alignment
     np.testing.assert_array_equal(masks.combined_mask(call, causal=False, sliding_window=2)[0, 0], want)
+    block, _ = masks.block_mask(call, 1, 3, 2, 6, sliding_window=2)  # a tiled kernel's block of it
+    np.testing.assert_array_equal(block[0, 0], combined[1:3, 2:6])
     additive = masks.additive_mask(call, sliding_window=2)[0, 0]
     np.testing.assert_array_equal(np.isneginf(additive), ~combined)
     assert masks.combined_mask(AttentionInputs(x, kv, kv)) is None

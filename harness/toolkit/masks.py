@@ -51,14 +51,18 @@ def padding_mask(lengths, tk: int, *, polarity: str = "ignore") -> np.ndarray:
     return _polarity(real, polarity)  # "attend": True = real key; "ignore": True = padding
 
 
+def _check_window(window) -> None:
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window: got {window!r}; accepted: an integer >= 1, the number of keys each query sees")
+
+
 def sliding_window_mask(tq: int, tk: int, window: int, alignment: str | None = None, *,
                         polarity: str = "attend") -> np.ndarray:
     """(Tq, Tk) bool mask of a sliding window of ``window`` keys (``AttentionConfig.sliding_window``): query i, at
     position i + offset (the causal mask's diagonal in ``alignment``, bottom-right when None), sees key j only when
     j > i + offset - window: its own position and the window - 1 before it. It hides only the keys behind the
     window; combine it with :func:`causal_mask` for the keys after the query."""
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-        raise ValueError(f"window: got {window!r}; accepted: an integer >= 1, the number of keys each query sees")
+    _check_window(window)
     if alignment is not None and alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"alignment: got {alignment!r}; accepted: None (bottom-right), 'top-left' or 'bottom-right'")
     offset = window_offset(alignment, tq, tk)
@@ -79,8 +83,10 @@ def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, *, s
     if inputs.causal:
         offset = causal_offset(inputs.causal, tq, tk)
         allowed = allowed & (np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None] + offset)
-    if sliding_window is not None:
-        allowed = allowed & sliding_window_mask(tq, tk, sliding_window, inputs.causal)[q0:q1, k0:k1]
+    if sliding_window is not None:  # the block's part of sliding_window_mask, built for the block alone
+        _check_window(sliding_window)
+        allowed = allowed & (np.arange(k0, k1)[None, :]
+                             > np.arange(q0, q1)[:, None] + window_offset(inputs.causal, tq, tk) - sliding_window)
     if inputs.key_padding_mask is not None:
         allowed = allowed & ~inputs.key_padding_mask[:, None, None, k0:k1]
     additive = None
