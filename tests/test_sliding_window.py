@@ -167,14 +167,25 @@ class _WindowFixedInTheLayer(NumpyNaiveLoaded):
         return full_mask(inputs, sliding_window=16)
 
 
-def test_a_window_fixed_in_a_layer_built_without_one_is_named_with_its_width():
+def test_a_window_fixed_in_the_layer_is_named_with_its_width_whatever_the_config_says():
+    """An outside user's Mistral copy built its window of 16 keys once, whatever config.sliding_window said: named in
+    a layer built without one (from the first wrong row; in a KV-cache step, where every row is wrong, by trying each
+    width) and where the config's window is another (8)."""
+    import dataclasses
     backend = NumpyNaive()
     backend.name, backend.loaded_class = "fixed-window", _WindowFixedInTheLayer
-    failed = mha_harness.check(backend, cases=["check_causal_output_matches_reference"], isolate=False).failures()
-    assert failed
-    square = next(r for r in failed if r.params["variant"] == "square")
-    assert "a sliding window of 16 keys (each query sees its own position and the 15 before it) in a layer built " \
-           "without one" in square.message, square.message
+    backend.capabilities = dataclasses.replace(backend.capabilities, sliding_window=True)
+    cases = ["check_causal_output_matches_reference", "check_decode_step_over_filled_cache_matches_reference",
+             "check_sliding_window_output_matches_reference"]
+    failed = {(r.case, r.params["variant"]): r.message
+              for r in mha_harness.check(backend, cases=cases, isolate=False).failures()}
+    without = ("a sliding window of 16 keys (each query sees its own position and the 15 before it) in a layer built "
+               "without one")
+    assert without in failed["check_causal_output_matches_reference", "square"]
+    assert without in failed["check_decode_step_over_filled_cache_matches_reference", "five_new_queries"]
+    assert "a sliding window of 16 keys where config.sliding_window = 8: a window fixed in the layer" in \
+        failed["check_sliding_window_output_matches_reference", "new_queries_against_long_cache"]
+    assert ("check_sliding_window_output_matches_reference", "mistral_grouped_query") not in failed  # w = 16 there
 
 
 def test_search_draws_windows_and_finds_the_window_mutants(tmp_path):

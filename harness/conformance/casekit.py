@@ -449,8 +449,8 @@ def _from_a_position(outside: np.ndarray, positions: np.ndarray, row: str = "row
     size = f"{first}" if before + 1 == first else f"{before + 1} to {first}"
     return (f"; every {row} up to position {before} is right and every {row} from {first} on is wrong: under a causal "
             f"mask a row there sees more keys, so a limit on how far back a query looks (a sliding window, a maximum "
-            f"length or a positional table of {size} entries) or an error that grows with the number of keys a row "
-            "sums (an accumulation in lower precision) shows so")
+            f"length or a positional table) that first changes the row at position {size}, or an error that grows "
+            "with the number of keys a row sums (an accumulation in lower precision), shows so")
 
 
 #: the block sizes a tiled kernel's rows are compared with when only some rows fail

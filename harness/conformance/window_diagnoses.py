@@ -16,6 +16,9 @@ from mha_harness.contract.conventions import TOP_LEFT, window_allows, window_off
 from mha_harness.contract.mistakes import distance, explains
 from mha_harness.contract.reference import reference_attention
 
+#: the longest call at whose every window width a windowed layer's output is compared (one reference each)
+MAX_WIDTHS_TRIED = 128
+
 
 def _with_allowed(params: AttentionParams, inputs: AttentionInputs, allowed: np.ndarray):
     """(params, inputs) whose reference is the layer without its window, with ``allowed`` (Tq, Tk) as one more mask:
@@ -31,18 +34,20 @@ def _with_allowed(params: AttentionParams, inputs: AttentionInputs, allowed: np.
     return params.replace(config=config), inputs.replace(attn_mask=folded)
 
 
-def _first_width_that_differs(got: np.ndarray, truth: np.ndarray, inputs: AttentionInputs, margin: float
-                              ) -> int | None:
-    """The one window width that can explain a causal output of a layer without a window: a window of w keys leaves
-    the queries at positions below w as they are (they see at most w keys) and changes the one at position w, so w
-    is the position of the first query row that differs by more than ``margin``; None when no row or no width fits."""
-    if not inputs.causal:
-        return None
+def _widths_that_can_differ(got: np.ndarray, truth: np.ndarray, inputs: AttentionInputs, margin: float
+                            ) -> list[int]:
+    """The window widths that can explain an output of a layer without a window: a window of w keys leaves the
+    queries at positions below w as they are (no key lies behind their window) and changes the one at position w, so
+    where the first rows are right w is the position of the first query row that differs by more than ``margin``;
+    where every row differs (the queries are the last of many positions, a KV-cache step) any width below that
+    position may, and each is tried up to :data:`MAX_WIDTHS_TRIED` keys."""
     rows = np.flatnonzero(np.max(np.abs(got - truth), axis=(0, 2)) > margin)
     if not len(rows):
-        return None
-    width = int(rows[0]) + window_offset(inputs.causal, inputs.tq, inputs.tk)
-    return width if 1 <= width < inputs.tk else None
+        return []
+    first = int(rows[0]) + window_offset(inputs.causal, inputs.tq, inputs.tk)
+    if rows[0] > 0:
+        return [first] if 1 <= first < inputs.tk else []
+    return list(range(1, min(first, inputs.tk - 1) + 1)) if inputs.tk <= MAX_WIDTHS_TRIED else []
 
 
 def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarray, truth: np.ndarray,
@@ -51,8 +56,7 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
     c, w = params.config, params.config.sliding_window
     tq, tk = inputs.tq, inputs.tk
     if w is None:
-        width = _first_width_that_differs(got, truth, inputs, margin)
-        if width is not None:
+        for width in _widths_that_can_differ(got, truth, inputs, margin):
             yield (f"; the output matches a sliding window of {width} keys (each query sees its own position and the "
                    f"{width - 1} before it) in a layer built without one (config.sliding_window is None): a window "
                    "fixed in the layer (Mistral's config.sliding_window, Gemma's local layers) applies where the "
@@ -72,6 +76,13 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
                f"config.sliding_window = {w} lets it see {w}, its own position and the {w - 1} before it (key j seen "
                f"when j > p - {w - 1} where j > p - {w} belongs)",
                params.replace(config=dataclasses.replace(c, sliding_window=w - 1)), inputs)
+    if tk <= MAX_WIDTHS_TRIED:  # any other width: a window fixed in the layer, whatever the config says
+        for width in range(1, tk + 1):
+            if abs(width - w) > 1:
+                yield (f"; the output matches a sliding window of {width} keys where config.sliding_window = {w}: a "
+                       "window fixed in the layer (a config built once, Mistral's 4096), not built from "
+                       "config.sliding_window", params.replace(config=dataclasses.replace(c, sliding_window=width)),
+                       inputs)
     if window_offset(inputs.causal, tq, tk) != 0:  # queries not at 0 .. Tq - 1: a window from their index differs
         from_index = window_allows(w, TOP_LEFT, tq, tk)
         yield (f"; the output matches a sliding window measured from each query's index in the call, i, where the "
