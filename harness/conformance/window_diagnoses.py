@@ -52,7 +52,8 @@ def _widths_that_can_differ(got: np.ndarray, truth: np.ndarray, inputs: Attentio
 
 def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarray, truth: np.ndarray,
                 margin: float):
-    """(label, wrong parameters, wrong inputs) for each window mistake of this layer and call."""
+    """(label, wrong parameters, wrong inputs) for each window mistake of this layer and call, the more specific
+    first (a window counted from the query's index equals, at one call, a wider one: the first is named first)."""
     c, w = params.config, params.config.sliding_window
     tq, tk = inputs.tq, inputs.tk
     if w is None:
@@ -76,13 +77,6 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
                f"config.sliding_window = {w} lets it see {w}, its own position and the {w - 1} before it (key j seen "
                f"when j > p - {w - 1} where j > p - {w} belongs)",
                params.replace(config=dataclasses.replace(c, sliding_window=w - 1)), inputs)
-    if tk <= MAX_WIDTHS_TRIED:  # any other width: a window fixed in the layer, whatever the config says
-        for width in range(1, tk + 1):
-            if abs(width - w) > 1:
-                yield (f"; the output matches a sliding window of {width} keys where config.sliding_window = {w}: a "
-                       "window fixed in the layer (a config built once, Mistral's 4096), not built from "
-                       "config.sliding_window", params.replace(config=dataclasses.replace(c, sliding_window=width)),
-                       inputs)
     if window_offset(inputs.causal, tq, tk) != 0:  # queries not at 0 .. Tq - 1: a window from their index differs
         from_index = window_allows(w, TOP_LEFT, tq, tk)
         yield (f"; the output matches a sliding window measured from each query's index in the call, i, where the "
@@ -97,6 +91,14 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
                    "top-left, as its is_causal is: in a call with fewer queries than keys, a KV-cache step, pass "
                    "the window in the mask)",
                    *_with_allowed(params, inputs, from_index & (np.arange(tk)[None, :] <= np.arange(tq)[:, None])))
+    if tk <= MAX_WIDTHS_TRIED:  # any other width that changes this call: a window fixed in the layer, whatever the
+        last = tq - 1 + window_offset(inputs.causal, tq, tk)  # config says (a wider one than the last query's
+        for width in range(1, last + 1):                       # position hides nothing: no window, named above)
+            if abs(width - w) > 1:
+                yield (f"; the output matches a sliding window of {width} keys where config.sliding_window = {w}: a "
+                       "window fixed in the layer (a config built once, Mistral's 4096), not built from "
+                       "config.sliding_window", params.replace(config=dataclasses.replace(c, sliding_window=width)),
+                       inputs)
 
 
 def window_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float
