@@ -26,6 +26,7 @@ from mha_harness.contract.mistakes import (
     alignment_mistake,
     causal_mask_mistakes,
     explains,
+    folded_into_attn_mask,
     with_fused_qkv_misread,
     with_kv_weights_swapped,
     with_qk_weights_swapped,
@@ -424,14 +425,7 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     got = np.asarray(got, np.float64)
     whole = truth or _truth(params, inputs)
     for b in range(inputs.batch):
-        row_allowed = np.broadcast_to(~kpm[b][:, None], (inputs.tq, inputs.tk))
-        mask = inputs.attn_mask
-        if mask is None:
-            mask = row_allowed
-        elif mask.dtype == np.bool_:
-            mask = mask & row_allowed
-        else:
-            mask = np.where(row_allowed, mask, -np.inf)
+        mask = folded_into_attn_mask(inputs.attn_mask, np.broadcast_to(~kpm[b][:, None], (inputs.tq, inputs.tk)))
         call = inputs.replace(query=inputs.query[b:b + 1], key=inputs.key[b:b + 1], value=inputs.value[b:b + 1],
                               key_padding_mask=None, attn_mask=mask)
         # an item without a padded key is the same call either way: it must match, and cannot explain better

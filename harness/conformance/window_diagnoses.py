@@ -13,7 +13,7 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import TOP_LEFT, window_allows, window_offset
-from mha_harness.contract.mistakes import distance, explains
+from mha_harness.contract.mistakes import distance, explains, folded_into_attn_mask
 from mha_harness.contract.reference import reference_attention
 
 #: the longest call at whose every window width a windowed layer's output is compared (one reference each)
@@ -23,15 +23,8 @@ MAX_WIDTHS_TRIED = 128
 def _with_allowed(params: AttentionParams, inputs: AttentionInputs, allowed: np.ndarray):
     """(params, inputs) whose reference is the layer without its window, with ``allowed`` (Tq, Tk) as one more mask:
     a window the reference does not apply itself, folded into the call's attn_mask."""
-    mask = inputs.attn_mask
-    if mask is None:
-        folded = allowed
-    elif mask.dtype == np.bool_:
-        folded = mask & allowed
-    else:
-        folded = np.where(allowed, mask, -np.inf)
     config = dataclasses.replace(params.config, sliding_window=None)
-    return params.replace(config=config), inputs.replace(attn_mask=folded)
+    return params.replace(config=config), inputs.replace(attn_mask=folded_into_attn_mask(inputs.attn_mask, allowed))
 
 
 def _widths_that_can_differ(got: np.ndarray, truth: np.ndarray, inputs: AttentionInputs, margin: float

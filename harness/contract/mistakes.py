@@ -21,6 +21,17 @@ def distance(a: np.ndarray, b: np.ndarray) -> float:
     return float(diff.max(initial=0.0))
 
 
+def folded_into_attn_mask(mask: np.ndarray | None, allowed: np.ndarray) -> np.ndarray:
+    """A call's ``attn_mask`` (None, bool or float) with ``allowed`` (True = may attend) as one more mask in it: the
+    two bool masks' intersection, or the float mask's values with -inf where ``allowed`` is False (a mistake that
+    hides keys the reference would not, expressed as the call's own mask)."""
+    if mask is None:
+        return allowed
+    if mask.dtype == np.bool_:
+        return mask & allowed
+    return np.where(allowed, mask, -np.inf)
+
+
 def explains(got: np.ndarray, wrong: np.ndarray, truth: np.ndarray) -> bool:
     """Whether a known mistake's output ``wrong`` explains a failed output ``got`` better than the correct output
     ``truth`` does: less than half as far from it. A diagnosis compares with a margin wider than the failed
