@@ -42,8 +42,8 @@ class AttentionLoaded(TorchEagerLoaded):
         self.attention = backend.attention()
         self.layer = functools.partial(eager_layer, attention=self.attention)
 
-    def attend_heads(self, qh, kh, vh, inputs):  # the decode step's path
-        allowed, additive = full_mask(inputs)
+    def attend_heads(self, qh, kh, vh, inputs):  # the decode step's path, with the layer's window as torch-eager's
+        allowed, additive = full_mask(inputs, sliding_window=self.config.sliding_window)
         return self.attention(qh, kh, vh, self.mask_tensor(allowed), self.mask_tensor(additive), False)[0]
 
 
