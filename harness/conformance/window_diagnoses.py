@@ -14,7 +14,7 @@ import numpy as np
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import TOP_LEFT, window_allows, window_offset
 from mha_harness.contract.mistakes import distance, explains, folded_into_attn_mask
-from mha_harness.contract.reference import reference_attention
+from mha_harness.contract.reference import WINDOW_FIELD, reference_attention, without_masks
 
 #: the longest call at whose every window width a windowed layer's output is compared (one reference each)
 MAX_WIDTHS_TRIED = 128
@@ -23,8 +23,8 @@ MAX_WIDTHS_TRIED = 128
 def _with_allowed(params: AttentionParams, inputs: AttentionInputs, allowed: np.ndarray):
     """(params, inputs) whose reference is the layer without its window, with ``allowed`` (Tq, Tk) as one more mask:
     a window the reference does not apply itself, folded into the call's attn_mask."""
-    config = dataclasses.replace(params.config, sliding_window=None)
-    return params.replace(config=config), inputs.replace(attn_mask=folded_into_attn_mask(inputs.attn_mask, allowed))
+    unwindowed = without_masks(params, inputs, (WINDOW_FIELD,))[0]
+    return unwindowed, inputs.replace(attn_mask=folded_into_attn_mask(inputs.attn_mask, allowed))
 
 
 def _widths_that_can_differ(got: np.ndarray, truth: np.ndarray, inputs: AttentionInputs, margin: float
@@ -48,7 +48,7 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
     """(label, wrong parameters, wrong inputs) for each window mistake of this layer and call, the more specific
     first (a window counted from the query's index equals, at one call, a wider one: the first is named first)."""
     c, w = params.config, params.config.sliding_window
-    tq, tk = inputs.tq, inputs.tk
+    tq, tk, offset = inputs.tq, inputs.tk, window_offset(inputs.causal, inputs.tq, inputs.tk)
     if w is None:
         for width in _widths_that_can_differ(got, truth, inputs, margin):
             yield (f"; the output matches a sliding window of {width} keys (each query sees its own position and the "
@@ -59,8 +59,7 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
                    params.replace(config=dataclasses.replace(c, sliding_window=width)), inputs)
         return
     yield (f"; the output matches attention without its sliding window: config.sliding_window = {w} is not applied "
-           "(every key up to the query's position is seen)",
-           params.replace(config=dataclasses.replace(c, sliding_window=None)), inputs)
+           "(every key up to the query's position is seen)", *without_masks(params, inputs, (WINDOW_FIELD,)))
     yield (f"; the output matches a sliding window one key too wide: each query sees {w + 1} keys, its own position "
            f"and the {w} before it, where config.sliding_window = {w} counts its own among the {w} (key j seen when "
            f"j >= p - {w} where j > p - {w} belongs: flash-attn's window_size=({w}, 0) where ({w - 1}, 0) belongs)",
@@ -70,23 +69,24 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
                f"config.sliding_window = {w} lets it see {w}, its own position and the {w - 1} before it (key j seen "
                f"when j > p - {w - 1} where j > p - {w} belongs)",
                params.replace(config=dataclasses.replace(c, sliding_window=w - 1)), inputs)
-    if window_offset(inputs.causal, tq, tk) != 0:  # queries not at 0 .. Tq - 1: a window from their index differs
+    if offset != 0:  # queries not at 0 .. Tq - 1: a window from their index differs
         from_index = window_allows(w, TOP_LEFT, tq, tk)
         yield (f"; the output matches a sliding window measured from each query's index in the call, i, where the "
-               f"query is at position i + {window_offset(inputs.causal, tq, tk)} (the last Tq of the Tk positions): "
+               f"query is at position i + {offset} (the last Tq of the Tk positions): "
                "a KV-cache step whose window does not count the cached positions (key j seen when j > i - "
                f"{w}; count the window back from the query's position, cache length + i)",
                *_with_allowed(params, inputs, from_index))
         if inputs.causal:  # and its right side too: the causal mask from the index as well (top-left)
             yield (f"; the output matches a sliding window and a causal mask both counted from each query's index in "
-                   f"the call, i, where the query is at position i + {window_offset(inputs.causal, tq, tk)}: key j "
+                   f"the call, i, where the query is at position i + {offset}: key j "
                    f"seen when i - {w} < j <= i (jax.nn.dot_product_attention's local_window_size=({w - 1}, 0) is "
                    "top-left, as its is_causal is: in a call with fewer queries than keys, a KV-cache step, pass "
                    "the window in the mask)",
                    *_with_allowed(params, inputs, from_index & (np.arange(tk)[None, :] <= np.arange(tq)[:, None])))
-    if tk <= MAX_WIDTHS_TRIED:  # any other width that changes this call: a window fixed in the layer, whatever the
-        last = tq - 1 + window_offset(inputs.causal, tq, tk)  # config says (a wider one than the last query's
-        for width in range(1, last + 1):                       # position hides nothing: no window, named above)
+    # any other width that changes this call: a window fixed in the layer, whatever the config says (one wider than
+    # the last query's position hides nothing: that is no window, named above)
+    if tk <= MAX_WIDTHS_TRIED:
+        for width in range(1, tq + offset):
             if abs(width - w) > 1:
                 yield (f"; the output matches a sliding window of {width} keys where config.sliding_window = {w}: a "
                        "window fixed in the layer (a config built once, Mistral's 4096), not built from "

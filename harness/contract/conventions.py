@@ -62,13 +62,15 @@ def window_offset(alignment: str | None, tq: int, tk: int) -> int:
     return causal_offset(alignment, tq, tk) if alignment else tk - tq
 
 
-def window_allows(window: int | None, alignment: str | None, tq: int, tk: int, q_idx=None) -> np.ndarray | None:
-    """(R, Tk) bool, True where the sliding window of ``window`` keys lets query ``q_idx`` (all Tq when None) see key
-    j (:func:`window_offset`); None without a window."""
+def window_allows(window: int | None, alignment: str | None, tq: int, tk: int, q_idx=None,
+                  k_idx=None) -> np.ndarray | None:
+    """(R, K) bool, True where the sliding window of ``window`` keys lets query ``q_idx`` (all Tq when None) see key
+    ``k_idx`` (all Tk when None; a tiled kernel's block of keys) (:func:`window_offset`); None without a window."""
     if window is None:
         return None
     q = np.arange(tq) if q_idx is None else np.asarray(q_idx)
-    return np.arange(tk)[None, :] > q[:, None] + window_offset(alignment, tq, tk) - window
+    k = np.arange(tk) if k_idx is None else np.asarray(k_idx)
+    return k[None, :] > q[:, None] + window_offset(alignment, tq, tk) - window
 
 
 def other_alignment(alignment: str) -> str:

@@ -54,7 +54,7 @@ from mha_harness.contract.conventions import (
     rotary_pairs,
     rotary_positions,
     round_to,
-    window_offset,
+    window_allows,
 )
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.contract.scoped import scoped
@@ -291,8 +291,7 @@ def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.
         allowed = allowed & (np.arange(tk)[None, :] <= q_idx[:, None] + offset)[None, None]
     window = params.config.sliding_window
     if window is not None:  # the keys at the query's position and the w - 1 before it
-        allowed = allowed & (np.arange(tk)[None, :] > q_idx[:, None] + window_offset(inputs.causal, tq, tk)
-                             - window)[None, None]
+        allowed = allowed & window_allows(window, inputs.causal, tq, tk, q_idx)[None, None]
     if inputs.key_padding_mask is not None:
         allowed = allowed & ~inputs.key_padding_mask[:, None, None, :]
     if inputs.attn_mask is not None:

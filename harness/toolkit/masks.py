@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs
-from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, causal_offset, window_offset
+from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, causal_offset, window_allows
 
 POLARITIES = ("attend", "ignore")
 
@@ -65,8 +65,7 @@ def sliding_window_mask(tq: int, tk: int, window: int, alignment: str | None = N
     _check_window(window)
     if alignment is not None and alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"alignment: got {alignment!r}; accepted: None (bottom-right), 'top-left' or 'bottom-right'")
-    offset = window_offset(alignment, tq, tk)
-    return _polarity(np.arange(tk)[None, :] > np.arange(tq)[:, None] + offset - window, polarity)
+    return _polarity(window_allows(window, alignment, tq, tk), polarity)
 
 
 def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, *, sliding_window: int | None = None):
@@ -85,8 +84,8 @@ def block_mask(inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int, *, s
         allowed = allowed & (np.arange(k0, k1)[None, :] <= np.arange(q0, q1)[:, None] + offset)
     if sliding_window is not None:  # the block's part of sliding_window_mask, built for the block alone
         _check_window(sliding_window)
-        allowed = allowed & (np.arange(k0, k1)[None, :]
-                             > np.arange(q0, q1)[:, None] + window_offset(inputs.causal, tq, tk) - sliding_window)
+        allowed = allowed & window_allows(sliding_window, inputs.causal, tq, tk, np.arange(q0, q1),
+                                          np.arange(k0, k1))
     if inputs.key_padding_mask is not None:
         allowed = allowed & ~inputs.key_padding_mask[:, None, None, k0:k1]
     additive = None
