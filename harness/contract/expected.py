@@ -7,7 +7,14 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams
 from mha_harness.contract.reference import hashed_once, reference_attention, reference_vjp, reference_vjp_magnitudes
-from mha_harness.contract.tolerance import Tolerance, farthest, naive_dtype, score_error_dtype, tolerance_from
+from mha_harness.contract.tolerance import (
+    Tolerance,
+    farthest,
+    naive_dtype,
+    score_error_dtype,
+    textbook_score_error_dtype,
+    tolerance_from,
+)
 
 
 def naive_forwards(params: AttentionParams, inputs: AttentionInputs, dtype: str, rows=None,
@@ -18,13 +25,18 @@ def naive_forwards(params: AttentionParams, inputs: AttentionInputs, dtype: str,
     float64 one whose scores each carry the rounding of :func:`score_error_dtype` at the size of their terms, with
     a pseudo-random sign (``reference_attention(..., score_error_of=)``; at large logits the softmax makes the
     scores' rounding the largest error, and which way each score happens to round decides one algorithm's error: it
-    can be several times below another correct kernel's)."""
-    low = naive_dtype(dtype)
+    can be several times below another correct kernel's); in half precision also the float64 one whose scores carry
+    that dtype's rounding (:func:`~mha_harness.contract.tolerance.textbook_score_error_dtype`: a textbook kernel in
+    it rounds q, k and the scores to it)."""
+    low, half = naive_dtype(dtype), textbook_score_error_dtype(dtype)
     with hashed_once(params, inputs):
         return [reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low),
                 reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low, scale_first=True),
                 reference_attention(params, inputs, rows=rows, need_weights=need_weights,
-                                    score_error_of=score_error_dtype(dtype))]
+                                    score_error_of=score_error_dtype(dtype))] + \
+            ([] if half is None else [reference_attention(params, inputs, rows=rows, need_weights=need_weights,
+                                                          score_error_of=half,
+                                                          projection_error_of=score_error_dtype(dtype))])
 
 
 def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str,
@@ -44,13 +56,16 @@ def naive_gradients(params: AttentionParams, inputs: AttentionInputs, cotangent:
     term from the output: torch's SDPA kernels compute it so), rounding in :func:`naive_dtype`, and each of the two
     in float64 with the weights carrying the rounding of the scores in :func:`score_error_dtype` (the textbook
     one's normalised, FlashAttention's ``exp(s - lse)`` not: at large logits the largest error, see
-    :func:`naive_forwards` and ``reference_vjp(..., score_error_of=)``)."""
-    low = naive_dtype(dtype)
+    :func:`naive_forwards` and ``reference_vjp(..., score_error_of=)``); in half precision also the textbook one
+    whose weights carry that dtype's rounding of the scores (FlashAttention's keeps its scores and log-sum-exp in
+    float32)."""
+    low, half, score = naive_dtype(dtype), textbook_score_error_dtype(dtype), score_error_dtype(dtype)
     with hashed_once(params, inputs):
-        return [input_gradients(reference_vjp(params, inputs, cotangent, dtype=low, flash=flash), form)
-                for flash in (False, True)] + \
-            [input_gradients(reference_vjp(params, inputs, cotangent, flash=flash,
-                                           score_error_of=score_error_dtype(dtype)), form) for flash in (False, True)]
+        grads = [reference_vjp(params, inputs, cotangent, dtype=low, flash=flash) for flash in (False, True)] + \
+            [reference_vjp(params, inputs, cotangent, flash=flash, score_error_of=score) for flash in (False, True)]
+        if half is not None:
+            grads.append(reference_vjp(params, inputs, cotangent, score_error_of=half, projection_error_of=score))
+    return [input_gradients(g, form) for g in grads]
 
 
 def input_gradient_terms(terms: dict, form: str) -> dict:

@@ -482,6 +482,21 @@ def _score_terms(q, k, scale: float) -> np.ndarray:
         return np.abs(q) @ np.abs(k).transpose(0, 1, 3, 2) * scale
 
 
+def _score_error_size(q, k, scale: float, of: str) -> np.ndarray:
+    """The size at which :func:`_scores` rounds each score's error in ``of`` (in units of its unit roundoff): in
+    float32 or float64 two roundings at the size of the dot product's terms (:func:`_score_terms`; a sum in that
+    dtype rounds more than once); in a half precision, the standard deviation of a textbook kernel's error (torch's
+    matmul of half tensors sums in float32 and rounds the score once; q's and k's entries are each rounded once to
+    the dtype), each rounding's relative error uniform within the unit roundoff and independent:
+    ``sqrt((s^2 + 2 sum_d (q_d k_d)^2) / 3)``."""
+    if of not in ("bfloat16", "float16"):
+        return 2 * _score_terms(q, k, scale)
+    with np.errstate(invalid="ignore", over="ignore"):
+        score = np.square(q @ k.transpose(0, 1, 3, 2))
+        products = np.square(q) @ np.square(k).transpose(0, 1, 3, 2)
+        return np.sqrt((score + 2 * products) / 3) * scale
+
+
 def _signs(shape, rows) -> np.ndarray:
     """A pseudo-random sign per (batch, head, query position, key), a hash (splitmix64's finaliser) of those indices
     and :data:`SCORE_ERROR_SEED`: an entry's sign does not depend on which query ``rows`` are computed."""
@@ -527,9 +542,11 @@ def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale:
     if score_error_of is not None:
         if additive is not None:
             with np.errstate(over="ignore"):
-                scores = round_to(scores, score_error_of).astype(np.float64)
-        # two roundings at the size of the dot product's terms: its sum rounds more than once
-        size = np.broadcast_to(2 * _score_terms(q, k, scale), scores.shape)
+                rounded = round_to(scores, score_error_of).astype(np.float64)
+            # a mask value beyond a half precision's range (float32's most negative, say) is added as float32 adds it
+            scores = np.where(np.isfinite(rounded) | ~np.isfinite(scores), rounded,
+                              round_to(scores, "float32").astype(np.float64))
+        size = np.broadcast_to(_score_error_size(q, k, scale, score_error_of), scores.shape)
         scores = scores + _rounding_error(size, score_error_of, rows)
     return scores, allowed, additive
 
@@ -699,7 +716,8 @@ def _read_only(*arrays):
 def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, rows=None,
                         need_weights: bool = False, dtype: str = "float64",
                         empty_rows: str | None = None, scale_first: bool = False,
-                        score_error_of: str | None = None) -> AttentionOutput:
+                        score_error_of: str | None = None,
+                        projection_error_of: str | None = None) -> AttentionOutput:
     """Multi-head attention by the definition, in float64 unless ``dtype`` says otherwise.
 
     With ``rows`` only those query rows are computed (output shape (B, len(rows), d_model)). ``empty_rows``
@@ -711,30 +729,34 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
     the size of the terms its dot product sums, a pseudo-random sign per entry; a float mask added and rounded as a
     kernel in that dtype does) and nothing else is rounded beyond ``dtype``: with float64, the error of a kernel
     exact but for its scores' rounding, which dominates at large logits (see :func:`_scores`).
+    ``projection_error_of`` (default ``score_error_of``): the dtype whose rounding the normed q and k projections
+    carry before their norm (:func:`_projection_error`).
     """
     require_params(params)
     require_inputs(inputs)
     _require_dtype_name("score_error_of", score_error_of)
+    _require_dtype_name("projection_error_of", projection_error_of)
     empty_rows = empty_rows or empty_rows_convention()
     rows_key = None if rows is None else np.asarray(rows)
 
     def compute():
         *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype, empty_rows, scale_first,
-                                                   score_error_of)
+                                                   score_error_of, projection_error_of)
         out = _project(concat, params.W_o, params.b_o, dtype).astype(np.float64)
         weights = weights.astype(np.float64) if need_weights else None
         _read_only(out, weights)
         return out, weights
 
     key = _content_key("forward", params, inputs, rows_key, need_weights, dtype, empty_rows, scale_first,
-                       score_error_of)
+                       score_error_of, projection_error_of)
     out, weights = _CACHE.get(key, compute, lambda v: v[0].nbytes + (0 if v[1] is None else v[1].nbytes))
     return AttentionOutput(out.copy(), None if weights is None else weights.copy())
 
 
 def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray,
                   dtype: str = "float64", *, flash: bool = False,
-                  score_error_of: str | None = None) -> dict[str, np.ndarray]:
+                  score_error_of: str | None = None,
+                  projection_error_of: str | None = None) -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) with respect to inputs and parameters.
 
     Exact in float64; with another ``dtype`` it is the naive backward in that format
@@ -746,19 +768,22 @@ def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
     FlashAttention's recomputes each weight as ``exp(s - lse)`` with that error, and one rounding of s + mask and of
     s - lse per entry and of the stored lse per row, in the exponent, which no normalisation removes (at large
     logits, |lse| of 100s, that is the largest error of its gradients; see :func:`_flash_weights`).
+    ``projection_error_of`` (default ``score_error_of``): as :func:`reference_attention`'s, in forward and backward.
     """
     _require_dtype_name("score_error_of", score_error_of)
+    _require_dtype_name("projection_error_of", projection_error_of)
     cotangent = np.asarray(cotangent)
 
     def compute():
         # a naive backward in half precision may overflow where the layer's own does not: its error is the estimate
         with np.errstate(over="ignore", invalid="ignore"):
-            grads = _vjp(params, inputs, cotangent, dtype, flash=flash, score_error_of=score_error_of)
+            grads = _vjp(params, inputs, cotangent, dtype, flash=flash, score_error_of=score_error_of,
+                         projection_error_of=projection_error_of)
         _read_only(*grads.values())
         return grads
 
     key = _content_key("vjp", params, inputs, cotangent, dtype, empty_rows_convention(), _UNIFORM_ROW_SCORES.get(),
-                       flash, score_error_of)
+                       flash, score_error_of, projection_error_of)
     grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
     return {name: grad.copy() for name, grad in grads.items()}
 
@@ -996,16 +1021,18 @@ def _mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
 
 
 def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
-         flash: bool = False, score_error_of: str | None = None) -> dict:
+         flash: bool = False, score_error_of: str | None = None, projection_error_of: str | None = None) -> dict:
     """The backward, rounding after every stage in ``dtype``. ``flash``: as FlashAttention-2 computes it (and
     torch's SDPA kernels and nn.MultiheadAttention's fused path do): the queries scaled first, the weights
     recomputed from the row's log-sum-exp, and the softmax backward's row term taken as ``rowsum(dO * O)`` instead
-    of ``rowsum(dP * P)`` (equal in exact arithmetic, not after rounding)."""
+    of ``rowsum(dP * P)`` (equal in exact arithmetic, not after rounding). ``score_error_of``,
+    ``projection_error_of``: as :func:`reference_vjp`'s."""
     c = params.config
     r = lambda x: round_to(x, dtype)  # noqa: E731
+    projection_error_of = projection_error_of or score_error_of
     q, k, v, p, concat, scale, allowed = _forward_parts(params, inputs, None, dtype, scale_first=flash,
                                                         score_error_of=None if flash else score_error_of,
-                                                        projection_error_of=score_error_of)
+                                                        projection_error_of=projection_error_of)
     g = r(cotangent)
     d_o = _heads(r(g @ r(params.W_o).T), c.num_heads)
     d_p = r(d_o @ v.transpose(0, 1, 3, 2))
@@ -1018,7 +1045,7 @@ def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray
     if held is not None:  # dS = P * (dP - row) = 0 on rows whose scores the layer replaced by a constant
         d_p, row = np.where(held, 0.0, d_p), np.where(held, 0.0, row)
     return _vjp_from_weights(params, inputs, g, q, k, v, p, concat, scale, d_o, d_p, row, r, one_pass=flash,
-                             projection_error_of=score_error_of, dtype=dtype)
+                             projection_error_of=projection_error_of, dtype=dtype)
 
 
 def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k, v, p, concat, scale, d_o, d_p,

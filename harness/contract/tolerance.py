@@ -6,8 +6,9 @@ A backend computing in ``dtype`` may differ from the float64 reference by at mos
 
 where ``naive_error`` is the max error that the naive algorithm *in the same dtype* makes
 against that reference (the largest of several estimates: the textbook algorithm, the fused kernels' with the
-queries scaled first or FlashAttention's backward, and the float64 one whose scores carry float32's rounding,
-``score_error_dtype``; ``mha_harness.contract.expected.naive_forwards`` and
+queries scaled first or FlashAttention's backward, the float64 one whose scores carry float32's rounding,
+``score_error_dtype``, and in half precision the float64 one whose scores carry that dtype's,
+``textbook_score_error_dtype``; ``mha_harness.contract.expected.naive_forwards`` and
 ``mha_harness.contract.expected.naive_gradients`` list them), ``magnitude`` is max(1, max |reference|) and ``n``
 the length of the longest reduction (the number of keys). For gradients ``magnitude`` is max(1, max |reference|,
 the largest root-sum-square of the terms each gradient sums; see ``reference_vjp_magnitudes``),
@@ -111,3 +112,16 @@ def score_error_dtype(dtype: str) -> str:
     inputs and weights is what the textbook estimate in that dtype makes); for float64, float32 scaled by the ratio
     of the unit roundoffs, as every naive estimate of float64."""
     return "float32"
+
+
+def textbook_score_error_dtype(dtype: str) -> str | None:
+    """For a backend in half precision, that dtype: the dtype whose rounding the scores get in the estimate of a
+    textbook kernel in it (``score_error_of`` of the reference, the projections' still at
+    :func:`score_error_dtype`). Such a kernel (torch's ops on half tensors, attention written out) rounds its
+    normed or rotated q and k and each score's product to the half dtype: at large scores (a q/k norm's gains,
+    large logits) which way each of those rounds moves the weights by the half dtype's unit roundoff times the
+    score, and the textbook estimate in that dtype is one draw of those signs, several times below another's
+    (torch-eager's bfloat16 gradients at 1.03-1.7 x the bound without it, 2026-12-06). None for float32 and
+    float64, whose kernels :func:`score_error_dtype` already describes."""
+    dtype = bound_dtype(dtype)
+    return dtype if dtype in ("bfloat16", "float16") else None
