@@ -25,6 +25,7 @@ from mha_harness.conformance.casekit import (
     scores_fit_named,
     tolerance_for,
 )
+from mha_harness.conformance.diagnoses import cap_after_mask_hint
 from mha_harness.contract.api import AttentionConfig
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import score_scale
@@ -185,6 +186,10 @@ def check_large_logits_stay_finite_and_correct(backend, *, form, dtype, variant)
                                   compare=None if real is None else np.broadcast_to(real, whole.shape[:2]))
         if fitted is not failure:  # right for another soft cap or scale on the scores: no overflow either
             raise fitted from None
+        capped = cap_after_mask_hint(whole, params, inputs,
+                                     rows=None if real is None else np.broadcast_to(real, whole.shape[:2]))
+        if capped:  # a declared cap taken after the padding mask: the padded keys' scores are -c like every other
+            raise failure.with_hint(capped) from None
         _wrong_with_ordinary_logits(backend, ordinary, inputs, dtype, real, failure)
         why = ("an overflowing normaliser gives wrong finite values; " if largest > 0 else "")
         raise CaseFailure(f"numerical stability: {failure}; {fix} ({why}with ordinary logits the output is right)",

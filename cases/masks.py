@@ -33,9 +33,9 @@ from mha_harness.conformance.casekit import (
     scores_fit_named,
     tolerance_for,
 )
-from mha_harness.conformance.diagnoses import mask_mistake
+from mha_harness.conformance.diagnoses import CAP_AFTER_MASK, cap_after_mask_hint, mask_mistake
 from mha_harness.conformance.gradient_diagnoses import DOUBLE_WHERE_TRAP
-from mha_harness.contract.reference import empty_rows_as, reference_attention
+from mha_harness.contract.reference import empty_rows_as, logit_softcap, reference_attention
 from mha_harness.contract.validation import causal_future_poison_allowed
 
 #: the other reading of NaN in rows without a key: a layer that means zeros there, where NaN comes from a mistake
@@ -121,13 +121,18 @@ def check_causal_mask_blocks_future_keys(backend, *, form, dtype, alignment, var
     for cut in sorted(set(future_cuts(alignment, seq, tk)) | {tk - 2}):  # tk - 2: only the last key is future
         rows = [r for r in range(seq) if 0 <= key_limit(alignment, r, seq, tk) <= cut]
         future = (slice(None), slice(cut + 1, None))
+        changed = with_keys_replaced(inputs, future, poison)
         with causal_future_poison_allowed():  # later queries see the poison; rows <= cut must not
-            poisoned = run(backend, params, with_keys_replaced(inputs, future, poison), dtype, loaded=loaded).output
+            poisoned = run(backend, params, changed, dtype, loaded=loaded).output
         try:
             _unchanged(base, poisoned, rows, tol,
                        f"{alignment} causal leak: {_what_changed(form)} after position {cut} set to {poison} changed "
                        "the output")
         except CaseFailure as failure:
+            if poison == "random":
+                blind = np.zeros(base.shape[:2], bool)
+                blind[:, rows] = True
+                failure = failure.with_hint(cap_after_mask_hint(poisoned, params, changed, rows=blind))
             def finite_unchanged(future=future, rows=rows):
                 finite = run(backend, params, with_keys_replaced(inputs, future, "random"), dtype, loaded=loaded).output
                 return bool(np.all(np.abs(finite[:, rows] - base[:, rows]) <= tol.bound))
@@ -290,7 +295,8 @@ def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
     loaded = backend.load(params, dtype=dtype)
     base = run(backend, params, inputs, dtype, loaded=loaded).output
     _, tol = tolerance_for(params, inputs, dtype)
-    after = run(backend, params, with_keys_replaced(inputs, where, poison), dtype, loaded=loaded).output
+    changed = with_keys_replaced(inputs, where, poison)
+    after = run(backend, params, changed, dtype, loaded=loaded).output
     real = ~query_padded[:, :, None]
     diff = np.where(real, np.abs(after - base), 0)
     bad = np.argwhere(real & ~(diff <= tol.bound))
@@ -300,6 +306,8 @@ def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
                               "query "
                               f"(batch {b}, position {t}, feature {f}) from {base[b, t, f]:.6g} to "
                               f"{after[b, t, f]:.6g}; {tol.describe()}", max_error=float(np.nanmax(diff)))
+        if poison == "random":
+            failure = failure.with_hint(cap_after_mask_hint(after, params, changed, rows=~query_padded))
 
         def finite_unchanged():
             finite = run(backend, params, with_keys_replaced(inputs, where, "random"), dtype, loaded=loaded).output
@@ -461,6 +469,9 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_pad
         advice = (f"; if that is the kernel's convention, declare it: divergences = {builder[observed]}(\"why\") from "
                   "mha_harness.toolkit.divergences" + (_NOT_MEANT if observed == "NaN" else "")
                   if wanted == "zeros" and observed in builder else "")
+        if observed == "uniform average of V" and logit_softcap() is not None:
+            advice += ("; or, with the declared soft cap, " + CAP_AFTER_MASK.format(cap=logit_softcap())
+                       + " (the float-mask and mask-composition cases name it where it is so)")
         if observed == "other":
             advice = _other_rows_detail(got[rows], expected[rows], uniform[rows], uniform_tol.bound, params, inputs,
                                         dtype, rows)

@@ -121,6 +121,23 @@ def test_a_cap_taken_after_the_mask_gives_the_masked_keys_a_weight_and_leaks():
     assert any("causal leak" in f.message for f in failures) and any("padding leak" in f.message for f in failures)
 
 
+def test_a_cap_taken_after_the_mask_is_named_wherever_an_output_shows_it():
+    """The float-mask, mask-composition, leak (random poison), large-logit and fully-masked cases name the cap taken
+    after the masks (an outside user's port of Gemma 2's eager attention failed them with numbers only, its size
+    read as half precision's): never a precision, never an underflow."""
+    cases = ["check_additive_attn_mask_matches_reference", "check_mask_compositions_match_reference",
+             "check_causal_mask_blocks_future_keys", "check_padding_mask_blocks_padded_keys",
+             "check_large_logits_stay_finite_and_correct", "check_fully_masked_rows_output_zeros"]
+    _, failures = _failures(CapAfterMask(), cases)
+    named = "scores soft-capped after the masks, 20 * tanh((s + mask) / 20)"
+    assert {f.case for f in failures if named in f.message} == set(cases)
+    for f in failures:
+        if f.case in cases[:2] + cases[4:5]:
+            assert named in f.message and GUESS not in f.message and "underflow" not in f.message, f.message
+        if f.params.get("poison") == "random":
+            assert named in f.message, f.message
+
+
 def test_bench_checks_a_declared_soft_cap_against_the_capped_reference_and_names_an_undeclared_one():
     for backward in (False, True):
         shape = Shape(1, 48, 48, 64, 4, "float32", True, backward)

@@ -453,3 +453,35 @@ def test_a_wrong_half_precision_output_still_fails():
     d_model_scale = reference_attention(with_score_scale(params, np.sqrt(1 / heads)), inputs).output
     with pytest.raises(CaseFailure):
         assert_close(round_to(d_model_scale, "bfloat16"), expected, tol, "output")
+
+
+#: an outside user's search of transformers 5.25's Gemma2Attention (a local layer: soft cap 50, scores scaled by
+#: 256 ** -0.5, rotary, biases; float32) stopped here: two keys, weights 0.26 / 0.74 in the second row, max error
+#: 1.01e-6 against a bound of 6.76e-7, while the score-error estimate had drawn one sign for both keys (6.1e-8)
+TWO_KEYS_CAPPED = _example(form="self", tq=2, tk=2, d_head=8, bias=True, cut=1, gradients=False) | {
+    "rotary": "half_split", "rotary_base": 10000.0}
+
+
+def test_the_two_heaviest_keys_of_a_row_round_apart_in_the_score_error_estimate():
+    from mha_harness.contract.reference import _apart_at_the_top
+    signs = np.ones((1, 1, 3, 4))
+    scores = np.array([[[[0.0, 5.0, 4.0, -1.0], [3.0, 2.0, 1.0, 0.0], [1.0, 9.0, 8.0, 7.0]]]])
+    allowed = np.array([[[[True, True, True, True], [True, False, False, False], [True, False, True, True]]]])
+    out = _apart_at_the_top(signs, scores, allowed)
+    np.testing.assert_array_equal(out[0, 0], [[1, 1, -1, 1], [1, 1, 1, 1], [1, 1, 1, -1]])
+    flipped = _apart_at_the_top(-signs, scores, allowed)  # set against the largest's sign, whichever it drew
+    np.testing.assert_array_equal(flipped, -out)
+
+
+def test_a_two_key_row_whose_draw_rounded_alike_still_bounds_the_gemma_layers_error():
+    """On TWO_KEYS_CAPPED, capped and scaled as Gemma 2's local layer, the score-error estimate's output error is
+    2.1e-6 (its two keys now round apart) and the bound covers the 1.01e-6 transformers' layer made."""
+    from mha_harness.conformance.casekit import tolerance_for
+    from mha_harness.contract.reference import logit_softcap_as, score_scale_as
+    params, inputs = build(TWO_KEYS_CAPPED)
+    with logit_softcap_as(50.0), score_scale_as(256 ** -0.5):
+        exact = reference_attention(params, inputs).output
+        erred = reference_attention(params, inputs, score_error_of="float32").output
+        _, tol = tolerance_for(params, inputs, "float32")
+    assert max_abs_error(erred, exact) > 1.5e-6
+    assert tol.bound > 3 * 1.01e-6, tol.describe()

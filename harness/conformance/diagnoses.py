@@ -36,6 +36,7 @@ from mha_harness.contract.mistakes import (
 from mha_harness.contract.reference import (
     allowed_and_bias,
     empty_rows_convention,
+    logit_softcap,
     qk_normed,
     reference_attention,
     rotated,
@@ -48,7 +49,8 @@ from mha_harness.contract.scores_fit import scores_mismatch
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
                        heads_feature_major: bool = False, softmax_axis: int = -1,
                        mask_after_softmax: bool = False, kv_tiled: bool = False,
-                       unrescaled_block: int = 0, qk_norm_as: Callable | None = None) -> np.ndarray:
+                       unrescaled_block: int = 0, qk_norm_as: Callable | None = None,
+                       cap_after_mask: bool = False) -> np.ndarray:
     """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``, the
     lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
     block of tokens instead of its own features of every token, merged back the same way; a module masks its score
@@ -63,10 +65,12 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     as torch ``.repeat`` or ``np.tile`` give) instead of each repeated for its group of consecutive query heads (h
     // group); ``unrescaled_block``, an online softmax over key blocks of that many keys that never rescales its
     accumulator and row sum when the running maximum grows (each key weighted exp(s - m) with the running maximum
-    m after its own block, :func:`unrescaled_block_weights`). A layer with a q/k norm (``config.qk_norm``) norms
-    its q and k projections as the reference does, or as ``qk_norm_as(y, which, n_heads)`` does (a mistaken norm:
-    :mod:`~mha_harness.conformance.qk_norm_diagnoses`). Masked values never reach it (a NaN stored there is read as
-    0)."""
+    m after its own block, :func:`unrescaled_block_weights`); ``cap_after_mask``, the declared soft cap c
+    (:func:`~mha_harness.contract.reference.logit_softcap`) taken after the masks, ``c * tanh((s + mask) / c)``
+    with a masked score at -c (tanh(-inf) = -1: the masked keys keep a weight). A layer with a q/k norm
+    (``config.qk_norm``) norms its q and k projections as the reference does, or as ``qk_norm_as(y, which,
+    n_heads)`` does (a mistaken norm: :mod:`~mha_harness.conformance.qk_norm_diagnoses`). Masked values never reach
+    it (a NaN stored there is read as 0)."""
     c = params.config
     split_in, merge_out = split_tokens in (True, "split"), split_tokens in (True, "merge")
 
@@ -87,9 +91,15 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
             for x, w, bias, which in ((inputs.key, params.W_k, params.b_k, "k"),
                                       (inputs.value, params.W_v, params.b_v, "v")))
     allowed, additive = allowed_and_bias(params, inputs)
-    scores = soft_capped(q @ k.transpose(0, 1, 3, 2) * score_scale(c.d_head)) + (0.0 if additive is None else additive)
-    if not mask_after_softmax:
-        scores = np.where(allowed, scores, -np.inf)
+    raw, bias = q @ k.transpose(0, 1, 3, 2) * score_scale(c.d_head), (0.0 if additive is None else additive)
+    cap = logit_softcap()
+    if cap_after_mask and cap is not None:
+        with np.errstate(invalid="ignore"):
+            scores = np.where(allowed, cap * np.tanh((raw + bias) / cap), -cap)
+    else:
+        scores = soft_capped(raw) + bias
+        if not mask_after_softmax:
+            scores = np.where(allowed, scores, -np.inf)
     if unrescaled_block:
         weights = unrescaled_block_weights(scores, unrescaled_block)
     else:
@@ -183,6 +193,39 @@ def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionI
         return ("; the output matches the mask applied after the softmax without renormalising (masked keys still "
                 "enter the softmax denominator)")
     return ""
+
+
+def cap_after_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
+                        truth: Callable[[], np.ndarray] | None = None) -> str:
+    """A message suffix when a layer that declares a soft cap c gives ``got`` (on ``rows`` of (batch, Tq) if given)
+    as the cap taken after the masks does (``wrong_layer_output(..., cap_after_mask=True)``): a float mask bent with
+    the scores, a masked score -c instead of -inf, so every masked key keeps a weight of about exp(-c - max) and a
+    row with no visible key averages them all (a port of Gemma 2's eager attention adding the mask before its
+    ``attn_logit_softcapping``: an outside user's copy failed the float-mask, composition and fully-masked cases
+    with numbers only). "" without a declared cap."""
+    cap = logit_softcap()
+    if cap is None:
+        return ""
+    if rows is not None:
+        got = got[rows]
+    if not np.all(np.isfinite(got)):
+        return ""
+    wrong = wrong_layer_output(params, inputs, cap_after_mask=True)
+    if rows is not None:
+        wrong = wrong[rows]
+    if not np.allclose(got, wrong, atol=1e-4, rtol=1e-4):
+        return ""
+    correct = (truth or _truth(params, inputs))()
+    if not explains(got, wrong, correct if rows is None else correct[rows]):
+        return ""
+    return f"; the output matches {CAP_AFTER_MASK.format(cap=cap)}"
+
+
+#: the mistake :func:`cap_after_mask_hint` names (``cap``: the declared cap); it holds :data:`SOFTCAP_MATCH`, so a
+#: failure that names it drops its guess of a precision
+CAP_AFTER_MASK = ("scores soft-capped after the masks, {cap:g} * tanh((s + mask) / {cap:g}): a float mask is bent with "
+                  "the scores and a masked score becomes -{cap:g} instead of -inf, so the masked keys keep a weight "
+                  "(a row with no visible key averages them): cap the scaled scores, then add the mask")
 
 
 def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs,
@@ -507,7 +550,8 @@ def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
     """The mask mistakes a failing output ``got`` of a masked call matches (on ``rows`` if given; the causal
     diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, the attn_mask
     transposed, the key padding mask along the query axis or not applied, one of two masks dropped, the masks
-    applied after the softmax; "" when none or when the call has no mask. Every one that matches is named: on a
+    applied after the softmax, a declared soft cap taken after the masks (:func:`cap_after_mask_hint`); "" when none
+    or when the call has no mask. Every one that matches is named: on a
     small input two mistakes can give the same output, and naming only the first would be a guess. The wrong calls'
     rows without a key follow the backend's empty-row convention (:func:`_matches`)."""
     if inputs.causal is None and inputs.key_padding_mask is None and inputs.attn_mask is None:
@@ -518,4 +562,5 @@ def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
                       transposed_mask_hint(got, params, inputs, rows, truth),
                       padding_axis_hint(got, params, inputs, rows, truth),
                       dropped_mask_hint(got, params, inputs, rows, truth),
-                      normaliser_hint(got, params, inputs, rows, truth)])
+                      normaliser_hint(got, params, inputs, rows, truth),
+                      cap_after_mask_hint(got, params, inputs, rows, truth)])

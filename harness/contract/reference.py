@@ -512,12 +512,30 @@ def _signs(shape, rows) -> np.ndarray:
     return np.where(z >> np.uint64(63), -1.0, 1.0)
 
 
-def _rounding_error(size: np.ndarray, of: str, rows) -> np.ndarray:
+def _rounding_error(size: np.ndarray, of: str, rows, signs: np.ndarray | None = None) -> np.ndarray:
     """``size`` times the unit roundoff of ``of`` (eps / 2: one rounding at its largest), with a pseudo-random sign
-    per entry (:func:`_signs`); non-finite sizes give 0."""
+    per entry (:func:`_signs`, or ``signs``); non-finite sizes give 0."""
     with np.errstate(invalid="ignore"):
-        error = EPS[of] / 2 * size * _signs(size.shape, rows)
+        error = EPS[of] / 2 * size * (_signs(size.shape, rows) if signs is None else signs)
     return np.where(np.isfinite(error), error, 0.0)
+
+
+def _apart_at_the_top(signs: np.ndarray, scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """``signs`` (batch, heads, queries, keys) with, in each row of two or more visible keys, the sign of its
+    second-largest visible score set against its largest's. A row's weights move only with the differences of its
+    scores' errors, and at large logits two keys carry nearly all of a row's weight: where those two drew one sign
+    the estimate moves nothing (an outside user's soft-capped float32 layer at two keys failed at 1.5 x a bound
+    drawn so, 2026-12-05), while a kernel's two roundings fall either way. The other keys keep their draws."""
+    masked = np.where(allowed, scores, -np.inf)
+    if masked.shape[-1] < 2:
+        return signs
+    order = np.argsort(-masked, axis=-1, kind="stable")
+    first, second = order[..., :1], order[..., 1:2]
+    two = np.isfinite(np.take_along_axis(masked, second, axis=-1))
+    apart = -np.take_along_axis(signs, first, axis=-1)
+    out = signs.copy()
+    np.put_along_axis(out, second, np.where(two, apart, np.take_along_axis(signs, second, axis=-1)), axis=-1)
+    return out
 
 
 def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale: float, dtype: str, scale_first: bool,
@@ -529,7 +547,8 @@ def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale:
     scaled. ``score_error_of``: each score then carries an error of that dtype at the size of its dot product's
     terms (:func:`_score_terms`, :func:`_rounding_error`; the softmax turns an absolute score error e into a relative
     weight error of about e, so at large logits, scores of 100s, it is the largest error a correct kernel makes,
-    and which way each score happens to round decides how large its output's error is); a float mask is added as a
+    and which way each score happens to round decides how large its output's error is; the two largest of a row
+    round apart, :func:`_apart_at_the_top`); a float mask is added as a
     kernel in that dtype adds it, rounded exactly (a huge finite mask value absorbs the score, here as there)."""
     if scale_first:
         scores = round_to(round_to(q * round_to(np.float64(scale), dtype), dtype) @ k.transpose(0, 1, 3, 2), dtype)
@@ -547,7 +566,8 @@ def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale:
             scores = np.where(np.isfinite(rounded) | ~np.isfinite(scores), rounded,
                               round_to(scores, "float32").astype(np.float64))
         size = np.broadcast_to(_score_error_size(q, k, scale, score_error_of), scores.shape)
-        scores = scores + _rounding_error(size, score_error_of, rows)
+        signs = _apart_at_the_top(_signs(scores.shape, rows), scores, np.broadcast_to(allowed, scores.shape))
+        scores = scores + _rounding_error(size, score_error_of, rows, signs)
     return scores, allowed, additive
 
 
