@@ -469,12 +469,14 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_pad
         advice = (f"; if that is the kernel's convention, declare it: divergences = {builder[observed]}(\"why\") from "
                   "mha_harness.toolkit.divergences" + (_NOT_MEANT if observed == "NaN" else "")
                   if wanted == "zeros" and observed in builder else "")
-        if observed == "uniform average of V" and logit_softcap() is not None:
-            advice += ("; or, with the declared soft cap, " + CAP_AFTER_MASK.format(cap=logit_softcap())
-                       + " (the float-mask and mask-composition cases name it where it is so)")
         if observed == "other":
             advice = _other_rows_detail(got[rows], expected[rows], uniform[rows], uniform_tol.bound, params, inputs,
                                         dtype, rows)
+        empty = np.zeros(got.shape[:2], bool)
+        empty[rows] = True
+        if observed in ("uniform average of V", "other") and cap_after_mask_hint(got, params, inputs, rows=empty):
+            advice += ("; or, with the declared soft cap, " + CAP_AFTER_MASK.format(cap=logit_softcap())
+                       + " (the float-mask and mask-composition cases name it where it is so)")
         raise CaseFailure(f"fully masked rows: expected {wanted}"
                           f"{' before W_o (output = b_o)' if wanted == 'zeros' else ''}, observed {observed}{advice}",
                           observed=observed)
