@@ -76,7 +76,9 @@ QK_NORM_GRID = {
 #: the other 48 passed, with biases), which a backend declaring ``Capabilities.partial_rotary`` runs. The very last
 #: is the frequencies' rescaling (``COMMON_ROTARY_SCALINGS``' kind): ``rotary_scaled_llama3`` is Llama 3.1's layer
 #: (its ``rope_type="llama3"`` scaling by 8, base 500,000, grouped-query heads), ``rotary_scaled_linear`` a position
-#: interpolation by 4; each runs for a backend that declares that kind in ``Capabilities.rotary_scalings``.
+#: interpolation by 4, ``rotary_scaled_yarn`` Qwen 2.5's long-context layer (YaRN by 4 over 32,768 positions, base
+#: 1,000,000, biases, grouped-query heads: its ramp spans frequencies 5 .. 10 of 16, q and k times 1.139); each runs
+#: for a backend that declares that kind in ``Capabilities.rotary_scalings``.
 ROTARY_GRID = {
     "rotary_half_split": (2, 4, 16, 64, 64, True, 2, None, "half_split", 10_000.0, None, None),
     "rotary_interleaved": (1, 2, 32, 48, 48, False, None, None, "interleaved", 500_000.0, None, None),
@@ -85,6 +87,7 @@ ROTARY_GRID = {
     "rotary_partial": (2, 2, 80, 48, 48, True, None, None, None, 10_000.0, 32, None),
     "rotary_scaled_llama3": (2, 2, 32, 64, 64, False, 1, None, None, 500_000.0, None, "llama3"),
     "rotary_scaled_linear": (1, 2, 32, 48, 48, False, None, None, None, 10_000.0, None, "linear"),
+    "rotary_scaled_yarn": (2, 2, 32, 64, 64, True, 1, None, None, 1_000_000.0, None, "yarn"),
 }
 
 
@@ -100,7 +103,8 @@ def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None, rotary=None, rotary_dim
                 "whose rotary turns only each head's first features, as GPT-NeoX, Phi and StableLM have)")
     if scaling and scaling not in caps.rotary_scalings:
         return (f"does not declare rotary_scalings {scaling!r} (Capabilities.rotary_scalings: a layer whose rotary "
-                "frequencies are rescaled for long contexts, as Llama 3.1's rope_type='llama3' does, declares it)")
+                "frequencies are rescaled for long contexts, as Llama 3.1's rope_type='llama3' or Qwen 2.5's 'yarn' "
+                "does, declares it)")
     if qk_norm and qk_norm not in caps.qk_norms:
         return (f"does not declare qk_norms {qk_norm!r} (Capabilities.qk_norms: a layer with a norm of q and k, "
                 "as Qwen 3, Gemma 3, OLMo 2 and ViT-22B have, declares it)")

@@ -107,16 +107,23 @@ def qk_normed(y, gain, kind: str | None, d_head: int, eps: float, bias=None):
     return normed.reshape(b, t, width)
 
 
-def scaled_frequencies(inv_freq, scaling):
-    """The rotary frequencies ``inv_freq`` rescaled as transformers' ``rope_type`` of ``scaling.kind`` does
-    (:class:`~mha_harness.contract.conventions.RotaryScaling`): ``"linear"`` divides them all by the factor;
+def scaled_frequencies(inv_freq, scaling, base: float = 10_000.0):
+    """The rotary frequencies ``inv_freq`` (at ``base``) rescaled as transformers' ``rope_type`` of ``scaling.kind``
+    does (:class:`~mha_harness.contract.conventions.RotaryScaling`): ``"linear"`` divides them all by the factor;
     ``"llama3"`` divides those whose wavelength exceeds ``original_max_positions / low_freq_factor``, keeps those below
-    ``original_max_positions / high_freq_factor`` and blends the ones between."""
+    ``original_max_positions / high_freq_factor`` and blends the ones between; ``"yarn"`` blends the divided and the
+    kept ones with a linear ramp over the frequency index (its attention factor: :func:`rotary_turned`)."""
     import torch
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        low, high = scaling.yarn_ramp(2 * inv_freq.shape[-1], base)
+        high = high + 0.001 if high == low else high
+        index = torch.arange(inv_freq.shape[-1], device=inv_freq.device, dtype=inv_freq.dtype)
+        ramp = ((index - low) / (high - low)).clamp(0, 1)
+        return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
     old = scaling.original_max_positions
     wavelength = 2 * math.pi / inv_freq
     low, high = old / scaling.low_freq_factor, old / scaling.high_freq_factor
@@ -133,7 +140,7 @@ def rotary_turned(x, positions, kind: str | None, base: float, dims: int | None 
     partial rotary turns only each head's first ``dims`` features and passes the rest, as GPT-NeoX's and Phi's
     layers split ``x[..., :rotary_ndims]`` from ``x[..., rotary_ndims:]``. The angles ``p / base ** (2i / dims)``
     (rescaled by ``scaling``: :func:`scaled_frequencies`) in float32 (float64 for a float64 layer), as transformers
-    computes them, cos and sin then cast to the heads' dtype."""
+    computes them, cos and sin (times YaRN's attention factor) then cast to the heads' dtype."""
     import torch
     if kind is None:
         return x
@@ -143,9 +150,10 @@ def rotary_turned(x, positions, kind: str | None, base: float, dims: int | None 
                          dim=-1)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     inv_freq = 1.0 / (base ** (torch.arange(0, width, 2, dtype=torch.int64, device=x.device).to(work) / width))
-    inv_freq = scaled_frequencies(inv_freq, scaling)
+    inv_freq = scaled_frequencies(inv_freq, scaling, base)
     angles = positions.to(device=x.device, dtype=work)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    scale = 1.0 if scaling is None else scaling.attention_scale  # YaRN's attention factor, as transformers applies it
+    cos, sin = (angles.cos() * scale).to(x.dtype), (angles.sin() * scale).to(x.dtype)
     if kind == "half_split":
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         rotate_half = torch.cat([-x[..., width // 2:], x[..., :width // 2]], dim=-1)

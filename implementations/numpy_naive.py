@@ -98,7 +98,7 @@ class NumpyNaiveLoaded(LoadedAttention):
         turned, rescaled by :meth:`rotary_scaling` (:meth:`RotaryScaling.frequencies`) if any, in ``work``."""
         width, scaling = self.rotary_width(), self.rotary_scaling()
         inv_freq = work(1.0) / work(self.rotary_base()) ** (np.arange(0, width, 2, dtype=work) / work(width))
-        return inv_freq if scaling is None else scaling.frequencies(inv_freq).astype(work)
+        return inv_freq if scaling is None else scaling.frequencies(inv_freq, self.rotary_base()).astype(work)
 
     def rotary_angles(self, positions: np.ndarray) -> np.ndarray:
         """The angles (T, r/2), each position times each frequency: in float32 for a float32 layer (as kernels
@@ -108,13 +108,14 @@ class NumpyNaiveLoaded(LoadedAttention):
 
     def rotate(self, x: np.ndarray, positions: np.ndarray, which: str) -> np.ndarray:
         """Heads ``x`` (B, n, T, d_head) of q or k (``which``) at ``positions`` turned by the layer's rotary
-        embeddings, each pair (x_a, x_b) to (x_a cos - x_b sin, x_b cos + x_a sin), a partial rotary's other
-        features unturned; ``x`` without them."""
+        embeddings, each pair (x_a, x_b) to (x_a cos - x_b sin, x_b cos + x_a sin) (cos and sin times YaRN's
+        attention factor under its rescaling), a partial rotary's other features unturned; ``x`` without them."""
         if self.config.rotary is None:
             return x
         a, b = self.rotary_pairs()
         angles = self.rotary_angles(positions)
-        cos, sin = np.cos(angles).astype(self.dtype), np.sin(angles).astype(self.dtype)
+        scale = 1.0 if self.rotary_scaling() is None else self.rotary_scaling().attention_scale  # YaRN's factor
+        cos, sin = (np.cos(angles) * scale).astype(self.dtype), (np.sin(angles) * scale).astype(self.dtype)
         out = x.copy()
         out[..., a] = x[..., a] * cos - x[..., b] * sin
         out[..., b] = x[..., b] * cos + x[..., a] * sin

@@ -209,12 +209,13 @@ def test_the_decode_step_and_gradients_run_a_partial_and_a_rescaled_rotary_and_c
     from mha_harness.implementations.torch_eager import TorchEager
     steps = {v["variant"]: v for v in _step_variants(TorchEager())}
     assert steps["rotary_partial"]["rotary_dims"] == 4
-    assert {"rotary_scaled_llama3", "rotary_scaled_linear"} <= set(steps)
+    assert {"rotary_scaled_llama3", "rotary_scaled_linear", "rotary_scaled_yarn"} <= set(steps)
     assert [v["rotary_scaling"] for v in _gradient_variants(TorchEager()) if v.get("rotary_scaling")] == ["linear"]
     step = "check_decode_step_over_filled_cache_matches_reference"
     assert mha_harness.check(TorchEager(), cases=[step, "check_gradients_match_reference"], isolate=False).ok
     for name, variants in (("mutant-rotary-partial-whole-head", {"rotary_partial"}),
-                           ("mutant-rotary-scaling-ignored", {"rotary_scaled_llama3", "rotary_scaled_linear"})):
+                           ("mutant-rotary-scaling-ignored", {"rotary_scaled_llama3", "rotary_scaled_linear",
+                                                              "rotary_scaled_yarn"})):
         mutant = next(b for b in mutant_backends() if b.name == name)
         failed = mha_harness.check(mutant, cases=[step], isolate=False).failures()
         assert {r.params["variant"] for r in failed} == variants, (name, [r.params["variant"] for r in failed])

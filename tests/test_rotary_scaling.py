@@ -1,6 +1,7 @@
 """Rescaled rotary frequencies (``AttentionConfig.rotary_scaling``, declared by ``Capabilities.rotary_scalings``):
-Llama 3.1's ``rope_type="llama3"`` and a linear position interpolation. The rescaling against an independent
-transcription, the reference, the declarations, the backends, the grid rows, search and the diagnoses."""
+Llama 3.1's ``rope_type="llama3"``, a linear position interpolation and YaRN (``rope_type="yarn"``). The rescaling
+against an independent transcription (and transformers' own YaRN), the reference, the declarations, the backends, the
+grid rows, search and the diagnoses."""
 from __future__ import annotations
 
 import math
@@ -53,10 +54,11 @@ def test_the_references_rescaled_rotary_turns_by_the_rescaled_frequencies(kind, 
     inputs = make_inputs(config, 1, 5, 40, seed=2)
     # the rescaled frequencies are base ** (-2i / d) for an equivalent per-frequency base: turn by them directly
     d = config.d_head
-    inv_freq = config.rotary_scaling.frequencies(1.0 / 500_000.0 ** (np.arange(0, d, 2) / d))
+    inv_freq = config.rotary_scaling.frequencies(1.0 / 500_000.0 ** (np.arange(0, d, 2) / d), 500_000.0)
+    factor = config.rotary_scaling.attention_scale  # YaRN's, on q and k alike (1 for the others)
     heads = lambda y, n: y.reshape(*y.shape[:2], n, -1).transpose(0, 2, 1, 3)  # noqa: E731
     q_pos, k_pos = rotary_positions(inputs.tq, inputs.tk)
-    turn = lambda x, pos: _llama_rotary(x, pos * 1.0, None, kind, inv_freq)  # noqa: E731
+    turn = lambda x, pos: factor * _llama_rotary(x, pos * 1.0, None, kind, inv_freq)  # noqa: E731
     q, k = turn(heads(inputs.query @ params.W_q, 2), q_pos), turn(heads(inputs.key @ params.W_k, 2), k_pos)
     v = heads(inputs.value @ params.W_v, 2)
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(d)
@@ -69,8 +71,8 @@ def test_the_references_rescaled_rotary_turns_by_the_rescaled_frequencies(kind, 
 
 
 def test_a_malformed_rescaling_is_refused_naming_the_parameter_and_the_accepted_values():
-    with pytest.raises(ValueError, match=r"RotaryScaling.kind: got 'yarn'; accepted: 'linear', 'llama3'"):
-        RotaryScaling("yarn")
+    with pytest.raises(ValueError, match=r"RotaryScaling.kind: got 'dynamic'; accepted: 'linear', 'llama3', 'yarn'"):
+        RotaryScaling("dynamic")
     with pytest.raises(ValueError, match=r"RotaryScaling.factor: got 0; accepted: a finite number > 0"):
         RotaryScaling("linear", 0)
     with pytest.raises(ValueError, match=r"RotaryScaling.high_freq_factor: got 1.0 with low_freq_factor 1.0"):
@@ -81,8 +83,8 @@ def test_a_malformed_rescaling_is_refused_naming_the_parameter_and_the_accepted_
         AttentionConfig(32, 2, rotary="half_split", rotary_scaling="llama3")
     with pytest.raises(ValueError, match=r"rotary_scaling: got .* with rotary=None; accepted: None, or set rotary"):
         AttentionConfig(32, 2, rotary_scaling=LLAMA_3_1)
-    with pytest.raises(ValueError, match=r"Capabilities.rotary_scalings: got unknown 'yarn'"):
-        Capabilities(rotary_scalings=("yarn",))
+    with pytest.raises(ValueError, match=r"Capabilities.rotary_scalings: got unknown 'dynamic'"):
+        Capabilities(rotary_scalings=("dynamic",))
     assert mha_harness.RotaryScaling is RotaryScaling
 
 
@@ -146,7 +148,8 @@ def test_the_rescaling_mutant_is_caught_and_named_by_both_scaled_rows_and_found_
     from mha_harness.implementations.mutants import mutant_backends
     mutant = next(b for b in mutant_backends() if b.name == "mutant-rotary-scaling-ignored")
     failed = mha_harness.check(mutant, cases=[GRID], isolate=False).failures()
-    assert sorted(r.params["variant"] for r in failed) == ["rotary_scaled_linear", "rotary_scaled_llama3"]
+    assert sorted(r.params["variant"] for r in failed) == ["rotary_scaled_linear", "rotary_scaled_llama3",
+                                                           "rotary_scaled_yarn"]
     assert all(mutant.mutant.message_mentions in r.message for r in failed), [r.message for r in failed]
     outcome = search_backend(Target(mutant, MUTANT_SPEC), results=tmp_path, isolate=False, max_examples=200, seed=0)
     assert not outcome.passed and outcome.example.get("rotary_scaling"), outcome.lines()
@@ -173,4 +176,74 @@ def test_another_rescaling_in_the_configs_place_is_named_at_its_own_factor(name,
         dtypes=("float32",), rotary=ROTARY_KINDS, rotary_scalings=("llama3",))})()
     (failed,) = mha_harness.check(backend, cases=[GRID], isolate=False).failures()
     assert failed.params["variant"] == "rotary_scaled_llama3"
+    assert named in failed.message and "half precision" not in failed.message, failed.message
+
+
+#: transformers 5.25's ROPE_INIT_FUNCTIONS["yarn"] (its float32 inv_freq) for gpt-oss's rope_parameters (factor 32
+#: over 4,096 positions, beta_fast 32, beta_slow 1, "truncate": false) at base 150,000 and head_dim 64, and its
+#: attention factor
+GPT_OSS_YARN = RotaryScaling("yarn", 32.0, original_max_positions=4096, truncate=False)
+GPT_OSS_INV_FREQ = [
+    1.0, 0.6890442967414856, 0.4747820496559143, 0.32714587450027466, 0.22541800141334534, 0.15532298386096954,
+    0.1070244237780571, 0.07374456524848938, 0.05081327259540558, 0.031705696135759354, 0.019334999844431877,
+    0.011592049151659012, 0.006794959306716919, 0.0038603590801358223, 0.002093792660161853, 0.00105260219424963,
+    0.0004564839182421565, 0.00012931869423482567, 3.830881178146228e-05, 2.6396468456368893e-05,
+    1.818833698052913e-05, 1.253256959898863e-05, 8.635495760245249e-06, 5.95023948335438e-06, 4.099978468730114e-06,
+    2.8250667583051836e-06, 1.9465962850517826e-06, 1.3412909538601525e-06, 9.242089618055616e-07,
+    6.368209142237902e-07, 4.38797854940276e-07, 3.023511396804679e-07]
+#: the same function for Qwen 2.5's (factor 4 over 32,768 positions, truncated ramp) at base 1,000,000 and head_dim
+#: 32: each frequency over the unscaled one
+QWEN_YARN_RATIOS = [1.0] * 6 + [0.85, 0.7, 0.55, 0.4] + [0.25] * 6
+
+
+def test_yarn_is_transformers_rope_init_and_attention_factor():
+    inv_freq = 1.0 / 150_000.0 ** (np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(GPT_OSS_YARN.frequencies(inv_freq, 150_000.0), GPT_OSS_INV_FREQ, rtol=2e-6)
+    assert GPT_OSS_YARN.attention_scale == pytest.approx(1.3465735902799727, rel=1e-15)
+    qwen = COMMON_ROTARY_SCALINGS["yarn"]
+    inv_freq = 1.0 / 1e6 ** (np.arange(0, 32, 2) / 32)
+    np.testing.assert_allclose(qwen.frequencies(inv_freq, 1e6) / inv_freq, QWEN_YARN_RATIOS, rtol=1e-12)
+    assert qwen.attention_scale == pytest.approx(1.138629436111989, rel=1e-15)
+    assert RotaryScaling("yarn", 4.0, attention_factor=0.5).attention_scale == 0.5
+    assert RotaryScaling("yarn", 1.0).attention_scale == 1.0 and LLAMA_3_1.attention_scale == 1.0
+
+
+@pytest.mark.parametrize("field, value, accepted", [
+    ("beta_fast", 0.5, "accepted: a number above beta_slow"), ("beta_slow", -1.0, "accepted: a finite number > 0"),
+    ("attention_factor", 0.0, "accepted: a finite number > 0 or None"), ("truncate", "no", "accepted: True or False")])
+def test_a_malformed_yarn_field_is_refused_naming_it(field, value, accepted):
+    with pytest.raises(ValueError, match=rf"RotaryScaling.{field}: got .*; {accepted}"):
+        RotaryScaling("yarn", 4.0, **{field: value})
+
+
+def _yarn_layer(name: str, wrong):
+    """numpy-naive declaring YaRN, its rescaling replaced by ``wrong(config's)`` where the config has YaRN."""
+    from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+    class Loaded(NumpyNaiveLoaded):
+        def rotary_scaling(self):
+            real = self.config.rotary_scaling
+            return real if real is None or real.kind != "yarn" else wrong(real)
+
+    return type(name, (NumpyNaive,), {"name": name, "loaded_class": Loaded, "capabilities": Capabilities(
+        dtypes=("float32",), rotary=ROTARY_KINDS, rotary_scalings=("yarn",))})()
+
+
+@pytest.mark.parametrize("name, wrong, named", [
+    ("yarn-without-attention-factor", lambda s: RotaryScaling("yarn", s.factor, original_max_positions=4096 * 8,
+                                                             attention_factor=1.0),
+     "the output matches YaRN's rescaled rotary embeddings without its attention factor (q and k not multiplied by "
+     "1.139"),
+    ("yarn-ramp-not-truncated", lambda s: RotaryScaling("yarn", s.factor, original_max_positions=32_768,
+                                                       truncate=False),
+     "the output matches rotary embeddings with YaRN's ramp without its ends rounded to whole frequency indices "
+     "where config.rotary_scaling.truncate is True"),
+    ("yarn-left-out", lambda s: None, "lack the 'yarn' rescaling config.rotary_scaling asks for (rope_type 'yarn', "
+                                      "factor 4, original_max_position_embeddings 32768"),
+])
+def test_a_wrong_yarn_layer_is_named(name, wrong, named):
+    """Qwen 2.5's row (YaRN by 4 over 32,768 positions) on a layer without YaRN's attention factor (its q and k
+    1.139 x too small), with gpt-oss's untruncated ramp where the config truncates, and without YaRN at all."""
+    (failed,) = mha_harness.check(_yarn_layer(name, wrong), cases=[GRID], isolate=False).failures()
+    assert failed.params["variant"] == "rotary_scaled_yarn"
     assert named in failed.message and "half precision" not in failed.message, failed.message

@@ -112,6 +112,8 @@ def _scaling_candidates(params: AttentionParams):
                f"config.rotary_scaling asks for ({_scaling_words(scaling)}: rope_scaling never reached the module; "
                "build it from config.rotary_scaling)",
                params.replace(config=dataclasses.replace(c, rotary_scaling=None)), None)
+    if scaling is not None and scaling.kind == "yarn":
+        yield from _yarn_candidates(params)
     factors = COMMON_SCALING_FACTORS if scaling is None else (scaling.factor, *COMMON_SCALING_FACTORS)
     for common in COMMON_ROTARY_SCALINGS.values():
         for factor in dict.fromkeys(factors):  # each kind at each distinct factor once
@@ -127,10 +129,36 @@ def _scaling_candidates(params: AttentionParams):
                    params.replace(config=dataclasses.replace(c, rotary_scaling=wrong)), None)
 
 
+def _yarn_candidates(params: AttentionParams):
+    """The wrong YaRN layers: its frequencies rescaled without its attention factor (q and k not multiplied by it: a
+    port of the frequencies alone; transformers multiplies cos and sin by ``attention_scaling``), and its ramp's ends
+    rounded where the config does not round them (``truncate``: gpt-oss sets it false) or the other way round."""
+    c, scaling = params.config, params.config.rotary_scaling
+    if scaling.attention_scale != 1.0:
+        yield (f"; the output matches YaRN's rescaled rotary embeddings without its attention factor (q and k not "
+               f"multiplied by {scaling.attention_scale:.4g}"
+               + (", 0.1 * ln(factor) + 1" if scaling.attention_factor is None else "")
+               + ": transformers multiplies the rotary cos and sin by attention_scaling; apply it with the rotation)",
+               params.replace(config=dataclasses.replace(
+                   c, rotary_scaling=dataclasses.replace(scaling, attention_factor=1.0))), None)
+    flipped = dataclasses.replace(scaling, truncate=not scaling.truncate)
+    if flipped.yarn_ramp(c.rotary_width, c.rotary_base) != scaling.yarn_ramp(c.rotary_width, c.rotary_base):
+        yield (f"; the output matches rotary embeddings with YaRN's ramp {'without' if scaling.truncate else 'with'} "
+               f"its ends rounded to whole frequency indices where config.rotary_scaling.truncate is "
+               f"{scaling.truncate} (rope_parameters' 'truncate': gpt-oss sets it false, transformers' default is "
+               "true)",
+               params.replace(config=dataclasses.replace(c, rotary_scaling=flipped)), None)
+
+
 def _scaling_words(scaling) -> str:
     """A rescaling in words, as transformers' rope_parameters name it."""
     if scaling.kind == "linear":
         return f"rope_type 'linear', factor {scaling.factor:g}"
+    if scaling.kind == "yarn":
+        return (f"rope_type 'yarn', factor {scaling.factor:g}, original_max_position_embeddings "
+                f"{scaling.original_max_positions}, beta_fast {scaling.beta_fast:g}, beta_slow {scaling.beta_slow:g}"
+                + ("" if scaling.attention_factor is None else f", attention_factor {scaling.attention_factor:g}")
+                + ("" if scaling.truncate else ", truncate false"))
     return (f"rope_type 'llama3', factor {scaling.factor:g}, low_freq_factor {scaling.low_freq_factor:g}, "
             f"high_freq_factor {scaling.high_freq_factor:g}, original_max_position_embeddings "
             f"{scaling.original_max_positions}")

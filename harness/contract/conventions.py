@@ -168,22 +168,33 @@ def rotary_pairs(kind: str, width: int) -> tuple[np.ndarray, np.ndarray]:
 #: divided by the factor (position interpolation; transformers' ``rope_type="linear"``); ``llama3``: Llama 3.1's
 #: (``rope_type="llama3"``), frequencies whose wavelength is longer than ``original_max_positions /
 #: low_freq_factor`` divided by the factor, those shorter than ``original_max_positions / high_freq_factor`` kept, and
-#: those between blended smoothly
-ROTARY_SCALING_KINDS = ("linear", "llama3")
+#: those between blended smoothly; ``yarn``: YaRN's (``rope_type="yarn"``: Qwen 2.5's long context, gpt-oss,
+#: DeepSeek-V3), the frequencies that turn fewer than ``beta_slow`` times over ``original_max_positions`` divided by
+#: the factor, those that turn more than ``beta_fast`` times kept, a linear ramp between them over the frequency
+#: index, and q and k scaled by the attention factor (their cos and sin multiplied by it)
+ROTARY_SCALING_KINDS = ("linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RotaryScaling:
     """A rescaling of the rotary frequencies (``AttentionConfig.rotary_scaling``), as transformers' ``rope_parameters``
     hold it; the defaults are Llama 3.1's (``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``). ``linear`` uses ``factor`` only. It does
-    not depend on the call's length (dynamic NTK and YaRN are not among the kinds)."""
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``). ``linear`` uses ``factor`` only;
+    ``yarn`` uses ``factor``, ``original_max_positions``, ``beta_fast`` and ``beta_slow`` (transformers' defaults 32
+    and 1), ``attention_factor`` (None: transformers' default, ``0.1 * ln(factor) + 1``; DeepSeek's ``mscale`` /
+    ``mscale_all_dim`` give their ratio, pass it here) and ``truncate`` (the ramp's ends rounded to whole indices;
+    gpt-oss sets ``"truncate": false``). It does not depend on the call's length (dynamic NTK is not among the
+    kinds)."""
 
     kind: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self):
         if self.kind not in ROTARY_SCALING_KINDS:
@@ -203,12 +214,50 @@ class RotaryScaling:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"RotaryScaling.original_max_positions: got {n!r}; accepted: an integer >= 1, the "
                              "context length the model was trained at before scaling (Llama 3.1's: 8192)")
+        for name in ("beta_fast", "beta_slow") + (("attention_factor",) if self.attention_factor is not None else ()):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"RotaryScaling.{name}: got {value!r}; accepted: a finite number > 0"
+                                 + (" or None (0.1 * ln(factor) + 1)" if name == "attention_factor" else
+                                    " (YaRN's defaults: beta_fast 32, beta_slow 1)"))
+        if self.beta_fast <= self.beta_slow:
+            raise ValueError(f"RotaryScaling.beta_fast: got {self.beta_fast!r} with beta_slow {self.beta_slow!r}; "
+                             "accepted: a number above beta_slow (YaRN's defaults: 32 and 1)")
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"RotaryScaling.truncate: got {self.truncate!r}; accepted: True or False")
 
-    def frequencies(self, inv_freq: np.ndarray) -> np.ndarray:
-        """The rescaled frequencies (radians per position) of the unscaled ``inv_freq``."""
+    @property
+    def attention_scale(self) -> float:
+        """What q and k are multiplied by with their rotation (the rotary tables' cos and sin are): YaRN's attention
+        factor (``attention_factor``, or ``0.1 * ln(factor) + 1`` for a factor above 1), 1 for the other kinds."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    def yarn_ramp(self, width: int, base: float) -> tuple[float, float]:
+        """YaRN's correction range (low, high) of frequency indices for ``width`` features turned at ``base``: the
+        index whose frequency turns ``beta_fast`` times over ``original_max_positions`` and the one turning
+        ``beta_slow`` times (rounded outwards to whole indices when ``truncate``), clipped to 0 .. width - 1."""
+        def index(turns):
+            return width * math.log(self.original_max_positions / (turns * 2 * math.pi)) / (2 * math.log(base))
+        low, high = index(self.beta_fast), index(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, width - 1)
+
+    def frequencies(self, inv_freq: np.ndarray, base: float = 10_000.0) -> np.ndarray:
+        """The rescaled frequencies (radians per position) of the unscaled ``inv_freq``, ``base ** (-2i / r)`` for
+        i = 0 .. r/2 - 1 (``base``: YaRN's ramp depends on it and on r)."""
         inv_freq = np.asarray(inv_freq, np.float64)
         if self.kind == "linear":
             return inv_freq / self.factor
+        if self.kind == "yarn":
+            low, high = self.yarn_ramp(2 * len(inv_freq), base)
+            ramp = np.clip((np.arange(len(inv_freq)) - low) / ((high + 0.001 if high == low else high) - low), 0, 1)
+            return inv_freq / self.factor * ramp + inv_freq * (1 - ramp)
         wavelength = 2 * np.pi / inv_freq
         low_wavelength = self.original_max_positions / self.low_freq_factor
         high_wavelength = self.original_max_positions / self.high_freq_factor
@@ -219,6 +268,7 @@ class RotaryScaling:
                         np.where(wavelength < high_wavelength, inv_freq, blended))
 
 
-#: the scalings the cases and search build (``Capabilities.rotary_scalings`` declares the kinds): Llama 3.1's, and a
-#: linear position interpolation by 4 (Vicuna 16k's)
-COMMON_ROTARY_SCALINGS = {"llama3": RotaryScaling(), "linear": RotaryScaling("linear", 4.0)}
+#: the scalings the cases and search build (``Capabilities.rotary_scalings`` declares the kinds): Llama 3.1's, a
+#: linear position interpolation by 4 (Vicuna 16k's) and Qwen 2.5's YaRN (factor 4 over 32,768 positions)
+COMMON_ROTARY_SCALINGS = {"llama3": RotaryScaling(), "linear": RotaryScaling("linear", 4.0),
+                          "yarn": RotaryScaling("yarn", 4.0, original_max_positions=32_768)}

@@ -191,20 +191,25 @@ def rotary_tables(positions: np.ndarray, width: int, base: float, dtype: str = "
     """cos and sin of the rotary angles ``p * base ** (-2i / width)``, (len(positions), width // 2), rounded to
     ``dtype`` (``width``: the features turned, d_head or a partial rotary's r; ``spread``: the denominator instead,
     for the mistake of a partial rotary's frequencies over d_head; ``scaling``: a
-    :class:`~mha_harness.contract.conventions.RotaryScaling` of the frequencies, or None). Below float64 the angles
+    :class:`~mha_harness.contract.conventions.RotaryScaling` of the frequencies, or None; YaRN's multiplies cos and
+    sin by its attention factor). Below float64 the angles
     are computed as kernels compute them, in float32 whatever the dtype (the frequencies ``1 / base ** (2i /
     width)``, their scaling and their products with the positions each rounded to float32: at position p an angle is
     off by about p * 2^-24), which at long positions is most of a float32 layer's error."""
     i = np.arange(width // 2, dtype=np.float64)
     over = width if spread is None else spread
     p = np.asarray(positions, np.float64)[:, None]
-    scaled = (lambda f: f) if scaling is None else scaling.frequencies
+    scaled = (lambda f: f) if scaling is None else (lambda f: scaling.frequencies(f, base))  # noqa: E731
     if dtype == "float64":
         theta = p * scaled(np.float64(base) ** (-2.0 * i / over))
     else:
         f32 = lambda a: np.asarray(a, np.float32).astype(np.float64)  # noqa: E731
         theta = f32(p * f32(scaled(f32(1.0 / f32(f32(base) ** f32(2.0 * i / over))))))
-    return round_to(np.cos(theta), dtype), round_to(np.sin(theta), dtype)
+    cos, sin = np.cos(theta), np.sin(theta)
+    if scaling is not None and scaling.attention_scale != 1.0:  # YaRN's attention factor, on q and k alike
+        rounded = (lambda a: a) if dtype == "float64" else f32  # noqa: E731
+        cos, sin = rounded(rounded(cos) * scaling.attention_scale), rounded(rounded(sin) * scaling.attention_scale)
+    return round_to(cos, dtype), round_to(sin, dtype)
 
 
 def _config_tables(positions: np.ndarray, config, dtype: str = "float64") -> tuple[np.ndarray, np.ndarray]:

@@ -557,6 +557,17 @@ class RotaryScalingIgnored(NumpyNaiveLoaded):
         return None
 
 
+class YarnWithoutAttentionFactor(NumpyNaiveLoaded):
+    """YaRN's frequencies rescaled, but q and k never multiplied by its attention factor (0.1 * ln(factor) + 1: a
+    port of YaRN's inv_freq that drops the attention_scaling transformers multiplies cos and sin by)."""
+
+    def rotary_scaling(self):
+        scaling = self.config.rotary_scaling
+        if scaling is None or scaling.kind != "yarn":
+            return scaling
+        return dataclasses.replace(scaling, attention_factor=1.0)
+
+
 class SlidingWindowIgnored(NumpyNaiveLoaded):
     """Declares a sliding window but never applies it: every key up to the query is seen (a Mistral layer whose
     config.sliding_window never reaches its mask, as with an attention implementation that drops it)."""
@@ -1029,6 +1040,9 @@ MUTANTS = (
     Mutant("mutant-rotary-scaling-ignored", "rotary frequencies never rescaled whatever config.rotary_scaling says "
            "(Llama 3.1's rope_type 'llama3' lost on the way to the module)", RotaryScalingIgnored,
            "frequencies lack the", rotary=ROTARY_KINDS, rotary_scalings=ROTARY_SCALING_KINDS),
+    Mutant("mutant-yarn-without-attention-factor", "YaRN's frequencies rescaled but q and k not multiplied by its "
+           "attention factor (transformers' attention_scaling on cos and sin left out)", YarnWithoutAttentionFactor,
+           "without its attention factor", rotary=ROTARY_KINDS, rotary_scalings=("yarn",)),
     Mutant("mutant-sliding-window-ignored", "declares a sliding window but never applies it (every key up to the "
            "query seen)", SlidingWindowIgnored, "without its sliding window", sliding_window=True),
     Mutant("mutant-sliding-window-one-key-too-wide", "a sliding window of w + 1 keys where config.sliding_window = w "
