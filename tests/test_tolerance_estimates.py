@@ -467,7 +467,7 @@ def test_the_two_heaviest_keys_of_a_row_round_apart_in_the_score_error_estimate(
     signs = np.ones((1, 1, 3, 4))
     scores = np.array([[[[0.0, 5.0, 4.0, -1.0], [3.0, 2.0, 1.0, 0.0], [1.0, 9.0, 8.0, 7.0]]]])
     allowed = np.array([[[[True, True, True, True], [True, False, False, False], [True, False, True, True]]]])
-    out = _apart_at_the_top(signs, scores, allowed)
+    out = _apart_at_the_top(signs.copy(), scores, allowed)
     np.testing.assert_array_equal(out[0, 0], [[1, 1, -1, 1], [1, 1, 1, 1], [1, 1, 1, -1]])
     flipped = _apart_at_the_top(-signs, scores, allowed)  # set against the largest's sign, whichever it drew
     np.testing.assert_array_equal(flipped, -out)

@@ -526,21 +526,22 @@ def _rounding_error(size: np.ndarray, of: str, rows, signs: np.ndarray | None = 
 
 
 def _apart_at_the_top(signs: np.ndarray, scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """``signs`` (batch, heads, queries, keys) with, in each row of two or more visible keys, the sign of its
-    second-largest visible score set against its largest's. A row's weights move only with the differences of its
-    scores' errors, and at large logits two keys carry nearly all of a row's weight: where those two drew one sign
-    the estimate moves nothing (an outside user's soft-capped float32 layer at two keys failed at 1.5 x a bound
-    drawn so, 2026-12-05), while a kernel's two roundings fall either way. The other keys keep their draws."""
+    """``signs`` (batch, heads, queries, keys; changed in place) with, in each row of two or more visible keys, the
+    sign of its second-largest visible score set against its largest's. A row's weights move only with the
+    differences of its scores' errors, and at large logits two keys carry nearly all of a row's weight: where those
+    two drew one sign the estimate moves nothing (an outside user's soft-capped float32 layer at two keys failed at
+    1.5 x a bound drawn so, 2026-12-05), while a kernel's two roundings fall either way. The other keys keep their
+    draws."""
     masked = np.where(allowed, scores, -np.inf)
     if masked.shape[-1] < 2:
         return signs
-    order = np.argsort(-masked, axis=-1, kind="stable")
-    first, second = order[..., :1], order[..., 1:2]
+    first = np.argmax(masked, axis=-1)[..., None]  # two passes of argmax: a row of 1000s of keys, no sort
+    np.put_along_axis(masked, first, -np.inf, axis=-1)
+    second = np.argmax(masked, axis=-1)[..., None]
     two = np.isfinite(np.take_along_axis(masked, second, axis=-1))
     apart = -np.take_along_axis(signs, first, axis=-1)
-    out = signs.copy()
-    np.put_along_axis(out, second, np.where(two, apart, np.take_along_axis(signs, second, axis=-1)), axis=-1)
-    return out
+    np.put_along_axis(signs, second, np.where(two, apart, np.take_along_axis(signs, second, axis=-1)), axis=-1)
+    return signs
 
 
 def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale: float, dtype: str, scale_first: bool,
