@@ -425,10 +425,13 @@ def test_the_half_precision_score_estimate_is_what_covers_torch_eagers_bfloat16_
     exact = reference_vjp(params, inputs, cotangent)
     terms = reference_vjp_magnitudes(params, inputs, cotangent)
     estimates = naive_gradients(params, inputs, cotangent, "bfloat16", "separate")
-    assert len(estimates) == 5
+    others = [reference_vjp(params, inputs, cotangent, dtype="bfloat16", flash=flash) for flash in (False, True)] + \
+        [reference_vjp(params, inputs, cotangent, flash=flash, score_error_of="float32", score_error_sign=sign)
+         for flash in (False, True) for sign in (1, -1)]
+    assert len(estimates) == len(others) + 2  # the textbook estimate in bfloat16, with each sign (a q/k norm)
     length = gradient_reduction_length(params, inputs)
     error = max_abs_error(got, exact["W_v"])
-    without = gradient_bounds(exact, estimates[:4], "bfloat16", length, terms)["W_v"][1].bound
+    without = gradient_bounds(exact, others, "bfloat16", length, terms)["W_v"][1].bound
     with_it = gradient_bounds(exact, estimates, "bfloat16", length, terms)["W_v"][1].bound
     assert without < error <= with_it, (without, error, with_it)
 
@@ -485,3 +488,27 @@ def test_a_two_key_row_whose_draw_rounded_alike_still_bounds_the_gemma_layers_er
         _, tol = tolerance_for(params, inputs, "float32")
     assert max_abs_error(erred, exact) > 1.5e-6
     assert tol.bound > 3 * 1.01e-6, tol.describe()
+
+
+#: what `mha-harness search --backend torch-eager --backend numpy-naive --seed 31 --max-examples 600` stopped at,
+#: 2026-12-06 (before as after the estimates above): torch-eager's own float32 output at 1.26 x the bound. Its
+#: projections', norm's and rotation's roundings each move the output by about 1.7e-6 through the scores; the
+#: score-error estimate's own error (4.8e-7) had its projections' error before the norm and its scores' error cancel
+NORMED_ROTARY = _example(form="self", tq=5, tk=5, d_head=10, bias=True, cut=4, gradients=False, seed=1) | {
+    "qk_norm": "rms_per_head", "rotary": "half_split", "rotary_base": 500000.0, "rotary_dims": 8}
+
+
+def test_a_normed_layers_score_error_is_also_taken_the_other_way_round():
+    """In a layer with a q/k norm the estimate also runs with its scores' error negated (its projections' kept):
+    torch-eager passes NORMED_ROTARY, and the negated draw is what covers it (1.4e-5 against 4.8e-7)."""
+    from mha_harness.contract.expected import score_error_signs
+    check_example(_builtin("torch_eager", "torch-eager", "torch"), NORMED_ROTARY)
+    params, inputs = build(NORMED_ROTARY)
+    assert score_error_signs(params) == (1, -1)
+    assert score_error_signs(make_params(AttentionConfig(16, 2), seed=0)) == (1,)
+    exact = reference_attention(params, inputs).output
+    drawn, negated = (max_abs_error(reference_attention(params, inputs, score_error_of="float32",
+                                                        score_error_sign=sign).output, exact) for sign in (1, -1))
+    assert negated > 10 * drawn, (drawn, negated)
+    with pytest.raises(ValueError, match="score_error_sign: got 0; accepted: 1 or -1"):
+        reference_attention(params, inputs, score_error_of="float32", score_error_sign=0)

@@ -27,16 +27,22 @@ def naive_forwards(params: AttentionParams, inputs: AttentionInputs, dtype: str,
     scores' rounding the largest error, and which way each score happens to round decides one algorithm's error: it
     can be several times below another correct kernel's); in half precision also the float64 one whose scores carry
     that dtype's rounding (:func:`~mha_harness.contract.tolerance.textbook_score_error_dtype`: a textbook kernel in
-    it rounds q, k and the scores to it)."""
-    low, half = naive_dtype(dtype), textbook_score_error_dtype(dtype)
+    it rounds q, k and the scores to it). In a layer with a q/k norm, whose projections carry an error of their own
+    before the norm (``projection_error_of``), each score-error estimate also with its scores' error the other way
+    round (``score_error_sign=-1``: in one draw the two can cancel, 2026-12-06)."""
+    low, half, score = naive_dtype(dtype), textbook_score_error_dtype(dtype), score_error_dtype(dtype)
+    out = {"rows": rows, "need_weights": need_weights}
     with hashed_once(params, inputs):
-        return [reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low),
-                reference_attention(params, inputs, rows=rows, need_weights=need_weights, dtype=low, scale_first=True),
-                reference_attention(params, inputs, rows=rows, need_weights=need_weights,
-                                    score_error_of=score_error_dtype(dtype))] + \
-            ([] if half is None else [reference_attention(params, inputs, rows=rows, need_weights=need_weights,
-                                                          score_error_of=half,
-                                                          projection_error_of=score_error_dtype(dtype))])
+        return [reference_attention(params, inputs, dtype=low, **out),
+                reference_attention(params, inputs, dtype=low, scale_first=True, **out)] + \
+            [reference_attention(params, inputs, score_error_of=of, projection_error_of=score, score_error_sign=sign,
+                                 **out) for of in (score, half) if of is not None for sign in score_error_signs(params)]
+
+
+def score_error_signs(params: AttentionParams) -> tuple[int, ...]:
+    """The signs each score-error estimate is taken with: (1, -1) in a layer with a q/k norm (its projections'
+    error and its scores' can cancel in one draw), (1,) otherwise."""
+    return (1, -1) if params.config.qk_norm is not None else (1,)
 
 
 def tolerance_for(params: AttentionParams, inputs: AttentionInputs, dtype: str,
@@ -58,13 +64,16 @@ def naive_gradients(params: AttentionParams, inputs: AttentionInputs, cotangent:
     one's normalised, FlashAttention's ``exp(s - lse)`` not: at large logits the largest error, see
     :func:`naive_forwards` and ``reference_vjp(..., score_error_of=)``); in half precision also the textbook one
     whose weights carry that dtype's rounding of the scores (FlashAttention's keeps its scores and log-sum-exp in
-    float32)."""
+    float32); with both signs of the scores' error in a layer with a q/k norm, as :func:`naive_forwards`'."""
     low, half, score = naive_dtype(dtype), textbook_score_error_dtype(dtype), score_error_dtype(dtype)
     with hashed_once(params, inputs):
-        grads = [reference_vjp(params, inputs, cotangent, dtype=low, flash=flash) for flash in (False, True)] + \
-            [reference_vjp(params, inputs, cotangent, flash=flash, score_error_of=score) for flash in (False, True)]
-        if half is not None:
-            grads.append(reference_vjp(params, inputs, cotangent, score_error_of=half, projection_error_of=score))
+        grads = [reference_vjp(params, inputs, cotangent, dtype=low, flash=flash) for flash in (False, True)]
+        for sign in score_error_signs(params):
+            grads += [reference_vjp(params, inputs, cotangent, flash=flash, score_error_of=score,
+                                    score_error_sign=sign) for flash in (False, True)]
+            if half is not None:
+                grads.append(reference_vjp(params, inputs, cotangent, score_error_of=half, projection_error_of=score,
+                                           score_error_sign=sign))
     return [input_gradients(g, form) for g in grads]
 
 

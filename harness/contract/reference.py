@@ -545,7 +545,7 @@ def _apart_at_the_top(signs: np.ndarray, scores: np.ndarray, allowed: np.ndarray
 
 
 def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale: float, dtype: str, scale_first: bool,
-            score_error_of: str | None = None):
+            score_error_of: str | None = None, sign: int = 1):
     """The scaled scores (soft-capped when a cap is declared: :func:`soft_capped`) with the float attn_mask added,
     rounding in ``dtype``; the allowed mask; the float mask's
     additive part (None without one). ``scale_first``:
@@ -554,7 +554,7 @@ def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale:
     terms (:func:`_score_terms`, :func:`_rounding_error`; the softmax turns an absolute score error e into a relative
     weight error of about e, so at large logits, scores of 100s, it is the largest error a correct kernel makes,
     and which way each score happens to round decides how large its output's error is; the two largest of a row
-    round apart, :func:`_apart_at_the_top`); a float mask is added as a
+    round apart, :func:`_apart_at_the_top`; ``sign`` -1: every one the other way); a float mask is added as a
     kernel in that dtype adds it, rounded exactly (a huge finite mask value absorbs the score, here as there)."""
     if scale_first:
         scores = round_to(round_to(q * round_to(np.float64(scale), dtype), dtype) @ k.transpose(0, 1, 3, 2), dtype)
@@ -573,7 +573,7 @@ def _scores(params: AttentionParams, inputs: AttentionInputs, rows, q, k, scale:
                               round_to(scores, "float32").astype(np.float64))
         size = np.broadcast_to(_score_error_size(q, k, scale, score_error_of), scores.shape)
         signs = _apart_at_the_top(_signs(scores.shape, rows), scores, np.broadcast_to(allowed, scores.shape))
-        scores = scores + _rounding_error(size, score_error_of, rows, signs)
+        scores = scores + _rounding_error(size, score_error_of, rows, sign * signs)
     return scores, allowed, additive
 
 
@@ -588,9 +588,10 @@ def _merge_heads(d: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype: str, empty_rows: str | None = None,
                    scale_first: bool = False, score_error_of: str | None = None,
-                   projection_error_of: str | None = None):
+                   projection_error_of: str | None = None, sign: int = 1):
     """The forward up to the heads' concatenation; ``projection_error_of`` (default ``score_error_of``): the
-    normed q and k projections carry that dtype's rounding (:func:`_project_normed`)."""
+    normed q and k projections carry that dtype's rounding (:func:`_project_normed`); ``sign``: the scores' error
+    as drawn (1) or the other way (-1)."""
     c = params.config
     query = inputs.query if rows is None else inputs.query[:, np.asarray(rows)]
     error_of = projection_error_of or score_error_of
@@ -601,7 +602,7 @@ def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype
                   axis=1)
     v = np.repeat(_project_normed(inputs.value, params, "v", c.kv_heads, dtype), c.group, axis=1)
     scale = score_scale(c.d_head)
-    scores, allowed, _ = _scores(params, inputs, rows, q, k, scale, dtype, scale_first, score_error_of)
+    scores, allowed, _ = _scores(params, inputs, rows, q, k, scale, dtype, scale_first, score_error_of, sign)
     weights = round_to(_masked_softmax(scores, np.broadcast_to(allowed, scores.shape),
                                        empty_rows or empty_rows_convention()), dtype)
     heads = round_to(weighted_values(weights, v), dtype)
@@ -728,6 +729,11 @@ def clear_reference_cache() -> None:
     _CACHE.clear()
 
 
+def _require_sign(sign) -> None:
+    if sign not in (1, -1) or isinstance(sign, bool):
+        raise ValueError(f"score_error_sign: got {sign!r}; accepted: 1 or -1")
+
+
 def _require_dtype_name(name: str, value: str | None) -> None:
     if value is not None and value not in EPS:
         raise ValueError(f"{name}: got {value!r}; accepted: None or one of {', '.join(EPS)}")
@@ -743,7 +749,7 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
                         need_weights: bool = False, dtype: str = "float64",
                         empty_rows: str | None = None, scale_first: bool = False,
                         score_error_of: str | None = None,
-                        projection_error_of: str | None = None) -> AttentionOutput:
+                        projection_error_of: str | None = None, score_error_sign: int = 1) -> AttentionOutput:
     """Multi-head attention by the definition, in float64 unless ``dtype`` says otherwise.
 
     With ``rows`` only those query rows are computed (output shape (B, len(rows), d_model)). ``empty_rows``
@@ -756,25 +762,28 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
     kernel in that dtype does) and nothing else is rounded beyond ``dtype``: with float64, the error of a kernel
     exact but for its scores' rounding, which dominates at large logits (see :func:`_scores`).
     ``projection_error_of`` (default ``score_error_of``): the dtype whose rounding the normed q and k projections
-    carry before their norm (:func:`_projection_error`).
+    carry before their norm (:func:`_projection_error`). ``score_error_sign`` -1: the scores' error the other way
+    round (the projections' kept): in a layer with a q/k norm the two can cancel in one draw, and the tolerance takes
+    both.
     """
     require_params(params)
     require_inputs(inputs)
     _require_dtype_name("score_error_of", score_error_of)
     _require_dtype_name("projection_error_of", projection_error_of)
+    _require_sign(score_error_sign)
     empty_rows = empty_rows or empty_rows_convention()
     rows_key = None if rows is None else np.asarray(rows)
 
     def compute():
         *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype, empty_rows, scale_first,
-                                                   score_error_of, projection_error_of)
+                                                   score_error_of, projection_error_of, score_error_sign)
         out = _project(concat, params.W_o, params.b_o, dtype).astype(np.float64)
         weights = weights.astype(np.float64) if need_weights else None
         _read_only(out, weights)
         return out, weights
 
     key = _content_key("forward", params, inputs, rows_key, need_weights, dtype, empty_rows, scale_first,
-                       score_error_of, projection_error_of)
+                       score_error_of, projection_error_of, score_error_sign)
     out, weights = _CACHE.get(key, compute, lambda v: v[0].nbytes + (0 if v[1] is None else v[1].nbytes))
     return AttentionOutput(out.copy(), None if weights is None else weights.copy())
 
@@ -782,7 +791,7 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
 def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray,
                   dtype: str = "float64", *, flash: bool = False,
                   score_error_of: str | None = None,
-                  projection_error_of: str | None = None) -> dict[str, np.ndarray]:
+                  projection_error_of: str | None = None, score_error_sign: int = 1) -> dict[str, np.ndarray]:
     """Gradients of sum(output * cotangent) with respect to inputs and parameters.
 
     Exact in float64; with another ``dtype`` it is the naive backward in that format
@@ -794,22 +803,24 @@ def reference_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
     FlashAttention's recomputes each weight as ``exp(s - lse)`` with that error, and one rounding of s + mask and of
     s - lse per entry and of the stored lse per row, in the exponent, which no normalisation removes (at large
     logits, |lse| of 100s, that is the largest error of its gradients; see :func:`_flash_weights`).
-    ``projection_error_of`` (default ``score_error_of``): as :func:`reference_attention`'s, in forward and backward.
+    ``projection_error_of`` (default ``score_error_of``), ``score_error_sign``: as :func:`reference_attention`'s, in
+    forward and backward.
     """
     _require_dtype_name("score_error_of", score_error_of)
     _require_dtype_name("projection_error_of", projection_error_of)
+    _require_sign(score_error_sign)
     cotangent = np.asarray(cotangent)
 
     def compute():
         # a naive backward in half precision may overflow where the layer's own does not: its error is the estimate
         with np.errstate(over="ignore", invalid="ignore"):
             grads = _vjp(params, inputs, cotangent, dtype, flash=flash, score_error_of=score_error_of,
-                         projection_error_of=projection_error_of)
+                         projection_error_of=projection_error_of, sign=score_error_sign)
         _read_only(*grads.values())
         return grads
 
     key = _content_key("vjp", params, inputs, cotangent, dtype, empty_rows_convention(), _UNIFORM_ROW_SCORES.get(),
-                       flash, score_error_of, projection_error_of)
+                       flash, score_error_of, projection_error_of, score_error_sign)
     grads = _CACHE.get(key, compute, lambda g: sum(a.nbytes for a in g.values()))
     return {name: grad.copy() for name, grad in grads.items()}
 
@@ -940,12 +951,12 @@ def _row_lse(scores: np.ndarray, allowed: np.ndarray, r=lambda x: x):
 
 
 def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale, dtype: str,
-                   score_error_of: str | None = None) -> np.ndarray:
+                   score_error_of: str | None = None, sign: int = 1) -> np.ndarray:
     """The softmax weights as a FlashAttention backward recomputes them, rounding in ``dtype``: scores again (the
     queries scaled first), then ``exp(s - logsumexp)`` from the row's log-sum-exp (rows with no visible key: as
     :func:`empty_rows_convention` says, like the forward's). ``score_error_of``: the exponent ``s - lse`` carries
     that dtype's rounding: per entry two unit roundoffs at the size of ``s``'s dot-product terms and one at
-    ``|mask| + |lse|``, per row one at ``|lse|``."""
+    ``|mask| + |lse|``, per row one at ``|lse|``; ``sign`` -1: all of it the other way."""
     r = lambda x: round_to(x, dtype)  # noqa: E731
     scores, allowed, additive = _scores(params, inputs, None, q, k, scale, dtype, scale_first=True)
     allowed = np.broadcast_to(allowed, scores.shape)
@@ -959,8 +970,8 @@ def _flash_weights(params: AttentionParams, inputs: AttentionInputs, q, k, scale
         size = 2 * _score_terms(q, k, scale) + row
         if additive is not None:
             size = size + np.abs(additive)
-        exponent = exponent + _rounding_error(np.broadcast_to(size, exponent.shape), score_error_of, None) \
-            + _rounding_error(row, score_error_of, None)
+        exponent = exponent + sign * (_rounding_error(np.broadcast_to(size, exponent.shape), score_error_of, None)
+                                      + _rounding_error(row, score_error_of, None))
     empty = _empty_row_weight(empty_rows_convention(), scores.shape[-1])
     return np.where(visible, np.where(allowed, r(np.exp(exponent)), 0.0), empty)
 
@@ -1047,23 +1058,25 @@ def _mistaken_vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: n
 
 
 def _vjp(params: AttentionParams, inputs: AttentionInputs, cotangent: np.ndarray, dtype: str,
-         flash: bool = False, score_error_of: str | None = None, projection_error_of: str | None = None) -> dict:
+         flash: bool = False, score_error_of: str | None = None, projection_error_of: str | None = None,
+         sign: int = 1) -> dict:
     """The backward, rounding after every stage in ``dtype``. ``flash``: as FlashAttention-2 computes it (and
     torch's SDPA kernels and nn.MultiheadAttention's fused path do): the queries scaled first, the weights
     recomputed from the row's log-sum-exp, and the softmax backward's row term taken as ``rowsum(dO * O)`` instead
     of ``rowsum(dP * P)`` (equal in exact arithmetic, not after rounding). ``score_error_of``,
-    ``projection_error_of``: as :func:`reference_vjp`'s."""
+    ``projection_error_of``, ``sign``: as :func:`reference_vjp`'s ``score_error_of``, ``projection_error_of``,
+    ``score_error_sign``."""
     c = params.config
     r = lambda x: round_to(x, dtype)  # noqa: E731
     projection_error_of = projection_error_of or score_error_of
     q, k, v, p, concat, scale, allowed = _forward_parts(params, inputs, None, dtype, scale_first=flash,
                                                         score_error_of=None if flash else score_error_of,
-                                                        projection_error_of=projection_error_of)
+                                                        projection_error_of=projection_error_of, sign=sign)
     g = r(cotangent)
     d_o = _heads(r(g @ r(params.W_o).T), c.num_heads)
     d_p = r(d_o @ v.transpose(0, 1, 3, 2))
     if flash:
-        p = _flash_weights(params, inputs, q, k, scale, dtype, score_error_of)
+        p = _flash_weights(params, inputs, q, k, scale, dtype, score_error_of, sign)
         row = r(r(d_o * _heads(concat, c.num_heads)).sum(axis=-1, keepdims=True))
     else:
         row = r((d_p * p).sum(axis=-1, keepdims=True))
