@@ -36,12 +36,14 @@ def small_layer(backend, *, bias: bool = False, num_kv_heads=None, seed: int = 0
                 **overrides):
     """A small layer (d_model 32, 4 heads) using biases only where the backend declares them (``rotary``: with those
     rotary embeddings, ``rotary_dims`` of each head's features turned, its frequencies rescaled by the
-    ``rotary_scaling`` kind of COMMON_ROTARY_SCALINGS; ``sliding_window``: a window of that many keys)."""
+    ``rotary_scaling`` kind of COMMON_ROTARY_SCALINGS, or a RotaryScaling itself; ``sliding_window``: a window of
+    that many keys)."""
     shape = {**SMALL, **overrides}
     config = AttentionConfig(shape["d_model"], shape["num_heads"], num_kv_heads,
                              bias=bias and backend.capabilities.bias, rotary=rotary, rotary_base=rotary_base,
                              rotary_dims=rotary_dims,
-                             rotary_scaling=rotary_scaling and COMMON_ROTARY_SCALINGS[rotary_scaling],
+                             rotary_scaling=rotary_scaling if not isinstance(rotary_scaling, str)
+                             else COMMON_ROTARY_SCALINGS[rotary_scaling],
                              sliding_window=sliding_window)
     return make_params(config, seed=seed)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from mha_harness.cases._fixtures import KEYS_ACROSS_BLOCKS, small_layer
 from mha_harness.conformance.casekit import Measurement, assert_decode_step_close, case, primary_dtype, require
 from mha_harness.contract.api import as_kv_cache_call
-from mha_harness.contract.conventions import BOTTOM_RIGHT
+from mha_harness.contract.conventions import BOTTOM_RIGHT, RotaryScaling
 from mha_harness.contract.params import make_inputs
 
 #: name: (new queries Tq, key/value heads or None, biases, cached positions): one query (the token-by-token step)
@@ -20,6 +20,11 @@ WINDOW_STEP = 16
 #: the rotary step: a layer with rotary embeddings (each kind it declares, at Llama 3's base) writes its new keys
 #: turned at their own positions and turns its queries at theirs, Tk - Tq .. Tk - 1, not from 0
 ROTARY_STEP = (5, 2, True, KEYS_ACROSS_BLOCKS - 5, 500_000.0)
+#: the decode step's rescaling of a kind where it is not the grid's (COMMON_ROTARY_SCALINGS'): gpt-oss's YaRN (factor
+#: 32 over 4,096 positions, its ramp's ends not rounded: "truncate": false), so that a layer which ignores
+#: ``truncate`` fails either this or the grid's Qwen 2.5 row (an outside user's wrapper that dropped it passed both
+#: Qwen rows)
+STEP_SCALINGS = {"yarn": RotaryScaling("yarn", 32.0, original_max_positions=4096, truncate=False)}
 
 
 def _step_variants(backend):
@@ -62,9 +67,11 @@ def check_decode_step_over_filled_cache_matches_reference(backend, *, dtype, var
     the cache before its queries attend, and every call attends over the same Tk positions. Skips for a backend
     without a decode step. A layer with rotary embeddings (each kind it declares) turns the cached keys, the new keys
     and the new queries at their own positions, with a partial rotary's width and a rescaling where declared; a layer
-    with a sliding window (where declared) counts it back from each new query's position, hiding most of the cache."""
+    with a sliding window (where declared) counts it back from each new query's position, hiding most of the cache.
+    YaRN's step is gpt-oss's (:data:`STEP_SCALINGS`), the grid's Qwen 2.5's."""
     params = small_layer(backend, bias=bias, num_kv_heads=kv_heads, seed=tq, rotary=rotary, rotary_base=rotary_base,
-                         rotary_dims=rotary_dims, rotary_scaling=rotary_scaling, sliding_window=sliding_window)
+                         rotary_dims=rotary_dims, rotary_scaling=STEP_SCALINGS.get(rotary_scaling, rotary_scaling),
+                         sliding_window=sliding_window)
     inputs = as_kv_cache_call(make_inputs(params.config, 2, tq, tk, seed=tq, causal=BOTTOM_RIGHT))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     first, second = backend.load(params, dtype=dtype).decode_step(inputs)

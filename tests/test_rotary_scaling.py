@@ -247,3 +247,44 @@ def test_a_wrong_yarn_layer_is_named(name, wrong, named):
     (failed,) = mha_harness.check(_yarn_layer(name, wrong), cases=[GRID], isolate=False).failures()
     assert failed.params["variant"] == "rotary_scaled_yarn"
     assert named in failed.message and "half precision" not in failed.message, failed.message
+
+
+def test_a_gradient_failure_whose_forward_lacks_yarns_attention_factor_names_it_not_a_score_scale():
+    """Without its attention factor a YaRN layer is also a layer whose scores are scaled by 1 / 1.139^2: the gradient
+    case's note on the wrong forward named that scale and said to declare it (an outside user's Qwen 2 copy); it
+    names the rotary mistake, as the output cases do."""
+    import dataclasses
+
+    from mha_harness.conformance.casekit import forward_also_wrong
+    yarn = COMMON_ROTARY_SCALINGS["yarn"]
+    config = AttentionConfig(32, 4, 2, bias=True, rotary="half_split", rotary_base=1e6, rotary_scaling=yarn)
+    params = make_params(config, seed=1)
+    inputs = make_inputs(config, 2, 9, seed=2, causal="top-left")
+    without = params.replace(config=dataclasses.replace(config, rotary_scaling=dataclasses.replace(
+        yarn, attention_factor=1.0)))
+    wrong = reference_attention(without, inputs).output
+    note = forward_also_wrong(lambda: wrong, params, inputs, "float32", np.ones_like(wrong))
+    assert "the forward's output for this call is wrong too" in note
+    assert "without its attention factor" in note and "scores scaled by" not in note, note
+
+
+def test_a_layer_that_ignores_yarns_truncate_fails_the_decode_steps_gpt_oss_scaling():
+    """The grid's YaRN row is Qwen 2.5's (truncate true), the decode step's gpt-oss's (truncate false): a layer whose
+    ramp is always rounded (an outside user's wrapper that dropped "truncate" from rope_parameters passed every case
+    before) fails the step, named."""
+    import dataclasses
+
+    from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+    class Loaded(NumpyNaiveLoaded):
+        def rotary_scaling(self):
+            real = self.config.rotary_scaling
+            return real if real is None else dataclasses.replace(real, truncate=True)
+
+    backend = type("truncate-dropped", (NumpyNaive,), {"name": "truncate-dropped", "loaded_class": Loaded})()
+    failed = mha_harness.check(backend, cases=[GRID, "check_decode_step_over_filled_cache_matches_reference"],
+                               isolate=False).failures()
+    assert [(r.case, r.params["variant"]) for r in failed] == [
+        ("check_decode_step_over_filled_cache_matches_reference", "rotary_scaled_yarn")]
+    assert "YaRN's ramp with its ends rounded to whole frequency indices where config.rotary_scaling.truncate is " \
+           "False" in failed[0].message, failed[0].message

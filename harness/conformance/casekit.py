@@ -867,7 +867,9 @@ def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: Attenti
                        dtype: str, cotangent: np.ndarray) -> str:
     """A sentence for a gradient failure when the same call's forward output (``forward()``, run on a failure only)
     is outside its tolerance too, on the rows the ``cotangent`` weighs (a padded query's output, which a gradient
-    case leaves unspecified, is not compared), with the other score scale or soft cap it matches: the gradients
+    case leaves unspecified, is not compared), with the rotary mistake, other score scale or soft cap it matches (a
+    YaRN layer without its attention factor is also a layer with scores scaled by its inverse square: the rotary
+    mistake is named first, as the output cases name it): the gradients
     follow the forward, so the backward is not to blame first; "" when the forward is right, not given, or cannot
     be run (a diagnosis only)."""
     if forward is None:
@@ -880,8 +882,9 @@ def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: Attenti
         error = float(np.max(np.abs(output - expected[weighed]), initial=0.0)) if np.all(np.isfinite(output)) \
             else np.inf
         named = ""
-        if error > tol.bound:  # another score scale (compared on whole outputs), else another soft cap
-            named = ((scale_hint(whole, params, inputs, tol.bound) if weighed.all() else "")
+        if error > tol.bound:  # a rotary mistake or another score scale (on whole outputs), else another soft cap
+            named = ((rotary_hint(whole, params, inputs, tol.bound) if weighed.all() else "")
+                     or (scale_hint(whole, params, inputs, tol.bound) if weighed.all() else "")
                      or scores_hint(whole, params, inputs, tol.bound, compare=weighed))
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return ""

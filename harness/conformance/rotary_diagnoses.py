@@ -107,13 +107,13 @@ def _scaling_candidates(params: AttentionParams):
     common kind at a common factor or at the config's own: Llama 3.2's factor 32 where 3.1's 8 belongs, linear where
     llama3 does), or one kept in a layer whose config has none (a long-context model's rope_scaling)."""
     c, scaling = params.config, params.config.rotary_scaling
+    if scaling is not None and scaling.kind == "yarn":  # the more specific first: where a call's frequencies are all
+        yield from _yarn_candidates(params)             # kept, YaRN left out is its attention factor left out
     if scaling is not None:
         yield (f"; the output matches rotary embeddings whose frequencies lack the {scaling.kind!r} rescaling "
                f"config.rotary_scaling asks for ({_scaling_words(scaling)}: rope_scaling never reached the module; "
                "build it from config.rotary_scaling)",
                params.replace(config=dataclasses.replace(c, rotary_scaling=None)), None)
-    if scaling is not None and scaling.kind == "yarn":
-        yield from _yarn_candidates(params)
     factors = COMMON_SCALING_FACTORS if scaling is None else (scaling.factor, *COMMON_SCALING_FACTORS)
     for common in COMMON_ROTARY_SCALINGS.values():
         for factor in dict.fromkeys(factors):  # each kind at each distinct factor once
