@@ -883,9 +883,8 @@ def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: Attenti
             else np.inf
         named = ""
         if error > tol.bound:  # a rotary mistake or another score scale (on whole outputs), else another soft cap
-            named = ((rotary_hint(whole, params, inputs, tol.bound) if weighed.all() else "")
-                     or (scale_hint(whole, params, inputs, tol.bound) if weighed.all() else "")
-                     or scores_hint(whole, params, inputs, tol.bound, compare=weighed))
+            named = ((rotary_hint(whole, params, inputs, tol.bound) or scale_hint(whole, params, inputs, tol.bound)
+                      if weighed.all() else "") or scores_hint(whole, params, inputs, tol.bound, compare=weighed))
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return ""
     if error <= tol.bound:

@@ -176,23 +176,30 @@ def _matches(got: np.ndarray, params: AttentionParams, call: AttentionInputs, ro
     return False
 
 
-def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
-                    truth: Callable[[], np.ndarray] | None = None) -> str:
-    """A message suffix when ``got`` matches the mask-after-softmax mistake (on ``rows`` of (batch, Tq) if given)."""
+def _wrong_layer_explains(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows,
+                          truth: Callable[[], np.ndarray] | None, **mistake) -> bool:
+    """Whether ``got`` (on ``rows`` of (batch, Tq) if given) is, within 1e-4, :func:`wrong_layer_output` with
+    ``mistake``, and that explains it better than the correct output (``truth``, computed here when None) does."""
     if rows is not None:
         got = got[rows]
     if not np.all(np.isfinite(got)):  # the wrong layer's output is finite: no match, and no need to build it
-        return ""
-    wrong = wrong_layer_output(params, inputs, mask_after_softmax=True)
+        return False
+    wrong = wrong_layer_output(params, inputs, **mistake)
     if rows is not None:
         wrong = wrong[rows]
-    if np.allclose(got, wrong, atol=1e-4, rtol=1e-4):
-        correct = (truth or _truth(params, inputs))()
-        if not explains(got, wrong, correct if rows is None else correct[rows]):
-            return ""
-        return ("; the output matches the mask applied after the softmax without renormalising (masked keys still "
-                "enter the softmax denominator)")
-    return ""
+    if not np.allclose(got, wrong, atol=1e-4, rtol=1e-4):
+        return False
+    correct = (truth or _truth(params, inputs))()
+    return explains(got, wrong, correct if rows is None else correct[rows])
+
+
+def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
+                    truth: Callable[[], np.ndarray] | None = None) -> str:
+    """A message suffix when ``got`` matches the mask-after-softmax mistake (on ``rows`` of (batch, Tq) if given)."""
+    if not _wrong_layer_explains(got, params, inputs, rows, truth, mask_after_softmax=True):
+        return ""
+    return ("; the output matches the mask applied after the softmax without renormalising (masked keys still "
+            "enter the softmax denominator)")
 
 
 def cap_after_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
@@ -204,19 +211,7 @@ def cap_after_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attent
     ``attn_logit_softcapping``: an outside user's copy failed the float-mask, composition and fully-masked cases
     with numbers only). "" without a declared cap."""
     cap = logit_softcap()
-    if cap is None:
-        return ""
-    if rows is not None:
-        got = got[rows]
-    if not np.all(np.isfinite(got)):
-        return ""
-    wrong = wrong_layer_output(params, inputs, cap_after_mask=True)
-    if rows is not None:
-        wrong = wrong[rows]
-    if not np.allclose(got, wrong, atol=1e-4, rtol=1e-4):
-        return ""
-    correct = (truth or _truth(params, inputs))()
-    if not explains(got, wrong, correct if rows is None else correct[rows]):
+    if cap is None or not _wrong_layer_explains(got, params, inputs, rows, truth, cap_after_mask=True):
         return ""
     return f"; the output matches {CAP_AFTER_MASK.format(cap=cap)}"
 
