@@ -27,6 +27,7 @@ from mha_harness.conformance.diagnoses import (
     scores_fit_hint,
     single_key_rows_hint,
 )
+from mha_harness.conformance.diagnosing import diagnosing
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
 from mha_harness.conformance.qk_norm_diagnoses import QK_NORM_MATCH, qk_norm_hint, qk_norm_match
 from mha_harness.conformance.rotary_diagnoses import ROTARY_MATCH, rotary_hint
@@ -556,10 +557,13 @@ def assert_output_close(backend: AttentionBackend, params: AttentionParams, inpu
                         got: np.ndarray, expected: np.ndarray, tol: Tolerance, what: str = "output", rows=None,
                         hint: Callable[[np.ndarray], str] | None = None) -> float:
     """:func:`assert_close` for a backend's output, whose failure also names the known mistake the output matches
-    (:func:`common_mistake`, then ``hint(got)``); returns the worst error."""
+    (:func:`common_mistake`, then ``hint(got)``; neither inside
+    :func:`~mha_harness.conformance.diagnosing.undiagnosed`); returns the worst error."""
     try:
         return assert_close(got, expected, tol, what, row_ids=rows)
     except CaseFailure as failure:
+        if not diagnosing():
+            raise
         extra = common_mistake(backend, params, inputs, dtype, got, expected, tol, rows) + (hint(got) if hint else "")
         if not extra:
             raise
@@ -609,7 +613,10 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     (:func:`~mha_harness.conformance.window_diagnoses.window_hint`) or a mask mistake
     (:func:`~mha_harness.conformance.diagnoses.mask_mistake`, its wrong calls' rows without a key under the empty-row
     convention the backend follows), else right only where a row sees a single key
-    (:func:`~mha_harness.conformance.diagnoses.single_key_rows_hint`)."""
+    (:func:`~mha_harness.conformance.diagnoses.single_key_rows_hint`). '' inside
+    :func:`~mha_harness.conformance.diagnosing.undiagnosed`."""
+    if not diagnosing():
+        return ""
     stray = "" if params.config.bias else zero_input_hint(backend, params, inputs, dtype)
     offset = stray or constant_offset_hint(got, expected, params.config.bias)
     if offset or rows is not None:  # the others cost reference calls: only when no bias diagnosis came first, on
@@ -923,13 +930,14 @@ def assert_gradients_match_reference(got: Mapping[str, np.ndarray], params: Atte
     against the reference under the tolerance rule
     (:func:`~mha_harness.contract.expected.gradient_tolerances`); returns the worst error, raises CaseFailure naming
     the gradient and what the backward got wrong
-    (:func:`~mha_harness.conformance.gradient_diagnoses.gradient_hint`; not with ``diagnose=False``, for a strict
-    run whose failure a declared divergence will be verified on)."""
+    (:func:`~mha_harness.conformance.gradient_diagnoses.gradient_hint`; not with ``diagnose=False`` nor inside
+    :func:`~mha_harness.conformance.diagnosing.undiagnosed`, as in a strict run whose failure a declared divergence
+    will be verified on)."""
     bounds = gradient_tolerances(params, inputs, cotangent, dtype, form)
     try:
         return _assert_within(got, bounds)
     except CaseFailure as failure:
-        if not diagnose:
+        if not diagnose or not diagnosing():
             raise
         raise failure.with_hint(*_gradient_diagnosis(got, params, inputs, cotangent, dtype, form, bounds,
                                                      forward)) from None

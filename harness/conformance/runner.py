@@ -6,6 +6,7 @@ makes it an expected divergence.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from mha_harness.conformance.casekit import (
     variant_id,
     verifying,
 )
+from mha_harness.conformance.diagnosing import undiagnosed
 from mha_harness.conformance.proxy import PluginError, WorkerLost, as_proxy
 from mha_harness.conformance.results import CaseResult, Status, repro_command
 from mha_harness.contract.api import AttentionBackend, Divergence, Unsupported, supported
@@ -191,10 +193,13 @@ def run_case(backend, case: Case, params: dict, *, spec: str | None = None,
 
 
 def _run_and_verify(proxy, case: Case, params: dict, result: CaseResult) -> None:
-    """Run the variant strictly into ``result``; a failure a declaration matches is rerun under it."""
-    result.status, result.message, result.max_error, result.observed, diagnosis = _execute(proxy, case, params)
-    _diagnosed(result, diagnosis)
+    """Run the variant strictly into ``result``; a failure a declaration matches is rerun under it. The strict run
+    of a variant a declaration matches names no mistake (:func:`~mha_harness.conformance.diagnosing.undiagnosed`):
+    the verifying run decides its verdict and names the mistake where it fails too."""
     declared = [d for d in proxy.divergences if d.matches(case.name, params)]
+    with undiagnosed() if declared else contextlib.nullcontext():
+        result.status, result.message, result.max_error, result.observed, diagnosis = _execute(proxy, case, params)
+    _diagnosed(result, diagnosis)
     if declared and result.status == Status.FAILED:
         _verify(proxy, case, params, declared, result)
         if result.status != Status.FAILED:  # a verified divergence (or an error while verifying) is no mistake
