@@ -2,6 +2,8 @@
 each diagnosis is proved on a backend that makes exactly that mistake."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -490,3 +492,38 @@ def test_wrong_scales_that_coincide_at_a_shape_are_named_as_either():
     labels = set(wrong_scales(AttentionConfig(256, 16)).values())
     assert "1/sqrt(d_model) or 1/d_head" in labels
     assert "1 (no scaling)" in labels and "1/d_model" in labels
+
+
+def test_a_strict_run_a_declaration_will_verify_names_no_mistake_and_the_verifying_run_does():
+    """Inside ``undiagnosed`` (the runner's strict run of a variant a declaration matches) a failing output raises
+    its failure, error and bound unchanged, without looking for the mistake; the verifying run that fails too names
+    it, as a plain failure does."""
+    from mha_harness.conformance.casekit import CaseFailure, check_against_reference
+    from mha_harness.conformance.diagnosing import undiagnosed
+    from mha_harness.contract.api import Divergence
+
+    backend = _backend("scaled-by-d-model", _ScaledByDModel)
+    params = make_params(AttentionConfig(32, 4), seed=0)
+    rng = np.random.default_rng(0)
+    inputs = AttentionInputs(*(rng.standard_normal((2, 9, 32)) for _ in range(3)))
+    failures = []
+    for block in (undiagnosed, contextlib.nullcontext):
+        with block(), pytest.raises(CaseFailure) as failed:
+            check_against_reference(backend, params, inputs, "float32")
+        failures.append(failed.value)
+    quiet, named = failures
+    assert quiet.diagnosis == "" and "1/d_model" not in str(quiet)
+    assert "scores scaled by 1/d_model" in named.diagnosis and str(named).startswith(str(quiet))
+    assert quiet.max_error == named.max_error
+
+    declared = _backend("scaled-by-d-model-declared", _ScaledByDModel, divergences=(
+        Divergence("check_output_matches_reference", "precision:bfloat16", "a scale mistake no precision covers",
+                   when={"dtype": "float32"}),))
+    results = [r for r in mha_harness.check(declared, cases=["check_output_matches_reference"]).results
+               if r.params.get("dtype") == "float32"]
+    failed = [r for r in results if r.status == Status.FAILED]
+    assert len(failed) >= 8  # one key, one token: right at any scale; a few rows within bfloat16's bound
+    assert all(r.message.startswith("fails even under its declared divergence") for r in failed)
+    assert all("scores scaled by 1/d_model" in r.extra.get("diagnosis", "") for r in failed)
+    verified = [r for r in results if r.status == Status.EXPECTED_DIVERGENCE]
+    assert all("1/d_model" not in r.message and "diagnosis" not in r.extra for r in verified)
