@@ -146,7 +146,9 @@ def pytest_terminal_summary(terminalreporter):
     from mha_harness.conformance.report import diagnoses_line
     terminalreporter.section("mha-harness diagnoses")
     for backend, failures in by_backend.items():
-        terminalreporter.write_line(f"{backend}: {diagnoses_line(failures)}")
+        lines = diagnoses_line(failures).splitlines()
+        for i, line in enumerate(lines):
+            terminalreporter.write_line(f"{backend}: {line}" if i == 0 else f"{' ' * len(backend)}  {line}")
 
 
 def pytest_generate_tests(metafunc):

@@ -757,6 +757,24 @@ def test_the_summary_names_the_mistake_the_failed_outputs_match():
     assert not leak_only.ok and not any("diagnosed:" in line for line in leak_only.summary_lines())
 
 
+
+def test_the_summary_shows_each_diagnosis_whole_on_a_line_of_its_own():
+    """An outside user's YaRN wrapper: the summary cut "... without its attention factor (q and k not multiplied
+    by 1.139, 0.1 * ln(factor) + 1: transformers ..." before its fix. Each matched mistake is a line of its own,
+    whole, aligned under the first; past the few shown, a count of the rest."""
+    from mha_harness.conformance.report import DIAGNOSES_SHOWN, DIAGNOSED, diagnoses_line
+
+    fix = "; apply it with the rotation"
+    long = "the output matches a mistake " + "with a long explanation " * 10 + fix
+    failures = [("check_a", long), ("check_b", long), ("check_b", "the output matches B"), ("check_c", None)] + [
+        ("check_d", f"the output matches mistake {i}") for i in range(DIAGNOSES_SHOWN)]
+    first, *rest = diagnoses_line(failures).splitlines()
+    assert first == f"{DIAGNOSED}{long} [in 2 variant(s) of check_a, check_b]"
+    assert len(rest) == DIAGNOSES_SHOWN and all(line.startswith(" " * len(DIAGNOSED) + "the output ") or
+                                                line.strip().endswith("more in the failures above") for line in rest)
+    assert rest[-1].strip() == "2 more in the failures above"
+    assert diagnoses_line([("check_c", None)]) == ""
+
 def test_the_summary_warns_when_no_output_was_compared_with_the_reference():
     """A tenth stranger's KV-cache wrapper refused every call that was not its own kind: 'OK 3 passed, 66 skipped',
     the passes being bad input, head split and parameter count. When every variant of the grid skipped, the summary

@@ -58,9 +58,10 @@ class BackendInfo:
 
 
 def diagnoses_line(failures) -> str:
-    """One backend's failed variants, as (case, diagnosis or None), summed into the line under its failing cases:
-    the known mistakes they match, the most often matched first, each with the cases it was found in ("diagnosed:
-    ..."); "" when none matched one. Shared by the check summary and the pytest plugin's."""
+    """One backend's failed variants, as (case, diagnosis or None), summed into the lines under its failing cases:
+    the known mistakes they match, the most often matched first, one per line and each whole (its fix is at its
+    end), with the cases it was found in ("diagnosed: ...", later ones aligned under the first); "" when none
+    matched one. Shared by the check summary and the pytest plugin's, which indent each line."""
     found: dict[str, dict[str, int]] = {}
     for case, diagnosis in failures:
         if diagnosis:
@@ -73,7 +74,13 @@ def diagnoses_line(failures) -> str:
     shown = [f"{clipped(text, DIAGNOSIS_CHARS)} [in {sum(cases.values())} variant(s) of {', '.join(cases)}]"
              for text, cases in ranked[:DIAGNOSES_SHOWN]]
     more = len(ranked) - DIAGNOSES_SHOWN
-    return "diagnosed: " + "; ".join(shown) + (f"; {more} more in the failures above" if more > 0 else "")
+    if more > 0:
+        shown.append(f"{more} more in the failures above")
+    return DIAGNOSED + f"\n{' ' * len(DIAGNOSED)}".join(shown)
+
+
+#: how the summary's lines of diagnoses begin
+DIAGNOSED = "diagnosed: "
 
 
 @dataclass
@@ -455,9 +462,7 @@ class Report:
             failing = self.failed_cases_line(name) if bad else FAILING_CASES_HEAD
             if failing != FAILING_CASES_HEAD:  # "no case ran" has none to name
                 out.append(f"  {'':<28}      {failing}")
-                diagnosed = self.diagnoses_line(name)
-                if diagnosed:
-                    out.append(f"  {'':<28}      {diagnosed}")
+                out += [f"  {'':<28}      {line}" for line in self.diagnoses_line(name).splitlines()]
         for case, why in self.left_out.items():
             out.append(f"  not run: {case} ({why})")
         out.append(f"  not run by check: {PREPARE_NOT_RUN}")
@@ -473,9 +478,9 @@ PREPARE_NOT_RUN = ("prepare()'s benchmarked calls (a separate code path): `mha-h
 #: the reference grid: the case whose variants compare a backend's outputs with the reference across shapes
 GRID_CASE = "check_output_matches_reference"
 
-#: the summary's diagnoses line shows this many distinct diagnoses, each cut to this many characters (every one is
-#: printed whole with its failure)
-DIAGNOSES_SHOWN, DIAGNOSIS_CHARS = 3, 160
+#: the summary's diagnoses lines show this many distinct diagnoses, one per line, each whole up to this many
+#: characters (every one is printed whole with its failure)
+DIAGNOSES_SHOWN, DIAGNOSIS_CHARS = 3, 600
 
 
 def _scores_policy(cap, scale=None, qk_norms=(), rotary=(), sliding_window=False) -> str:
