@@ -527,3 +527,31 @@ def test_a_strict_run_a_declaration_will_verify_names_no_mistake_and_the_verifyi
     assert all("scores scaled by 1/d_model" in r.extra.get("diagnosis", "") for r in failed)
     verified = [r for r in results if r.status == Status.EXPECTED_DIVERGENCE]
     assert all("1/d_model" not in r.message and "diagnosis" not in r.extra for r in verified)
+
+
+class _Float64InFloat32(NumpyNaiveLoaded):
+    def __init__(self, params, dtype):
+        super().__init__(params, "float32" if dtype == "float64" else dtype)
+
+
+def test_no_mistake_is_looked_for_in_a_strict_failure_its_declaration_then_verifies(monkeypatch):
+    """Naming a mistake costs a reference computation of every wrong layer known: a float64 layer computing in float32
+    that declares so (as jax-dpa and onnxruntime-cpu do) is verified without one; undeclared, a failure is
+    diagnosed."""
+    from mha_harness.conformance import casekit
+    from mha_harness.toolkit.divergences import precision_divergences
+
+    looked = []
+    real = casekit.common_mistake
+    monkeypatch.setattr(casekit, "common_mistake", lambda *a, **k: looked.append(1) or real(*a, **k))
+    declared = _backend("float64-in-float32-declared", _Float64InFloat32, divergences=precision_divergences(
+        "float64", "float32", "computes in float32", ("check_output_matches_reference",)))
+    report = mha_harness.check(declared, cases=["check_output_matches_reference"])  # not .ok: casekit is patched
+    assert not report.failures() and report.counts(declared.name).get(Status.EXPECTED_DIVERGENCE, 0) >= 8
+    assert looked == []
+    params = make_params(AttentionConfig(16, 2), seed=1)
+    rng = np.random.default_rng(1)
+    inputs = AttentionInputs(*(rng.standard_normal((1, 5, 16)) for _ in range(3)))
+    with pytest.raises(casekit.CaseFailure):
+        casekit.check_against_reference(_backend("float64-in-float32", _Float64InFloat32), params, inputs, "float64")
+    assert looked == [1]

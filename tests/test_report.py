@@ -762,7 +762,7 @@ def test_the_summary_shows_each_diagnosis_whole_on_a_line_of_its_own():
     """An outside user's YaRN wrapper: the summary cut "... without its attention factor (q and k not multiplied
     by 1.139, 0.1 * ln(factor) + 1: transformers ..." before its fix. Each matched mistake is a line of its own,
     whole, aligned under the first; past the few shown, a count of the rest."""
-    from mha_harness.conformance.report import DIAGNOSES_SHOWN, DIAGNOSED, diagnoses_line
+    from mha_harness.conformance.report import DIAGNOSED, DIAGNOSES_SHOWN, diagnoses_line
 
     fix = "; apply it with the rotation"
     long = "the output matches a mistake " + "with a long explanation " * 10 + fix
