@@ -27,6 +27,7 @@ from mha_harness.conformance.casekit import (
     expected_fully_masked_rows,
     gradient_mistake_hint,
     on_primary_dtype,
+    precision_level_hint,
     primary_dtype,
     require,
     run,
@@ -469,9 +470,15 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_pad
         advice = (f"; if that is the kernel's convention, declare it: divergences = {builder[observed]}(\"why\") from "
                   "mha_harness.toolkit.divergences" + (_NOT_MEANT if observed == "NaN" else "")
                   if wanted == "zeros" and observed in builder else "")
+        guess = ""
         if observed == "other":
             advice = _other_rows_detail(got[rows], expected[rows], uniform[rows], uniform_tol.bound, params, inputs,
                                         dtype, rows)
+            # zero rows off by a float32 rounding of b_o: a float64 call computing in float32 (an outside user's
+            # float32 kernel, declared for the output cases only, read "neither zeros, NaN nor ..." here)
+            guess = precision_level_hint(float(np.max(np.abs(np.asarray(got[rows], np.float64) - expected[rows]))),
+                                         zero_tol)
+            advice += guess
         empty = np.zeros(got.shape[:2], bool)
         empty[rows] = True
         if observed in ("uniform average of V", "other") and cap_after_mask_hint(got, params, inputs, rows=empty):
@@ -479,7 +486,7 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_pad
                        + " (the float-mask and mask-composition cases name it where it is so)")
         raise CaseFailure(f"fully masked rows: expected {wanted}"
                           f"{' before W_o (output = b_o)' if wanted == 'zeros' else ''}, observed {observed}{advice}",
-                          observed=observed)
+                          observed=observed, guess=guess)
     return Measurement(max_error=float(np.max(np.abs(got[rows] - expected[rows]))), observed=observed)
 
 

@@ -336,6 +336,17 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
+def _under_declaration(message: str) -> str:
+    """The start of a failure's message that says it fails even under its declared divergence ("fails even under
+    its declared divergence (<observed>): "), or "": a shortened line keeps it, since it is what makes the variant a
+    failure although a declaration covers it."""
+    from mha_harness.conformance.runner import FAILS_UNDER_DECLARATION
+    if not message.startswith(FAILS_UNDER_DECLARATION + " ("):
+        return ""
+    end = message.find("): ", len(FAILS_UNDER_DECLARATION))
+    return message[:end + 3] if end >= 0 else ""
+
+
 class ProgressLines:
     """Prints each failing variant as it finishes: its message (a message this case already printed for the backend
     is one short line naming that variant, and so is a failure whose diagnosis a variant of this backend already
@@ -365,13 +376,14 @@ class ProgressLines:
         key = (result.backend, result.case)
         same = self.first_with.setdefault((*key, result.status, result.message), result.variant)
         diagnosis = result.extra.get("diagnosis") or ""
-        first = self.diagnosed_by.setdefault((result.backend, diagnosis), result.variant) if diagnosis else None
+        this = f"{result.case}[{result.variant}]"  # variant ids repeat across cases: the other one is named whole
+        first = self.diagnosed_by.setdefault((result.backend, diagnosis), this) if diagnosis else None
         if same != result.variant:
             self.say(f"  {result.status.upper():<8} {result.case}[{result.variant}]: the same message as [{same}]")
-        elif first is not None and first != result.variant and diagnosis in result.message:
+        elif first is not None and first != this and diagnosis in result.message:
             error = "" if result.max_error is None else f"max error {result.max_error:.3g}; "
-            self.say(f"  {result.status.upper():<8} {result.case}[{result.variant}]: {error}the same diagnosis as "
-                     f"[{first}] (the full message is in the report)")
+            self.say(f"  {result.status.upper():<8} {this}: {_under_declaration(result.message)}{error}the same "
+                     f"diagnosis as {first} (the full message is in the report)")
         else:
             self.say(console_message(f"  {result.status.upper():<8} {result.case}[{result.variant}]: ",
                                      result.message))

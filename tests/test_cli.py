@@ -330,5 +330,14 @@ def test_check_progress_prints_a_repeated_message_once_and_the_diagnosed_variant
     assert [line.strip() for line in lines if "repro:" in line] == ["repro: repro-v1", "repro: repro-v3"]
     # a diagnosis printed in full once per backend (an undeclared T5 scale printed 110 failures in 773 lines)
     assert any(line.endswith("check_x[v3]: off by 1; the output matches top-left alignment instead") for line in lines)
-    assert ("  FAILED   check_x[v4]: the same diagnosis as [v3] (the full message is in the report)"
+    assert ("  FAILED   check_x[v4]: the same diagnosis as check_x[v3] (the full message is in the report)"
             in lines), lines
+    # another case's variant of the same diagnosis is named with its case (variant ids repeat across cases); one that
+    # fails even under its declaration says so (an outside user's float64 variants read as plain repeats)
+    progress(CaseResult("b", "check_y", "v3", {}, Status.FAILED, repro="repro-y", max_error=1.5,
+                        message="fails even under its declared divergence (compared against the bound of dtype "
+                                "float32): off by 3; the output matches top-left alignment instead",
+                        extra={"diagnosis": "top-left alignment instead"}))
+    assert out.getvalue().splitlines()[-2] == (
+        "  FAILED   check_y[v3]: fails even under its declared divergence (compared against the bound of dtype "
+        "float32): max error 1.5; the same diagnosis as check_x[v3] (the full message is in the report)")

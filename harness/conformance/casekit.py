@@ -410,7 +410,7 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
         idx = np.unravel_index(int(diff.argmax()), diff.shape)
         where = ", ".join(f"{label} {int(row_ids[i]) if (row_ids is not None and label == 'position') else int(i)}"
                           for label, i in zip(labels, idx))
-        guess = "" if own_output else _float32_level_hint(err, tol)
+        guess = "" if own_output else precision_level_hint(err, tol)
         raise CaseFailure(f"{what}: expected {expected[idx]:.6g}, got {actual[idx]:.6g} at {where}; "
                           f"max error {err:.3g} ({err / tol.bound:.3g} x the bound) exceeds {tol.describe()}"
                           f"{_rows_outside(diff, tol.bound, labels, row_ids)}{guess}", max_error=err, guess=guess)
@@ -477,7 +477,7 @@ def _at_block_boundary(positions: set[int]) -> str:
 FLOAT32_LEVEL_FRACTION = 1e-3
 
 
-def _float32_level_hint(err: float, tol: Tolerance) -> str:
+def precision_level_hint(err: float, tol: Tolerance) -> str:
     """A message suffix when a float64 run misses its bound with an error of float32 size: within the float32 bound
     of the same call (both terms of the rule scale with the unit roundoff) and not a float64 rounding difference
     (at least FLOAT32_LEVEL_FRACTION of that bound): somewhere it computes in float32. A float32 run's error, or a
