@@ -58,12 +58,10 @@ from mha_harness.contract.mistakes import distance, explains_as_a_scale, with_sc
 from mha_harness.contract.reference import (
     allowed_and_bias,
     reference_attention,
-    score_scale,
     score_scale_declared,
-    score_scale_named,
 )
 from mha_harness.contract.scoped import scoped
-from mha_harness.contract.scores_fit import scores_mismatch_fit
+from mha_harness.contract.scores_fit import scale_sentence, scores_mismatch_fit
 from mha_harness.contract.tolerance import Tolerance
 
 
@@ -671,13 +669,6 @@ def _wrong_scale_match(got, params, inputs, bound) -> tuple[str, float, float] |
     return (scales[factor], factor, distance(got, wrong)) if explains_as_a_scale(got, wrong, truth, uniform) else None
 
 
-#: a scale other than 1/sqrt(d_head) is a bug, unless the layer is built with it (T5's unscaled scores, muP's
-#: 1/d_head): how to declare that one
-SCALE_BY_DESIGN = (" (a layer built with this scale by design, as T5 leaves its scores unscaled and muP scales them "
-                   "by 1/d_head, declares it: Capabilities(score_scale={value}), and every case compares it with the "
-                   "reference scaled so: \"A layer with a score scale of its own\" in docs/plugins.md)")
-
-
 def scale_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
     """The diagnosis of an output right for another of the common score scales (:func:`wrong_scale`) than the one
     the layer declares (1/sqrt(d_head) unless declared otherwise); "" if none. An undeclared unscaled or 1/d_head
@@ -694,26 +685,7 @@ def scale_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if found is None:
         return None
     label, factor, far = found
-    return _scale_sentence(label, factor, params), far
-
-
-def _scale_sentence(label: str, factor: float, params: AttentionParams) -> str:
-    """The diagnosis of another score scale ``label`` (``factor`` times the scale the reference holds)."""
-    if score_scale_declared() is not None:  # the value too: a fixed declared scale is matched by another rule at
-        d = params.config.d_head            # each head width
-        return (f"; the output matches scores scaled by {label} (= {factor * score_scale(d):.4g} at d_head {d}), not "
-                f"by the declared score_scale {score_scale_named()}")
-    hint = f"; the output matches scores scaled by {label} instead of 1/sqrt(d_head)"
-    if "1 (no scaling)" in label:
-        hint += SCALE_BY_DESIGN.format(value="1.0")
-    elif "1/d_head" in label:
-        hint += TWICE + SCALE_BY_DESIGN.format(value="'1/d_head'")
-    return hint
-
-
-#: 1/d_head is 1/sqrt(d_head) applied twice: the likelier cause in a wrapper around a layer that scales its scores
-TWICE = (" (= 1/sqrt(d_head) applied twice: a wrapper that scales q, or folds the scale into W_q, around a layer "
-         "that scales its scores again)")
+    return scale_sentence(label, factor, params), far
 
 
 def zero_input_hint(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str) -> str:

@@ -126,13 +126,39 @@ def scale_mismatch(fit: ScaleFit, params: AttentionParams) -> str:
                 f"{score_scale_named()}{at}")
     common = next((label for factor, label in wrong_scales(params.config).items()
                    if np.isclose(scale / held, factor, rtol=1e-2)), None)
-    if common is not None:  # a common scale fitted where the wrong-scale diagnosis could not compare (padded rows)
-        what = f"= {common} at d_head {d}" + (", 1/sqrt(d_head) applied twice" if "1/d_head" in common else "")
-    else:
-        what = f"{scale * np.sqrt(d):.4g}/sqrt(d_head) at d_head {d}"
+    if common is not None:  # a common scale fitted where the wrong-scale diagnosis could not compare (padded rows):
+        return scale_sentence(common, scale / held, params)  # its sentence (an outside user got two for one bug)
+    what = f"{scale * np.sqrt(d):.4g}/sqrt(d_head) at d_head {d}"
     return (f"; the output matches scores scaled by {scale:g} ({what}) "
             f"instead of 1/sqrt(d_head) = {held:.4g}, not a rounding error: a layer built with a scale of its own "
             "declares it, Capabilities(score_scale=...) (\"A layer with a score scale of its own\" in docs/plugins.md)")
+
+
+#: a scale other than 1/sqrt(d_head) is a bug, unless the layer is built with it (T5's unscaled scores, muP's
+#: 1/d_head): how to declare that one
+SCALE_BY_DESIGN = (" (a layer built with this scale by design, as T5 leaves its scores unscaled and muP scales them "
+                   "by 1/d_head, declares it: Capabilities(score_scale={value}), and every case compares it with the "
+                   "reference scaled so: \"A layer with a score scale of its own\" in docs/plugins.md)")
+
+
+def scale_sentence(label: str, factor: float, params: AttentionParams) -> str:
+    """The diagnosis of another common score scale ``label`` (``factor`` times the scale the reference holds), the
+    same sentence whether the wrong-scale diagnosis matched it on a whole output or a fit found it on some rows."""
+    if score_scale_declared() is not None:  # the value too: a fixed declared scale is matched by another rule at
+        d = params.config.d_head            # each head width
+        return (f"; the output matches scores scaled by {label} (= {factor * score_scale(d):.4g} at d_head {d}), not "
+                f"by the declared score_scale {score_scale_named()}")
+    hint = f"; the output matches scores scaled by {label} instead of 1/sqrt(d_head)"
+    if "1 (no scaling)" in label:
+        hint += SCALE_BY_DESIGN.format(value="1.0")
+    elif "1/d_head" in label:
+        hint += TWICE + SCALE_BY_DESIGN.format(value="'1/d_head'")
+    return hint
+
+
+#: 1/d_head is 1/sqrt(d_head) applied twice: the likelier cause in a wrapper around a layer that scales its scores
+TWICE = (" (= 1/sqrt(d_head) applied twice: a wrapper that scales q, or folds the scale into W_q, around a layer "
+         "that scales its scores again)")
 
 
 def _specified_rows(got, params, inputs, margin, compare, setting):
