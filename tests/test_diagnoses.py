@@ -569,3 +569,13 @@ def test_fully_masked_rows_off_by_a_float32_rounding_say_the_call_computes_in_fl
     assert failed and all(r.params["dtype"] == "float64" for r in failed)
     assert all("the error is within the float32 bound" in r.message and "precision_divergences(" in r.message
                for r in failed), failed[0].message
+
+
+def test_a_causal_alignment_failing_for_a_wrong_scale_says_what_its_failures_match():
+    """An outside user's policy table read "top-left FAILS (1 of 2 variants)" for a layer whose only bug was its
+    scale: the alignment column adds the mistake its failures match."""
+    backend = _backend("scaled-by-d-model", _ScaledByDModel)
+    report = mha_harness.check(backend, cases=["check_causal_output_matches_reference"])
+    row = report.policies()[backend.name]["causal_alignment"]
+    assert "FAILS" in row and "their diagnosis: the output matches scores scaled by 1/d_model" in row, row
+

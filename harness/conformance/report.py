@@ -172,7 +172,8 @@ class Report:
     @staticmethod
     def _alignments(rows: list[CaseResult], declared: list[str]) -> str:
         """Per declared alignment: verified when its causal cases ran and held; FAILS (only with NaN/inf poison in
-        masked keys, when every failing variant held such poison); or the skip's reason."""
+        masked keys, when every failing variant held such poison; else with the mistake their failures match most
+        often, which need not be the mask's); or the skip's reason."""
         if not declared:
             return "no causal mask declared"
         parts = []
@@ -186,8 +187,10 @@ class Report:
                     parts.append(f"{alignment} FAILS only with NaN/inf stored in masked keys ({len(bad)} of "
                                  f"{len(mine)} variants{unanswered}; a dense P @ V's 0 * NaN: "
                                  "masked_poison_divergences)")
-                else:
-                    parts.append(f"{alignment} FAILS ({len(bad)} of {len(mine)} variants{unanswered})")
+                else:  # what their failures matched: a causal case also fails for a bug elsewhere (a wrong scale)
+                    named = Counter(r.extra.get("diagnosis") for r in bad if r.extra.get("diagnosis"))
+                    because = f"; their diagnosis: {clipped(named.most_common(1)[0][0], 120)}" if named else ""
+                    parts.append(f"{alignment} FAILS ({len(bad)} of {len(mine)} variants{unanswered}{because})")
             elif any(r.status in BAD for r in mine):  # errors, timeouts, crashes: the mask was not tested there
                 ran = sum(r.status in _RAN for r in mine)
                 parts.append(f"{alignment} NOT VERIFIED ({ran} of {len(mine)} variants ran and held"
