@@ -393,13 +393,12 @@ def classify_fully_masked_rows(rows: np.ndarray, zero_out: np.ndarray, uniform_o
     return "other"
 
 
-def _other_rows_detail(got: np.ndarray, zeros: np.ndarray, uniform: np.ndarray, uniform_bound: float, params,
+def _other_rows_detail(got: np.ndarray, far: float, uniform: np.ndarray, uniform_bound: float, params,
                        inputs, dtype: str, rows) -> str:
-    """What fully masked rows that are neither zeros, NaN nor the uniform average of V are: how far from the zero
-    rows and from the uniform average (with its bound), and whether they equal the same rows with no mask at all
-    (every key seen: the mask not applied to them, or read with the opposite polarity)."""
+    """What fully masked rows that are neither zeros, NaN nor the uniform average of V are: how far (``far``) from
+    the zero rows and from the uniform average (with its bound), and whether they equal the same rows with no mask at
+    all (every key seen: the mask not applied to them, or read with the opposite polarity)."""
     got = np.asarray(got, np.float64)
-    far = float(np.max(np.abs(got - zeros)))
     from_uniform = float(np.max(np.abs(got - uniform)))
     unmasked, unmasked_tol = tolerance_for(params, inputs.replace(key_padding_mask=None, attn_mask=None), dtype)
     if np.allclose(got, unmasked[rows], rtol=0, atol=unmasked_tol.bound):
@@ -472,12 +471,11 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_pad
                   if wanted == "zeros" and observed in builder else "")
         guess = ""
         if observed == "other":
-            advice = _other_rows_detail(got[rows], expected[rows], uniform[rows], uniform_tol.bound, params, inputs,
-                                        dtype, rows)
+            far = float(np.max(np.abs(np.asarray(got[rows], np.float64) - expected[rows])))  # from the zero rows
+            advice = _other_rows_detail(got[rows], far, uniform[rows], uniform_tol.bound, params, inputs, dtype, rows)
             # zero rows off by a float32 rounding of b_o: a float64 call computing in float32 (an outside user's
             # float32 kernel, declared for the output cases only, read "neither zeros, NaN nor ..." here)
-            guess = precision_level_hint(float(np.max(np.abs(np.asarray(got[rows], np.float64) - expected[rows]))),
-                                         zero_tol)
+            guess = precision_level_hint(far, zero_tol)
             advice += guess
         empty = np.zeros(got.shape[:2], bool)
         empty[rows] = True

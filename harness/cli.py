@@ -336,17 +336,6 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
-def _under_declaration(message: str) -> str:
-    """The start of a failure's message that says it fails even under its declared divergence ("fails even under
-    its declared divergence (<observed>): "), or "": a shortened line keeps it, since it is what makes the variant a
-    failure although a declaration covers it."""
-    from mha_harness.conformance.runner import FAILS_UNDER_DECLARATION
-    if not message.startswith(FAILS_UNDER_DECLARATION + " ("):
-        return ""
-    end = message.find("): ", len(FAILS_UNDER_DECLARATION))
-    return message[:end + 3] if end >= 0 else ""
-
-
 class ProgressLines:
     """Prints each failing variant as it finishes: its message (a message this case already printed for the backend
     is one short line naming that variant, and so is a failure whose diagnosis a variant of this backend already
@@ -366,6 +355,7 @@ class ProgressLines:
 
     def __call__(self, result) -> None:
         from mha_harness.conformance.results import ABANDONED
+        from mha_harness.conformance.runner import under_declaration
         if result.status in ("passed", "skipped", "expected-divergence"):
             return
         if result.observed == ABANDONED:  # each abandoned variant is in the JSON
@@ -382,7 +372,7 @@ class ProgressLines:
             self.say(f"  {result.status.upper():<8} {result.case}[{result.variant}]: the same message as [{same}]")
         elif first is not None and first != this and diagnosis in result.message:
             error = "" if result.max_error is None else f"max error {result.max_error:.3g}; "
-            self.say(f"  {result.status.upper():<8} {this}: {_under_declaration(result.message)}{error}the same "
+            self.say(f"  {result.status.upper():<8} {this}: {under_declaration(result.message)}{error}the same "
                      f"diagnosis as {first} (the full message is in the report)")
         else:
             self.say(console_message(f"  {result.status.upper():<8} {result.case}[{result.variant}]: ",

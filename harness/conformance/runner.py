@@ -260,6 +260,16 @@ def settle_precision_declarations(backend, results: list[CaseResult], progress=N
 FAILS_UNDER_DECLARATION = "fails even under its declared divergence"
 
 
+def under_declaration(message: str) -> str:
+    """The start of a message that :func:`_verify` wrote for a variant failing even under its declared divergence,
+    ``"fails even under its declared divergence (<observed>): "``, or "" for any other message: a shortened line of
+    the failure keeps it, since it is what makes the variant a failure although a declaration covers it."""
+    if not message.startswith(FAILS_UNDER_DECLARATION + " ("):
+        return ""
+    end = message.find("): ", len(FAILS_UNDER_DECLARATION))
+    return message[:end + 3] if end >= 0 else ""
+
+
 def point_to_undeclared_failures(results: list[CaseResult]) -> None:
     """A variant that fails even under its declared divergence, in a case whose variants that no declaration covers
     fail too, says so: a bug there (a backward with the wrong scale) breaks the declared variant as well, and its
