@@ -18,6 +18,7 @@ from mha_harness.cases._fixtures import (
     with_keys_replaced,
 )
 from mha_harness.conformance.casekit import (
+    FLOAT32_SIZED,
     CaseFailure,
     CaseSkipped,
     Measurement,
@@ -476,7 +477,8 @@ def check_fully_masked_rows_output_zeros(backend, *, form, dtype, route="key_pad
             # zero rows off by a float32 rounding of b_o: a float64 call computing in float32 (an outside user's
             # float32 kernel, declared for the output cases only, read "neither zeros, NaN nor ..." here)
             guess = precision_level_hint(far, zero_tol)
-            advice += guess
+            advice += guess + (" (here: a row without keys outputs b_o alone, so b_o, or the output projection "
+                               "that adds it, is held in float32)" if FLOAT32_SIZED in guess else "")
         empty = np.zeros(got.shape[:2], bool)
         empty[rows] = True
         if observed in ("uniform average of V", "other") and cap_after_mask_hint(got, params, inputs, rows=empty):

@@ -529,7 +529,9 @@ def test_a_strict_run_a_declaration_will_verify_names_no_mistake_and_the_verifyi
     assert all("1/d_model" not in r.message and "diagnosis" not in r.extra for r in verified)
     # the declarations table: verified on some, and (an outside user's report read as settled) not holding on others
     [row] = [line for line in report.to_markdown().splitlines() if "precision:bfloat16" in line]
-    assert f"| {len(verified)} variant(s); it does not hold on {len(failed)} variant(s) it covers" in row, row
+    cell = (f"| {len(verified)} variant(s): {', '.join(r.variant for r in verified)}" if len(verified) <= 3
+            else f"| {len(verified)} variant(s) (the first: {verified[0].variant})")
+    assert f"{cell}; it does not hold on {len(failed)} variant(s) it covers" in row, row
 
 
 class _Float64InFloat32(NumpyNaiveLoaded):
@@ -569,6 +571,26 @@ def test_fully_masked_rows_off_by_a_float32_rounding_say_the_call_computes_in_fl
     assert failed and all(r.params["dtype"] == "float64" for r in failed)
     assert all("the error is within the float32 bound" in r.message and "precision_divergences(" in r.message
                for r in failed), failed[0].message
+
+
+def test_a_float32_computing_layer_gets_one_diagnosed_line_naming_its_precision():
+    """An outside user's float32 kernel had the float32-size hint in each of its float64 failures and nothing in the
+    summary's "diagnosed:" line: the guess is now the variants' diagnosis, one line without numbers, across cases."""
+    from mha_harness.conformance.casekit import CaseFailure, precision_diagnosis
+
+    report = mha_harness.check(_backend("float64-in-float32", _Float64InFloat32),
+                               cases=["check_output_matches_reference", "check_fully_masked_rows_output_zeros"])
+    failed = report.failures()
+    assert {r.case for r in failed} == {"check_output_matches_reference", "check_fully_masked_rows_output_zeros"}
+    line = report.diagnoses_line("float64-in-float32")
+    assert line.count("\n") == 0 and line.startswith("diagnosed: float64 calls err by float32's size"), line
+    assert f"[in {len(failed)} variant(s) of check_output_matches_reference, check_fully_masked_rows_output_zeros]" \
+        in line, line
+    assert 'precision_divergences("float64", "float32"' in line
+    assert precision_diagnosis("") == "" and CaseFailure("no guess").precision == ""
+    half = CaseFailure("x", guess="; the error is of half precision's size (...): the float32 call may compute in "
+                                  "float16 or bfloat16 somewhere (...)")
+    assert half.precision.startswith("float32 calls err by half precision's size"), half.precision
 
 
 def test_a_causal_alignment_failing_for_a_wrong_scale_says_what_its_failures_match():

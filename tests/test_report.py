@@ -707,6 +707,33 @@ def test_a_declaration_that_fails_where_it_applies_is_not_reported_as_undiverged
     assert len(failed) == 3 * len(DeclaresUniform.capabilities.dtypes)  # every mask kind, in every dtype
 
 
+def test_two_declarations_on_one_case_each_count_and_name_only_the_variants_they_cover():
+    """'verified on' counts the variants a declaration's ``when`` covers (two per-dtype declarations of one case had
+    each counted both's), and names them when there are at most three (an outside user's scale declaration read
+    "verified on: 1 variant(s)", a one-token row, with nothing to tell which)."""
+    import mha_harness
+    from mha_harness.conformance.report import NAMED_VERIFIED
+    from mha_harness.toolkit.divergences import nan_fully_masked_divergences
+    from tests.empty_row_layers import NaNRows
+
+    others = ("float64", "bfloat16", "float16")
+
+    class PerDtype(NaNRows):
+        divergences = (nan_fully_masked_divergences("float32 rows", dtypes=["float32"])
+                       + nan_fully_masked_divergences("other rows", dtypes=others))
+
+    report = mha_harness.check(PerDtype(), cases=["check_fully_masked_rows_output_zeros"])
+    assert report.ok, report.summary_lines()
+    table = report.to_markdown().replace("\\", "").splitlines()
+    for reason, dtypes in (("float32 rows", ("float32",)), ("other rows", others)):
+        diverged = [r.variant for r in report.results if r.status == "expected-divergence"
+                    and r.params["dtype"] in dtypes]
+        [row] = [line for line in table if "check_fully_masked_rows_output_zeros" in line and reason in line]
+        named = (f": {', '.join(diverged)}" if len(diverged) <= NAMED_VERIFIED else f" (the first: {diverged[0]})")
+        assert row.endswith(f"| {len(diverged)} variant(s){named} |"), row
+    assert len(diverged) > NAMED_VERIFIED  # both cells: the one naming every variant and the one naming the first
+
+
 def test_a_quick_run_lists_the_slow_cases_it_left_out():
     """A stranger found the T = 8192 case missing from a --quick report, not listed as left out."""
     report = mha_harness.check("numpy-naive", cases=["check_scores_scaled_by_sqrt_d_head",

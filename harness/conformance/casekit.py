@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,7 @@ class CaseFailure(AssertionError):
         self.observed = observed
         self.diagnosis = diagnosis  # the known mistake the output matches, when one does (also in the message)
         self.guess = guess  # the part of the message that guesses a cause from the error's size alone
+        self.precision = precision_diagnosis(guess)  # that guess in one line, for the summary's "diagnosed:"
 
     def with_hint(self, hint: str, diagnosis: str | None = None) -> CaseFailure:
         """This failure with ``hint``, a diagnosis suffix ("; the output matches ..."), appended to its message and
@@ -475,6 +477,27 @@ def _at_block_boundary(positions: set[int]) -> str:
 FLOAT32_LEVEL_FRACTION = 1e-3
 
 
+#: what a float64 failure within the float32 bound says (:func:`precision_level_hint`)
+FLOAT32_SIZED = "the float64 call computes in float32 somewhere"
+#: what a failure of half precision's size says, after "the <dtype> call" (:func:`_half_level_hint`)
+HALF_SIZED = "may compute in float16 or bfloat16 somewhere"
+
+
+def precision_diagnosis(guess: str) -> str:
+    """A failure's guess of a lower precision (:func:`precision_level_hint`) in one line without its numbers, so
+    that the variants it explains share one line of the summary's "diagnosed:" (an outside user's float32 kernel
+    had its hint in each of 20 failures and none in the summary); "" for no guess."""
+    if FLOAT32_SIZED in guess:
+        return ("float64 calls err by float32's size: the layer computes in float32 somewhere; compute in float64, "
+                "or declare "
+                "precision_divergences(\"float64\", \"float32\", \"why\", cases=[...]) naming the failing cases")
+    half = re.search(rf"the (\w+) call {HALF_SIZED}", guess)
+    if half:
+        return (f"{half[1]} calls err by half precision's size: the layer {HALF_SIZED}, or changes its scores by "
+                "design (the failures say more)")
+    return ""
+
+
 def precision_level_hint(err: float, tol: Tolerance) -> str:
     """A message suffix when a float64 run misses its bound with an error of float32 size: within the float32 bound
     of the same call (both terms of the rule scale with the unit roundoff) and not a float64 rounding difference
@@ -487,8 +510,8 @@ def precision_level_hint(err: float, tol: Tolerance) -> str:
         return _half_level_hint(err, tol)
     if err < FLOAT32_LEVEL_FRACTION * float32_bound:
         return ""
-    return (f"; the error is within the float32 bound ({float32_bound:.3g}): the float64 call computes in float32 "
-            "somewhere (a cast of the inputs or weights, a float32 softmax or RMSNorm (Hugging Face's q/k "
+    return (f"; the error is within the float32 bound ({float32_bound:.3g}): {FLOAT32_SIZED} (a cast of the inputs "
+            "or weights, a float32 softmax or RMSNorm (Hugging Face's q/k "
             "norms compute in float32), a float32 table the layer builds itself such as rotary cos/sin; in JAX, "
             "float64 needs jax_enable_x64, which mha_harness.configure_jax() sets); compute in float64, or declare it: "
             "divergences = precision_divergences(\"float64\", \"float32\", \"why\", cases=[...]) from "
@@ -506,7 +529,7 @@ def _half_level_hint(err: float, tol: Tolerance) -> str:
     if not FLOAT32_LEVEL_FRACTION * float16_bound <= err <= float16_bound:
         return ""
     return (f"; the error is of half precision's size (within the float16 bound {float16_bound:.3g}): the "
-            f"{tol.dtype} call may compute in float16 or bfloat16 somewhere (a "
+            f"{tol.dtype} call {HALF_SIZED} (a "
             "half-precision cast of the inputs, weights or scores, a softmax or accumulation in half precision); "
             f"compute in {tol.dtype}, or, if the kernel does so by design, declare it: divergences = "
             f"precision_divergences(\"{tol.dtype}\", \"bfloat16\", \"why\", cases=[...]) from "

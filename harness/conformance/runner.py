@@ -114,7 +114,7 @@ def declared_skip(backend, case: Case, params: dict) -> tuple[str, str | None] |
 
 def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | None, str | None, str]:
     """Run the case once: (status, message, max_error, observed, diagnosis: the known mistake a failed output
-    matches, or ""). Plugin faults become errors, never raise;
+    matches, else the lower precision its error's size suggests, or ""). Plugin faults become errors, never raise;
     :class:`~mha_harness.conformance.isolation.WorkerLost` (a lost worker) propagates."""
     try:
         reason = supported(backend, case.requires)
@@ -132,7 +132,8 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
     except (CaseSkipped, Unsupported) as skip:
         return Status.SKIPPED, str(skip), None, None, ""
     except CaseFailure as failure:
-        return Status.FAILED, str(failure), failure.max_error, failure.observed, failure.diagnosis
+        # a guess of a lower precision from the error's size is the summary's diagnosis where no mistake is named
+        return Status.FAILED, str(failure), failure.max_error, failure.observed, failure.diagnosis or failure.precision
     except PluginError as exc:
         where = f" at {exc.where}" if exc.where else ""
         return Status.ERROR, f"{exc}{where}", None, None, ""
