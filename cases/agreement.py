@@ -78,17 +78,25 @@ QK_NORM_GRID = {
 #: (its ``rope_type="llama3"`` scaling by 8, base 500,000, grouped-query heads), ``rotary_scaled_linear`` a position
 #: interpolation by 4, ``rotary_scaled_yarn`` Qwen 2.5's long-context layer (YaRN by 4 over 32,768 positions, base
 #: 1,000,000, biases, grouped-query heads: its ramp spans frequencies 5 .. 10 of 16, q and k times 1.139); each runs
-#: for a backend that declares that kind in ``Capabilities.rotary_scalings``.
+#: for a backend that declares that kind in ``Capabilities.rotary_scalings``. ``rotary_other_base`` (base None) turns
+#: the first pairing declared at the base that pairing's own row does not use (:data:`OTHER_BASE`), at Tq = Tk: a
+#: one-x layer of one pairing, no q/k norm and no gradients ran its own row alone, and an outside user's layer with
+#: its base hard-coded to 10,000 passed.
 ROTARY_GRID = {
     "rotary_half_split": (2, 4, 16, 64, 64, True, 2, None, "half_split", 10_000.0, None, None),
     "rotary_interleaved": (1, 2, 32, 48, 48, False, None, None, "interleaved", 500_000.0, None, None),
     "rotary_more_keys": (2, 4, 16, 7, 64, False, 2, None, None, 500_000.0, None, None),
+    "rotary_other_base": (1, 2, 32, 48, 48, False, None, None, None, None, None, None),
     "rotary_qk_norm_per_head": (2, 4, 16, 40, 40, False, 2, "rms_per_head", None, 1_000_000.0, None, None),
     "rotary_partial": (2, 2, 80, 48, 48, True, None, None, None, 10_000.0, 32, None),
     "rotary_scaled_llama3": (2, 2, 32, 64, 64, False, 1, None, None, 500_000.0, None, "llama3"),
     "rotary_scaled_linear": (1, 2, 32, 48, 48, False, None, None, None, 10_000.0, None, "linear"),
     "rotary_scaled_yarn": (2, 2, 32, 64, 64, True, 1, None, None, 1_000_000.0, None, "yarn"),
 }
+
+
+#: ``rotary_other_base``'s base for each pairing: the base of the other pairing's row, not its own row's
+OTHER_BASE = {"half_split": 500_000.0, "interleaved": 10_000.0}
 
 
 def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None, rotary=None, rotary_dims=None, scaling=None) -> str | None:
@@ -132,6 +140,8 @@ def _grid_variants(backend):
         for name, (batch, heads, d_head, tq, tk, bias, kv, qk_norm, rotary, base, rotary_dims, scaling) in rows:
             if name in ROTARY_GRID and rotary is None:  # the first pairing declared, half_split where none is
                 rotary = (caps.rotary or ("half_split",))[0]
+            if name in ROTARY_GRID and base is None:
+                base = OTHER_BASE[rotary]
             v = {"dtype": dtype, "variant": name, "batch": batch, "heads": heads, "d_head": d_head, "seq": tq,
                  "tk": tk, "bias": bias and caps.bias}
             if kv:

@@ -86,7 +86,7 @@ def test_a_nanogpt_style_module_runs_every_case_causally_and_skips_only_what_it_
     assert set(grid_skips) == {"more_keys", "long_keys_with_bias", "single_key", "grouped_query",
                                "grouped_query_more_keys", "multi_query", "qk_norm_per_head", "qk_norm_over_projection",
                                "qk_layer_norm_per_head", "qk_layer_norm_no_bias_per_head", "rotary_half_split",
-                               "rotary_interleaved", "rotary_more_keys", "rotary_qk_norm_per_head",
+                               "rotary_interleaved", "rotary_more_keys", "rotary_other_base", "rotary_qk_norm_per_head",
                                "rotary_partial", "rotary_scaled_llama3", "rotary_scaled_linear",
                                "rotary_scaled_yarn"}
     assert "does not declare qk_norms 'rms_over_projection'" in grid_skips["qk_norm_over_projection"]

@@ -286,3 +286,60 @@ def test_one_weight_alone_permuted_between_the_pairings_is_named(which, kv_heads
     assert rotary_hint(got, params, inputs, 1e-6).startswith(
         "; the output matches W_q's and W_k's columns in different orders within each head: one of them (with its "
         "bias) permuted between the two pairings"), rotary_hint(got, params, inputs, 1e-6)
+
+
+def _one_x_half_split(name: str, loaded):
+    """A one-x (self-attention) layer of Hugging Face's pairing alone, without gradients, as an outside user's
+    hand-written JAX Llama layer declared itself; ``loaded``: its NumpyNaiveLoaded with a rotary mistake."""
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    caps = Capabilities(inputs="self", cross_attention=False, more_queries_than_keys=False, dtypes=("float32",),
+                        rotary=("half_split",))
+    return type(name, (NumpyNaive,), {"name": name, "loaded_class": loaded, "capabilities": caps})()
+
+
+def test_a_one_x_layer_of_one_pairing_runs_a_rotary_row_at_another_base_and_a_hard_coded_base_fails():
+    """An outside user's one-x half_split layer ran the grid's base-10,000 row alone (the other rotary rows need
+    Tq != Tk, the other pairing or a q/k norm), and with its base hard-coded to 10,000 it passed `check --quick`.
+    ``rotary_other_base`` turns the declared pairing at the base its own row does not use."""
+    import dataclasses
+
+    from mha_harness.cases.agreement import OTHER_BASE, ROTARY_GRID, _grid_variants
+    from mha_harness.implementations.numpy_naive import NumpyNaiveLoaded
+
+    own = {kind: ROTARY_GRID[f"rotary_{kind}"][9] for kind in ROTARY_KINDS}
+    assert all(OTHER_BASE[kind] != own[kind] for kind in ROTARY_KINDS)
+
+    class BaseTenThousand(NumpyNaiveLoaded):
+        def rotate(self, x, positions, which):
+            real = self.config
+            self.config = dataclasses.replace(real, rotary_base=10_000.0) if real.rotary else real
+            try:
+                return super().rotate(x, positions, which)
+            finally:
+                self.config = real
+
+    backend = _one_x_half_split("base-hard-coded", BaseTenThousand)
+    ran = [v["variant"] for v in _grid_variants(backend) if v["variant"].startswith("rotary_")
+           and "unsupported" not in v]
+    assert ran == ["rotary_half_split", "rotary_other_base"], ran
+    failed = mha_harness.check(backend, cases=[GRID], isolate=False).failures()
+    assert [r.params["variant"] for r in failed] == ["rotary_other_base"]
+    assert "the output matches rotary embeddings built with base 10000 where config.rotary_base is 500000" \
+        in failed[0].message, failed[0].message
+
+
+@pytest.mark.parametrize("shift, words", [(1, "one position later"), (-1, "one position earlier")])
+def test_keys_turned_one_position_off_the_queries_are_named(shift, words):
+    """An outside user's layer turned its keys at position + 1: 38 failures, none naming it (only "every row that
+    sees several keys is wrong")."""
+    from mha_harness.implementations.numpy_naive import NumpyNaiveLoaded
+
+    class KeysOff(NumpyNaiveLoaded):
+        def positions(self, tq, tk):
+            q_pos, k_pos = super().positions(tq, tk)
+            return q_pos, k_pos + shift
+
+    failed = mha_harness.check(_one_x_half_split("keys-off", KeysOff), cases=[GRID], isolate=False).failures()
+    assert {r.params["variant"] for r in failed} == {"rotary_half_split", "rotary_other_base"}
+    assert all(f"the keys' rotary embeddings turned {words} than the queries'" in r.message for r in failed), \
+        [r.message for r in failed]

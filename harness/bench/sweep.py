@@ -121,6 +121,12 @@ class BenchConfig:
                 f"thread{'' if self.threads == 1 else 's'}")
 
 
+#: what the timed layer leaves out, in the printed header (an outside user's rotary layer could not tell whether its
+#: positions were turned: its plugin gives every token one position where the config has no rotary)
+PLAIN_LAYER = ("the plain layer: no rotary embeddings, q/k norm or sliding window (the config's rotary, "
+               "qk_norm and sliding_window are None)")
+
+
 def kv_heads_error(num_kv_heads, num_heads: int, name: str = "num_kv_heads",
                    heads_name: str = "num_heads") -> str | None:
     """Why ``num_kv_heads`` is not a valid number of key/value heads for ``num_heads`` query heads (None: it is):
@@ -1039,8 +1045,8 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     seq_lens = list(seq_lens or (DECODE_KV_LENS if decode else DEFAULT_SEQ_LENS))
     names = [b.name for b in backends]
     log(f"benchmark ({config.workload}): {len(names)} backends x {'KV lengths' if decode else 'T'} in {seq_lens}"
-        f"{f', Tq in {list(query_lens)}' if decode else ''}; {config.layer_text()}; each backend in its own "
-        f"worker; per point: 95% CI of the median within +-{100 * config.ci_rel:g}% or {config.budget_s:g} s",
+        f"{f', Tq in {list(query_lens)}' if decode else ''}; {config.layer_text()}; {PLAIN_LAYER}; each backend in "
+        f"its own worker; per point: 95% CI of the median within +-{100 * config.ci_rel:g}% or {config.budget_s:g} s",
         flush=True)
     if decode:
         dropped = [f"Tq={tq} KV={tk}" for tk in sorted(seq_lens) for tq in query_lens if tq > tk]

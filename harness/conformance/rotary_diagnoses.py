@@ -2,7 +2,8 @@
 comparison can name the one its output matches: the other pairing of features (GPT-J's interleaved pairs where
 Hugging Face's rotate_half pairs i with i + d_head/2, or the other way round), another common base, only one of q
 and k turned, W_q's or W_k's columns alone permuted between the pairings, the queries of a call with fewer queries
-than keys turned from position 0 (with their own keys, or alone), q and k turned before the q/k norm, the wrong
+than keys turned from position 0 (with their own keys, or alone), the keys turned one position later or earlier
+than the queries, q and k turned before the q/k norm, the wrong
 width (a partial rotary's whole head turned, its frequencies over d_head, or a common fraction of each head turned
 where the config turns all of it), the frequencies' rescaling (Llama 3.1's rope_type "llama3", a linear one) left
 out, another in its place or one kept where the config has none, or no rotary at all; and, for a layer run without
@@ -35,6 +36,14 @@ _MISTAKEN = {
                              "the Tk), turned at positions 0 .. Tq - 1 where they are Tk - Tq .. Tk - 1, the cached "
                              "keys at theirs (a KV-cache step given position_ids = arange(Tq): Hugging Face turns q "
                              "and the new k with one cos/sin; offset the positions by the cache length)"),
+    "keys_one_later": ("the keys' rotary embeddings turned one position later than the queries' (key j at j + 1 "
+                       "where query i is at i + Tk - Tq; a rotary depends only on the two positions' difference, so "
+                       "the queries one earlier is the same: an off-by-one in position_ids, a cache length or an "
+                       "arange that starts at 1)"),
+    "keys_one_earlier": ("the keys' rotary embeddings turned one position earlier than the queries' (key j at j - 1 "
+                         "where query i is at i + Tk - Tq; a rotary depends only on the two positions' difference, "
+                         "so the queries one later is the same: an off-by-one in position_ids, a cache length "
+                         "counted with the new tokens, or the queries' positions starting at 1)"),
     "before_norm": ("q and k turned by their rotary embeddings before their q/k norm where they are normed first, "
                     "then turned (Qwen 3)"),
     "frequencies_over_head": ("a partial rotary's frequencies over all d_head features, base ** (-2i / d_head), "

@@ -177,8 +177,8 @@ def soft_capped(scores: np.ndarray, r=lambda x: x) -> np.ndarray:
 #: Hugging Face step given position_ids = arange(Tq)), or q and k turned before their q/k norm instead of after it
 #: (forward only), or a partial rotary's frequencies spread over all d_head features instead of the r it turns
 #: (``base ** (-2i / d_head)``: the inv_freq of a full rotary, cut to r/2 frequencies)
-ROTARY_MISTAKES = ("q_only", "k_only", "queries_from_zero", "new_tokens_from_zero", "before_norm",
-                   "frequencies_over_head")
+ROTARY_MISTAKES = ("q_only", "k_only", "queries_from_zero", "new_tokens_from_zero", "keys_one_later",
+                   "keys_one_earlier", "before_norm", "frequencies_over_head")
 _ROTARY_MISTAKE: contextvars.ContextVar[str | None] = contextvars.ContextVar("rotary_mistake", default=None)
 
 
@@ -228,9 +228,12 @@ def _config_tables(positions: np.ndarray, config, dtype: str = "float64") -> tup
 def _call_positions(inputs: AttentionInputs, rows=None) -> tuple[np.ndarray, np.ndarray]:
     """The rotary positions of the call's queries (those of ``rows``) and keys, as :func:`rotary_positions` gives
     them, or the queries' from 0 under the ``queries_from_zero`` mistake, and the last Tq keys' too under
-    ``new_tokens_from_zero``."""
+    ``new_tokens_from_zero``; every key's one later (``keys_one_later``) or earlier (``keys_one_earlier``) than
+    the queries' positions make it."""
     q_pos, k_pos = rotary_positions(inputs.tq, inputs.tk)
     mistake = _ROTARY_MISTAKE.get()
+    if mistake in ("keys_one_later", "keys_one_earlier"):
+        k_pos = k_pos + (1 if mistake == "keys_one_later" else -1)
     if mistake in ("queries_from_zero", "new_tokens_from_zero"):
         q_pos = np.arange(inputs.tq, dtype=np.int64)
     if mistake == "new_tokens_from_zero" and inputs.tq <= inputs.tk:
