@@ -71,3 +71,26 @@ def test_zero_and_tiny_rows_and_empty_inputs():
     assert np.array_equal(got[0], bias)
     assert (np.abs(got - _exact(x, w, bias)) <= np.spacing(np.abs(got))).all()
     assert exact_affine(np.zeros((0, 8)), w, bias).shape == (0, 3)
+
+
+def test_a_fit_over_many_score_scales_projects_the_call_once(monkeypatch):
+    """The exact projections are memoised by content and the output projection is float64's own: a score-scale fit
+    (about 40 references of one call, each with other scores) computes each exact projection once, where it had
+    computed one per reference (an outside user's wrong-output bench point took 117 s, 30 s of it here)."""
+    from mha_harness.contract import reference
+    from mha_harness.contract.api import AttentionConfig
+    from mha_harness.contract.params import make_inputs, make_params
+    from mha_harness.contract.scores_fit import fitted_score_scale
+
+    calls = []
+    real = reference.exact_affine
+    monkeypatch.setattr(reference, "exact_affine", lambda *a: calls.append(1) or real(*a))
+    reference.clear_reference_cache()
+    config = AttentionConfig(64, 4)
+    params, inputs = make_params(config, seed=1), make_inputs(config, 2, 12, seed=2)
+    with reference.score_scale_as(0.05):
+        got = reference.reference_attention(params, inputs).output
+    fit = fitted_score_scale(got, params, inputs, 1e-6)
+    assert fit is not None and abs(fit.scale - 0.05) < 1e-3, fit
+    computed = reference.reference_cache_info()["misses"]
+    assert computed > 20 and len(calls) <= 6, (computed, len(calls))  # q (all rows, the fit's rows), k, v

@@ -32,10 +32,10 @@ once per run, not once per backend. Validation still runs on every call, and eve
 The same code, run with ``dtype`` other than float64, is "the naive algorithm in that
 dtype" (rounding after every stage), whose error against float64 sets the tolerance.
 
-In float64 the projections (q, k, v and W_o) are within one unit in the last place of their exact values
+In float64 the q, k and v projections are within one unit in the last place of their exact values
 (:func:`~mha_harness.contract.exact_matmul.exact_affine`): a float64 matmul rounds at the size of its terms, and
 where they cancel that rounding, carried into every score of a row at large logits, was as large as a correct
-float64 kernel's whole error.
+float64 kernel's whole error. The output projection is float64's own matmul (its rounding adds to the output once).
 """
 from __future__ import annotations
 
@@ -326,12 +326,17 @@ def _heads(x: np.ndarray, n: int) -> np.ndarray:
     return x.reshape(b, t, n, w // n).transpose(0, 2, 1, 3)
 
 
-def _project(x, w, bias, dtype):
+def _project(x, w, bias, dtype, exact: bool = True):
     """``x @ w + bias`` as a kernel in ``dtype`` gets it at best: each entry the exact value rounded once to
     ``dtype`` (in float64 by :func:`~mha_harness.contract.exact_matmul.exact_affine`, since float64's own matmul
-    rounds at the size of the terms, which cancel; in a narrower dtype float64's sum of its exact products)."""
-    if dtype == "float64":
-        return exact_affine(x, w, bias)
+    rounds at the size of the terms, which cancel; in a narrower dtype float64's sum of its exact products).
+    ``exact=False``: float64's own matmul (the output projection, whose rounding adds to the output once, at the
+    size the bound's floor allows, where q's and k's is multiplied by the scores)."""
+    if dtype == "float64" and exact:  # memoised: a diagnosis's wrong layers (scales, caps, mistakes) share them
+        x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+        bias = None if bias is None else np.asarray(bias, np.float64)
+        return _PROJECTIONS.get(_digest("projection", x, w, bias), lambda: _frozen(exact_affine(x, w, bias)),
+                                lambda y: y.nbytes)
     y = round_to(x, dtype) @ round_to(w, dtype)
     if bias is not None:
         y = y + round_to(bias, dtype)
@@ -733,6 +738,11 @@ class _ContentCache:
 _CACHE = _ContentCache(256 * 2**20)
 
 
+#: exact float64 projections (:func:`_project`), 64 MiB at most: about 30 reference computations of one call at
+#: d_model 512 differ only in their scores (scores_fit's scales and caps) and would each project it again
+_PROJECTIONS = _ContentCache(64 * 2**20)
+
+
 def reference_cache_info() -> dict:
     """Hits, misses and bytes held by the reference's memo (for tests and profiling)."""
     with _CACHE.lock:
@@ -741,6 +751,7 @@ def reference_cache_info() -> dict:
 
 def clear_reference_cache() -> None:
     _CACHE.clear()
+    _PROJECTIONS.clear()
 
 
 def _require_sign(sign) -> None:
@@ -751,6 +762,12 @@ def _require_sign(sign) -> None:
 def _require_dtype_name(name: str, value: str | None) -> None:
     if value is not None and value not in EPS:
         raise ValueError(f"{name}: got {value!r}; accepted: None or one of {', '.join(EPS)}")
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """``a``, made read-only (a memoised value is shared by every caller)."""
+    a.flags.writeable = False
+    return a
 
 
 def _read_only(*arrays):
@@ -791,7 +808,7 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
     def compute():
         *_, weights, concat, _, _ = _forward_parts(params, inputs, rows, dtype, empty_rows, scale_first,
                                                    score_error_of, projection_error_of, score_error_sign)
-        out = _project(concat, params.W_o, params.b_o, dtype).astype(np.float64)
+        out = _project(concat, params.W_o, params.b_o, dtype, exact=False).astype(np.float64)
         weights = weights.astype(np.float64) if need_weights else None
         _read_only(out, weights)
         return out, weights
@@ -887,7 +904,8 @@ def _vjp_magnitudes(params: AttentionParams, inputs: AttentionInputs, cotangent:
     for which, n_heads in (("q", c.num_heads), ("k", c.kv_heads)):
         if c.qk_norm is not None:
             x = np.asarray(getattr(inputs, {"q": "query", "k": "key"}[which]), np.float64)
-            raw = _norm_groups(_project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"), "float64"),
+            raw = _norm_groups(_project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"), "float64",
+                                        exact=False),
                                c, n_heads)
             inv_sq = np.square(_rms_inverse(_centred(raw, c), c.qk_norm_eps))
             normed[which] = (raw.shape, inv_sq, mean_terms(np.square(raw), raw.shape[-1]) * inv_sq,
