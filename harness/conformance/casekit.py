@@ -489,8 +489,8 @@ def precision_diagnosis(guess: str) -> str:
     had its hint in each of 20 failures and none in the summary); "" for no guess."""
     if FLOAT32_SIZED in guess:
         return ("float64 calls err by float32's size: the layer computes in float32 somewhere; compute in float64, "
-                "or declare "
-                "precision_divergences(\"float64\", \"float32\", \"why\", cases=[...]) naming the failing cases")
+                "or declare precision_divergences(\"float64\", \"float32\", \"why\", cases=[...]) naming the failing "
+                "cases")
     half = re.search(rf"the (\w+) call {HALF_SIZED}", guess)
     if half:
         return (f"{half[1]} calls err by half precision's size: the layer {HALF_SIZED}, or changes its scores by "

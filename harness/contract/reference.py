@@ -174,7 +174,8 @@ def soft_capped(scores: np.ndarray, r=lambda x: x) -> np.ndarray:
 #: the rotary mistakes the reference can make, for diagnoses (:func:`rotary_mistaken`): only q or only k turned,
 #: the queries turned at positions 0 .. Tq - 1 where a KV-cache step's or a cross call's are Tk - Tq .. Tk - 1, the
 #: new tokens (the queries and the last Tq keys, their own) turned so while the cached keys keep their positions (a
-#: Hugging Face step given position_ids = arange(Tq)), or q and k turned before their q/k norm instead of after it
+#: Hugging Face step given position_ids = arange(Tq)), every key turned one position later or earlier than the
+#: queries' positions make it (an off-by-one), or q and k turned before their q/k norm instead of after it
 #: (forward only), or a partial rotary's frequencies spread over all d_head features instead of the r it turns
 #: (``base ** (-2i / d_head)``: the inv_freq of a full rotary, cut to r/2 frequencies)
 ROTARY_MISTAKES = ("q_only", "k_only", "queries_from_zero", "new_tokens_from_zero", "keys_one_later",
@@ -738,8 +739,8 @@ class _ContentCache:
 _CACHE = _ContentCache(256 * 2**20)
 
 
-#: exact float64 projections (:func:`_project`), 64 MiB at most: about 30 reference computations of one call at
-#: d_model 512 differ only in their scores (scores_fit's scales and caps) and would each project it again
+#: exact float64 projections (:func:`_project`), 64 MiB at most: the references a diagnosis computes for one call
+#: (a score fit's ~140 scales and caps) differ only in their scores and share its q, k and v projections
 _PROJECTIONS = _ContentCache(64 * 2**20)
 
 
