@@ -67,14 +67,16 @@ def exact_affine(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -
     lead, n = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, n)
     b = 0.0 if bias is None else np.asarray(bias, np.float64)
-    plain = flat @ w + b
     if flat.size == 0 or w.size == 0 or not _representable(w, 0).all():
-        return plain.reshape(*lead, w.shape[-1])
+        return (flat @ w + b).reshape(*lead, w.shape[-1])
     ok = _representable(flat, 1)
     left, right = _slices(np.where(ok[:, None], flat, 0.0), 1, n), _slices(w, 0, n)
-    head, error = _two_sum(left[0] @ right[0], np.broadcast_to(b, plain.shape))
+    head, error = _two_sum(left[0] @ right[0], np.broadcast_to(b, (flat.shape[0], w.shape[-1])))
     for i in range(SLICES):
         for j in range(SLICES - i):
             if i + j:
                 error = error + left[i] @ right[j]
-    return np.where(ok[:, None], head + error, plain).reshape(*lead, w.shape[-1])
+    out = head + error
+    if not ok.all():  # the ordinary matmul only for the rows it is kept for
+        out = np.where(ok[:, None], out, flat @ w + b)
+    return out.reshape(*lead, w.shape[-1])
