@@ -16,6 +16,8 @@
 #   bench        mha-harness bench --opt-in --budget 1                                3.8 min  DIR/bench/
 #   decode       mha-harness bench --workload decode --budget 1                        11 min  DIR/bench-decode/
 #   long         mha-harness bench --backend (5 CPU kernels) --seq-lens 1024..8192     12 min  DIR/long/bench/
+#   window       mha-harness bench --sliding-window 256 --causal on (4 backends that     12 min  DIR/sliding-window/
+#                declare it, T 1024..8192), then --workload decode --sliding-window 4096  (bench/, bench-decode/)
 #   fidelity     mha-harness fidelity                                                  17 min  DIR/bench/fidelity.json
 #   asv          asv run --quick, time/decode/peak memory (T 256,1024; KV 1024,16384) 28 min  DIR/asv/, DIR/html/
 #   search       mha-harness search --mutants --seed 0 --time-budget 60               ~5 min  DIR/search/
@@ -38,7 +40,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 results=""
-steps="conformance,bench,decode,long,fidelity,asv,search"
+steps="conformance,bench,decode,long,window,fidelity,asv,search"
 machine="$(hostname)"
 dry=0
 while [ $# -gt 0 ]; do
@@ -51,7 +53,7 @@ while [ $# -gt 0 ]; do
         *) echo "regenerate_results.sh: unknown argument '$1'; accepted: --results DIR, --steps LIST, --machine NAME, --dry-run" >&2; exit 2 ;;
     esac
 done
-all="conformance bench decode long fidelity asv search"
+all="conformance bench decode long window fidelity asv search"
 for s in ${steps//,/ }; do
     case " $all " in *" $s "*) ;; *) echo "regenerate_results.sh: --steps: got '$s'; accepted: ${all// /, }" >&2; exit 2 ;; esac
 done
@@ -113,6 +115,14 @@ command_of() {
         long) echo "mha-harness bench --backend numpy-naive --backend numpy-tiled --backend torch-sdpa-flash-cpu" \
                    "--backend torch-sdpa-math-cpu --backend jax-dpa --seq-lens 1024,2048,4096,8192" \
                    "--results '$results/long'" ;;
+        # the layers with a sliding window: numpy-tiled skips the keys behind each query block's window, the others
+        # compute every score and mask them
+        window) echo "mha-harness bench --backend numpy-naive --backend numpy-tiled --backend torch-eager" \
+                     "--backend jax-dpa --causal on --sliding-window 256 --seq-lens 1024,2048,4096,8192 --budget 1" \
+                     "--results '$results/sliding-window' &&" \
+                     "mha-harness bench --workload decode --backend numpy-naive --backend numpy-tiled" \
+                     "--backend torch-eager --backend jax-dpa --sliding-window 4096 --seq-lens 4096,16384,65536" \
+                     "--budget 1 --results '$results/sliding-window'" ;;
         fidelity) echo "mha-harness fidelity --results '$results'" ;;
         # the dashboard's headline benchmarks (time, decode time, peak memory; 28 min on 2 cores): the others add
         # 55 min (each parameter of the two compiled backends compiles in asv's setup); ASV_BENCH=all: all

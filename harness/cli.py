@@ -196,6 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=_positive_int, default=None, metavar="N",
                    help="key/value heads (grouped-query attention): N divides --heads, 1 <= N <= --heads; default: "
                         "as many as --heads (multi-head). Backends that do not declare grouped_query are skipped")
+    from mha_harness.contract.conventions import QK_NORMS, ROTARY_KINDS
+    p.add_argument("--rotary", choices=ROTARY_KINDS, default=None,
+                   help="time a layer with rotary embeddings on q and k (half_split: Llama's rotate_half; interleaved: "
+                        "GPT-J's), base 10000, key j at position j and query i at i + Tk - Tq; default: none. "
+                        "Backends that do not declare it (capabilities.rotary) are skipped")
+    p.add_argument("--qk-norm", choices=QK_NORMS, default=None,
+                   help="time a layer that normalises q and k after their projections (rms_per_head: Qwen 3's, "
+                        "Gemma 3's); default: none. Backends that do not declare it (capabilities.qk_norms) are "
+                        "skipped")
+    p.add_argument("--sliding-window", type=_positive_int, default=None, metavar="W",
+                   help="time a layer whose query at position p sees only the keys after p - W (Mistral's, Gemma's "
+                        "sliding_window); default: every key. Backends that do not declare sliding_window are skipped")
 
     p = sub.add_parser("fidelity", help="figures proving the benchmarks: timing against torch.utils.benchmark, "
                                         "alone vs in the sweep, memory methods against formulas, harness overhead")
@@ -561,9 +573,17 @@ def cmd_bench(args) -> int:
     _require("matplotlib", "bench")
     _require("scipy", "bench")
     config = _usage(_bench_config, args, dtype=args.dtype, workload=args.workload, batch=args.batch,
-                    d_model=args.d_model, num_heads=args.heads, num_kv_heads=args.kv_heads, bias=args.bias)
+                    d_model=args.d_model, num_heads=args.heads, num_kv_heads=args.kv_heads, bias=args.bias,
+                    rotary=args.rotary, qk_norm=args.qk_norm, sliding_window=args.sliding_window)
     if args.d_model % args.heads:
         raise UsageError(f"--d-model: got {args.d_model}, not divisible by --heads {args.heads}; accepted: a multiple")
+    feature_error = config.features_error()
+    if feature_error:  # e.g. rotary embeddings on an odd d_head: named by its option, before anything runs
+        for field_name, option in (("rotary", "--rotary"), ("qk_norm", "--qk-norm"),
+                                   ("sliding_window", "--sliding-window")):
+            if feature_error.startswith(f"{field_name}:"):
+                feature_error = option + feature_error[len(field_name):]
+        raise UsageError(feature_error)
     backends = _available_backends(registry, names)
     doc = run_bench(backends, Path(args.results), seq_lens=args.seq_lens, causal=args.causal, backward=args.backward,
                     config=config, query_lens=args.query_lens or DECODE_QUERY_LENS,
@@ -621,6 +641,10 @@ def _skip_hint(why: str) -> str:
         return "; leave out --kv-heads (multi-head), or declare grouped_query if the backend supports it"
     if "no biases" in why:
         return "; leave out --bias, or declare bias=True if the backend's layer takes biases"
+    for option, capability in (("--rotary", "rotary"), ("--qk-norm", "qk_norms"),
+                               ("--sliding-window", "sliding_window")):
+        if f"{option} times" in why:
+            return f"; leave out {option}, or declare {capability} if the backend's layer can be built with it"
     return ""
 
 

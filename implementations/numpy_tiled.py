@@ -4,7 +4,10 @@ Queries are processed in blocks of ``block_q`` rows and keys in blocks of ``bloc
 for each query block a running row maximum ``m``, normaliser ``l`` and accumulator are
 updated per key block, so no Tq x Tk matrix is ever materialised: the extra memory per
 call is O(batch * heads * block_q * block_k) besides the projections. Key blocks wholly
-above the causal diagonal are skipped. Rows whose keys are all masked output zeros.
+above the causal diagonal are skipped, and under a sliding window of w keys
+(``config.sliding_window``) so are the keys before a query block's window: a call's work grows
+as T * w, not T^2, and a decode step reads only the cache rows its window sees. Rows whose keys
+are all masked output zeros.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import numpy as np
 from mha_harness.contract.api import AttentionInputs, AttentionOutput, AttentionParams, Capabilities
 from mha_harness.contract.numerics import weighted_values
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
-from mha_harness.toolkit.masks import block_mask, causal_key_limit
+from mha_harness.toolkit.masks import block_mask, causal_key_limit, window_key_start
 
 
 class NumpyTiledLoaded(NumpyNaiveLoaded):
@@ -59,9 +62,15 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
         """Exclusive bound of the keys that queries below q1 may see: key blocks from there on are skipped."""
         return causal_key_limit(inputs, q1)
 
+    def key_start(self, inputs: AttentionInputs, q0: int) -> int:
+        """The first key that queries from q0 on may see: the keys before it lie behind every one's sliding window
+        and are skipped (0 without a window)."""
+        return window_key_start(inputs, q0, self.config.sliding_window)
+
     def block_mask(self, inputs: AttentionInputs, q0: int, q1: int, k0: int, k1: int):
-        """The masks of queries q0:q1 and keys k0:k1 (:func:`~mha_harness.toolkit.masks.block_mask`)."""
-        return block_mask(inputs, q0, q1, k0, k1)
+        """The masks of queries q0:q1 and keys k0:k1, the layer's sliding window among them
+        (:func:`~mha_harness.toolkit.masks.block_mask`)."""
+        return block_mask(inputs, q0, q1, k0, k1, sliding_window=self.config.sliding_window)
 
     def _query_block(self, qb, k, v, inputs, q0, q1):
         c = self.config
@@ -73,7 +82,7 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
         # one scores buffer per query block, reused by every full key block: the exponentials are taken in place, so
         # a key block allocates no block-sized temporaries (fresh ones cost as much as the exp itself)
         scores = np.empty((b, c.kv_heads, c.group, rows, self.block_k), dtype=self.dtype)
-        for k0 in range(0, self.key_limit(inputs, q1), self.block_k):
+        for k0 in range(self.key_start(inputs, q0), self.key_limit(inputs, q1), self.block_k):
             k1 = min(inputs.tk, k0 + self.block_k)
             keys = k[:, :, :, k0:k1].swapaxes(-1, -2)
             s = np.matmul(qb, keys, out=scores) if k1 - k0 == self.block_k else qb @ keys
@@ -109,7 +118,7 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
 
 class NumpyTiled(NumpyNaive):
     name = "numpy-tiled"
-    capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=False)
+    capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=False, sliding_window=True)
 
     def __init__(self, block_q: int = 256, block_k: int = 512):
         for label, value in (("block_q", block_q), ("block_k", block_k)):

@@ -70,11 +70,16 @@ def test_a_malformed_window_is_refused_naming_sliding_window(bad):
 
 
 def test_a_backend_that_does_not_declare_a_window_refuses_one_at_load_naming_it():
-    from mha_harness.implementations.numpy_tiled import NumpyTiled
+    import dataclasses
+
+    from mha_harness.implementations.numpy_naive import NumpyNaive
+    backend = NumpyNaive()
+    backend.name = "numpy-naive-without-window"
+    backend.capabilities = dataclasses.replace(backend.capabilities, sliding_window=False)
     params = make_params(AttentionConfig(32, 4, sliding_window=4))
-    with pytest.raises(ValueError, match=r"sliding_window: got 4 but numpy-tiled does not declare "
+    with pytest.raises(ValueError, match=r"sliding_window: got 4 but numpy-naive-without-window does not declare "
                                          r"Capabilities.sliding_window"):
-        NumpyTiled().load(params)
+        backend.load(params)
     with pytest.raises(TypeError, match="Capabilities.sliding_window"):
         Capabilities(sliding_window="yes")
 
@@ -132,8 +137,10 @@ def test_torch_eagers_gradients_leave_the_keys_behind_the_window_untouched():
     np.testing.assert_allclose(got["key"], reference_vjp(params, inputs, cotangent)["key"], atol=1e-12)
 
 
-def test_torch_eager_passes_every_window_case_and_numpy_tiled_skips_them_naming_the_declaration():
+def test_torch_eager_and_numpy_tiled_pass_every_window_case_and_a_backend_without_one_skips_them_naming_it():
     pytest.importorskip("torch")
+    import dataclasses
+
     from mha_harness.implementations.numpy_tiled import NumpyTiled
     from mha_harness.implementations.torch_eager import TorchEager
     report = mha_harness.check(TorchEager(), cases=WINDOW_CASES + ["check_gradients_match_reference"], isolate=False)
@@ -141,8 +148,13 @@ def test_torch_eager_passes_every_window_case_and_numpy_tiled_skips_them_naming_
     window_runs = [r for r in report.results if "window" in r.case or r.params.get("sliding_window")]
     assert len([r for r in window_runs if r.status == "passed"]) == 4 + 4 + 1 + 1 + 1  # the rows, leak, step, gradient
     tiled = mha_harness.check(NumpyTiled(), cases=WINDOW_CASES[:2], isolate=False)
-    assert {r.status for r in tiled.results} == {"skipped"}
-    assert all("does not declare sliding_window" in r.message for r in tiled.results)
+    assert tiled.ok and {r.status for r in tiled.results} == {"passed"}, [r.message for r in tiled.failures()]
+    without = NumpyTiled()
+    without.name, without.capabilities = "numpy-tiled-without-window", dataclasses.replace(
+        without.capabilities, sliding_window=False)
+    skipped = mha_harness.check(without, cases=WINDOW_CASES[:2], isolate=False)
+    assert {r.status for r in skipped.results} == {"skipped"}
+    assert all("does not declare sliding_window" in r.message for r in skipped.results)
 
 
 def test_every_window_mutant_is_caught_and_named():

@@ -77,18 +77,50 @@ def unsupported(backend, shape: Shape) -> str | None:
         return "no gradients"
     if shape.bias and not caps.bias:
         return "no biases (declares bias=False): --bias times a layer whose projections carry b_q ... b_o"
+    feature = missing_feature(caps, shape)
+    if feature:
+        return feature
+    if shape.d_head % caps.d_head_multiple:
+        return (f"d_head {shape.d_head} is not a multiple of {caps.d_head_multiple} (declares "
+                f"d_head_multiple={caps.d_head_multiple}): choose --d-model / --heads so that it is")
     if caps.max_seq_len and max(shape.tq, shape.tk) > caps.max_seq_len:
         return f"max_seq_len {caps.max_seq_len}"
     return None
+
+
+def missing_feature(caps, shape: Shape) -> str | None:
+    """Why a backend with capabilities ``caps`` cannot be built with ``shape``'s layer features (rotary embeddings,
+    a q/k norm, a sliding window: ``--rotary``, ``--qk-norm``, ``--sliding-window``), naming the capability it does
+    not declare; None when it can."""
+    declared = ", ".join(caps.rotary) or "none"
+    if shape.rotary and shape.rotary not in caps.rotary:
+        return (f"no {shape.rotary} rotary embeddings (capabilities.rotary declares: {declared}): --rotary times a "
+                "layer that turns q and k by their positions")
+    norms = ", ".join(caps.qk_norms) or "none"
+    if shape.qk_norm and shape.qk_norm not in caps.qk_norms:
+        return (f"no {shape.qk_norm} q/k norm (capabilities.qk_norms declares: {norms}): --qk-norm times a layer "
+                "that normalises q and k after their projections")
+    if shape.sliding_window is not None and not caps.sliding_window:
+        return ("no sliding window (declares sliding_window=False): --sliding-window times a layer whose queries "
+                "see only the last w positions")
+    return None
+
+
+def layer_config(shape: Shape):
+    """The :class:`~mha_harness.contract.api.AttentionConfig` of ``shape``'s layer: its size, heads, biases and
+    features."""
+    from mha_harness.contract.api import AttentionConfig
+    return AttentionConfig(shape.d_model, shape.num_heads, shape.num_kv_heads, bias=shape.bias, qk_norm=shape.qk_norm,
+                           rotary=shape.rotary, sliding_window=shape.sliding_window)
 
 
 def call_arguments(shape: Shape, causal: str | None, *, kv_cache: bool = False):
     """(params, inputs) of the benchmarked call for ``shape`` with the causal mask ``causal`` (an alignment, or None
     for no mask): seeded, the same in every process. ``kv_cache``: a KV-cache step's inputs (the same query, and
     one x_kv whose last Tq rows are it: see ``Capabilities(inputs="kv_cache")``)."""
-    from mha_harness.contract.api import AttentionConfig, as_kv_cache_call
+    from mha_harness.contract.api import as_kv_cache_call
     from mha_harness.contract.params import make_inputs, make_params
-    attn = AttentionConfig(shape.d_model, shape.num_heads, shape.num_kv_heads, bias=shape.bias)
+    attn = layer_config(shape)
     inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal)
     if kv_cache and not inputs.is_self_attention:
         inputs = as_kv_cache_call(inputs)

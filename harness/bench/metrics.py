@@ -4,7 +4,8 @@ For one call of an attention layer of shape :class:`Shape` taking ``seconds``, :
 
 * ``gflops``: the attention core with the flash-attention formula 4*B*h*Tq*Tk*d_head times the fraction of
   (query, key) pairs a causal mask leaves visible (0.5 at Tq = Tk, the flash-attention convention; with Tq < Tk,
-  bottom-right, 1 - (Tq - 1) / (2 Tk): nearly all for a decode step); forward+backward counts 3.5x forward,
+  bottom-right, 1 - (Tq - 1) / (2 Tk): nearly all for a decode step); a sliding window narrower than Tk counts the
+  pairs it leaves visible exactly, as flash-attention's benchmarks do; forward+backward counts 3.5x forward,
   backward being 2.5x; and ``fraction_of_gemm_peak``;
 * ``layer_gflops``: the core plus the four projections (2*B*d_model*(Tq*d_model + 2*Tk*kv_width + Tq*d_model),
   kv_width = num_kv_heads*d_head: d_model for multi-head, less for grouped-query; a decode step over a filled
@@ -12,9 +13,12 @@ For one call of an attention layer of shape :class:`Shape` taking ``seconds``, :
 * ``gbytes_per_s``: the compulsory traffic of one call (query, key and value inputs, the four weight matrices --
   W_k and W_v of d_model x kv_width -- and the output, each read or written once, in the benchmark's dtype; a
   decode step reads x_new, the whole K and V cache, 2*B*Tk*kv_width, writes its Tq new rows of it, and reads the
-  weights and writes the output) per second, and ``fraction_of_memory_bandwidth``.
+  weights and writes the output) per second, and ``fraction_of_memory_bandwidth``; a decode step under a sliding
+  window of w keys reads only the cache rows its queries can see, min(Tk, Tq + w - 1).
 
-The core count is the same for grouped-query heads: every query head still scores every key it sees.
+The core count is the same for grouped-query heads: every query head still scores every key it sees. Rotary
+embeddings and a q/k norm add elementwise work over q and k (a few FLOPs per feature, under 1 % of the layer's at
+d_head 64) that neither count includes.
 
 The machine's roofs are measured the same way: :func:`gemm_peak_gflops` times a float32 GEMM and
 :func:`memory_bandwidth_gbs` a float32 GEMV over a 256 MiB matrix (each byte of the matrix read once),
@@ -32,18 +36,22 @@ import numpy as np
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 FLOPS_FORMULA = ("core: 4*B*h*Tq*Tk*d_head x the causal mask's visible fraction (0.5 at Tq = Tk; 1 - (Tq-1)/(2*Tk) "
-                 "bottom-right with Tq < Tk) (x3.5 forward+backward); layer: core + projections "
+                 "bottom-right with Tq < Tk; under a sliding window narrower than Tk, the visible pairs counted "
+                 "exactly) (x3.5 forward+backward); layer: core + projections "
                  "2*B*d_model*(2*Tq*d_model + 2*Tk*kv_width), kv_width = num_kv_heads*d_head (x3 forward+backward); "
-                 "a decode step over a filled cache projects Tq rows of keys and values, not Tk")
+                 "a decode step over a filled cache projects Tq rows of keys and values, not Tk; rotary embeddings "
+                 "and a q/k norm (elementwise) are not counted")
 BYTES_FORMULA = ("compulsory traffic: query + key + value + 4 weight matrices (W_k, W_v: d_model x kv_width) + "
                  "output, once each, in dtype; a decode step over a filled cache: x_new + the K and V cache "
-                 "(2*B*Tk*kv_width) read + its Tq new rows written + weights + output")
+                 "(2*B*Tk*kv_width; under a sliding window of w keys, the min(Tk, Tq + w - 1) rows its queries see) "
+                 "read + its Tq new rows written + weights + output")
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One benchmarked call: batch, query and key lengths, layer size, dtype, causal, backward, and the number of
-    key/value heads (None: as many as query heads, multi-head; fewer: grouped-query)."""
+    """One benchmarked call: batch, query and key lengths, layer size, dtype, causal, backward, the number of
+    key/value heads (None: as many as query heads, multi-head; fewer: grouped-query), and the layer's features
+    (biases, rotary embeddings, a q/k norm, a sliding window: :class:`~mha_harness.contract.api.AttentionConfig`'s)."""
 
     batch: int
     tq: int
@@ -59,6 +67,12 @@ class Shape:
     cached: bool = False
     #: the layer has biases b_q ... b_o (AttentionConfig.bias); off by default
     bias: bool = False
+    #: rotary position embeddings on q and k (AttentionConfig.rotary: "half_split" or "interleaved"); None: none
+    rotary: str | None = None
+    #: a norm of q and k after their projections (AttentionConfig.qk_norm, e.g. "rms_per_head"); None: none
+    qk_norm: str | None = None
+    #: each query sees only its own position and the w - 1 before it (AttentionConfig.sliding_window); None: all
+    sliding_window: int | None = None
 
     @property
     def d_head(self) -> int:
@@ -74,10 +88,32 @@ class Shape:
         return self.kv_heads * self.d_head
 
 
+def window_limits(s: Shape) -> bool:
+    """Whether the shape's sliding window hides a key from some query: a window of w keys lets the query at
+    position p (the last Tq of the Tk positions in every benchmarked call,
+    :func:`~mha_harness.contract.conventions.window_offset`) see only keys after p - w, so a window of at least Tk
+    keys hides none."""
+    return s.sliding_window is not None and s.sliding_window < s.tk
+
+
+def window_visible_pairs(s: Shape) -> int:
+    """The (query, key) pairs a sliding window of w keys leaves visible, counted exactly: query i, at position
+    p = i + Tk - Tq (Tq = Tk in prefill: p = i), sees the keys j > p - w, and with a causal mask only those up to p
+    (flash-attention's benchmarks count a local window's pairs the same way)."""
+    w = s.sliding_window
+    p = np.arange(s.tq, dtype=np.int64) + (s.tk - s.tq)
+    low = np.maximum(p - w + 1, 0)
+    high = p if s.causal else np.full_like(p, s.tk - 1)
+    return int(np.maximum(high - low + 1, 0).sum())
+
+
 def visible_fraction(s: Shape) -> float:
     """The fraction of the Tq x Tk (query, key) pairs the shape's causal mask leaves visible: 1 without one; 0.5 at
     Tq = Tk (the flash-attention convention, (T + 1) / 2T exactly); bottom-right with Tq < Tk (the new queries are
-    the last positions, query i sees Tk - Tq + i + 1 keys) 1 - (Tq - 1) / (2 Tk)."""
+    the last positions, query i sees Tk - Tq + i + 1 keys) 1 - (Tq - 1) / (2 Tk). A sliding window that hides keys
+    (:func:`window_limits`) gives the exact fraction :func:`window_visible_pairs` / (Tq Tk)."""
+    if window_limits(s):
+        return window_visible_pairs(s) / (s.tq * s.tk)
     if not s.causal:
         return 1.0
     if s.tq >= s.tk:
@@ -108,10 +144,12 @@ def projection_flops(s: Shape) -> float:
 def compulsory_bytes(s: Shape) -> float:
     """query + key + value + output + 4 weight matrices, each moved once, in the dtype (self-attention reads x once;
     W_k and W_v are d_model x kv_width, smaller for grouped-query heads). A decode step over a filled cache reads
-    x_new and the whole K and V cache, and writes the cache's Tq new rows, in place of the key and value inputs."""
+    x_new and the whole K and V cache, and writes the cache's Tq new rows, in place of the key and value inputs;
+    under a sliding window of w keys it needs only the min(Tk, Tq + w - 1) cache rows its queries see."""
     size = ITEMSIZE.get(s.dtype, 4)
     if s.cached:
-        inputs = s.batch * s.tq * s.d_model + 2 * s.batch * (s.tk + s.tq) * s.kv_width
+        read = min(s.tk, s.tq + s.sliding_window - 1) if s.sliding_window is not None else s.tk
+        inputs = s.batch * s.tq * s.d_model + 2 * s.batch * (read + s.tq) * s.kv_width
     else:
         inputs = s.batch * s.tq * s.d_model if s.tq == s.tk else s.batch * (s.tq + 2 * s.tk) * s.d_model
     weights = 2 * s.d_model * s.d_model + 2 * s.d_model * s.kv_width

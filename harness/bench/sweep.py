@@ -58,7 +58,7 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.6"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
+SCHEMA_VERSION = "2.7"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
 # 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured;
 # 2.3: decode points time a decode step over a filled KV cache (decode_step), not a call projecting all Tk keys; the
 # causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half); 2.4: points record
@@ -66,7 +66,9 @@ SCHEMA_VERSION = "2.6"  # 2.1: points record call_mask, other_cores, over_comput
 # 2.5: a forward + backward point's output_check holds its gradients' check (gradients, worst) or why it is unchecked;
 # config.bias (--bias: the layer's projections carry biases); 2.6: points record timed_fraction (the share of the
 # harness's own clock around the sample requests that the reported samples account for) and can be
-# "unaccounted-timing"
+# "unaccounted-timing"; 2.7: config.rotary, config.qk_norm and config.sliding_window (--rotary, --qk-norm,
+# --sliding-window: the timed layer's features); under a sliding window narrower than Tk the core FLOPs count the
+# visible pairs exactly and a decode step's bytes the cache rows its queries see
 #: what a decode point times, recorded in its document
 DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (LoadedAttention.prepare_decode_step): "
                "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
@@ -94,6 +96,9 @@ class BenchConfig:
     num_heads: int = 8
     num_kv_heads: int | None = None  # key/value heads; None: num_heads (multi-head); fewer: grouped-query
     bias: bool = False  # the layer's projections carry biases b_q ... b_o
+    rotary: str | None = None  # rotary embeddings on q and k: "half_split" or "interleaved" (AttentionConfig.rotary)
+    qk_norm: str | None = None  # a norm of q and k after their projections (AttentionConfig.qk_norm)
+    sliding_window: int | None = None  # each query sees its own position and the w - 1 before it
     dtype: str = "float32"
     workload: str = "prefill"
     threads: int = DEFAULT_THREADS
@@ -116,15 +121,53 @@ class BenchConfig:
     def layer_text(self) -> str:
         """The layer's shape in words, for the printed header and the plots' titles."""
         kind = "multi-head" if self.kv_heads == self.num_heads else "grouped-query"
+        features = "".join(f", {text}" for text in self.feature_names())
         return (f"batch {self.batch}, d_model {self.d_model}, {self.num_heads} heads, num_kv_heads {self.kv_heads} "
-                f"({kind}){', biases' if self.bias else ''}, {self.dtype}, {self.threads} "
+                f"({kind}){', biases' if self.bias else ''}{features}, {self.dtype}, {self.threads} "
                 f"thread{'' if self.threads == 1 else 's'}")
 
+    def feature_names(self) -> list[str]:
+        """The layer's features beyond its shape, in a few words each (the plots' titles)."""
+        return ([f"rotary {self.rotary}"] if self.rotary else []) + \
+            ([f"q/k norm {self.qk_norm}"] if self.qk_norm else []) + \
+            ([f"sliding window {self.sliding_window}"] if self.sliding_window is not None else [])
 
-#: what the timed layer leaves out, in the printed header (an outside user's rotary layer could not tell whether its
-#: positions were turned: its plugin gives every token one position where the config has no rotary)
+    def features_text(self) -> str:
+        """What the timed layer computes beyond attention's projections and softmax, for the printed header: the
+        plain layer (:data:`PLAIN_LAYER`), or its rotary embeddings, q/k norm and sliding window, each with the
+        convention the backends are built with, and those it leaves out."""
+        if not self.feature_names():
+            return PLAIN_LAYER
+        has = []
+        if self.rotary:
+            has.append(f"{self.rotary} rotary embeddings on q and k (base 10000; key j at position j, query i at "
+                       "i + Tk - Tq)")
+        if self.qk_norm:
+            has.append(f"a {self.qk_norm} q/k norm (gains drawn in [0.5, 1.5])")
+        if self.sliding_window is not None:
+            has.append(f"a sliding window of {self.sliding_window} keys (query at p sees keys j > p - "
+                       f"{self.sliding_window})")
+        missing = [name for name, value in (("rotary embeddings", self.rotary), ("q/k norm", self.qk_norm),
+                                            ("sliding window", self.sliding_window)) if value is None]
+        return f"the layer with {', '.join(has)}" + (f"; no {' or '.join(missing)}" if missing else "")
+
+    def features_error(self) -> str | None:
+        """Why the layer's features cannot build a layer of this shape (an unknown rotary kind or q/k norm, a
+        window that is not a positive integer, rotary embeddings on an odd d_head), naming the field and the
+        accepted values; None when they can."""
+        from mha_harness.contract.api import AttentionConfig
+        try:
+            AttentionConfig(self.d_model, self.num_heads, self.num_kv_heads, bias=self.bias, qk_norm=self.qk_norm,
+                            rotary=self.rotary, sliding_window=self.sliding_window)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+        return None
+
+
+#: what the plain timed layer leaves out, in the printed header (an outside user's rotary layer could not tell whether
+#: its positions were turned: its plugin gives every token one position where the config has no rotary)
 PLAIN_LAYER = ("the plain layer: no rotary embeddings, q/k norm or sliding window (the config's rotary, "
-               "qk_norm and sliding_window are None)")
+               "qk_norm and sliding_window are None; --rotary, --qk-norm and --sliding-window time them)")
 
 
 def kv_heads_error(num_kv_heads, num_heads: int, name: str = "num_kv_heads",
@@ -201,7 +244,8 @@ class BenchPoint:
 
 def shape_of(point: BenchPoint, config: BenchConfig) -> Shape:
     return Shape(config.batch, point.tq, point.tk, config.d_model, config.num_heads, config.dtype, point.causal,
-                 point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode", bias=config.bias)
+                 point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode", bias=config.bias,
+                 rotary=config.rotary, qk_norm=config.qk_norm, sliding_window=config.sliding_window)
 
 
 def plan_points(names, config: BenchConfig, seq_lens, *, causal_modes=(False,), backward=False,
@@ -632,11 +676,12 @@ def table(points: list[BenchPoint]) -> str:
                  "none (none for full attention, and for the one-query decode step of a backend without bottom-right "
                  "masking: the same attention); for a point not run, the mask its workload asks for")
     lines.append("  core GFLOP/s, core %GEMM: the attention core alone (4*B*h*Tq*Tk*d_head x the pairs a causal mask "
-                 "leaves visible, half at Tq = Tk; bench.json's gflops and fraction_of_gemm_peak, of NumPy's float32 "
-                 "GEMM); the whole layer, its four projections included, is bench.json's layer_gflops; GB/s, %BW: the "
-                 "layer's compulsory traffic (gbytes_per_s, fraction_of_memory_bandwidth, of the bandwidth measured "
-                 "in this run); the '!' flag compares the layer's FLOPs with the compute roof (the fastest float32 "
-                 "GEMM of the installed libraries), not with NumPy's")
+                 "leaves visible, half at Tq = Tk, and those a sliding window leaves, counted exactly; bench.json's "
+                 "gflops and fraction_of_gemm_peak, of NumPy's float32 GEMM); the whole layer, its four projections "
+                 "included, is bench.json's layer_gflops; GB/s, %BW: the layer's compulsory traffic (a windowed "
+                 "decode step's: the cache rows its window sees; gbytes_per_s, fraction_of_memory_bandwidth, of the "
+                 "bandwidth measured in this run); the '!' flag compares the layer's FLOPs with the compute roof (the "
+                 "fastest float32 GEMM of the installed libraries), not with NumPy's")
     if any(_loaded(p) for p in points):
         lines.append(f"  L other processes kept more than {LOADED_CORES} cores busy while the point was timed "
                      "(other_cores in bench.json): a loaded machine's figures, slower and noisier than alone")
@@ -1037,6 +1082,9 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     kv_error = kv_heads_error(config.num_kv_heads, config.num_heads)
     if kv_error:
         raise ValueError(kv_error)
+    feature_error = config.features_error()
+    if feature_error:
+        raise ValueError(feature_error)
     decode = config.workload == "decode"
     directory = None
     if results_dir is not None:
@@ -1045,8 +1093,9 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     seq_lens = list(seq_lens or (DECODE_KV_LENS if decode else DEFAULT_SEQ_LENS))
     names = [b.name for b in backends]
     log(f"benchmark ({config.workload}): {len(names)} backends x {'KV lengths' if decode else 'T'} in {seq_lens}"
-        f"{f', Tq in {list(query_lens)}' if decode else ''}; {config.layer_text()}; {PLAIN_LAYER}; each backend in "
-        f"its own worker; per point: 95% CI of the median within +-{100 * config.ci_rel:g}% or {config.budget_s:g} s",
+        f"{f', Tq in {list(query_lens)}' if decode else ''}; {config.layer_text()}; {config.features_text()}; each "
+        f"backend in its own worker; per point: 95% CI of the median within +-{100 * config.ci_rel:g}% or "
+        f"{config.budget_s:g} s",
         flush=True)
     if decode:
         dropped = [f"Tq={tq} KV={tk}" for tk in sorted(seq_lens) for tq in query_lens if tq > tk]

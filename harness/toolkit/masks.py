@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs
-from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, causal_offset, window_allows
+from mha_harness.contract.conventions import CAUSAL_ALIGNMENTS, causal_offset, window_allows, window_offset
 
 POLARITIES = ("attend", "ignore")
 
@@ -151,6 +151,17 @@ def additive_mask(inputs: AttentionInputs, *, masked_value: float = -np.inf, dty
     base = np.zeros(allowed.shape) if additive is None else np.broadcast_to(additive, np.broadcast_shapes(
         additive.shape, allowed.shape))
     return np.where(allowed, base, masked_value).astype(dtype)
+
+
+def window_key_start(inputs: AttentionInputs, q0: int, sliding_window: int | None) -> int:
+    """Inclusive lower bound of the keys any query from q0 on may see under a sliding window of ``sliding_window``
+    keys (0 without one): the query at position p sees only keys j > p - w (:func:`window_allows`), and the first
+    query, q0, has the smallest position, so a tiled kernel can skip every key before it."""
+    if sliding_window is None:
+        return 0
+    _check_window(sliding_window)
+    offset = window_offset(inputs.causal, inputs.tq, inputs.tk)
+    return int(min(inputs.tk, max(0, q0 + offset - sliding_window + 1)))
 
 
 def causal_key_limit(inputs: AttentionInputs, q1: int) -> int:

@@ -1,0 +1,200 @@
+"""``bench --rotary``, ``--qk-norm`` and ``--sliding-window``: the layers people write (Llama's rotary embeddings,
+Qwen 3's q/k norm, Mistral's sliding window) are timed as built, checked against the float64 reference with the same
+features, counted honestly (a window's visible pairs, a windowed decode step's cache rows), and a backend that cannot
+be built with them is skipped naming the capability. numpy-tiled skips the keys behind a query block's window."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from mha_harness.bench.metrics import (
+    Shape,
+    compulsory_bytes,
+    core_flops,
+    visible_fraction,
+    window_visible_pairs,
+)
+from mha_harness.bench.sweep import PLAIN_LAYER, BenchConfig, run_bench
+from mha_harness.contract.conventions import causal_offset, window_allows
+from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+from mha_harness.implementations.numpy_tiled import NumpyTiled, NumpyTiledLoaded
+from mha_harness.toolkit.masks import full_mask
+
+SMALL = dict(d_model=64, num_heads=4, budget_s=0.2, warm_up_s=0.05, min_sample_s=0.005, turn_s=0.02)
+
+
+def _quiet(*args, **kwargs):
+    pass
+
+
+def _brute_force_pairs(s: Shape) -> int:
+    """The visible (query, key) pairs from the conventions' own masks: the window's, and the causal mask's (prefill
+    top-left, decode bottom-right)."""
+    alignment = None if not s.causal else ("top-left" if s.tq == s.tk else "bottom-right")
+    allowed = window_allows(s.sliding_window, alignment, s.tq, s.tk)
+    if alignment:
+        offset = causal_offset(alignment, s.tq, s.tk)
+        allowed = allowed & (np.arange(s.tk)[None, :] <= np.arange(s.tq)[:, None] + offset)
+    return int(allowed.sum())
+
+
+@pytest.mark.parametrize("tq, tk, causal, window", [(64, 64, True, 8), (64, 64, False, 8), (64, 64, True, 1),
+                                                     (1, 1024, True, 128), (16, 1024, True, 128),
+                                                     (48, 48, True, 47), (50, 50, False, 49)])
+def test_a_sliding_window_counts_exactly_the_pairs_it_leaves_visible(tq, tk, causal, window):
+    """The core FLOPs of a layer with a window narrower than Tk count the (query, key) pairs the conventions' window
+    and causal masks leave visible, no more (a kernel that computes the rest did work the layer does not need)."""
+    s = Shape(1, tq, tk, 64, 4, causal=causal, sliding_window=window)
+    assert window_visible_pairs(s) == _brute_force_pairs(s)
+    assert core_flops(s) == pytest.approx(4 * 4 * tq * tk * 16 * _brute_force_pairs(s) / (tq * tk))
+
+
+def test_a_window_as_wide_as_the_keys_counts_as_no_window():
+    """A window of at least Tk keys hides no key: the FLOPs and bytes are the plain layer's (the causal convention of
+    half the pairs at Tq = Tk included)."""
+    for tq, tk in ((64, 64), (1, 1024)):
+        plain = Shape(1, tq, tk, 64, 4, causal=True, cached=tq < tk)
+        for window in (tk, tk + 1, 10 * tk):
+            wide = dataclasses.replace(plain, sliding_window=window)
+            assert visible_fraction(wide) == visible_fraction(plain)
+            assert compulsory_bytes(wide) == compulsory_bytes(plain)
+
+
+def test_a_windowed_decode_step_counts_only_the_cache_rows_its_queries_see():
+    """A decode step of Tq queries under a window of w keys needs Tq + w - 1 cache rows, not the whole cache: its
+    compulsory bytes count those (a kernel that reads all of a 64k cache for a 4k window is memory-bound on reads
+    the layer does not need, and its GB/s say so by being low)."""
+    plain = Shape(1, 1, 65536, 512, 8, causal=True, cached=True)
+    windowed = dataclasses.replace(plain, sliding_window=4096)
+    cache_row = 2 * 512 * 4  # a K and a V row, float32
+    assert compulsory_bytes(plain) - compulsory_bytes(windowed) == (65536 - 4096) * cache_row
+    sixteen = dataclasses.replace(windowed, tq=16)
+    assert compulsory_bytes(dataclasses.replace(sixteen, sliding_window=None)) - compulsory_bytes(sixteen) == \
+        (65536 - (16 + 4096 - 1)) * cache_row
+
+
+def test_bench_times_the_layer_with_its_features_and_skips_backends_that_cannot_build_it(tmp_path, capsys):
+    """``BenchConfig(rotary=..., qk_norm=..., sliding_window=...)``: numpy-naive (which declares all three) is
+    timed after its output matched the reference built with them; numpy-tiled (no rotary) is skipped naming the
+    capability; bench.json's config, the header and the plots' titles say what the layer had."""
+    config = BenchConfig(rotary="half_split", qk_norm="rms_per_head", sliding_window=16, **SMALL)
+    doc = run_bench([NumpyNaive(), NumpyTiled()], tmp_path, seq_lens=[32, 64], causal="on", config=config)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "rotary half_split, q/k norm rms_per_head, sliding window 16" in header, header
+    assert "the layer with half_split rotary embeddings on q and k (base 10000" in header, header
+    assert "a sliding window of 16 keys" in header and PLAIN_LAYER not in header, header
+    saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert (saved["config"]["rotary"], saved["config"]["qk_norm"], saved["config"]["sliding_window"]) == \
+        ("half_split", "rms_per_head", 16)
+    naive = [p for p in doc["points"] if p["backend"] == "numpy-naive"]
+    assert naive and all(p["status"] == "measured" and p["output_check"]["rows"] == min(16, p["tq"])
+                         and p["output_check"]["max_error"] <= p["output_check"]["bound"] for p in naive), naive
+    at_64 = next(p for p in naive if p["tq"] == 64)
+    shape = Shape(1, 64, 64, 64, 4, causal=True, sliding_window=16)
+    assert at_64["gflops"] == pytest.approx(core_flops(shape) / at_64["median_s"] / 1e9, rel=1e-3)
+    tiled = [p for p in doc["points"] if p["backend"] == "numpy-tiled"]
+    assert tiled and all(p["status"] == "skipped" and "no half_split rotary embeddings (capabilities.rotary "
+                         "declares: none)" in p["skipped"] for p in tiled), tiled
+    plain = run_bench([NumpyTiled()], None, seq_lens=[32], config=BenchConfig(**SMALL), log=_quiet)
+    assert plain["config"]["rotary"] is None and plain["points"][0]["status"] == "measured"
+
+
+class _RotaryDroppedLoaded(NumpyNaiveLoaded):
+    def rotate(self, x, positions, which):
+        return x  # config.rotary never reaches the layer
+
+
+class RotaryDropped(NumpyNaive):
+    """A layer that declares rotary embeddings and never turns q or k."""
+
+    name = "rotary-dropped"
+
+    def load_native(self, params, dtype):
+        return _RotaryDroppedLoaded(params, dtype)
+
+
+class _WindowDroppedLoaded(NumpyNaiveLoaded):
+    def masks(self, inputs):
+        return full_mask(inputs)  # config.sliding_window never reaches the mask
+
+
+class WindowDropped(NumpyNaive):
+    """A layer that declares a sliding window and attends to every key before each query."""
+
+    name = "window-dropped"
+
+    def load_native(self, params, dtype):
+        return _WindowDroppedLoaded(params, dtype)
+
+
+def test_a_layer_that_drops_a_feature_it_declares_is_reported_wrong_output_not_timed():
+    """A fast layer that leaves out the rotary embeddings or the window it was asked for computes another layer:
+    bench checks the first call against the reference built with the features and times none of its calls."""
+    for backend, config in ((RotaryDropped(), BenchConfig(rotary="interleaved", **SMALL)),
+                            (WindowDropped(), BenchConfig(sliding_window=8, **SMALL))):
+        doc = run_bench([backend], None, seq_lens=[48], causal="on", config=config, log=_quiet)
+        point = doc["points"][0]
+        assert point["status"] == "wrong-output" and not point["samples_s"], point
+
+
+class _WindowOneKeyLateLoaded(NumpyTiledLoaded):
+    def key_start(self, inputs, q0):
+        start = super().key_start(inputs, q0)  # skips the first key of each query block's window
+        return start if self.config.sliding_window is None else start + 1
+
+
+class TiledWindowOneKeyLate(NumpyTiled):
+    """numpy-tiled whose window skip starts one key too late."""
+
+    name = "tiled-window-one-key-late"
+
+    def load_native(self, params, dtype):
+        return _WindowOneKeyLateLoaded(params, dtype, self.block_q, self.block_k)
+
+
+def test_numpy_tiled_skips_the_keys_behind_each_query_blocks_window_and_stays_exact():
+    """Under a window of w keys, numpy-tiled's query block from q0 starts at key q0 + offset - w + 1: with small
+    blocks (so that later blocks skip) it passes the window cases, and the same kernel starting one key late fails
+    them."""
+    from mha_harness import check
+    cases = ["check_sliding_window_output_matches_reference", "check_decode_step_over_filled_cache_matches_reference"]
+    small = NumpyTiled(block_q=4, block_k=8)
+    small.name = "numpy-tiled-small-blocks"
+    report = check([small], cases=cases)
+    windowed = [r for r in report.results if r.case == cases[0] or r.params.get("variant") == "sliding_window"]
+    assert report.ok and windowed and all(r.status == "passed" for r in windowed), report.summary_lines()
+    late = check([TiledWindowOneKeyLate(block_q=4, block_k=8)], cases=cases)
+    failed = {(r.case, r.params.get("variant")) for r in late.results if r.status == "failed"}
+    assert (cases[1], "sliding_window") in failed and {c for c, _ in failed} == set(cases), late.summary_lines()
+    # the default blocks: a decode step's one block starts where its window does
+    loaded = NumpyTiled().load(small_params(), dtype="float32")
+    inputs = _decode_inputs(tq=1, tk=1000)
+    assert loaded.key_start(inputs, 0) == 1000 - 1 - 16 + 1
+
+
+def small_params():
+    from mha_harness import AttentionConfig, make_params
+    return make_params(AttentionConfig(32, 4, sliding_window=16), seed=0)
+
+
+def _decode_inputs(tq: int, tk: int):
+    from mha_harness import AttentionConfig, as_kv_cache_call, make_inputs
+    return as_kv_cache_call(make_inputs(AttentionConfig(32, 4, sliding_window=16), 1, tq, tk, seed=0,
+                                        causal="bottom-right"))
+
+
+def test_the_features_are_validated_naming_the_option_and_the_accepted_values(tmp_path, capsys):
+    """An odd d_head with --rotary, a window below one key, an unknown norm: a usage error naming the option."""
+    from mha_harness.cli import main
+    for argv, said in ((["--rotary", "half_split", "--d-model", "24", "--heads", "8"],
+                        "--rotary: got 'half_split' with d_head = 3; accepted: an even d_head"),
+                       (["--sliding-window", "0"], "--sliding-window"),
+                       (["--qk-norm", "rms"], "--qk-norm: invalid choice: 'rms'")):
+        assert main(["bench", *argv, "--results", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert said in err, err
+    with pytest.raises(ValueError, match=r"sliding_window: got 0.*accepted: None .* or an integer >= 1"):
+        run_bench([NumpyTiled()], None, seq_lens=[32], config=BenchConfig(sliding_window=0, **SMALL), log=_quiet)
