@@ -198,3 +198,14 @@ def test_the_features_are_validated_naming_the_option_and_the_accepted_values(tm
         assert said in err, err
     with pytest.raises(ValueError, match=r"sliding_window: got 0.*accepted: None .* or an integer >= 1"):
         run_bench([NumpyTiled()], None, seq_lens=[32], config=BenchConfig(sliding_window=0, **SMALL), log=_quiet)
+
+
+def test_a_backend_is_skipped_at_a_head_width_it_cannot_be_built_with():
+    """A backend that declares ``d_head_multiple`` (its kernel needs head widths in multiples of it) is skipped at a
+    shape whose d_head is not one, the reason naming the declaration, not left to fail inside its worker."""
+    from mha_harness.bench.calls import unsupported
+    backend = NumpyNaive()
+    backend.capabilities = dataclasses.replace(backend.capabilities, d_head_multiple=8)
+    assert unsupported(backend, Shape(1, 32, 32, 64, 4)) is None  # d_head 16
+    why = unsupported(backend, Shape(1, 32, 32, 48, 4))  # d_head 12
+    assert why and "d_head 12 is not a multiple of 8 (declares d_head_multiple=8)" in why, why
