@@ -11,7 +11,9 @@ MHA_ASV_BACKEND_SPECS (comma-separated 'module:object' plugins, as `--backend-sp
 PYTHONPATH from its benchmark processes, so put the plugin's folder in ASV_PYTHONPATH, which asv passes on as
 PYTHONPATH),
 MHA_ASV_SEQ_LENS (comma-separated lengths), MHA_ASV_MAX_CPU_SEQ (default 8192),
-MHA_ASV_DECODE_KV_LENS (default 1024,4096,16384,65536), MHA_ASV_THREADS (default: the bench default, 2).
+MHA_ASV_DECODE_KV_LENS (default 1024,4096,16384,65536), MHA_ASV_THREADS (default: the bench default, 2);
+bench_layer_features.py's lengths: MHA_ASV_FEATURE_SEQ_LENS (default 1024,4096) and MHA_ASV_FEATURE_KV_LENS (default
+4096,65536).
 """
 from __future__ import annotations
 
@@ -94,8 +96,10 @@ def half_dtype(backend) -> str:
 
 
 def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = False, tq: int | None = None, *,
-             for_memory: bool = False):
-    """(backend, prepared callable, Shape) or NotImplementedError with the reason; ``tq`` < seq_len is decode.
+             for_memory: bool = False, **layer):
+    """(backend, prepared callable, Shape) or NotImplementedError with the reason; ``tq`` < seq_len is decode;
+    ``layer``: the layer's shape and features beyond the default (``num_kv_heads``, ``rotary``, ``qk_norm``,
+    ``sliding_window``: :class:`~mha_harness.bench.metrics.Shape`'s fields), as `mha-harness bench` takes them.
 
     ``for_memory``: the call is prepared for a peak-memory reading, so glibc's mmap threshold is pinned first
     (:func:`~mha_harness.bench.memory.pin_mmap_threshold`: every large buffer a fresh mapping the ``rss`` method
@@ -120,7 +124,8 @@ def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = Fal
         pin_mmap_threshold()
     if backend.device == "cpu" and seq_len > MAX_CPU_SEQ and tq is None:
         raise NotImplementedError(f"T={seq_len} is a GPU-only length (CPU sweep stops at {MAX_CPU_SEQ})")
-    shape = Shape(1, tq or seq_len, seq_len, 512, 8, half_dtype(backend), causal, backward, cached=tq is not None)
+    shape = Shape(1, tq or seq_len, seq_len, 512, 8, half_dtype(backend), causal, backward, cached=tq is not None,
+                  **layer)
     why = unsupported(backend, shape)
     if why:
         raise NotImplementedError(why)

@@ -73,11 +73,37 @@ def test_two_machines_merge_into_one_dashboard(tmp_path):
 def test_benchmark_files_import_without_any_backend_available(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MHA_ASV_BACKENDS": "does-not-exist"}
     code = "import benchmarks.bench_time, benchmarks.bench_memory, benchmarks.bench_throughput\n" \
-           "import benchmarks.bench_decode, benchmarks.bench_environment\n" \
+           "import benchmarks.bench_decode, benchmarks.bench_environment, benchmarks.bench_layer_features\n" \
            "from benchmarks._common import prepared\n" \
            "try:\n    prepared('does-not-exist', 64, False)\nexcept NotImplementedError as e:\n    print('skip:', e)\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
     assert out.returncode == 0 and "skip: backend: got 'does-not-exist'" in out.stdout, out.stderr
+
+
+def test_the_feature_benchmarks_time_the_layer_with_its_features_and_skip_a_backend_without_them():
+    """bench_layer_features.py's setups build the windowed and the Llama layer as `bench` does (checked against the
+    reference with the features), and skip a backend that does not declare the feature, naming the capability. In
+    a process of its own, as asv runs it (the benchmarks' import sets the thread count and CPU affinity)."""
+    code = """if True:
+        from benchmarks import bench_layer_features as features
+        window = features.SlidingWindow()
+        window.setup("numpy-tiled", 64)
+        assert window.shape.sliding_window == features.WINDOW and window.shape.causal
+        decode = features.SlidingWindowDecode()
+        decode.setup("numpy-tiled", 64)
+        assert decode.shape.cached and decode.shape.tq == 1 and decode.shape.sliding_window == features.DECODE_WINDOW
+        llama = features.LlamaLayer()
+        llama.setup("numpy-naive", 64)
+        assert (llama.shape.rotary, llama.shape.kv_heads) == ("half_split", 2)
+        try:
+            llama.setup("numpy-tiled", 64)
+        except NotImplementedError as exc:
+            print("skip:", exc)
+    """
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MHA_ASV_BACKENDS": "numpy-naive,numpy-tiled"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "skip: no half_split rotary embeddings (capabilities.rotary declares: none)" in out.stdout, out.stdout
 
 
 def test_only_the_memory_benchmark_pins_the_mmap_threshold_its_timings_run_with_glibcs_default(tmp_path):
