@@ -14,8 +14,8 @@ from mha_harness.conformance.casekit import (
     run,
     tolerance_for,
 )
-from mha_harness.conformance.window_diagnoses import window_hint
 from mha_harness.contract.conventions import BOTTOM_RIGHT, window_offset
+from mha_harness.contract.window_diagnoses import window_hint
 from mha_harness.toolkit.masks import padding_mask
 
 #: name: (batch, heads, key/value heads or None, d_head, Tq, Tk, window, causal, biases, real lengths or None):

@@ -49,18 +49,22 @@ def test_a_sliding_window_counts_exactly_the_pairs_it_leaves_visible(tq, tk, cau
     and causal masks leave visible, no more (a kernel that computes the rest did work the layer does not need)."""
     s = Shape(1, tq, tk, 64, 4, causal=causal, sliding_window=window)
     assert window_visible_pairs(s) == _brute_force_pairs(s)
-    assert core_flops(s) == pytest.approx(4 * 4 * tq * tk * 16 * _brute_force_pairs(s) / (tq * tk))
+    half_diagonal = tq / 2 if causal and tq == tk else 0  # as the causal convention: T^2 / 2, not T (T + 1) / 2
+    assert core_flops(s) == pytest.approx(4 * 4 * 16 * (_brute_force_pairs(s) - half_diagonal))
 
 
-def test_a_window_as_wide_as_the_keys_counts_as_no_window():
+def test_a_window_as_wide_as_the_keys_counts_as_no_window_and_a_narrower_one_counts_less():
     """A window of at least Tk keys hides no key: the FLOPs and bytes are the plain layer's (the causal convention of
-    half the pairs at Tq = Tk included)."""
-    for tq, tk in ((64, 64), (1, 1024)):
-        plain = Shape(1, tq, tk, 64, 4, causal=True, cached=tq < tk)
+    half the pairs at Tq = Tk included); each key a narrower window hides is one pair fewer, never more (an outside
+    user's --sliding-window 255 at T = 256 had counted more than 256)."""
+    for tq, tk, causal in ((64, 64, True), (64, 64, False), (1, 1024, True), (16, 1024, True)):
+        plain = Shape(1, tq, tk, 64, 4, causal=causal, cached=tq < tk)
         for window in (tk, tk + 1, 10 * tk):
             wide = dataclasses.replace(plain, sliding_window=window)
-            assert visible_fraction(wide) == visible_fraction(plain)
+            assert visible_fraction(wide) == pytest.approx(visible_fraction(plain), rel=1e-12)
             assert compulsory_bytes(wide) == compulsory_bytes(plain)
+        counts = [core_flops(dataclasses.replace(plain, sliding_window=w)) for w in range(tk, 0, -1)]
+        assert all(later < earlier for earlier, later in zip(counts, counts[1:]))
 
 
 def test_a_windowed_decode_step_counts_only_the_cache_rows_its_queries_see():
@@ -83,10 +87,16 @@ def test_bench_times_the_layer_with_its_features_and_skips_backends_that_cannot_
     config = BenchConfig(rotary="half_split", qk_norm="rms_per_head", sliding_window=16, **SMALL)
     doc = run_bench([NumpyNaive(), NumpyTiled()], tmp_path, seq_lens=[32, 64], causal="on", config=config)
     header = capsys.readouterr().out.splitlines()[0]
-    assert "rotary half_split, q/k norm rms_per_head, sliding window 16" in header, header
+    assert "causal (--causal on: top-left, Tq = Tk)" in header, header
     assert "the layer with half_split rotary embeddings on q and k (base 10000" in header, header
     assert "a sliding window of 16 keys" in header and PLAIN_LAYER not in header, header
+    assert "rotary half_split" not in header, header  # said once, not in the shape's words too
+    assert "rotary half_split, q/k norm rms_per_head, sliding window 16" in config.layer_text()  # the plots' titles
     saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert saved["causal"] == "on"
+    naive_info = saved["backends"]["numpy-naive"]  # how each backend does its work, beside its threads
+    assert naive_info["declares"]["sliding_window"] and "half_split" in naive_info["declares"]["rotary"]
+    assert naive_info["native_causal"] and naive_info["native_mask_polarity"] and naive_info["threads"]
     assert (saved["config"]["rotary"], saved["config"]["qk_norm"], saved["config"]["sliding_window"]) == \
         ("half_split", "rms_per_head", 16)
     naive = [p for p in doc["points"] if p["backend"] == "numpy-naive"]
@@ -130,14 +140,21 @@ class WindowDropped(NumpyNaive):
         return _WindowDroppedLoaded(params, dtype)
 
 
-def test_a_layer_that_drops_a_feature_it_declares_is_reported_wrong_output_not_timed():
+def test_a_layer_that_drops_a_feature_it_declares_is_reported_wrong_output_not_timed_naming_the_mistake():
     """A fast layer that leaves out the rotary embeddings or the window it was asked for computes another layer:
-    bench checks the first call against the reference built with the features and times none of its calls."""
-    for backend, config in ((RotaryDropped(), BenchConfig(rotary="interleaved", **SMALL)),
-                            (WindowDropped(), BenchConfig(sliding_window=8, **SMALL))):
+    bench checks the first call against the reference built with the features, times none of its calls and names
+    the mistake as check does (an outside user's window bug got only "compare it with compute()" from bench)."""
+    for backend, config, named, where in (
+            (RotaryDropped(), BenchConfig(rotary="interleaved", **SMALL),
+             "the output matches no rotary embeddings at all (q and k never turned", "the rotary positions"),
+            (WindowDropped(), BenchConfig(sliding_window=8, **SMALL),
+             "the output matches attention without its sliding window: config.sliding_window = 8 is not applied",
+             "the sliding window")):
         doc = run_bench([backend], None, seq_lens=[48], causal="on", config=config, log=_quiet)
         point = doc["points"][0]
         assert point["status"] == "wrong-output" and not point["samples_s"], point
+        assert named in point["skipped"] and f"(the mask, the scale, W_o, {where})" in point["skipped"], \
+            point["skipped"]
 
 
 class _WindowOneKeyLateLoaded(NumpyTiledLoaded):

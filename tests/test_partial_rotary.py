@@ -165,7 +165,7 @@ def test_a_layer_that_always_turns_a_quarter_of_each_head_is_told_to_read_rotary
         assert (f"the output matches rotary embeddings on the first {d_head // 4} of each head's {d_head} features "
                 f"only, where config.rotary_dims = {asks}") in r.message, r.message
         assert "declare Capabilities(partial_rotary=True)" in r.message
-    from mha_harness.conformance.rotary_diagnoses import rotary_hint
+    from mha_harness.contract.rotary_diagnoses import rotary_hint
     config = AttentionConfig(2, 1, rotary="half_split")
     params, inputs = make_params(config, seed=1), make_inputs(config, 1, 3, 3, seed=1)
     got = reference_attention(params.replace(config=AttentionConfig(2, 1)), inputs).output

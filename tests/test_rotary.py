@@ -243,8 +243,8 @@ def test_a_step_that_turns_its_new_tokens_from_position_zero_is_named_with_its_k
 def test_mistakes_that_give_a_call_the_same_output_are_named_together_the_specific_one_first():
     """At one new query and one cached key both positions are 0 when the new tokens are turned from 0: no rotary at
     all gives the same output, and search's shrunk example said only that, with the advice to declare no rotary."""
-    from mha_harness.conformance.rotary_diagnoses import rotary_hint
     from mha_harness.contract.reference import rotary_mistaken
+    from mha_harness.contract.rotary_diagnoses import rotary_hint
     config = AttentionConfig(8, 1, rotary="half_split")
     params = make_params(config, seed=1)
     inputs = make_inputs(config, 1, 1, 2, seed=1)
@@ -274,7 +274,7 @@ def test_one_weight_alone_permuted_between_the_pairings_is_named(which, kv_heads
     columns (transformers' [0, 2, ..., 1, 3, ...] per head) and not W_k's: numbers only before."""
     import dataclasses
 
-    from mha_harness.conformance.rotary_diagnoses import pairing_permutation, rotary_hint
+    from mha_harness.contract.rotary_diagnoses import pairing_permutation, rotary_hint
     config = AttentionConfig(32, 4, kv_heads, bias=True, rotary="interleaved", rotary_base=500_000.0)
     params = make_params(config, seed=1)
     inputs = make_inputs(config, 2, 6, 9, seed=2)

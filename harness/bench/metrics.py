@@ -4,8 +4,9 @@ For one call of an attention layer of shape :class:`Shape` taking ``seconds``, :
 
 * ``gflops``: the attention core with the flash-attention formula 4*B*h*Tq*Tk*d_head times the fraction of
   (query, key) pairs a causal mask leaves visible (0.5 at Tq = Tk, the flash-attention convention; with Tq < Tk,
-  bottom-right, 1 - (Tq - 1) / (2 Tk): nearly all for a decode step); a sliding window narrower than Tk counts the
-  pairs it leaves visible exactly, as flash-attention's benchmarks do; forward+backward counts 3.5x forward,
+  bottom-right, 1 - (Tq - 1) / (2 Tk): nearly all for a decode step); a sliding window counts the pairs it leaves
+  visible exactly, as flash-attention's benchmarks do (less half the diagonal at causal Tq = Tk, as the causal
+  convention); forward+backward counts 3.5x forward,
   backward being 2.5x; and ``fraction_of_gemm_peak``;
 * ``layer_gflops``: the core plus the four projections (2*B*d_model*(Tq*d_model + 2*Tk*kv_width + Tq*d_model),
   kv_width = num_kv_heads*d_head: d_model for multi-head, less for grouped-query; a decode step over a filled
@@ -36,8 +37,8 @@ import numpy as np
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 FLOPS_FORMULA = ("core: 4*B*h*Tq*Tk*d_head x the causal mask's visible fraction (0.5 at Tq = Tk; 1 - (Tq-1)/(2*Tk) "
-                 "bottom-right with Tq < Tk; under a sliding window narrower than Tk, the visible pairs counted "
-                 "exactly) (x3.5 forward+backward); layer: core + projections "
+                 "bottom-right with Tq < Tk; under a sliding window, the visible pairs counted exactly, less half "
+                 "the diagonal at causal Tq = Tk) (x3.5 forward+backward); layer: core + projections "
                  "2*B*d_model*(2*Tq*d_model + 2*Tk*kv_width), kv_width = num_kv_heads*d_head (x3 forward+backward); "
                  "a decode step over a filled cache projects Tq rows of keys and values, not Tk; rotary embeddings "
                  "and a q/k norm (elementwise) are not counted")
@@ -88,14 +89,6 @@ class Shape:
         return self.kv_heads * self.d_head
 
 
-def window_limits(s: Shape) -> bool:
-    """Whether the shape's sliding window hides a key from some query: a window of w keys lets the query at
-    position p (the last Tq of the Tk positions in every benchmarked call,
-    :func:`~mha_harness.contract.conventions.window_offset`) see only keys after p - w, so a window of at least Tk
-    keys hides none."""
-    return s.sliding_window is not None and s.sliding_window < s.tk
-
-
 def window_visible_pairs(s: Shape) -> int:
     """The (query, key) pairs a sliding window of w keys leaves visible, counted exactly: query i, at position
     p = i + Tk - Tq (Tq = Tk in prefill: p = i), sees the keys j > p - w, and with a causal mask only those up to p
@@ -109,11 +102,14 @@ def window_visible_pairs(s: Shape) -> int:
 
 def visible_fraction(s: Shape) -> float:
     """The fraction of the Tq x Tk (query, key) pairs the shape's causal mask leaves visible: 1 without one; 0.5 at
-    Tq = Tk (the flash-attention convention, (T + 1) / 2T exactly); bottom-right with Tq < Tk (the new queries are
-    the last positions, query i sees Tk - Tq + i + 1 keys) 1 - (Tq - 1) / (2 Tk). A sliding window that hides keys
-    (:func:`window_limits`) gives the exact fraction :func:`window_visible_pairs` / (Tq Tk)."""
-    if window_limits(s):
-        return window_visible_pairs(s) / (s.tq * s.tk)
+    Tq = Tk (the flash-attention convention, (T + 1) / 2T exactly: half of the diagonal's T pairs left out);
+    bottom-right with Tq < Tk (the new queries are the last positions, query i sees Tk - Tq + i + 1 keys)
+    1 - (Tq - 1) / (2 Tk). Under a sliding window, :func:`window_visible_pairs` / (Tq Tk), with half the diagonal
+    left out at causal Tq = Tk as the convention leaves it: the count falls as the window narrows, and a window of at
+    least Tk keys counts as none."""
+    if s.sliding_window is not None:
+        half_diagonal = s.tq / 2 if s.causal and s.tq == s.tk else 0.0
+        return (window_visible_pairs(s) - half_diagonal) / (s.tq * s.tk)
     if not s.causal:
         return 1.0
     if s.tq >= s.tk:

@@ -67,8 +67,10 @@ SCHEMA_VERSION = "2.7"  # 2.1: points record call_mask, other_cores, over_comput
 # config.bias (--bias: the layer's projections carry biases); 2.6: points record timed_fraction (the share of the
 # harness's own clock around the sample requests that the reported samples account for) and can be
 # "unaccounted-timing"; 2.7: config.rotary, config.qk_norm and config.sliding_window (--rotary, --qk-norm,
-# --sliding-window: the timed layer's features); under a sliding window narrower than Tk the core FLOPs count the
-# visible pairs exactly and a decode step's bytes the cache rows its queries see
+# --sliding-window: the timed layer's features) and the run's causal masking (causal: off, on, both or
+# bottom-right); under a sliding window the core FLOPs count the visible pairs exactly (less half the diagonal at
+# causal Tq = Tk, as the causal convention) and a decode step's bytes the cache rows its queries see; backends[name]
+# records native_causal, native_mask_polarity and what the backend declares (declared_policies)
 #: what a decode point times, recorded in its document
 DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (LoadedAttention.prepare_decode_step): "
                "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
@@ -118,10 +120,11 @@ class BenchConfig:
     def kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
-    def layer_text(self) -> str:
-        """The layer's shape in words, for the printed header and the plots' titles."""
+    def layer_text(self, features: bool = True) -> str:
+        """The layer's shape in words, for the printed header and the plots' titles (``features``: with its rotary,
+        q/k norm and window named, as the plots' titles need; the header says them in :meth:`features_text`)."""
         kind = "multi-head" if self.kv_heads == self.num_heads else "grouped-query"
-        features = "".join(f", {text}" for text in self.feature_names())
+        features = "".join(f", {text}" for text in self.feature_names()) if features else ""
         return (f"batch {self.batch}, d_model {self.d_model}, {self.num_heads} heads, num_kv_heads {self.kv_heads} "
                 f"({kind}){', biases' if self.bias else ''}{features}, {self.dtype}, {self.threads} "
                 f"thread{'' if self.threads == 1 else 's'}")
@@ -242,6 +245,27 @@ class BenchPoint:
                 setattr(self, k, v)
 
 
+def declared_policies(backend) -> dict:
+    """How the backend says it does its work, from its declarations (read here, in the parent), recorded with its
+    threads and versions in bench.json's ``backends``: its own causal flag and mask polarity (the conformance
+    report's policy table, :func:`~mha_harness.contract.api.policy_texts`) and the layer features it declares."""
+    from mha_harness.contract.api import policy_texts
+    causal, polarity = policy_texts(backend)
+    caps = backend.capabilities
+    return {"native_causal": causal, "native_mask_polarity": polarity,
+            "declares": {"causal_alignments": list(caps.causal_alignments), "grouped_query": caps.grouped_query,
+                         "rotary": list(caps.rotary), "qk_norms": list(caps.qk_norms),
+                         "sliding_window": caps.sliding_window}}
+
+
+def _causal_text(causal: str, decode: bool) -> str:
+    """The run's causal masking in words, for the printed header."""
+    if decode:
+        return "causal bottom-right (the new queries are the last positions)"
+    return {"off": "no causal mask (--causal off)", "on": "causal (--causal on: top-left, Tq = Tk)",
+            "both": "without and with a causal mask (--causal both)"}[causal]
+
+
 def shape_of(point: BenchPoint, config: BenchConfig) -> Shape:
     return Shape(config.batch, point.tq, point.tk, config.d_model, config.num_heads, config.dtype, point.causal,
                  point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode", bias=config.bias,
@@ -318,7 +342,7 @@ class Sweep:
         self.losses[name] = 0
         if status == "ok":
             if name not in self.infos and message[0] == "prepare":
-                self.infos[name] = self.ask(point, ("info",)) or {}
+                self.infos[name] = {**(self.ask(point, ("info",)) or {}), **declared_policies(self.backends[name])}
             return value
         point.status = SKIPPED if status == "skip" else status
         point.skipped = value
@@ -678,10 +702,11 @@ def table(points: list[BenchPoint]) -> str:
     lines.append("  core GFLOP/s, core %GEMM: the attention core alone (4*B*h*Tq*Tk*d_head x the pairs a causal mask "
                  "leaves visible, half at Tq = Tk, and those a sliding window leaves, counted exactly; bench.json's "
                  "gflops and fraction_of_gemm_peak, of NumPy's float32 GEMM); the whole layer, its four projections "
-                 "included, is bench.json's layer_gflops; GB/s, %BW: the layer's compulsory traffic (a windowed "
-                 "decode step's: the cache rows its window sees; gbytes_per_s, fraction_of_memory_bandwidth, of the "
-                 "bandwidth measured in this run); the '!' flag compares the layer's FLOPs with the compute roof (the "
-                 "fastest float32 GEMM of the installed libraries), not with NumPy's")
+                 "included, is bench.json's layer_gflops; GB/s, %BW: the layer's compulsory traffic, the bytes it "
+                 "needs (a windowed decode step's: only the cache rows its window sees, whatever a kernel reads) "
+                 "(gbytes_per_s, fraction_of_memory_bandwidth, of the bandwidth measured in this run); the '!' flag "
+                 "compares the layer's FLOPs with the compute roof (the fastest float32 GEMM of the installed "
+                 "libraries), not with NumPy's")
     if any(_loaded(p) for p in points):
         lines.append(f"  L other processes kept more than {LOADED_CORES} cores busy while the point was timed "
                      "(other_cores in bench.json): a loaded machine's figures, slower and noisier than alone")
@@ -1093,7 +1118,8 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     seq_lens = list(seq_lens or (DECODE_KV_LENS if decode else DEFAULT_SEQ_LENS))
     names = [b.name for b in backends]
     log(f"benchmark ({config.workload}): {len(names)} backends x {'KV lengths' if decode else 'T'} in {seq_lens}"
-        f"{f', Tq in {list(query_lens)}' if decode else ''}; {config.layer_text()}; {config.features_text()}; each "
+        f"{f', Tq in {list(query_lens)}' if decode else ''}; {_causal_text(causal, decode)}; "
+        f"{config.layer_text(features=False)}; {config.features_text()}; each "
         f"backend in its own worker; per point: 95% CI of the median within +-{100 * config.ci_rel:g}% or "
         f"{config.budget_s:g} s",
         flush=True)
@@ -1114,6 +1140,7 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     doc = {"schema": "mha-harness/bench", "schema_version": SCHEMA_VERSION, "complete": False,
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine,
            "threads": thread_report(config.threads), "config": asdict(config), "workload": config.workload,
+           "causal": "bottom-right" if decode else causal,
            "seq_lens": seq_lens, "query_lens": list(query_lens) if decode else None, "quick": quick,
            "flops_formula": FLOPS_FORMULA, "bytes_formula": BYTES_FORMULA,
            **({"decode_step": DECODE_STEP} if decode else {}),

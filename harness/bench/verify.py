@@ -39,8 +39,10 @@ from mha_harness.contract.reference import (
     score_scale_named,
     scores_as_declared,
 )
+from mha_harness.contract.rotary_diagnoses import rotary_hint
 from mha_harness.contract.scores_fit import scores_mismatch
 from mha_harness.contract.tolerance import bound_of
+from mha_harness.contract.window_diagnoses import window_hint
 
 #: a point whose call returned something other than the layer's output, or a wrong one: it is not timed
 WRONG_OUTPUT = "wrong-output"
@@ -74,8 +76,10 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     keys and values written one slot too far; every one that matches and explains ``got`` better than the correct
     layer (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match
     two), a wrong scale also better than uniform weights (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`);
-    when none does, scores soft-capped or scaled otherwise than declared
-    (:func:`~mha_harness.contract.scores_fit.scores_mismatch`, within twice the bound)."""
+    when none does, a mistake of the layer's sliding window or rotary embeddings (the diagnoses ``check`` names:
+    :mod:`~mha_harness.contract.window_diagnoses`, :mod:`~mha_harness.contract.rotary_diagnoses`), then scores
+    soft-capped or scaled otherwise than declared (:func:`~mha_harness.contract.scores_fit.scores_mismatch`,
+    within twice the bound)."""
     margin = max(10 * bound, 1e-3)
     truth = reference_attention(params, inputs, rows=rows).output
 
@@ -101,7 +105,11 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     if late is not None:
         candidates.append((params, late, WRITTEN_ONE_SLOT_LATE, False))
     found = [what for p, call, what, scale in candidates if matches(p, call, scale)]
-    if not found:
+    if not found:  # the layer's features: a window or rotary embeddings dropped, turned or counted otherwise
+        feature = (window_hint(got, params, inputs, bound, rows) if params.config.sliding_window is not None else "") \
+            or (rotary_hint(got, params, inputs, bound, rows=rows) if params.config.rotary else "")
+        if feature:
+            return feature
         fitted = scores_mismatch(got, params, inputs, bound, rows=rows)
         if fitted:
             return fitted
@@ -131,13 +139,18 @@ def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
 
 
 def _where_to_look(shape: Shape) -> str:
-    """What the user can run or compare to find the bug behind a wrong benchmarked output."""
+    """What the user can run or compare to find the bug behind a wrong benchmarked output: the places a mistake
+    hides in this layer, its features (rotary embeddings, q/k norm, sliding window) among them."""
+    features = "".join(f", {what}" for what, present in (("the rotary positions", shape.rotary),
+                                                         ("the q/k norm", shape.qk_norm),
+                                                         ("the sliding window", shape.sliding_window is not None))
+                       if present)
     if shape.cached:
         return ("`mha-harness check` runs this decode step (prepare_decode_step) on a small cache and names known "
-                "mistakes (attending before writing, writing one slot too far, the causal alignment ...)")
+                f"mistakes (attending before writing, writing one slot too far, the causal alignment{features} ...)")
     return ("`mha-harness check` runs your compute(), never prepare()'s call: if check passes, the mistake is in the "
-            "call's own path, so compare it with compute() on the same inputs (the mask, the scale, W_o); if check "
-            "fails too, its diagnosis names more")
+            f"call's own path, so compare it with compute() on the same inputs (the mask, the scale, W_o{features}); "
+            "if check fails too, its diagnosis names more")
 
 
 def check_output(backend, shape: Shape, got: np.ndarray) -> dict:

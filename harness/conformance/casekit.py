@@ -31,8 +31,6 @@ from mha_harness.conformance.diagnoses import (
 from mha_harness.conformance.diagnosing import diagnosing
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
 from mha_harness.conformance.qk_norm_diagnoses import QK_NORM_MATCH, qk_norm_hint, qk_norm_match
-from mha_harness.conformance.rotary_diagnoses import ROTARY_MATCH, rotary_hint
-from mha_harness.conformance.window_diagnoses import window_hint
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -61,9 +59,11 @@ from mha_harness.contract.reference import (
     reference_attention,
     score_scale_declared,
 )
+from mha_harness.contract.rotary_diagnoses import ROTARY_MATCH, rotary_hint
 from mha_harness.contract.scoped import scoped
 from mha_harness.contract.scores_fit import scale_sentence, scores_mismatch_fit
 from mha_harness.contract.tolerance import Tolerance
+from mha_harness.contract.window_diagnoses import window_hint
 
 
 class CaseFailure(AssertionError):
@@ -630,8 +630,8 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     (:func:`~mha_harness.conformance.diagnoses.layer_mistake`: heads split by tokens, heads concatenated
     feature-major, a softmax over the queries, no W_o), a q/k-norm mistake
     (:func:`~mha_harness.conformance.qk_norm_diagnoses.qk_norm_hint`), a rotary mistake
-    (:func:`~mha_harness.conformance.rotary_diagnoses.rotary_hint`), a sliding-window mistake
-    (:func:`~mha_harness.conformance.window_diagnoses.window_hint`) or a mask mistake
+    (:func:`~mha_harness.contract.rotary_diagnoses.rotary_hint`), a sliding-window mistake
+    (:func:`~mha_harness.contract.window_diagnoses.window_hint`) or a mask mistake
     (:func:`~mha_harness.conformance.diagnoses.mask_mistake`, its wrong calls' rows without a key under the empty-row
     convention the backend follows), else right only where a row sees a single key
     (:func:`~mha_harness.conformance.diagnoses.single_key_rows_hint`). '' inside

@@ -832,6 +832,9 @@ def supported(backend: AttentionBackend, features: Sequence[str] | set[str]) -> 
             if feature == "causal":
                 return (f"{backend.name} does not declare capability 'causal': it declares no causal mask "
                         "(Capabilities.causal_alignments=())")
+            if feature == "more_queries_than_keys" and backend.capabilities.inputs == "kv_cache":
+                return (f"{backend.name}: a call with more queries than keys cannot be expressed as a KV-cache step "
+                        "(inputs='kv_cache': the new queries are the last Tq of the Tk positions)")
             if feature.startswith("causal:"):
                 return (f"{backend.name} does not declare capability {feature!r}: its Capabilities.causal_alignments "
                         f"are {backend.capabilities.causal_alignments!r}")

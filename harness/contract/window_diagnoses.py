@@ -94,20 +94,22 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
                        inputs)
 
 
-def window_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float
-                 ) -> tuple[str, float] | None:
+def window_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                 rows: list[int] | None = None) -> tuple[str, float] | None:
     """The sliding-window mistake a failing whole output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains
     better than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), the closest of those that match,
     as (sentence to append, its distance from ``got``); None when none matches. Mistakes that give this call the same
-    output are named together."""
+    output are named together. ``rows``: ``got`` holds only these query rows (a benchmarked call's checked rows),
+    and each reference is computed at them; then only a layer built with a window is diagnosed (the widths a layer
+    without one may fix are read from which rows differ)."""
     got = np.asarray(got, np.float64)
-    if not np.all(np.isfinite(got)):
+    if not np.all(np.isfinite(got)) or (rows is not None and params.config.sliding_window is None):
         return None
-    truth = np.asarray(reference_attention(params, inputs).output, np.float64)
+    truth = np.asarray(reference_attention(params, inputs, rows=rows).output, np.float64)
     margin = max(10 * bound, 1e-4)
     found = []
     for label, wrong_params, wrong_inputs in _candidates(params, inputs, got, truth, margin):
-        wrong = np.asarray(reference_attention(wrong_params, wrong_inputs).output, np.float64)
+        wrong = np.asarray(reference_attention(wrong_params, wrong_inputs, rows=rows).output, np.float64)
         if distance(got, wrong) <= margin and explains(got, wrong, truth):
             found.append((label, distance(got, wrong)))
     if not found:
@@ -119,7 +121,8 @@ def window_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
     return tied[0] + others, best
 
 
-def window_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:
+def window_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
+                rows: list[int] | None = None) -> str:
     """:func:`window_match`'s sentence, or ""."""
-    found = window_match(got, params, inputs, bound)
+    found = window_match(got, params, inputs, bound, rows)
     return "" if found is None else found[0]

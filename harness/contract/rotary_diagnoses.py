@@ -212,23 +212,24 @@ def pairing_permutation(config, inverse: bool = False) -> np.ndarray:
 
 
 def rotary_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
-                 compare: np.ndarray | None = None) -> tuple[str, float] | None:
+                 compare: np.ndarray | None = None, rows: list[int] | None = None) -> tuple[str, float] | None:
     """The rotary mistake a failing whole output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains better
     than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), the closest of those that match, as
     (sentence to append, its distance from ``got``); None when none matches. Mistakes that give this call the same
     output (one new query and one cached key: the new tokens turned from 0 is no rotary at all) are named together,
-    the more specific first. ``compare``: the (batch, Tq) rows of ``got`` that are specified."""
+    the more specific first. ``compare``: the (batch, Tq) rows of ``got`` that are specified. ``rows``: ``got`` holds
+    only these query rows (a benchmarked call's checked rows), and each reference is computed at them."""
     pick = (lambda a: np.asarray(a, np.float64)) if compare is None \
         else (lambda a: np.asarray(a, np.float64)[np.broadcast_to(compare, np.shape(a)[:2])])
     got = pick(got)
     if not np.all(np.isfinite(got)):
         return None
-    truth = pick(reference_attention(params, inputs).output)
+    truth = pick(reference_attention(params, inputs, rows=rows).output)
     margin = max(10 * bound, 1e-4)
     found = []
     for label, wrong_params, mistake in _candidates(params, inputs):
         with rotary_mistaken(mistake):
-            wrong = pick(reference_attention(wrong_params, inputs).output)
+            wrong = pick(reference_attention(wrong_params, inputs, rows=rows).output)
         if distance(got, wrong) <= margin and explains(got, wrong, truth):
             found.append((label, distance(got, wrong)))
     if not found:
@@ -241,7 +242,7 @@ def rotary_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
 
 
 def rotary_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
-                compare: np.ndarray | None = None) -> str:
+                compare: np.ndarray | None = None, rows: list[int] | None = None) -> str:
     """:func:`rotary_match`'s sentence, or ""."""
-    found = rotary_match(got, params, inputs, bound, compare)
+    found = rotary_match(got, params, inputs, bound, compare, rows)
     return "" if found is None else found[0]
