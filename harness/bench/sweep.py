@@ -124,9 +124,9 @@ class BenchConfig:
         """The layer's shape in words, for the printed header and the plots' titles (``features``: with its rotary,
         q/k norm and window named, as the plots' titles need; the header says them in :meth:`features_text`)."""
         kind = "multi-head" if self.kv_heads == self.num_heads else "grouped-query"
-        features = "".join(f", {text}" for text in self.feature_names()) if features else ""
+        named = "".join(f", {text}" for text in self.feature_names()) if features else ""
         return (f"batch {self.batch}, d_model {self.d_model}, {self.num_heads} heads, num_kv_heads {self.kv_heads} "
-                f"({kind}){', biases' if self.bias else ''}{features}, {self.dtype}, {self.threads} "
+                f"({kind}){', biases' if self.bias else ''}{named}, {self.dtype}, {self.threads} "
                 f"thread{'' if self.threads == 1 else 's'}")
 
     def feature_names(self) -> list[str]:
@@ -250,12 +250,15 @@ def declared_policies(backend) -> dict:
     threads and versions in bench.json's ``backends``: its own causal flag and mask polarity (the conformance
     report's policy table, :func:`~mha_harness.contract.api.policy_texts`) and the layer features it declares."""
     from mha_harness.contract.api import policy_texts
-    causal, polarity = policy_texts(backend)
-    caps = backend.capabilities
-    return {"native_causal": causal, "native_mask_polarity": polarity,
-            "declares": {"causal_alignments": list(caps.causal_alignments), "grouped_query": caps.grouped_query,
-                         "rotary": list(caps.rotary), "qk_norms": list(caps.qk_norms),
-                         "sliding_window": caps.sliding_window}}
+    try:
+        causal, polarity = policy_texts(backend)
+        caps = backend.capabilities
+        return {"native_causal": causal, "native_mask_polarity": polarity,
+                "declares": {"causal_alignments": list(caps.causal_alignments), "grouped_query": caps.grouped_query,
+                             "rotary": list(caps.rotary), "qk_norms": list(caps.qk_norms),
+                             "sliding_window": caps.sliding_window}}
+    except Exception as exc:  # noqa: BLE001 - a plugin's property that raises costs its record, not the sweep
+        return {"declarations_unreadable": f"{type(exc).__name__}: {exc}"}
 
 
 def _causal_text(causal: str, decode: bool) -> str:
