@@ -140,6 +140,39 @@ class WindowDropped(NumpyNaive):
         return _WindowDroppedLoaded(params, dtype)
 
 
+class _NormGainsDroppedLoaded(NumpyNaiveLoaded):
+    def norm_gain(self, which):
+        return np.ones_like(super().norm_gain(which))  # g_q and g_k never loaded: the norm's initial ones
+
+
+class NormGainsDropped(NumpyNaive):
+    """A layer that declares a q/k norm and never loads its gains."""
+
+    name = "norm-gains-dropped"
+
+    def load_native(self, params, dtype):
+        return _NormGainsDroppedLoaded(params, dtype)
+
+
+class _NormKeptOnLoaded(NumpyNaiveLoaded):
+    def project(self, x, which):
+        y = super().project(x, which)
+        if which not in ("q", "k") or self.config.qk_norm:
+            return y
+        b, t, width = y.shape  # a wrapped Qwen 3 layer's per-head RMSNorm, kept on whatever the config says
+        groups = y.reshape(b, t, width // self.config.d_head, self.config.d_head)
+        return (groups / np.sqrt(np.mean(np.square(groups), axis=-1, keepdims=True) + 1e-6)).reshape(b, t, width)
+
+
+class NormKeptOn(NumpyNaive):
+    """A layer that norms q and k per head even when its config has no norm."""
+
+    name = "norm-kept-on"
+
+    def load_native(self, params, dtype):
+        return _NormKeptOnLoaded(params, dtype)
+
+
 def test_a_layer_that_drops_a_feature_it_declares_is_reported_wrong_output_not_timed_naming_the_mistake():
     """A fast layer that leaves out the rotary embeddings or the window it was asked for computes another layer:
     bench checks the first call against the reference built with the features, times none of its calls and names
@@ -149,12 +182,24 @@ def test_a_layer_that_drops_a_feature_it_declares_is_reported_wrong_output_not_t
              "the output matches no rotary embeddings at all (q and k never turned", "the rotary positions"),
             (WindowDropped(), BenchConfig(sliding_window=8, **SMALL),
              "the output matches attention without its sliding window: config.sliding_window = 8 is not applied",
-             "the sliding window")):
+             "the sliding window"),
+            (NormGainsDropped(), BenchConfig(qk_norm="rms_per_head", **SMALL),
+             "the output matches the q/k norm without its gains g_q and g_k", "the q/k norm")):
         doc = run_bench([backend], None, seq_lens=[48], causal="on", config=config, log=_quiet)
         point = doc["points"][0]
         assert point["status"] == "wrong-output" and not point["samples_s"], point
         assert named in point["skipped"] and f"(the mask, the scale, W_o, {where})" in point["skipped"], \
             point["skipped"]
+
+
+def test_a_layer_that_keeps_a_q_k_norm_on_in_a_plain_bench_is_named_as_check_names_it():
+    """A wrapped layer that norms q and k whatever the config says, benchmarked without ``--qk-norm``: bench names
+    the norm kept on (the diagnosis check gives), not only "compare it with compute()"."""
+    doc = run_bench([NormKeptOn()], None, seq_lens=[48], causal="on", config=BenchConfig(**SMALL), log=_quiet)
+    point = doc["points"][0]
+    assert point["status"] == "wrong-output" and not point["samples_s"], point
+    assert "the output matches a q/k norm, an RMSNorm over each head's d_head features" in point["skipped"] and \
+        "in a layer built without one" in point["skipped"], point["skipped"]
 
 
 class _WindowOneKeyLateLoaded(NumpyTiledLoaded):

@@ -360,3 +360,26 @@ def test_a_layer_norm_over_one_feature_per_head_gets_the_rounding_of_its_mean_in
                "cut": 0, "poison": "random", "gradients": True, "malformed": None, "qk_norm": "layer_per_head"}
     for seed in range(4):
         check_example(TorchEager(), {**example, "seed": seed})
+
+
+def test_the_references_mistaken_norm_is_the_numpy_layers_at_the_checked_rows_and_has_no_backward():
+    """A diagnosis' reference under ``qk_norm_mistaken`` (the gains not loaded) equals a NumPy layer built with that
+    mistake, at a benchmarked call's few rows as on the whole output; its backward is refused, naming the mistake,
+    and a malformed mistake is refused naming the accepted values."""
+    from mha_harness.contract.qk_norm_diagnoses import mistaken_qk_norm
+    from mha_harness.contract.reference import qk_norm_mistaken
+
+    config = AttentionConfig(d_model=32, num_heads=4, qk_norm="rms_per_head")
+    params, inputs = make_params(config, seed=3), make_inputs(config, 2, 12, seed=4, causal="top-left")
+    unit = params.replace(g_q=np.ones_like(params.g_q), g_k=np.ones_like(params.g_k))
+    expected = NumpyNaive().load_native(unit, "float64").compute(inputs).output
+    rows = [0, 5, 11]
+    with qk_norm_mistaken("gains_ignored", mistaken_qk_norm(params, "gains_ignored")):
+        np.testing.assert_allclose(reference_attention(params, inputs).output, expected, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(reference_attention(params, inputs, rows=rows).output, expected[:, rows],
+                                   rtol=0, atol=1e-12)
+        with pytest.raises(ValueError, match="qk_norm_mistaken\\('gains_ignored'\\) has a forward only"):
+            reference_vjp(params, inputs, np.ones_like(expected))
+    assert np.abs(reference_attention(params, inputs).output - expected).max() > 1e-3  # the memo keeps them apart
+    with pytest.raises(ValueError, match="accepted: a non-empty str"), qk_norm_mistaken("", lambda y, w, n: y):
+        pass

@@ -32,6 +32,7 @@ from mha_harness.contract.mistakes import (
     written_one_slot_late,
     wrong_scales,
 )
+from mha_harness.contract.qk_norm_diagnoses import qk_norm_hint
 from mha_harness.contract.reference import (
     reference_attention,
     reference_vjp,
@@ -76,8 +77,9 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     keys and values written one slot too far; every one that matches and explains ``got`` better than the correct
     layer (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match
     two), a wrong scale also better than uniform weights (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`);
-    when none does, a mistake of the layer's sliding window or rotary embeddings (the diagnoses ``check`` names:
-    :mod:`~mha_harness.contract.window_diagnoses`, :mod:`~mha_harness.contract.rotary_diagnoses`), then scores
+    when none does, a mistake of the layer's sliding window, rotary embeddings or q/k norm, or a norm kept on in a
+    layer without one (the diagnoses ``check`` names: :mod:`~mha_harness.contract.window_diagnoses`,
+    :mod:`~mha_harness.contract.rotary_diagnoses`, :mod:`~mha_harness.contract.qk_norm_diagnoses`), then scores
     soft-capped or scaled otherwise than declared (:func:`~mha_harness.contract.scores_fit.scores_mismatch`,
     within twice the bound)."""
     margin = max(10 * bound, 1e-3)
@@ -105,9 +107,10 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     if late is not None:
         candidates.append((params, late, WRITTEN_ONE_SLOT_LATE, False))
     found = [what for p, call, what, scale in candidates if matches(p, call, scale)]
-    if not found:  # the layer's features: a window or rotary embeddings dropped, turned or counted otherwise
+    if not found:  # the layer's features: a window, rotary embeddings or a q/k norm dropped, turned or counted
         feature = (window_hint(got, params, inputs, bound, rows) if params.config.sliding_window is not None else "") \
-            or (rotary_hint(got, params, inputs, bound, rows=rows) if params.config.rotary else "")
+            or (rotary_hint(got, params, inputs, bound, rows=rows) if params.config.rotary else "") \
+            or qk_norm_hint(got, params, inputs, bound, rows=rows)  # otherwise: a norm kept on
         if feature:
             return feature
         fitted = scores_mismatch(got, params, inputs, bound, rows=rows)

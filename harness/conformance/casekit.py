@@ -30,7 +30,6 @@ from mha_harness.conformance.diagnoses import (
 )
 from mha_harness.conformance.diagnosing import diagnosing
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
-from mha_harness.conformance.qk_norm_diagnoses import QK_NORM_MATCH, qk_norm_hint, qk_norm_match
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -54,6 +53,7 @@ from mha_harness.contract.expected import (  # noqa: F401 - part of casekit's AP
     tolerance_for,
 )
 from mha_harness.contract.mistakes import distance, explains_as_a_scale, with_score_scale, wrong_scales
+from mha_harness.contract.qk_norm_diagnoses import QK_NORM_MATCH, qk_norm_hint, qk_norm_match
 from mha_harness.contract.reference import (
     allowed_and_bias,
     reference_attention,
@@ -543,7 +543,7 @@ def _half_level_hint(err: float, tol: Tolerance) -> str:
 def scores_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                 compare: np.ndarray | None = None) -> str:
     """What changed the scores of a failed whole output ``got``: a q/k norm gone wrong, or one in a layer built
-    without it (:func:`~mha_harness.conformance.qk_norm_diagnoses.qk_norm_hint`), or a soft cap or scale fitted to
+    without it (:func:`~mha_harness.contract.qk_norm_diagnoses.qk_norm_hint`), or a soft cap or scale fitted to
     it (:func:`~mha_harness.conformance.diagnoses.scores_fit_hint`), whichever reproduces it closer (under large
     logits a norm kept on was fitted as a scale of 0.001, and an undeclared cap came within the margin of a norm);
     ``compare``: the (batch, Tq) rows that are specified; "" when none."""
@@ -629,7 +629,7 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     constant vector, and on whole outputs (``rows`` None) a wrong score scale, a known wrong layer
     (:func:`~mha_harness.conformance.diagnoses.layer_mistake`: heads split by tokens, heads concatenated
     feature-major, a softmax over the queries, no W_o), a q/k-norm mistake
-    (:func:`~mha_harness.conformance.qk_norm_diagnoses.qk_norm_hint`), a rotary mistake
+    (:func:`~mha_harness.contract.qk_norm_diagnoses.qk_norm_hint`), a rotary mistake
     (:func:`~mha_harness.contract.rotary_diagnoses.rotary_hint`), a sliding-window mistake
     (:func:`~mha_harness.contract.window_diagnoses.window_hint`) or a mask mistake
     (:func:`~mha_harness.conformance.diagnoses.mask_mistake`, its wrong calls' rows without a key under the empty-row

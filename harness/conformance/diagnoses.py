@@ -49,8 +49,7 @@ from mha_harness.contract.scores_fit import scores_mismatch
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
                        heads_feature_major: bool = False, softmax_axis: int = -1,
                        mask_after_softmax: bool = False, kv_tiled: bool = False,
-                       unrescaled_block: int = 0, qk_norm_as: Callable | None = None,
-                       cap_after_mask: bool = False) -> np.ndarray:
+                       unrescaled_block: int = 0, cap_after_mask: bool = False) -> np.ndarray:
     """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``, the
     lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
     block of tokens instead of its own features of every token, merged back the same way; a module masks its score
@@ -68,17 +67,15 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     m after its own block, :func:`unrescaled_block_weights`); ``cap_after_mask``, the declared soft cap c
     (:func:`~mha_harness.contract.reference.logit_softcap`) taken after the masks, ``c * tanh((s + mask) / c)``
     with a masked score at -c (tanh(-inf) = -1: the masked keys keep a weight). A layer with a q/k norm
-    (``config.qk_norm``) norms its q and k projections as the reference does, or as ``qk_norm_as(y, which,
-    n_heads)`` does (a mistaken norm: :mod:`~mha_harness.conformance.qk_norm_diagnoses`). Masked values never reach
+    (``config.qk_norm``) norms its q and k projections as the reference does (a mistaken norm:
+    :mod:`~mha_harness.contract.qk_norm_diagnoses`). Masked values never reach
     it (a NaN stored there is read as 0)."""
     c = params.config
     split_in, merge_out = split_tokens in (True, "split"), split_tokens in (True, "merge")
 
     def heads(x, w, bias, n, which="v"):
         y = np.asarray(x, np.float64) @ w + (0.0 if bias is None else bias)
-        if which != "v" and qk_norm_as is not None:
-            y = qk_norm_as(y, which, n)
-        elif which != "v":
+        if which != "v":
             y = qk_normed(y, getattr(params, f"g_{which}"), c, n, bias=getattr(params, f"beta_{which}"))
         b, t, width = y.shape
         h = y.reshape(b, n, t, width // n) if split_in else y.reshape(b, t, n, width // n).transpose(0, 2, 1, 3)

@@ -193,6 +193,23 @@ def rotary_mistaken(mistake: str | None):
         yield
 
 
+#: a q/k norm computed otherwise than the config says, for diagnoses (:func:`qk_norm_mistaken`): (its name, the norm)
+_QK_NORM_AS: contextvars.ContextVar[tuple[str, object] | None] = contextvars.ContextVar("qk_norm_as", default=None)
+
+
+@contextlib.contextmanager
+def qk_norm_mistaken(name: str, normed):
+    """Within this block the reference norms a layer's q and k projections as ``normed(y, which, n_heads)`` does
+    (``y``: the projection (batch, T, width) of ``which``, "q" or "k", in float64; it returns ``y`` normed) instead
+    of as ``config.qk_norm`` says, forward only: what a q/k-norm diagnosis compares with. ``name`` names the mistake
+    for the reference's memo: one name, one function of the layer's parameters."""
+    if not isinstance(name, str) or not name or not callable(normed):
+        raise ValueError(f"qk_norm_mistaken: got name {name!r} and normed {normed!r}; accepted: a non-empty str and "
+                         "a function (y, which, n_heads) -> normed y")
+    with scoped(_QK_NORM_AS, (name, normed)):
+        yield
+
+
 def rotary_tables(positions: np.ndarray, width: int, base: float, dtype: str = "float64", spread: int | None = None,
                   scaling=None) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of the rotary angles ``p * base ** (-2i / width)``, (len(positions), width // 2), rounded to
@@ -460,7 +477,10 @@ def _project_normed(x, params: AttentionParams, which: str, n_heads: int, dtype:
         y = y + _projection_error(x, params, which, error_of, rows)
     if which != "v" and before_norm is not None:
         y = before_norm(y)
-    if which != "v":
+    mistaken = _QK_NORM_AS.get()
+    if which != "v" and mistaken is not None:
+        y = round_to(mistaken[1](np.asarray(y, np.float64), which, n_heads), dtype)
+    elif which != "v":
         y = qk_normed(y, getattr(params, f"g_{which}"), params.config, n_heads, lambda a: round_to(a, dtype),
                       one_pass, error_of, which, rows, getattr(params, f"beta_{which}"))
     return _heads(y, n_heads)
@@ -687,7 +707,13 @@ def _held_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes | No
 
 def _content_key(kind: str, params: AttentionParams, inputs: AttentionInputs, *extra) -> bytes:
     return _digest(kind, _held_digest(params, inputs) or _call_digest(params, inputs), _LOGIT_SOFTCAP.get(),
-                   _SCORE_SCALE.get(), _ROTARY_MISTAKE.get(), *extra)
+                   _SCORE_SCALE.get(), _ROTARY_MISTAKE.get(), _qk_norm_mistake_name(), *extra)
+
+
+def _qk_norm_mistake_name() -> str | None:
+    """The name of the :func:`qk_norm_mistaken` in effect, or None."""
+    mistaken = _QK_NORM_AS.get()
+    return None if mistaken is None else mistaken[0]
 
 
 class _ContentCache:
@@ -1134,6 +1160,9 @@ def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k,
     if _ROTARY_MISTAKE.get() == "before_norm":
         raise ValueError("rotary_mistaken('before_norm') has a forward only; accepted in a backward: None, "
                          + ", ".join(repr(m) for m in ROTARY_MISTAKES if m != "before_norm"))
+    if _QK_NORM_AS.get() is not None:
+        raise ValueError(f"qk_norm_mistaken({_qk_norm_mistake_name()!r}) has a forward only; accepted in a backward: "
+                         "the layer's own q/k norm (no qk_norm_mistaken block)")
     grads = {"W_o": r(np.einsum("btd,bte->de", concat, g))}
     d_v = r(p.transpose(0, 1, 3, 2) @ d_o)
     d_s = r(p * r(d_p - row))

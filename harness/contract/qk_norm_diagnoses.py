@@ -11,11 +11,10 @@ import dataclasses
 
 import numpy as np
 
-from mha_harness.conformance.diagnoses import wrong_layer_output
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import QK_NORMS, QK_NORMS_PER_HEAD, QK_NORMS_WITH_BIAS
 from mha_harness.contract.mistakes import distance, explains
-from mha_harness.contract.reference import qk_normed, reference_attention
+from mha_harness.contract.reference import qk_norm_mistaken, qk_normed, reference_attention
 from mha_harness.contract.validation import qk_norm_bias_shapes, qk_norm_gain_shapes
 
 #: every q/k-norm diagnosis says so (a failure with one drops its guess of a precision from the error's size)
@@ -76,7 +75,7 @@ GAINS_SWAPPED = ("the q/k norms' gains loaded into each other's norms (q_norm ho
 
 
 def mistaken_qk_norm(params: AttentionParams, mistake: str):
-    """``qk_norm_as`` for :func:`~mha_harness.conformance.diagnoses.wrong_layer_output`: the layer's norm
+    """The norm for :func:`~mha_harness.contract.reference.qk_norm_mistaken`: the layer's norm
     (``params.config.qk_norm``) with ``mistake`` (a key of :func:`mistakes_of`, or ``"gains_swapped"``), computed by
     the reference's norm."""
     c = params.config
@@ -114,17 +113,18 @@ def with_unit_qk_norm(params: AttentionParams, kind: str) -> AttentionParams:
 
 
 def qk_norm_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
-                 compare: np.ndarray | None = None) -> str:
-    """The q/k-norm mistake a failing whole output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains
+                 compare: np.ndarray | None = None, rows: list[int] | None = None) -> str:
+    """The q/k-norm mistake a failing output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains
     better than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), as a sentence to append; "".
     A layer with a norm: each of :data:`MISTAKES`; a layer without one: q and k normed anyway (gains 1), each kind.
-    ``compare``: the (batch, Tq) rows of ``got`` that are specified (padded queries' are not)."""
-    found = qk_norm_match(got, params, inputs, bound, compare)
+    ``compare``: the (batch, Tq) rows of ``got`` that are specified (padded queries' are not). ``rows``: ``got``
+    holds only these query rows (a benchmarked call's checked rows), and each reference is computed at them."""
+    found = qk_norm_match(got, params, inputs, bound, compare, rows)
     return "" if found is None else found[0]
 
 
 def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
-                  compare: np.ndarray | None = None) -> tuple[str, float] | None:
+                  compare: np.ndarray | None = None, rows: list[int] | None = None) -> tuple[str, float] | None:
     """:func:`qk_norm_hint`'s sentence and its candidate's distance from ``got`` (on the compared rows), for choosing
     between it and another diagnosis; None when no mistake matches. Of several that match (in half precision a
     LayerNorm and an RMSNorm kept on can both be within the margin), the closest."""
@@ -134,12 +134,12 @@ def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     if not np.all(np.isfinite(got)):
         return None
     c = params.config
-    truth = pick(reference_attention(params, inputs).output)
+    truth = pick(reference_attention(params, inputs, rows=rows).output)
     margin = max(10 * bound, 1e-4)
     found = []
     if c.qk_norm is None:
         for kind in QK_NORMS:
-            wrong = pick(reference_attention(with_unit_qk_norm(params, kind), inputs).output)
+            wrong = pick(reference_attention(with_unit_qk_norm(params, kind), inputs, rows=rows).output)
             if distance(got, wrong) <= margin and explains(got, wrong, truth):
                 found.append((f"; the output matches a q/k norm, {_WORDS[kind]}, in a layer built without "
                               f"one: a layer with such a norm declares it, Capabilities(qk_norms=({kind!r},)), and "
@@ -150,8 +150,9 @@ def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
         if c.rotary is not None and np.shape(params.g_q) == np.shape(params.g_k):
             mistakes["gains_swapped"] = GAINS_SWAPPED
         for mistake, label in mistakes.items():
-            with np.errstate(divide="ignore", invalid="ignore"):  # epsilon 0 over a constant group: 0 / 0, no match
-                wrong = pick(wrong_layer_output(params, inputs, qk_norm_as=mistaken_qk_norm(params, mistake)))
+            with np.errstate(divide="ignore", invalid="ignore"), \
+                    qk_norm_mistaken(mistake, mistaken_qk_norm(params, mistake)):  # epsilon 0 over a constant group:
+                wrong = pick(reference_attention(params, inputs, rows=rows).output)  # 0 / 0, no match
             if distance(got, wrong) <= margin and explains(got, wrong, truth):
                 found.append(("; the output matches " + label, distance(got, wrong)))
     return min(found, key=lambda f: f[1]) if found else None
