@@ -196,11 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=_positive_int, default=None, metavar="N",
                    help="key/value heads (grouped-query attention): N divides --heads, 1 <= N <= --heads; default: "
                         "as many as --heads (multi-head). Backends that do not declare grouped_query are skipped")
-    from mha_harness.contract.conventions import QK_NORMS, ROTARY_KINDS
+    from mha_harness.contract.conventions import DEFAULT_ROTARY_BASE, QK_NORMS, ROTARY_KINDS
     p.add_argument("--rotary", choices=ROTARY_KINDS, default=None,
                    help="time a layer with rotary embeddings on q and k (half_split: Llama's rotate_half; interleaved: "
-                        "GPT-J's), base 10000, key j at position j and query i at i + Tk - Tq; default: none. "
+                        "GPT-J's), base --rotary-base, key j at position j and query i at i + Tk - Tq; default: none. "
                         "Backends that do not declare it (capabilities.rotary) are skipped")
+    p.add_argument("--rotary-base", type=float_range(1.0), default=DEFAULT_ROTARY_BASE, metavar="BASE",
+                   help="the base of --rotary's frequencies (pair i turns by position * BASE ** (-2i / d_head)): "
+                        "500000 for Llama 3, 1000000 for Qwen 2 and 3; default: 10000 (Llama 2)")
     p.add_argument("--qk-norm", choices=QK_NORMS, default=None,
                    help="time a layer that normalises q and k after their projections (rms_per_head: Qwen 3's, "
                         "Gemma 3's); default: none. Backends that do not declare it (capabilities.qk_norms) are "
@@ -574,12 +577,13 @@ def cmd_bench(args) -> int:
     _require("scipy", "bench")
     config = _usage(_bench_config, args, dtype=args.dtype, workload=args.workload, batch=args.batch,
                     d_model=args.d_model, num_heads=args.heads, num_kv_heads=args.kv_heads, bias=args.bias,
-                    rotary=args.rotary, qk_norm=args.qk_norm, sliding_window=args.sliding_window)
+                    rotary=args.rotary, rotary_base=args.rotary_base, qk_norm=args.qk_norm,
+                    sliding_window=args.sliding_window)
     if args.d_model % args.heads:
         raise UsageError(f"--d-model: got {args.d_model}, not divisible by --heads {args.heads}; accepted: a multiple")
     feature_error = config.features_error()
     if feature_error:  # e.g. rotary embeddings on an odd d_head: named by its option, before anything runs
-        for field_name, option in (("rotary", "--rotary"), ("qk_norm", "--qk-norm"),
+        for field_name, option in (("rotary_base", "--rotary-base"), ("rotary", "--rotary"), ("qk_norm", "--qk-norm"),
                                    ("sliding_window", "--sliding-window")):
             if feature_error.startswith(f"{field_name}:"):
                 feature_error = option + feature_error[len(field_name):]

@@ -202,6 +202,38 @@ def test_a_layer_that_keeps_a_q_k_norm_on_in_a_plain_bench_is_named_as_check_nam
         "in a layer built without one" in point["skipped"], point["skipped"]
 
 
+class _BaseFixedLoaded(NumpyNaiveLoaded):
+    def rotary_base(self):
+        return 10_000.0  # rope_theta never passed on: the module's default
+
+
+class RotaryBaseFixed(NumpyNaive):
+    """A layer that declares rotary embeddings and turns them at base 10000 whatever config.rotary_base says."""
+
+    name = "rotary-base-fixed"
+
+    def load_native(self, params, dtype):
+        return _BaseFixedLoaded(params, dtype)
+
+
+def test_bench_times_rotary_embeddings_at_the_base_asked_for_and_names_a_layer_that_ignores_it(tmp_path, capsys):
+    """``--rotary-base 500000`` (Llama 3's rope_theta) builds the timed layer and its reference with that base: the
+    header, the plots' titles and bench.json say it, numpy-naive is timed; a layer that keeps base 10000 is
+    wrong-output naming the base, not timed."""
+    config = BenchConfig(rotary="half_split", rotary_base=500_000.0, **SMALL)
+    doc = run_bench([NumpyNaive(), RotaryBaseFixed()], tmp_path, seq_lens=[48], causal="on", config=config)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "half_split rotary embeddings on q and k (base 500000;" in header, header
+    assert "rotary half_split base 500000" in config.layer_text()
+    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["config"]["rotary_base"] == 500_000.0
+    by_name = {p["backend"]: p for p in doc["points"]}
+    assert by_name["numpy-naive"]["status"] == "measured", by_name["numpy-naive"]
+    fixed = by_name["rotary-base-fixed"]
+    assert fixed["status"] == "wrong-output" and not fixed["samples_s"], fixed
+    assert "rotary embeddings built with base 10000 where config.rotary_base is 500000" in fixed["skipped"], \
+        fixed["skipped"]
+
+
 class _WindowOneKeyLateLoaded(NumpyTiledLoaded):
     def key_start(self, inputs, q0):
         start = super().key_start(inputs, q0)  # skips the first key of each query block's window
@@ -254,7 +286,11 @@ def test_the_features_are_validated_naming_the_option_and_the_accepted_values(tm
     for argv, said in ((["--rotary", "half_split", "--d-model", "24", "--heads", "8"],
                         "--rotary: got 'half_split' with d_head = 3; accepted: an even d_head"),
                        (["--sliding-window", "0"], "--sliding-window"),
-                       (["--qk-norm", "rms"], "--qk-norm: invalid choice: 'rms'")):
+                       (["--qk-norm", "rms"], "--qk-norm: invalid choice: 'rms'"),
+                       (["--rotary-base", "500000"], "--rotary-base: got 500000 without rotary embeddings; accepted: "
+                                                     "a base together with rotary (--rotary)"),
+                       (["--rotary", "half_split", "--rotary-base", "1"], "--rotary-base: got '1'; accepted: a "
+                                                                          "finite number > 1")):
         assert main(["bench", *argv, "--results", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert said in err, err

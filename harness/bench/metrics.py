@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mha_harness.contract.conventions import DEFAULT_ROTARY_BASE
+
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 FLOPS_FORMULA = ("core: 4*B*h*Tq*Tk*d_head x the causal mask's visible fraction (0.5 at Tq = Tk; 1 - (Tq-1)/(2*Tk) "
                  "bottom-right with Tq < Tk; under a sliding window, the visible pairs counted exactly, less half "
@@ -70,6 +72,8 @@ class Shape:
     bias: bool = False
     #: rotary position embeddings on q and k (AttentionConfig.rotary: "half_split" or "interleaved"); None: none
     rotary: str | None = None
+    #: the rotary frequencies' base (AttentionConfig.rotary_base: 10000 Llama 2's, 500000 Llama 3's)
+    rotary_base: float = DEFAULT_ROTARY_BASE
     #: a norm of q and k after their projections (AttentionConfig.qk_norm, e.g. "rms_per_head"); None: none
     qk_norm: str | None = None
     #: each query sees only its own position and the w - 1 before it (AttentionConfig.sliding_window); None: all

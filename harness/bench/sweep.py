@@ -51,6 +51,7 @@ from mha_harness.bench.metrics import (
 from mha_harness.bench.threads import DEFAULT_THREADS, apply_threads, thread_report
 from mha_harness.bench.verify import WRONG_OUTPUT, WrongOutput, check_point
 from mha_harness.bench.worker import CRASHED, OUT_OF_MEMORY, TIMEOUT, BackendWorker, WorkerLost, wait_until_idle
+from mha_harness.contract.conventions import DEFAULT_ROTARY_BASE
 from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
 from mha_harness.util.install import install_hint
 
@@ -58,7 +59,7 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.7"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
+SCHEMA_VERSION = "2.8"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
 # 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured;
 # 2.3: decode points time a decode step over a filled KV cache (decode_step), not a call projecting all Tk keys; the
 # causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half); 2.4: points record
@@ -70,7 +71,8 @@ SCHEMA_VERSION = "2.7"  # 2.1: points record call_mask, other_cores, over_comput
 # --sliding-window: the timed layer's features) and the run's causal masking (causal: off, on, both or
 # bottom-right); under a sliding window the core FLOPs count the visible pairs exactly (less half the diagonal at
 # causal Tq = Tk, as the causal convention) and a decode step's bytes the cache rows its queries see; backends[name]
-# records native_causal, native_mask_polarity and what the backend declares (declared_policies)
+# records native_causal, native_mask_polarity and what the backend declares (declared_policies); 2.8:
+# config.rotary_base (--rotary-base: the rotary frequencies' base, 10000 before it)
 #: what a decode point times, recorded in its document
 DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (LoadedAttention.prepare_decode_step): "
                "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
@@ -99,6 +101,7 @@ class BenchConfig:
     num_kv_heads: int | None = None  # key/value heads; None: num_heads (multi-head); fewer: grouped-query
     bias: bool = False  # the layer's projections carry biases b_q ... b_o
     rotary: str | None = None  # rotary embeddings on q and k: "half_split" or "interleaved" (AttentionConfig.rotary)
+    rotary_base: float = DEFAULT_ROTARY_BASE  # their frequencies' base (AttentionConfig.rotary_base; Llama 3's 500000)
     qk_norm: str | None = None  # a norm of q and k after their projections (AttentionConfig.qk_norm)
     sliding_window: int | None = None  # each query sees its own position and the w - 1 before it
     dtype: str = "float32"
@@ -131,7 +134,8 @@ class BenchConfig:
 
     def feature_names(self) -> list[str]:
         """The layer's features beyond its shape, in a few words each (the plots' titles)."""
-        return ([f"rotary {self.rotary}"] if self.rotary else []) + \
+        base = f" base {self.rotary_base:g}" if self.rotary_base != DEFAULT_ROTARY_BASE else ""
+        return ([f"rotary {self.rotary}{base}"] if self.rotary else []) + \
             ([f"q/k norm {self.qk_norm}"] if self.qk_norm else []) + \
             ([f"sliding window {self.sliding_window}"] if self.sliding_window is not None else [])
 
@@ -143,8 +147,8 @@ class BenchConfig:
             return PLAIN_LAYER
         has = []
         if self.rotary:
-            has.append(f"{self.rotary} rotary embeddings on q and k (base 10000; key j at position j, query i at "
-                       "i + Tk - Tq)")
+            has.append(f"{self.rotary} rotary embeddings on q and k (base {self.rotary_base:g}; key j at position j, "
+                       "query i at i + Tk - Tq)")
         if self.qk_norm:
             has.append(f"a {self.qk_norm} q/k norm (gains drawn in [0.5, 1.5])")
         if self.sliding_window is not None:
@@ -157,11 +161,15 @@ class BenchConfig:
     def features_error(self) -> str | None:
         """Why the layer's features cannot build a layer of this shape (an unknown rotary kind or q/k norm, a
         window that is not a positive integer, rotary embeddings on an odd d_head), naming the field and the
-        accepted values; None when they can."""
+        accepted values; None when they can. A base other than 10000 without rotary embeddings is refused too (it
+        would time the plain layer under a name that says otherwise)."""
         from mha_harness.contract.api import AttentionConfig
+        if self.rotary is None and self.rotary_base != DEFAULT_ROTARY_BASE:
+            return (f"rotary_base: got {self.rotary_base:g} without rotary embeddings; accepted: a base together with "
+                    "rotary (--rotary), the base of their frequencies")
         try:
             AttentionConfig(self.d_model, self.num_heads, self.num_kv_heads, bias=self.bias, qk_norm=self.qk_norm,
-                            rotary=self.rotary, sliding_window=self.sliding_window)
+                            rotary=self.rotary, rotary_base=self.rotary_base, sliding_window=self.sliding_window)
         except (TypeError, ValueError) as exc:
             return str(exc)
         return None
@@ -272,7 +280,8 @@ def _causal_text(causal: str, decode: bool) -> str:
 def shape_of(point: BenchPoint, config: BenchConfig) -> Shape:
     return Shape(config.batch, point.tq, point.tk, config.d_model, config.num_heads, config.dtype, point.causal,
                  point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode", bias=config.bias,
-                 rotary=config.rotary, qk_norm=config.qk_norm, sliding_window=config.sliding_window)
+                 rotary=config.rotary, rotary_base=config.rotary_base, qk_norm=config.qk_norm,
+                 sliding_window=config.sliding_window)
 
 
 def plan_points(names, config: BenchConfig, seq_lens, *, causal_modes=(False,), backward=False,

@@ -34,6 +34,7 @@ from mha_harness.contract.conventions import (
     ACCEPTED_FORMS,
     BOTTOM_RIGHT,
     CAUSAL_ALIGNMENTS,
+    DEFAULT_ROTARY_BASE,
     DTYPES,
     INPUT_FORMS,
     PARAM_NAMES,
@@ -342,7 +343,7 @@ class AttentionConfig:
     #: :func:`~mha_harness.contract.conventions.rotary_positions`)
     rotary: str | None = None
     #: the rotary frequencies' base: pair i turns by position * rotary_base ** (-2i / r), r = :attr:`rotary_width`
-    rotary_base: float = 10_000.0
+    rotary_base: float = DEFAULT_ROTARY_BASE
     #: how many of each head's leading features the rotary embeddings turn (None: all d_head); fewer makes a partial
     #: rotary, whose other features pass unturned and whose frequencies are over these r (GPT-NeoX's and StableLM's
     #: ``rotary_pct``, Phi's ``partial_rotary_factor``, GPT-J's ``rotary_dim``); an even number, only with ``rotary``

@@ -144,6 +144,8 @@ ROTARY_KINDS = ("half_split", "interleaved")
 #: the frequency bases of common models (``AttentionConfig.rotary_base``): 10,000 (Llama 1 and 2, GPT-NeoX,
 #: Mistral 7B v0.1), 500,000 (Llama 3), 1,000,000 (Qwen 2 and 3, Mistral 7B v0.2, Code Llama)
 COMMON_ROTARY_BASES = (10_000.0, 500_000.0, 1_000_000.0)
+#: the base a layer's rotary embeddings have unless it says otherwise (the original RoFormer's and Llama 2's)
+DEFAULT_ROTARY_BASE = 10_000.0
 
 
 def rotary_positions(tq: int, tk: int) -> tuple[np.ndarray, np.ndarray]:
