@@ -33,13 +33,13 @@ CROSS_FORMS = ("separate", "shared_kv")
 
 def small_layer(backend, *, bias: bool = False, num_kv_heads=None, seed: int = 0, rotary=None,
                 rotary_base: float = 10_000.0, rotary_dims=None, rotary_scaling=None, sliding_window=None,
-                **overrides):
+                qk_norm=None, **overrides):
     """A small layer (d_model 32, 4 heads) using biases only where the backend declares them (``rotary``: with those
     rotary embeddings, ``rotary_dims`` of each head's features turned, its frequencies rescaled by the
     ``rotary_scaling`` kind of COMMON_ROTARY_SCALINGS, or a RotaryScaling itself; ``sliding_window``: a window of
-    that many keys)."""
+    that many keys; ``qk_norm``: that norm of q and k, its gains not 1)."""
     shape = {**SMALL, **overrides}
-    config = AttentionConfig(shape["d_model"], shape["num_heads"], num_kv_heads,
+    config = AttentionConfig(shape["d_model"], shape["num_heads"], num_kv_heads, qk_norm=qk_norm,
                              bias=bias and backend.capabilities.bias, rotary=rotary, rotary_base=rotary_base,
                              rotary_dims=rotary_dims,
                              rotary_scaling=rotary_scaling if not isinstance(rotary_scaling, str)
@@ -110,12 +110,42 @@ def causal_variants(backend) -> list[dict]:
 def causal_output_variants(backend) -> list[dict]:
     """:func:`causal_variants`, and for a KV-cache step (``inputs='kv_cache'``) ``one_new_token`` (1, 65), the
     commonest decode step: one new token against 64 cached positions (it sees every key, so it has no future key
-    for the leak cases to change, but its output must still be the reference's)."""
+    for the leak cases to change, but its output must still be the reference's); and for a layer that declares
+    rotary embeddings or a q/k norm, the same layer with them (:func:`declared_layer_features`) at ``square`` (once:
+    at Tq = Tk the alignments are one mask) and at ``more_keys`` for each alignment, named ``<shape>_with_features``:
+    the grid runs those features without a causal mask, and a decoder layer whose causal path leaves them out (a
+    fast path that skips the rotary or the norm) passed every other case."""
     out = causal_variants(backend)
     if backend.capabilities.inputs == "kv_cache":
         out += [{"dtype": primary_dtype(backend), "alignment": a, "variant": "one_new_token", "seq": 1,
                  "tk": KEYS_ACROSS_BLOCKS} for a in backend.capabilities.causal_alignments]
+    features = declared_layer_features(backend)
+    if features:
+        plain = causal_variants(backend)
+        out += [{**v, "variant": f"{v['variant']}_with_features", **features} for v in plain
+                if v["variant"] == "more_keys" or v is next(p for p in plain if p["variant"] == "square")]
     return out
+
+
+#: a decoder layer's features as Qwen 3 has them (its per-head RMSNorm, then rotary at base 1,000,000, two key/value
+#: heads), each where the backend declares it (its first declared rotary pairing and q/k norm)
+FEATURE_ROTARY_BASE, FEATURE_KV_HEADS = 1_000_000.0, 2
+
+
+def declared_layer_features(backend) -> dict:
+    """The rotary embeddings, q/k norm and grouped-query heads a backend declares, as a variant's fields for
+    :func:`small_layer` (``rotary`` and ``rotary_base``, ``qk_norm``, ``kv_heads``); {} when it declares neither
+    rotary nor a q/k norm (grouped-query heads alone are in the grid's causal-free rows and the gradients' causal
+    ones)."""
+    caps = backend.capabilities
+    if not (caps.rotary or caps.qk_norms):
+        return {}
+    qk_norm = "rms_per_head" if "rms_per_head" in caps.qk_norms else (caps.qk_norms or (None,))[0]
+    features = {"rotary": caps.rotary[0] if caps.rotary else None, "qk_norm": qk_norm,
+                "kv_heads": FEATURE_KV_HEADS if caps.grouped_query else None}
+    if caps.rotary:
+        features["rotary_base"] = FEATURE_ROTARY_BASE
+    return {name: value for name, value in features.items() if value is not None}
 
 
 def random_allowed_mask(tq: int, tk: int, seed: int = 3) -> np.ndarray:

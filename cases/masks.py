@@ -145,10 +145,14 @@ def check_causal_mask_blocks_future_keys(backend, *, form, dtype, alignment, var
 
 
 @case(requires=("causal",), variants=causal_output_variants, forms=ALL_FORMS)
-def check_causal_output_matches_reference(backend, *, form, dtype, alignment, variant, seq, tk):
+def check_causal_output_matches_reference(backend, *, form, dtype, alignment, variant, seq, tk, rotary=None,
+                                          rotary_base=10_000.0, qk_norm=None, kv_heads=None):
     """With a causal mask of the declared alignment (top-left, or bottom-right when Tq != Tk) the output
-    equals the reference: the diagonal is kept, the future removed, and the alignment is the one declared."""
-    params = small_layer(backend, bias=True)
+    equals the reference: the diagonal is kept, the future removed, and the alignment is the one declared. A layer
+    that declares rotary embeddings or a q/k norm is checked with them under the mask too (the ``_with_features``
+    variants: its rotary, norm and grouped-query heads, as a decoder layer runs them)."""
+    params = small_layer(backend, bias=True, rotary=rotary, rotary_base=rotary_base, qk_norm=qk_norm,
+                         num_kv_heads=kv_heads)
     inputs = form_inputs(form, params.config, 2, seq, tk, causal=alignment)
     try:
         return Measurement(max_error=check_against_reference(backend, params, inputs, dtype,
