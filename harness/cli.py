@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "bottom-right causal (results in <results>/bench-decode)")
     p.add_argument("--query-lens", type=_lengths, default=None, metavar="N,N,...",
                    help="decode only: new queries per call (default 1,16)")
-    p.add_argument("--causal", choices=("off", "on", "both"), default="off", help="prefill only (decode is causal)")
+    p.add_argument("--causal", choices=("off", "on", "both"), default=None,
+                   help="prefill only: off (default), on (top-left, Tq = Tk) or both; a decode step is always "
+                        "bottom-right causal, and --causal with --workload decode is a usage error")
     p.add_argument("--backward", action="store_true", help="also time forward + backward where gradients exist")
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
     p.add_argument("--batch", type=_positive_int, default=1)
@@ -196,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=_positive_int, default=None, metavar="N",
                    help="key/value heads (grouped-query attention): N divides --heads, 1 <= N <= --heads; default: "
                         "as many as --heads (multi-head). Backends that do not declare grouped_query are skipped")
-    from mha_harness.contract.conventions import DEFAULT_ROTARY_BASE, QK_NORMS, ROTARY_KINDS
+    from mha_harness.contract.conventions import DEFAULT_QK_NORM_EPS, DEFAULT_ROTARY_BASE, QK_NORMS, ROTARY_KINDS
     p.add_argument("--rotary", choices=ROTARY_KINDS, default=None,
                    help="time a layer with rotary embeddings on q and k (half_split: Llama's rotate_half; interleaved: "
                         "GPT-J's), base --rotary-base, key j at position j and query i at i + Tk - Tq; default: none. "
@@ -208,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time a layer that normalises q and k after their projections (rms_per_head: Qwen 3's, "
                         "Gemma 3's); default: none. Backends that do not declare it (capabilities.qk_norms) are "
                         "skipped")
+    p.add_argument("--qk-norm-eps", type=float_range(0.0, exclusive_min=False), default=DEFAULT_QK_NORM_EPS,
+                   metavar="EPS", help="the epsilon of --qk-norm's norm (added to the mean square, or the variance, "
+                                       "inside its square root): default 1e-6 (Qwen 3's, flax's); torch's "
+                                       "nn.LayerNorm defaults to 1e-5")
     p.add_argument("--sliding-window", type=_positive_int, default=None, metavar="W",
                    help="time a layer whose query at position p sees only the keys after p - W (Mistral's, Gemma's "
                         "sliding_window); default: every key. Backends that do not declare sliding_window are skipped")
@@ -354,14 +360,14 @@ def cmd_list(args) -> int:
 class ProgressLines:
     """Prints each failing variant as it finishes: its message (a message this case already printed for the backend
     is one short line naming that variant, and so is a failure whose diagnosis a variant of this backend already
-    printed: an outside user's undeclared T5 scale printed 110 failures in 773 lines), one repro per case and
-    backend, and the first diagnosed variant's repro too when the one shown had no diagnosis; one line for a
-    backend's abandoned remainder."""
+    printed: an outside user's undeclared T5 scale printed 110 failures in 773 lines), one repro per case, backend
+    and diagnosis (a second mistake in one case printed its message without one: an outside user's Qwen 3 layer);
+    one line for a backend's abandoned remainder."""
 
     def __init__(self, out=None):
         self.out = out
         self.abandoned: set[str] = set()
-        self.shown_repro: dict[tuple, bool] = {}  # (backend, case) -> whether the repro shown was of a diagnosis
+        self.shown_repro: set[tuple] = set()  # (backend, case, diagnosis) whose repro was shown
         self.first_with: dict[tuple, str] = {}  # (backend, case, status, message) -> the variant that printed it
         self.diagnosed_by: dict[tuple, str] = {}  # (backend, diagnosis) -> the variant that printed it in full
 
@@ -392,9 +398,8 @@ class ProgressLines:
         else:
             self.say(console_message(f"  {result.status.upper():<8} {result.case}[{result.variant}]: ",
                                      result.message))
-        diagnosed = bool(result.extra.get("diagnosis"))
-        if result.repro and (key not in self.shown_repro or (diagnosed and not self.shown_repro[key])):
-            self.shown_repro[key] = diagnosed
+        if result.repro and (*key, diagnosis) not in self.shown_repro:
+            self.shown_repro.add((*key, diagnosis))
             self.say(f"           repro: {result.repro}")
 
 
@@ -569,6 +574,11 @@ def cmd_bench(args) -> int:
     kv_error = kv_heads_error(args.kv_heads, args.heads, "--kv-heads", "--heads")
     if kv_error:  # before anything loads: a usage error, naming the option and the values it accepts
         raise UsageError(kv_error)
+    if args.workload == "decode" and args.causal is not None:  # it would be ignored: say so before anything runs
+        raise UsageError(f"--causal: got {args.causal!r} with --workload decode; accepted: leave it out (a decode step "
+                         "is always bottom-right causal: its new queries are the last positions and see every "
+                         "cached key)")
+    args.causal = args.causal or "off"
     _check_inputs_fit(args.seq_lens, args.batch, args.d_model)
     registry = _registry(args.backend_spec)
     names = _targets(args, registry)
@@ -578,15 +588,20 @@ def cmd_bench(args) -> int:
     config = _usage(_bench_config, args, dtype=args.dtype, workload=args.workload, batch=args.batch,
                     d_model=args.d_model, num_heads=args.heads, num_kv_heads=args.kv_heads, bias=args.bias,
                     rotary=args.rotary, rotary_base=args.rotary_base, qk_norm=args.qk_norm,
-                    sliding_window=args.sliding_window)
+                    qk_norm_eps=args.qk_norm_eps, sliding_window=args.sliding_window)
     if args.d_model % args.heads:
-        raise UsageError(f"--d-model: got {args.d_model}, not divisible by --heads {args.heads}; accepted: a multiple")
+        divisors = [n for n in range(1, args.d_model + 1) if args.d_model % n == 0]
+        raise UsageError(f"--heads: got {args.heads}, which does not divide --d-model {args.d_model}; accepted: a "
+                         f"divisor of --d-model ({', '.join(map(str, divisors))}), or a --d-model that is a "
+                         f"multiple of {args.heads}")
     feature_error = config.features_error()
     if feature_error:  # e.g. rotary embeddings on an odd d_head: named by its option, before anything runs
-        for field_name, option in (("rotary_base", "--rotary-base"), ("rotary", "--rotary"), ("qk_norm", "--qk-norm"),
+        for field_name, option in (("rotary_base", "--rotary-base"), ("rotary", "--rotary"),
+                                   ("qk_norm_eps", "--qk-norm-eps"), ("qk_norm", "--qk-norm"),
                                    ("sliding_window", "--sliding-window")):
             if feature_error.startswith(f"{field_name}:"):
                 feature_error = option + feature_error[len(field_name):]
+        feature_error = feature_error.replace("or rotary=None", "or no --rotary")  # the API's words, on a command line
         raise UsageError(feature_error)
     backends = _available_backends(registry, names)
     doc = run_bench(backends, Path(args.results), seq_lens=args.seq_lens, causal=args.causal, backward=args.backward,

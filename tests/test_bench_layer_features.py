@@ -217,21 +217,38 @@ class RotaryBaseFixed(NumpyNaive):
 
 
 def test_bench_times_rotary_embeddings_at_the_base_asked_for_and_names_a_layer_that_ignores_it(tmp_path, capsys):
-    """``--rotary-base 500000`` (Llama 3's rope_theta) builds the timed layer and its reference with that base: the
-    header, the plots' titles and bench.json say it, numpy-naive is timed; a layer that keeps base 10000 is
-    wrong-output naming the base, not timed."""
-    config = BenchConfig(rotary="half_split", rotary_base=500_000.0, **SMALL)
+    """``--rotary-base 500000`` (Llama 3's rope_theta) and ``--qk-norm-eps 1e-5`` build the timed layer and its
+    reference with that base and epsilon: the header, the plots' titles and bench.json say them, numpy-naive is
+    timed; a layer that keeps base 10000 is wrong-output naming the base, not timed."""
+    config = BenchConfig(rotary="half_split", rotary_base=500_000.0, qk_norm="rms_per_head", qk_norm_eps=1e-5,
+                         **SMALL)
     doc = run_bench([NumpyNaive(), RotaryBaseFixed()], tmp_path, seq_lens=[48], causal="on", config=config)
     header = capsys.readouterr().out.splitlines()[0]
     assert "half_split rotary embeddings on q and k (base 500000;" in header, header
-    assert "rotary half_split base 500000" in config.layer_text()
-    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["config"]["rotary_base"] == 500_000.0
+    assert "a rms_per_head q/k norm (epsilon 1e-05," in header, header
+    assert "rotary half_split base 500000, q/k norm rms_per_head eps 1e-05" in config.layer_text()
+    saved = json.loads((tmp_path / "bench" / "bench.json").read_text())["config"]
+    assert (saved["rotary_base"], saved["qk_norm_eps"]) == (500_000.0, 1e-5), saved
     by_name = {p["backend"]: p for p in doc["points"]}
     assert by_name["numpy-naive"]["status"] == "measured", by_name["numpy-naive"]
     fixed = by_name["rotary-base-fixed"]
     assert fixed["status"] == "wrong-output" and not fixed["samples_s"], fixed
     assert "rotary embeddings built with base 10000 where config.rotary_base is 500000" in fixed["skipped"], \
         fixed["skipped"]
+
+
+def test_a_mistake_repeated_at_every_length_is_said_in_full_once_naming_each_point(capsys):
+    """The same wrong output at two lengths: the progress says its message once (the second point refers to the
+    first), the table's list gives it once, naming both points; bench.json keeps each point's own message."""
+    config = BenchConfig(rotary="half_split", rotary_base=500_000.0, **SMALL)
+    doc = run_bench([RotaryBaseFixed()], None, seq_lens=[32, 48], causal="on", config=config)
+    out = capsys.readouterr().out
+    said = "the output matches rotary embeddings built with base 10000"
+    assert out.count(said) == 2, out  # the progress line of the first point, the list's line
+    assert "wrong-output, the same message as at prefill:32x32:causal:forward but for its figures" in out, out
+    assert ("rotary-base-fixed (wrong-output at Tq=32 Tk=32 forward, mask top-left; Tq=48 Tk=48 forward, mask "
+            "top-left):") in out, out
+    assert all(said in p["output_check"]["wrong"] for p in doc["points"]), doc["points"]
 
 
 class _WindowOneKeyLateLoaded(NumpyTiledLoaded):
@@ -284,13 +301,20 @@ def test_the_features_are_validated_naming_the_option_and_the_accepted_values(tm
     """An odd d_head with --rotary, a window below one key, an unknown norm: a usage error naming the option."""
     from mha_harness.cli import main
     for argv, said in ((["--rotary", "half_split", "--d-model", "24", "--heads", "8"],
-                        "--rotary: got 'half_split' with d_head = 3; accepted: an even d_head"),
+                        "--rotary: got 'half_split' with d_head = 3; accepted: an even d_head (rotary embeddings "
+                        "turn pairs of a head's features), or no --rotary"),
                        (["--sliding-window", "0"], "--sliding-window"),
                        (["--qk-norm", "rms"], "--qk-norm: invalid choice: 'rms'"),
                        (["--rotary-base", "500000"], "--rotary-base: got 500000 without rotary embeddings; accepted: "
                                                      "a base together with rotary (--rotary)"),
                        (["--rotary", "half_split", "--rotary-base", "1"], "--rotary-base: got '1'; accepted: a "
-                                                                          "finite number > 1")):
+                                                                          "finite number > 1"),
+                       (["--qk-norm-eps", "1e-5"], "--qk-norm-eps: got 1e-05 without a q/k norm; accepted: an "
+                                                   "epsilon together with qk_norm (--qk-norm)"),
+                       (["--workload", "decode", "--causal", "off"], "--causal: got 'off' with --workload decode; "
+                                                                     "accepted: leave it out"),
+                       (["--heads", "7"], "--heads: got 7, which does not divide --d-model 512; accepted: a divisor "
+                                          "of --d-model (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)")):
         assert main(["bench", *argv, "--results", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert said in err, err

@@ -308,7 +308,8 @@ def test_fidelity_takes_a_plugin_spec_and_checks_only_the_named_backends_overhea
 def test_check_progress_prints_a_repeated_message_once_and_the_diagnosed_variants_repro():
     """A stranger's wrong-shape plugin printed 41 near-identical failures, and the repro shown for a case was of its
     first failing variant, not of the one whose message named the bug: a message the case already printed for the
-    backend is one short line, and the first diagnosed variant's repro follows when the one shown had none."""
+    backend is one short line, and the first diagnosed variant's repro follows when the one shown had none; a second
+    mistake in the same case gets its own repro (an outside user's Qwen 3 layer: its second diagnosis had none)."""
     import io
 
     from mha_harness.cli import ProgressLines
@@ -325,9 +326,11 @@ def test_check_progress_prints_a_repeated_message_once_and_the_diagnosed_variant
     failed("v2", "output shape: expected (1, 8), got (1, 7)")
     failed("v3", "off by 1; the output matches top-left alignment instead", diagnosis="top-left alignment instead")
     failed("v4", "off by 2; the output matches top-left alignment instead", diagnosis="top-left alignment instead")
+    failed("v5", "off by 3; the output matches base 10000", diagnosis="base 10000")  # another mistake: its repro too
     lines = out.getvalue().splitlines()
     assert "  FAILED   check_x[v2]: the same message as [v1]" in lines
-    assert [line.strip() for line in lines if "repro:" in line] == ["repro: repro-v1", "repro: repro-v3"]
+    assert [line.strip() for line in lines if "repro:" in line] == ["repro: repro-v1", "repro: repro-v3",
+                                                                    "repro: repro-v5"]
     # a diagnosis printed in full once per backend (an undeclared T5 scale printed 110 failures in 773 lines)
     assert any(line.endswith("check_x[v3]: off by 1; the output matches top-left alignment instead") for line in lines)
     assert ("  FAILED   check_x[v4]: the same diagnosis as check_x[v3] (the full message is in the report)"

@@ -111,6 +111,7 @@ def layer_config(shape: Shape):
     features."""
     from mha_harness.contract.api import AttentionConfig
     return AttentionConfig(shape.d_model, shape.num_heads, shape.num_kv_heads, bias=shape.bias, qk_norm=shape.qk_norm,
+                           qk_norm_eps=shape.qk_norm_eps,
                            rotary=shape.rotary, rotary_base=shape.rotary_base, sliding_window=shape.sliding_window)
 
 

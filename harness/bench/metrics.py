@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mha_harness.contract.conventions import DEFAULT_ROTARY_BASE
+from mha_harness.contract.conventions import DEFAULT_QK_NORM_EPS, DEFAULT_ROTARY_BASE
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 FLOPS_FORMULA = ("core: 4*B*h*Tq*Tk*d_head x the causal mask's visible fraction (0.5 at Tq = Tk; 1 - (Tq-1)/(2*Tk) "
@@ -76,6 +76,8 @@ class Shape:
     rotary_base: float = DEFAULT_ROTARY_BASE
     #: a norm of q and k after their projections (AttentionConfig.qk_norm, e.g. "rms_per_head"); None: none
     qk_norm: str | None = None
+    #: the q/k norm's epsilon (AttentionConfig.qk_norm_eps)
+    qk_norm_eps: float = DEFAULT_QK_NORM_EPS
     #: each query sees only its own position and the w - 1 before it (AttentionConfig.sliding_window); None: all
     sliding_window: int | None = None
 

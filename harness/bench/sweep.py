@@ -51,7 +51,7 @@ from mha_harness.bench.metrics import (
 from mha_harness.bench.threads import DEFAULT_THREADS, apply_threads, thread_report
 from mha_harness.bench.verify import WRONG_OUTPUT, WrongOutput, check_point
 from mha_harness.bench.worker import CRASHED, OUT_OF_MEMORY, TIMEOUT, BackendWorker, WorkerLost, wait_until_idle
-from mha_harness.contract.conventions import DEFAULT_ROTARY_BASE
+from mha_harness.contract.conventions import DEFAULT_QK_NORM_EPS, DEFAULT_ROTARY_BASE
 from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
 from mha_harness.util.install import install_hint
 
@@ -72,7 +72,7 @@ SCHEMA_VERSION = "2.8"  # 2.1: points record call_mask, other_cores, over_comput
 # bottom-right); under a sliding window the core FLOPs count the visible pairs exactly (less half the diagonal at
 # causal Tq = Tk, as the causal convention) and a decode step's bytes the cache rows its queries see; backends[name]
 # records native_causal, native_mask_polarity and what the backend declares (declared_policies); 2.8:
-# config.rotary_base (--rotary-base: the rotary frequencies' base, 10000 before it)
+# config.rotary_base and config.qk_norm_eps (--rotary-base, --qk-norm-eps: 10000 and 1e-6 before them)
 #: what a decode point times, recorded in its document
 DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (LoadedAttention.prepare_decode_step): "
                "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
@@ -103,6 +103,7 @@ class BenchConfig:
     rotary: str | None = None  # rotary embeddings on q and k: "half_split" or "interleaved" (AttentionConfig.rotary)
     rotary_base: float = DEFAULT_ROTARY_BASE  # their frequencies' base (AttentionConfig.rotary_base; Llama 3's 500000)
     qk_norm: str | None = None  # a norm of q and k after their projections (AttentionConfig.qk_norm)
+    qk_norm_eps: float = DEFAULT_QK_NORM_EPS  # its epsilon (AttentionConfig.qk_norm_eps)
     sliding_window: int | None = None  # each query sees its own position and the w - 1 before it
     dtype: str = "float32"
     workload: str = "prefill"
@@ -135,8 +136,9 @@ class BenchConfig:
     def feature_names(self) -> list[str]:
         """The layer's features beyond its shape, in a few words each (the plots' titles)."""
         base = f" base {self.rotary_base:g}" if self.rotary_base != DEFAULT_ROTARY_BASE else ""
+        eps = f" eps {self.qk_norm_eps:g}" if self.qk_norm_eps != DEFAULT_QK_NORM_EPS else ""
         return ([f"rotary {self.rotary}{base}"] if self.rotary else []) + \
-            ([f"q/k norm {self.qk_norm}"] if self.qk_norm else []) + \
+            ([f"q/k norm {self.qk_norm}{eps}"] if self.qk_norm else []) + \
             ([f"sliding window {self.sliding_window}"] if self.sliding_window is not None else [])
 
     def features_text(self) -> str:
@@ -150,7 +152,7 @@ class BenchConfig:
             has.append(f"{self.rotary} rotary embeddings on q and k (base {self.rotary_base:g}; key j at position j, "
                        "query i at i + Tk - Tq)")
         if self.qk_norm:
-            has.append(f"a {self.qk_norm} q/k norm (gains drawn in [0.5, 1.5])")
+            has.append(f"a {self.qk_norm} q/k norm (epsilon {self.qk_norm_eps:g}, gains drawn in [0.5, 1.5])")
         if self.sliding_window is not None:
             has.append(f"a sliding window of {self.sliding_window} keys (query at p sees keys j > p - "
                        f"{self.sliding_window})")
@@ -167,9 +169,13 @@ class BenchConfig:
         if self.rotary is None and self.rotary_base != DEFAULT_ROTARY_BASE:
             return (f"rotary_base: got {self.rotary_base:g} without rotary embeddings; accepted: a base together with "
                     "rotary (--rotary), the base of their frequencies")
+        if self.qk_norm is None and self.qk_norm_eps != DEFAULT_QK_NORM_EPS:
+            return (f"qk_norm_eps: got {self.qk_norm_eps:g} without a q/k norm; accepted: an epsilon together with "
+                    "qk_norm (--qk-norm), the epsilon of that norm")
         try:
             AttentionConfig(self.d_model, self.num_heads, self.num_kv_heads, bias=self.bias, qk_norm=self.qk_norm,
-                            rotary=self.rotary, rotary_base=self.rotary_base, sliding_window=self.sliding_window)
+                            qk_norm_eps=self.qk_norm_eps, rotary=self.rotary, rotary_base=self.rotary_base,
+                            sliding_window=self.sliding_window)
         except (TypeError, ValueError) as exc:
             return str(exc)
         return None
@@ -281,7 +287,7 @@ def shape_of(point: BenchPoint, config: BenchConfig) -> Shape:
     return Shape(config.batch, point.tq, point.tk, config.d_model, config.num_heads, config.dtype, point.causal,
                  point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode", bias=config.bias,
                  rotary=config.rotary, rotary_base=config.rotary_base, qk_norm=config.qk_norm,
-                 sliding_window=config.sliding_window)
+                 qk_norm_eps=config.qk_norm_eps, sliding_window=config.sliding_window)
 
 
 def plan_points(names, config: BenchConfig, seq_lens, *, causal_modes=(False,), backward=False,
@@ -323,6 +329,7 @@ class Sweep:
         self.lost_reason: dict[str, str] = {}
         self.points: list[BenchPoint] = []
         self.infos: dict = {}
+        self.wrong_said: dict[tuple, str] = {}  # a wrong output's message, figures aside -> the point that said it
 
     # -- workers
     def worker(self, name: str) -> BackendWorker:
@@ -414,7 +421,12 @@ class Sweep:
         else:
             point.skipped = str(exc)
             point.output_check = {"rows": len(checked_rows(point.tq)), "wrong": str(exc)}
-        self.log(f"  {point.backend} {point.key}: {WRONG_OUTPUT}: {point.skipped}")
+        first = self.wrong_said.setdefault((point.backend, _without_figures(point.skipped)), point.key)
+        if first == point.key:
+            self.log(f"  {point.backend} {point.key}: {WRONG_OUTPUT}: {point.skipped}")
+        else:  # the same mistake at another length: its figures are in the table's list and bench.json
+            self.log(f"  {point.backend} {point.key}: {WRONG_OUTPUT}, the same message as at {first} but for its "
+                     "figures")
 
     def output_still_right(self, point: BenchPoint) -> None:
         """After the point's timed calls, one more call is checked like the first (:meth:`output_is_right`): a call
@@ -660,6 +672,12 @@ def _fmt_memory(p: BenchPoint) -> str:
 _ROW_REASON = 90
 
 
+def _without_figures(reason: str) -> str:
+    """``reason`` with its numbers (lengths, errors, times) replaced: two points' reasons alike but for them are one
+    reason."""
+    return re.sub(r"-?\d+(\.\d+)?(e[+-]?\d+)?", "N", reason)
+
+
 def table(points: list[BenchPoint]) -> str:
     lines = []
     width = max([24, *(len(p.backend) + 2 for p in points)])  # a long plugin name keeps its columns apart
@@ -687,19 +705,19 @@ def table(points: list[BenchPoint]) -> str:
                          f"{_fmt_memory(p):>9} {_num(p.gflops, 1):>12}"
                          f"{compute} {_num(100 * (p.fraction_of_gemm_peak or 0), 1):>9}% {_num(p.gbytes_per_s, 2):>8}"
                          f" {_num(100 * (p.fraction_of_memory_bandwidth or 0), 1):>7}%{bandwidth}")
-    cut: dict[tuple, list[str]] = {}  # reasons too long for a row, grouped when they differ only in their numbers
+    cut: dict[tuple, list] = {}  # reasons too long for a row, grouped when they differ only in their numbers
     for p in points:
         if p.status != MEASURED and len(p.skipped or "") > _ROW_REASON:
-            # a wrong output's figures are that point's own: each is listed, naming its point
-            same = (f"at Tq={p.tq} Tk={p.tk} {p.mode}, mask {_mask_label(p)}" if p.status == WRONG_OUTPUT
-                    else re.sub(r"\d+", "N", p.skipped))
-            cut.setdefault((p.backend, p.status, same), []).append(p.skipped)
+            cut.setdefault((p.backend, p.status, _without_figures(p.skipped)), []).append(p)
     if cut:  # each once, whole: a row has room for its start only
-        lines.append("\nnot measured, the reasons in full (one per backend and reason, one per point for "
-                     "wrong-output; each point's lengths in its row):")
-        lines += [f"  - {backend} ({status} {same}): {reasons[0]}" if status == WRONG_OUTPUT else
-                  f"  - {backend} ({status}, {len(reasons)} point(s)): {reasons[0]}"
-                  for (backend, status, same), reasons in cut.items()]
+        lines.append("\nnot measured, the reasons in full (one per backend and reason, with the figures of its "
+                     "first point; each point's own in bench.json):")
+        for (backend, status, _), group in cut.items():
+            if status == WRONG_OUTPUT:  # a wrong output's figures are that point's own: name the points
+                where = "; ".join(f"Tq={p.tq} Tk={p.tk} {p.mode}, mask {_mask_label(p)}" for p in group)
+                lines.append(f"  - {backend} ({status} at {where}): {group[0].skipped}")
+            else:
+                lines.append(f"  - {backend} ({status}, {len(group)} point(s)): {group[0].skipped}")
     if not any(p.status == MEASURED for p in points):  # no figure to explain
         return "\n".join(lines)
     lines.append("\n  x best: the median over the fastest median of the same mode and mask at this length (at "

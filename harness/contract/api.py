@@ -34,6 +34,7 @@ from mha_harness.contract.conventions import (
     ACCEPTED_FORMS,
     BOTTOM_RIGHT,
     CAUSAL_ALIGNMENTS,
+    DEFAULT_QK_NORM_EPS,
     DEFAULT_ROTARY_BASE,
     DTYPES,
     INPUT_FORMS,
@@ -336,7 +337,7 @@ class AttentionConfig:
     #: ``g_k``, a LayerNorm's biases ``beta_q`` and ``beta_k`` (:data:`~mha_harness.contract.conventions.QK_NORMS`)
     qk_norm: str | None = None
     #: the epsilon added to the mean square (a LayerNorm's variance) inside the norm's square root
-    qk_norm_eps: float = 1e-6
+    qk_norm_eps: float = DEFAULT_QK_NORM_EPS
     #: rotary position embeddings on each head of q and k after the projections and the q/k norm (None: none):
     #: ``"half_split"`` (Hugging Face's rotate_half: Llama, Mistral, Qwen) or ``"interleaved"`` (GPT-J, Meta's
     #: Llama code); key j at position j, query i at i + Tk - Tq (:data:`~mha_harness.contract.conventions.ROTARY_KINDS`,

@@ -146,6 +146,8 @@ ROTARY_KINDS = ("half_split", "interleaved")
 COMMON_ROTARY_BASES = (10_000.0, 500_000.0, 1_000_000.0)
 #: the base a layer's rotary embeddings have unless it says otherwise (the original RoFormer's and Llama 2's)
 DEFAULT_ROTARY_BASE = 10_000.0
+#: the epsilon a layer's q/k norm adds unless it says otherwise (Qwen 3's and flax's 1e-6)
+DEFAULT_QK_NORM_EPS = 1e-6
 
 
 def rotary_positions(tq: int, tk: int) -> tuple[np.ndarray, np.ndarray]:
