@@ -605,6 +605,18 @@ class RotaryKeysNotTurned(NumpyNaiveLoaded):
         return x if which == "k" else super().rotate(x, positions, which)
 
 
+class RotaryLeftOutOnCausalPath(NumpyNaiveLoaded):
+    """A decoder layer whose causal calls go through a fast path that never turns q and k (the rotary applied only on
+    the general path: an outside user's Qwen 3 layer passed every case that had no causal mask)."""
+
+    def attend(self, inputs, need_weights):
+        self._causal = inputs.causal is not None
+        return super().attend(inputs, need_weights)
+
+    def rotate(self, x, positions, which):
+        return x if getattr(self, "_causal", False) else super().rotate(x, positions, which)
+
+
 class RotaryQueriesFromZero(NumpyNaiveLoaded):
     """Turns the queries at positions 0 .. Tq - 1 whatever the keys before them: in a KV-cache step (or any call with
     fewer queries than keys) the new tokens get the cache's first positions, not their own (position_ids never
@@ -1053,6 +1065,9 @@ MUTANTS = (
            SlidingWindowFromQueryIndex, "measured from each query's index", sliding_window=True),
     Mutant("mutant-rotary-keys-not-turned", "turns q by its rotary embeddings but not k", RotaryKeysNotTurned,
            "k is not turned", rotary=ROTARY_KINDS),
+    Mutant("mutant-rotary-left-out-on-causal-path", "a decoder layer whose causal calls take a fast path that never "
+           "turns q and k (rotary applied only on the general path)", RotaryLeftOutOnCausalPath,
+           "no rotary embeddings at all", rotary=ROTARY_KINDS, qk_norms=("rms_per_head",)),
     Mutant("mutant-rotary-queries-from-zero", "turns the queries of a call with fewer queries than keys (a KV-cache "
            "step) at positions 0 .. Tq - 1, not Tk - Tq .. Tk - 1 (position_ids never offset by the cache length)",
            RotaryQueriesFromZero, "positions 0 .. Tq - 1", rotary=ROTARY_KINDS),
