@@ -73,3 +73,15 @@ def test_a_causal_path_without_its_rotary_or_its_norm_fails_the_feature_variants
     assert len(with_features) == 3 and all(r.status == "passed" for r in with_features), \
         [(r.params, r.message) for r in with_features]
     assert np.isfinite([r.max_error for r in with_features]).all()
+
+
+def test_the_zoo_mutant_whose_causal_path_skips_rotary_is_caught_only_under_the_causal_mask():
+    """``mutant-rotary-left-out-on-causal-path`` passes the grid's rotary rows (no causal mask) and fails the causal
+    case's feature variants, named."""
+    from mha_harness.implementations.mutants import mutant_backends
+    mutant = next(b for b in mutant_backends() if b.name == "mutant-rotary-left-out-on-causal-path")
+    results = mha_harness.check(mutant, cases=["check_output_matches_reference", CASE], isolate=False).results
+    failed = [r for r in results if r.status == "failed"]
+    assert {r.params["variant"] for r in failed} == {"square_with_features", "more_keys_with_features"}, \
+        [(r.case, r.params.get("variant")) for r in failed]
+    assert all(mutant.mutant.message_mentions in r.message for r in failed), [r.message for r in failed]
