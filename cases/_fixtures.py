@@ -115,15 +115,16 @@ def causal_output_variants(backend) -> list[dict]:
     at Tq = Tk the alignments are one mask) and at ``more_keys`` for each alignment, named ``<shape>_with_features``:
     the grid runs those features without a causal mask, and a decoder layer whose causal path leaves them out (a
     fast path that skips the rotary or the norm) passed every other case."""
-    out = causal_variants(backend)
+    plain = causal_variants(backend)
+    out = list(plain)
     if backend.capabilities.inputs == "kv_cache":
         out += [{"dtype": primary_dtype(backend), "alignment": a, "variant": "one_new_token", "seq": 1,
                  "tk": KEYS_ACROSS_BLOCKS} for a in backend.capabilities.causal_alignments]
     features = declared_layer_features(backend)
     if features:
-        plain = causal_variants(backend)
+        square = next(v for v in plain if v["variant"] == "square")
         out += [{**v, "variant": f"{v['variant']}_with_features", **features} for v in plain
-                if v["variant"] == "more_keys" or v is next(p for p in plain if p["variant"] == "square")]
+                if v is square or v["variant"] == "more_keys"]
     return out
 
 

@@ -7,35 +7,19 @@ import numpy as np
 
 import mha_harness
 from mha_harness.cases._fixtures import causal_output_variants, declared_layer_features
-from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+from mha_harness.implementations.mutants import mutant_backends
+from mha_harness.implementations.mutants.zoo import CausalPathLoaded
+from mha_harness.implementations.numpy_naive import NumpyNaive
 from mha_harness.implementations.numpy_tiled import NumpyTiled
 
 CASE = "check_causal_output_matches_reference"
+#: the zoo's mutant whose causal path never turns q and k
+ROTARY_LEFT_OUT = "mutant-rotary-left-out-on-causal-path"
 
 
-class _CausalPathLoaded(NumpyNaiveLoaded):
-    """A decoder layer with a separate causal path (a fast kernel called only under a causal mask)."""
-
-    causal = False
-
-    def attend(self, inputs, need_weights):
-        self.causal = inputs.causal is not None
-        return super().attend(inputs, need_weights)
-
-
-class _CausalPathSkipsRotary(_CausalPathLoaded):
-    def rotate(self, x, positions, which):
-        return x if self.causal else super().rotate(x, positions, which)
-
-
-class _CausalPathSkipsNorm(_CausalPathLoaded):
+class _CausalPathSkipsNorm(CausalPathLoaded):
     def qk_norm(self, y, which):
         return y if self.causal else super().qk_norm(y, which)
-
-
-class CausalPathSkipsRotary(NumpyNaive):
-    name = "causal-path-skips-rotary"
-    loaded_class = _CausalPathSkipsRotary
 
 
 class CausalPathSkipsNorm(NumpyNaive):
@@ -61,7 +45,8 @@ def test_a_causal_path_without_its_rotary_or_its_norm_fails_the_feature_variants
     """Each mutant passes the plain causal variants (its features are right without a mask, its mask right without
     features) and fails every ``_with_features`` variant, the message naming what its causal path leaves out; the
     correct layer passes them."""
-    for backend, named in ((CausalPathSkipsRotary(), "no rotary embeddings at all"),
+    rotary_left_out = next(b for b in mutant_backends() if b.name == ROTARY_LEFT_OUT)
+    for backend, named in ((rotary_left_out, "no rotary embeddings at all"),
                            (CausalPathSkipsNorm(), "no q/k norm at all")):
         results = mha_harness.check(backend, cases=[CASE], isolate=False).results
         failed = {r.params["variant"] for r in results if r.status == "failed"}
@@ -78,8 +63,7 @@ def test_a_causal_path_without_its_rotary_or_its_norm_fails_the_feature_variants
 def test_the_zoo_mutant_whose_causal_path_skips_rotary_is_caught_only_under_the_causal_mask():
     """``mutant-rotary-left-out-on-causal-path`` passes the grid's rotary rows (no causal mask) and fails the causal
     case's feature variants, named."""
-    from mha_harness.implementations.mutants import mutant_backends
-    mutant = next(b for b in mutant_backends() if b.name == "mutant-rotary-left-out-on-causal-path")
+    mutant = next(b for b in mutant_backends() if b.name == ROTARY_LEFT_OUT)
     results = mha_harness.check(mutant, cases=["check_output_matches_reference", CASE], isolate=False).results
     failed = [r for r in results if r.status == "failed"]
     assert {r.params["variant"] for r in failed} == {"square_with_features", "more_keys_with_features"}, \

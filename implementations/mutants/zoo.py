@@ -605,16 +605,23 @@ class RotaryKeysNotTurned(NumpyNaiveLoaded):
         return x if which == "k" else super().rotate(x, positions, which)
 
 
-class RotaryLeftOutOnCausalPath(NumpyNaiveLoaded):
+class CausalPathLoaded(NumpyNaiveLoaded):
+    """numpy-naive whose steps know whether the call carries a causal mask (``causal``): the base of a decoder layer
+    with a separate causal path (a fast kernel called only under the mask) that leaves a step out."""
+
+    causal = False
+
+    def attend(self, inputs, need_weights):
+        self.causal = inputs.causal is not None
+        return super().attend(inputs, need_weights)
+
+
+class RotaryLeftOutOnCausalPath(CausalPathLoaded):
     """A decoder layer whose causal calls go through a fast path that never turns q and k (the rotary applied only on
     the general path: an outside user's Qwen 3 layer passed every case that had no causal mask)."""
 
-    def attend(self, inputs, need_weights):
-        self._causal = inputs.causal is not None
-        return super().attend(inputs, need_weights)
-
     def rotate(self, x, positions, which):
-        return x if getattr(self, "_causal", False) else super().rotate(x, positions, which)
+        return x if self.causal else super().rotate(x, positions, which)
 
 
 class RotaryQueriesFromZero(NumpyNaiveLoaded):
