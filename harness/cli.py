@@ -596,11 +596,9 @@ def cmd_bench(args) -> int:
                          f"multiple of {args.heads}")
     feature_error = config.features_error()
     if feature_error:  # e.g. rotary embeddings on an odd d_head: named by its option, before anything runs
-        for field_name, option in (("rotary_base", "--rotary-base"), ("rotary", "--rotary"),
-                                   ("qk_norm_eps", "--qk-norm-eps"), ("qk_norm", "--qk-norm"),
-                                   ("sliding_window", "--sliding-window")):
-            if feature_error.startswith(f"{field_name}:"):
-                feature_error = option + feature_error[len(field_name):]
+        field_name, colon, rest = feature_error.partition(":")
+        if colon and field_name in ("rotary", "rotary_base", "qk_norm", "qk_norm_eps", "sliding_window"):
+            feature_error = f"--{field_name.replace('_', '-')}:{rest}"  # each field's option is its name so spelt
         feature_error = feature_error.replace("or rotary=None", "or no --rotary")  # the API's words, on a command line
         raise UsageError(feature_error)
     backends = _available_backends(registry, names)
