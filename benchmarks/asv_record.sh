@@ -19,10 +19,18 @@ if [ -n "${ASV_CONFIG:-}" ]; then config=(--config "$ASV_CONFIG"); fi
 html="${ASV_HTML_DIR:-results/html}"
 # A named machine keeps the RAM it was first recorded with: the kernel's MemTotal drifts by tens of kB between
 # boots of the same VM, and asv files results under every machine field, so a new figure would start a separate
-# series in the dashboard for the same machine.
+# series in the dashboard for the same machine. A machine not yet in ~/.asv-machine.json gets an entry holding its
+# name first: `asv machine` (0.6.6) passes on only the fields that differ from its defaults, so a name equal to
+# this host's was dropped and, with no entry yet, it failed with KeyError: 'machine' on a fresh machine.
 ram="$(python - "${ASV_CONFIG:-asv.conf.json}" "$machine" <<'EOF'
 import json, os, sys
 from asv.config import Config
+from asv.machine import MachineCollection
+from asv.util import UserError
+try:
+    MachineCollection.load(sys.argv[2])
+except UserError:
+    MachineCollection.save(sys.argv[2], {"machine": sys.argv[2]})
 path = os.path.join(Config.load(sys.argv[1]).results_dir, sys.argv[2], "machine.json")
 print(json.load(open(path)).get("ram", "") if os.path.exists(path) else "")
 EOF
