@@ -507,7 +507,18 @@ def test_fidelity_summary_counts_only_what_was_compared():
     assert "1.040 ok " in _timing_line(doc["timing"][0])  # no CI: nothing to say
     del doc["timing"][1]["sweep_over_autorange_ci95"]
     # how busy the rest of the box was: the busiest round's other-process CPU per second, and the steal
-    assert s["timing_conditions"] == {"rounds": 2, "max_other_cores": 0.25, "steal_s": 0.3}
+    assert s["timing_conditions"] == {"rounds": 2, "max_other_cores": 0.25, "steal_s": 0.3,
+                                      "threads": doc.get("threads"), "cores": os.cpu_count()}
+    # an outside user's fidelity rounds ran 30x slower than its first beside another process, summed up as "ok":
+    # two threads and a busy core need more than 2 cores, and the summary says what fewer threads would do
+    from mha_harness.bench.fidelity import _log_summary
+    lines = []
+    _log_summary({"timing_conditions": {**s["timing_conditions"], "max_other_cores": 1.25, "threads": 2,
+                                        "cores": 2}}, lines.append)
+    assert "kept up to 1.25 cores busy" in lines[-1] and "--threads 1 leaves the others room" in lines[-1]
+    lines.clear()
+    _log_summary({"timing_conditions": {**s["timing_conditions"], "threads": 2, "cores": 8}}, lines.append)
+    assert "--threads" not in lines[-1]
     rss = s["memory_vs_formula"]["methods"]["rss"]
     assert (rss["within"], rss["compared"]) == (1, 1) and "below resolution" in rss["not_compared"][0]
     assert s["memory_vs_formula"]["methods"]["cuda"]["not_compared"] == ["g: no CUDA device"]

@@ -27,13 +27,14 @@
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from mha_harness.bench.calls import mask_in_call
-from mha_harness.bench.load import LoadMeter
+from mha_harness.bench.load import LoadMeter, fewer_threads_advice
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import ITEMSIZE, Shape
 from mha_harness.bench.stats import median_ci
@@ -579,7 +580,8 @@ def summary(doc: dict) -> dict:
         if rounds:  # CPU seconds of other processes per second of measurement: 1.0 is one core kept busy
             load = max(c["other_cpu_s"] / c["seconds"] for c in rounds.values() if c["seconds"])
             out["timing_conditions"] = {"rounds": len(rounds), "max_other_cores": round(load, 2),
-                                        "steal_s": round(sum(c["steal_s"] for c in rounds.values()), 2)}
+                                        "steal_s": round(sum(c["steal_s"] for c in rounds.values()), 2),
+                                        "threads": doc.get("threads"), "cores": os.cpu_count()}
     else:
         out["timing"] = timing
     for key in ("memory", "overhead", "tiled_vs_naive"):  # a section not run, or not runnable here: its reason
@@ -690,7 +692,8 @@ def _log_summary(s: dict, log) -> None:
     if "timing_conditions" in s:
         c = s["timing_conditions"]
         log(f"  while timing: other processes kept up to {c['max_other_cores']} cores busy in a round "
-            f"({c['rounds']} rounds), steal {c['steal_s']} s in all")
+            f"({c['rounds']} rounds), steal {c['steal_s']} s in all"
+            + fewer_threads_advice(c.get("threads"), c["max_other_cores"], c.get("cores")))
     if "speed_stability_max_over_min" in s:
         log(f"  machine speed: 1-s windows of a fixed CPU loop differed by up to {s['speed_stability_max_over_min']}x")
     for key in ("timing", "memory", "overhead", "tiled_vs_naive"):

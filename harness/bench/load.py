@@ -16,6 +16,20 @@ from mha_harness.bench.worker import cpu_ns
 LOADED_CORES = 0.25
 
 
+def fewer_threads_advice(threads: int | None, other_cores: float, cores: int | None) -> str:
+    """When a benchmark's ``threads`` and the ``other_cores`` other processes kept busy together exceed the
+    machine's ``cores``: the clause saying that fewer threads leave the others a core (threads spinning against them
+    made an eleventh stranger's figures ten times slower on a busy 2-core box, a twelfth's fidelity rounds 30 times
+    slower than its first); else ''."""
+    if not threads or not cores or threads <= 1 or threads + other_cores <= cores:
+        return ""
+    fewer = max(1, int(cores - other_cores))
+    return (f"; {threads} threads and their load need more than this machine's {cores} cores: a rerun with "
+            f"--threads {fewer} leaves the others room, for a comparison within that run only (figures of "
+            f"another --threads, the committed ones included, are not comparable with it); for figures "
+            f"comparable with those, rerun with --threads {threads} once the machine is idle")
+
+
 def box_cpu_s() -> tuple[float, float] | None:
     """(busy, steal) CPU seconds of the whole machine so far (Linux /proc/stat), or None elsewhere."""
     try:

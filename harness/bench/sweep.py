@@ -37,7 +37,7 @@ from pathlib import Path
 from mha_harness.bench import stats
 from mha_harness.bench.calls import causal_alignment, checked_rows, mask_in_call, unsupported
 from mha_harness.bench.gemm_roof import gemm_roofs
-from mha_harness.bench.load import LOADED_CORES, LoadMeter
+from mha_harness.bench.load import LOADED_CORES, LoadMeter, fewer_threads_advice
 from mha_harness.bench.memory import resolution_bytes
 from mha_harness.bench.metrics import (
     BYTES_FORMULA,
@@ -812,21 +812,14 @@ def _loaded(p: BenchPoint) -> bool:
 def load_warning(points: list[BenchPoint], threads: int | None = None, cores: int | None = None) -> str | None:
     """One line when other processes kept more than LOADED_CORES cores busy while any point was timed; when the
     benchmark's ``threads`` and the others' load together exceed the machine's ``cores``, it says that fewer
-    threads leave the others a core (threads spinning against them are what made an eleventh stranger's figures
-    ten times slower on a busy 2-core box)."""
+    threads leave the others a core (:func:`~mha_harness.bench.load.fewer_threads_advice`)."""
     loaded = [p for p in points if _loaded(p)]
     if not loaded:
         return None
     worst = max(p.other_cores for p in loaded)
-    line = (f"{len(loaded)} of {sum(p.status == MEASURED for p in points)} point(s) were timed while other "
-            f"processes kept up to {worst:.2f} cores busy: compare them with care, or rerun on an idle machine")
-    if threads and cores and threads > 1 and threads + worst > cores:
-        fewer = max(1, int(cores - worst))
-        line += (f"; {threads} threads and their load need more than this machine's {cores} cores: a rerun with "
-                 f"--threads {fewer} leaves the others room, for a comparison within that run only (figures of "
-                 f"another --threads, the committed ones included, are not comparable with it); for figures "
-                 f"comparable with those, rerun with --threads {threads} once the machine is idle")
-    return line
+    return (f"{len(loaded)} of {sum(p.status == MEASURED for p in points)} point(s) were timed while other "
+            f"processes kept up to {worst:.2f} cores busy: compare them with care, or rerun on an idle machine"
+            + fewer_threads_advice(threads, worst, cores))
 
 
 def _mib(nbytes: int | None) -> str:
