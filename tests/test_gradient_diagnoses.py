@@ -261,3 +261,29 @@ def test_a_gradient_of_float_noise_where_the_reference_is_not_zero_is_named_zero
     got["b_v"] = 1e-9 * np.abs(got["b_v"]).max() * np.random.default_rng(7).standard_normal(got["b_v"].shape)
     text = _diagnose(got, inputs, cotangent)
     assert "the gradient of b_v is zero everywhere (to float noise)" in text and "x the reference's" not in text, text
+
+
+
+def test_a_gradient_the_backward_never_reached_is_named_as_such_not_as_a_dtype():
+    """A layer whose backward leaves a parameter's gradient None (autograd's value for a tensor it never reached: an
+    outside user's layer with its output projection dropped) fails the gradient case saying so; it said "gradient of
+    W_o dtype: got object"."""
+    pytest.importorskip("torch")
+    import mha_harness
+    from mha_harness.implementations.torch_eager import TorchEager, TorchEagerLoaded
+
+    class LeavesWoUnreached(TorchEagerLoaded):
+        def compute_vjp(self, inputs, cotangent):
+            return {**super().compute_vjp(inputs, cotangent), "W_o": None}
+
+    class Unreached(TorchEager):
+        name = "test-w-o-unreached"
+
+        def load_native(self, params, dtype):
+            return LeavesWoUnreached(self, params, dtype)
+
+    report = mha_harness.check(Unreached(), cases=["check_gradients_match_reference"], isolate=False)
+    messages = [r.message for r in report.failures()]
+    assert messages and all("gradient of W_o: got None: the backward did not reach W_o" in m for m in messages), \
+        messages
+    assert not any("dtype: got object" in m for m in messages)

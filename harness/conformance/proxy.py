@@ -244,6 +244,16 @@ def real_float(value, what: str, shape: tuple | None = None) -> np.ndarray:
     return array
 
 
+def _reached(gradient, name: str):
+    """``gradient`` of ``name`` as it came back; None (what autograd leaves for a tensor its backward never reached)
+    is a failure that says so, not a dtype of object."""
+    if gradient is None:
+        raise CaseFailure(f"gradient of {name}: got None: the backward did not reach {name} (a parameter that does "
+                          "not require grad, an input detached or not requiring grad, or a layer that does not use "
+                          f"it); accepted: a real floating array of {name}'s shape")
+    return gradient
+
+
 class LoadedProxy:
     """A loaded backend as a case sees it; each call runs in the transport and returns validated arrays."""
 
@@ -262,7 +272,7 @@ class LoadedProxy:
 
     def vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
         got = self._proxy.transport.call("vjp", self._handle, inputs, np.asarray(cotangent), current_context())
-        return {name: real_float(value, f"gradient of {name}") for name, value in got.items()}
+        return {name: real_float(_reached(value, name), f"gradient of {name}") for name, value in got.items()}
 
     def decode_step(self, inputs: AttentionInputs) -> tuple[np.ndarray, np.ndarray]:
         """The outputs of the first and the second call of the backend's decode step for ``inputs`` (see
