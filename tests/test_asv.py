@@ -221,7 +221,8 @@ def test_the_readmes_plugin_route_into_asv_leaves_the_committed_results_alone(tm
     assert {p: p.read_bytes() for p in (ROOT / "results" / "asv").rglob("*") if p.is_file()} == committed
     benchmarks = json.loads((tmp_path / "out" / "asv" / "benchmarks.json").read_text())
     assert benchmarks["bench_time.TimeForward.time_forward"]["params"][:2] == [["'my-asv-attention'"], ["64"]]
-    [result_file] = [p for p in (tmp_path / "out" / "asv" / socket.gethostname()).glob("*.json") if p.name != "machine.json"]
+    machine_dir = tmp_path / "out" / "asv" / socket.gethostname()
+    [result_file] = [p for p in machine_dir.glob("*.json") if p.name != "machine.json"]
     doc = json.loads(result_file.read_text())
     entry = doc["results"]["bench_time.TimeForward.time_forward"]
     assert any(isinstance(v, float) and v > 0 for v in entry[doc["result_columns"].index("result")])
