@@ -125,11 +125,14 @@ def test_bound_growth_on_ordinary_gradients_is_at_most_about_3x():
 
 
 @on_measured_blas_kernel
-def test_output_bounds_over_the_grid_grow_by_at_most_60_percent():
-    """The score-error estimate leaves most output bounds of ordinary inputs as they were: over every GRID row (T
-    capped at 129 to keep the test short; the T = 1000 rows measured alike) and dtype the bound with it is at most
-    1.6 x the bound from the two rounding algorithms alone (median 1.00 x, the most 1.54 x: more_keys in float32
-    and float64; in half precision, with the textbook estimate in that dtype too, 1.56 x: more_keys in bfloat16)."""
+def test_output_bounds_over_the_grid_grow_by_at_most_2_3x():
+    """The score-error estimate leaves most output bounds of ordinary inputs near what they were: over every GRID
+    row (T capped at 129 to keep the test short; the T = 1000 rows measured alike) and dtype the bound with it is at
+    most 2.3 x the bound from the two rounding algorithms alone. Before its q and k projections carried their
+    rounding in layers without a q/k norm (2026-12-07): median 1.00 x, the most 1.54 x (more_keys in float32 and
+    float64); with it, median 1.16 x, the most 2.28 x (more_keys; multi_query 1.62 x, short_with_bias 1.54 x); in
+    half precision, whose projections' error is still float32's, 1.56 x (more_keys in bfloat16, from the textbook
+    estimate in that dtype) as before."""
     from mha_harness.cases.agreement import GRID
     from mha_harness.conformance.casekit import naive_forwards
     from mha_harness.contract.params import make_inputs
@@ -143,7 +146,7 @@ def test_output_bounds_over_the_grid_grow_by_at_most_60_percent():
             estimates = [e.output for e in naive_forwards(params, inputs, dtype)]
             old = tolerance_from(ref, farthest(estimates[:2], ref), dtype, length=inputs.tk).bound
             new = tolerance_from(ref, farthest(estimates, ref), dtype, length=inputs.tk).bound
-            assert new <= 1.6 * old, (dtype, batch, heads, d_head, tq, tk, new / old)
+            assert new <= 2.3 * old, (dtype, batch, heads, d_head, tq, tk, new / old)
 
 
 def test_a_wrong_gradient_on_the_cancelling_example_still_fails():
@@ -528,11 +531,12 @@ def test_the_float64_reference_is_exact_where_its_projections_cancel():
     """On the row search stopped torch-eager's float64 layer at, a query head of 0.08 sums terms of about 30: a
     float64 matmul's rounding of it scaled every score of the row, and the reference was 4.2e-14 off a long-double
     computation of the layer, 7x farther than torch-eager. With exact projections the reference is within two
-    float64 roundings of the long double there, and torch-eager's float64 layer is as close to it as the harness's
-    own textbook float64 layer (numpy-naive), and passes the example wherever that layer does. On an AVX-512 box
-    (OpenBLAS's SkylakeX kernels, 2026-12-07) both are 4.2e-14 off there, 1.2x the bound (5.7e-15 on the AVX2 box
-    where search found the row): the tolerance does not model a projection's rounding amplified where its terms
-    cancel at logits x1000, a limitation named in docs/cases.md, not a bug of either layer."""
+    float64 roundings of the long double there. On an AVX-512 box (OpenBLAS's SkylakeX kernels, 2026-12-07)
+    torch-eager's float64 layer and the harness's own textbook one (numpy-naive) were both 4.2e-14 off there,
+    1.2x the bound of the day (5.7e-15 on the AVX2 box where search found the row): that rounding of a q or k
+    projection whose terms cancel, which logits x1000 turn into the row's largest error, was modelled only in
+    layers with a q/k norm. Now the score-error estimate carries it in every layer (bound 3.2e-13 there), and
+    both correct layers pass the example on every CPU."""
     pytest.importorskip("torch")
     from mha_harness.implementations.torch_eager import TorchEager
     params, inputs = build(FLOAT64_REFERENCE_OFF)
@@ -555,7 +559,7 @@ def test_the_float64_reference_is_exact_where_its_projections_cancel():
     got = {name: np.asarray(backend.load(params, dtype="float64").compute(inputs).output)[b, t]
            for name, backend in (("torch-eager", TorchEager()), ("numpy-naive", NumpyNaive()))}
     errors = {name: max_abs_error(out, truth) for name, out in got.items()}
-    assert errors["torch-eager"] <= 1.5 * errors["numpy-naive"] + 2 * np.spacing(np.abs(truth).max()), errors
     _, tol = tolerance_for(params, inputs, "float64")
-    if errors["numpy-naive"] <= tol.bound:  # where the textbook layer is within the bound, torch-eager passes too
-        check_example(TorchEager(), FLOAT64_REFERENCE_OFF)
+    assert max(errors.values()) <= tol.bound / 3, (errors, tol)
+    check_example(TorchEager(), FLOAT64_REFERENCE_OFF)
+    check_example(NumpyNaive(), FLOAT64_REFERENCE_OFF)

@@ -27,9 +27,10 @@ def naive_forwards(params: AttentionParams, inputs: AttentionInputs, dtype: str,
     scores' rounding the largest error, and which way each score happens to round decides one algorithm's error: it
     can be several times below another correct kernel's); in half precision also the float64 one whose scores carry
     that dtype's rounding (:func:`~mha_harness.contract.tolerance.textbook_score_error_dtype`: a textbook kernel in
-    it rounds q, k and the scores to it). In a layer with a q/k norm, whose projections carry an error of their own
-    before the norm (``projection_error_of``), each score-error estimate also with its scores' error the other way
-    round (``score_error_sign=-1``: in one draw the two can cancel, 2026-12-06)."""
+    it rounds q, k and the scores to it). Each score-error estimate's q and k projections carry their own rounding
+    (``projection_error_of``: in every layer since 2026-12-07, where terms that cancel at large logits made it a
+    row's largest error); in a layer with a q/k norm, where it comes before the norm, each is also taken with its
+    scores' error the other way round (``score_error_sign=-1``: in one draw the two can cancel, 2026-12-06)."""
     low, half, score = naive_dtype(dtype), textbook_score_error_dtype(dtype), score_error_dtype(dtype)
     out = {"rows": rows, "need_weights": need_weights}
     with hashed_once(params, inputs):

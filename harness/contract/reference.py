@@ -456,24 +456,29 @@ def _qk_norm_vjp(y: np.ndarray, gain, d_out: np.ndarray, config, n_heads: int, r
 
 
 def _projection_error(x, params: AttentionParams, which: str, error_of: str, rows) -> np.ndarray:
-    """The rounding error of ``error_of`` in the projection ``which`` (q or k) of ``x``: two roundings at the size of
-    its dot products' terms (``|x| @ |W| + |b|``; the sum rounds more than once), a pseudo-random sign per entry
-    (:func:`_rounding_error`; q's and k's independent, a query row's the same whichever ``rows`` are computed)."""
+    """The rounding error of ``error_of`` in the projection ``which`` (q or k) of ``x``, at the size of its dot
+    products' terms (``|x| @ |W| + |b|``), a pseudo-random sign per entry (:func:`_rounding_error`; q's and k's
+    independent, a query row's the same whichever ``rows`` are computed). One rounding at that size in a layer
+    without a q/k norm: a float32 matmul's error is 0.23 x eps x the terms' size in root mean square at every
+    d_model from 4 to 512 (NumPy's and torch's, 2026-12-07), so one rounding (eps / 2) is about twice the typical;
+    where its terms cancel at large logits the scores turn it into a row's largest error (docs/cases.md). Two in a
+    layer with one, whose norm magnifies it where a group's spread is small (flax's normalize_qk, 2026-12-05)."""
     bias = getattr(params, f"b_{which}")
     size = np.abs(x) @ np.abs(getattr(params, f"W_{which}")) + (0.0 if bias is None else np.abs(bias))
-    return _lane_error(2 * size[:, None], error_of, which, rows)[:, 0]
+    roundings = 1 if params.config.qk_norm is None else 2
+    return _lane_error(roundings * size[:, None], error_of, which, rows)[:, 0]
 
 
 def _project_normed(x, params: AttentionParams, which: str, n_heads: int, dtype: str,
                     one_pass: bool = False, error_of: str | None = None, rows=None, before_norm=None) -> np.ndarray:
     """The projection ``which`` (q, k or v) of ``x``, through the q/k norm for q and k (``one_pass``: a
-    LayerNorm's variance in one pass, :func:`_norm_parts`), split into heads. ``error_of``: a dtype; a normed
-    projection then carries its rounding before the norm (:func:`_projection_error`; ``rows``: the query rows
-    ``x`` holds), which a norm can magnify where a group's spread is small against eps or its mean: the error of a
-    kernel whose projections sum in that dtype. ``before_norm``: a function of the projection (batch, T, width) applied
-    before the norm (a diagnosis' mistake)."""
+    LayerNorm's variance in one pass, :func:`_norm_parts`), split into heads. ``error_of``: a dtype; the q and k
+    projections then carry its rounding (:func:`_projection_error`; ``rows``: the query rows ``x`` holds), before
+    the norm where there is one, which can magnify it where a group's spread is small against eps or its mean: the
+    error of a kernel whose projections sum in that dtype. ``before_norm``: a function of the projection (batch, T,
+    width) applied before the norm (a diagnosis' mistake)."""
     y = _project(x, getattr(params, f"W_{which}"), getattr(params, f"b_{which}"), dtype)
-    if which != "v" and error_of is not None and params.config.qk_norm is not None:
+    if which != "v" and error_of is not None:
         y = y + _projection_error(x, params, which, error_of, rows)
     if which != "v" and before_norm is not None:
         y = before_norm(y)
@@ -630,7 +635,7 @@ def _forward_parts(params: AttentionParams, inputs: AttentionInputs, rows, dtype
                    scale_first: bool = False, score_error_of: str | None = None,
                    projection_error_of: str | None = None, sign: int = 1):
     """The forward up to the heads' concatenation; ``projection_error_of`` (default ``score_error_of``): the
-    normed q and k projections carry that dtype's rounding (:func:`_project_normed`); ``sign``: the scores' error
+    q and k projections carry that dtype's rounding (:func:`_project_normed`); ``sign``: the scores' error
     as drawn (1) or the other way (-1)."""
     c = params.config
     query = inputs.query if rows is None else inputs.query[:, np.asarray(rows)]
@@ -819,10 +824,10 @@ def reference_attention(params: AttentionParams, inputs: AttentionInputs, *, row
     the size of the terms its dot product sums, a pseudo-random sign per entry; a float mask added and rounded as a
     kernel in that dtype does) and nothing else is rounded beyond ``dtype``: with float64, the error of a kernel
     exact but for its scores' rounding, which dominates at large logits (see :func:`_scores`).
-    ``projection_error_of`` (default ``score_error_of``): the dtype whose rounding the normed q and k projections
-    carry before their norm (:func:`_projection_error`). ``score_error_sign`` -1: the scores' error the other way
-    round (the projections' kept): in a layer with a q/k norm the two can cancel in one draw, and the tolerance takes
-    both.
+    ``projection_error_of`` (default ``score_error_of``): the dtype whose rounding the q and k projections carry,
+    before their norm where there is one (:func:`_projection_error`). ``score_error_sign`` -1: the scores' error the
+    other way round (the projections' kept): in a layer with a q/k norm the two can cancel in one draw, and the
+    tolerance takes both.
     """
     require_params(params)
     require_inputs(inputs)
@@ -1153,7 +1158,7 @@ def _vjp_from_weights(params: AttentionParams, inputs: AttentionInputs, g, q, k,
     then through the projections to the inputs and parameters; ``r`` rounds after every stage. ``swap_kv``: the
     heads' dK and dV exchanged before the projections (a diagnosis' wrong backward). ``one_pass``: a LayerNorm's
     variance in one pass (:func:`_norm_parts`), as the forward's fused algorithm takes it. ``projection_error_of``:
-    the normed projections carry that dtype's rounding (:func:`_projection_error`), as in the forward. ``dtype``:
+    the q and k projections carry that dtype's rounding (:func:`_projection_error`), as in the forward. ``dtype``:
     the one ``r`` rounds to (the rotary tables' and the gradients' turn back in it). ``rotary_back=False``: q's and
     k's gradients turned by the forward's angles again, not back (a diagnosis' wrong backward)."""
     c = params.config
