@@ -113,6 +113,25 @@ def pytest_pycollect_makeitem(collector, name, obj):
     return None
 
 
+#: the plugin's options that act only on mha_harness's own cases module
+CASE_OPTIONS = ("--mha-backend", "--mha-include-slow", "--mha-search")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    """A run given one of :data:`CASE_OPTIONS` that collected none of mha_harness's cases gets a warning saying the
+    option did nothing (an outside user's ``pytest --mha-backend mine`` in their own project silently ran only
+    their own tests). Before ``-k`` deselects: a run whose cases were all deselected was still asked for them."""
+    asked = [option for option in CASE_OPTIONS if config.getoption(option)]
+    if asked and not any(_is_cases_module(getattr(item, "module", None)) for item in items):
+        import warnings
+        warnings.warn(pytest.PytestConfigWarning(
+            f"{', '.join(asked)} given, but no mha-harness case was collected: these options act only on "
+            "mha_harness's own cases module; run 'pytest --pyargs mha_harness.cases "
+            f"{' '.join(asked)} ...' (with your own paths too, if you like), or in a test file of your own use "
+            "mha_harness.pytest_plugin.parametrize_with_cases(YourBackend())"), stacklevel=1)
+
+
 #: the user property a failed case variant's report carries its diagnosis under: (backend, case, diagnosis)
 DIAGNOSIS_PROPERTY = "mha_harness_diagnosis"
 

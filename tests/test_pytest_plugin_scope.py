@@ -215,3 +215,14 @@ def test_the_diagnoses_summary_stays_out_of_other_projects_runs(pytester):
     ''')
     result = pytester.runpytest("-q", "-p", "no:cacheprovider")
     assert result.ret == 1 and "mha-harness diagnoses" not in str(result.stdout)
+
+
+def test_the_case_options_warn_when_no_mha_harness_case_was_collected(pytester):
+    """An outside user's ``pytest --mha-backend mine`` in their own project ran only their own tests, silently: the
+    option acts only on mha_harness's cases module, and now a warning says so and how to run them."""
+    pytester.makepyfile(test_unrelated=UNRELATED)
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider", "--mha-backend", "numpy-naive")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*--mha-backend given, but no mha-harness case was collected*"])
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, warnings=0)
