@@ -191,6 +191,7 @@ def test_hanging_crashing_and_memory_hogging_plugins_are_reported_and_the_sweep_
         by.setdefault(p["backend"], []).append(p)
     assert [p["status"] for p in by["bench-hangs-in-prepare"]] == ["timeout", "not-run", "not-run"]
     assert "no answer within 10 s" in by["bench-hangs-in-prepare"][0]["skipped"]
+    assert "(while preparing the call: loading the layer, its first call" in by["bench-hangs-in-prepare"][0]["skipped"]
     assert [p["status"] for p in by["bench-segfaults"]] == ["crashed", "crashed", "not-run"]
     assert "SIGSEGV" in by["bench-segfaults"][0]["skipped"]
     assert by["bench-hogs-memory"][0]["status"] == "out-of-memory"
@@ -839,3 +840,25 @@ def test_the_time_plot_says_why_a_line_ends_and_why_a_legend_has_no_exponent(tmp
     note = " ".join(texts)
     assert "hangs: 256 timeout, 512 not-run" in note and "compute roof" in note and "fast: 512" in note, note
     assert "hangs (no exp: too few points)" in labels and any(str(lab).startswith("fast (exp ") for lab in labels)
+
+
+def test_a_slow_untimed_preparation_is_said_and_a_lost_worker_names_its_phase():
+    """An outside user's decode step filled its 16,384-position cache with a prefill that also attended the prompt:
+    80 s and 16.6 GB untimed, with nothing printed, and a later run's out-of-memory did not say it came from the
+    fill. A point records prepare_s; a preparation of SLOW_PREPARE_S or more is a progress line naming the fill; a
+    worker lost while preparing says so."""
+    import types
+
+    from mha_harness.bench.sweep import SLOW_PREPARE_S, Sweep, _while
+    lines = []
+    sweep = types.SimpleNamespace(log=lines.append)
+    decode = types.SimpleNamespace(backend="mine", key="decode-tq1-tk16384", workload="decode",
+                                   prepare_s=SLOW_PREPARE_S + 70)
+    Sweep.say_slow_preparation(sweep, decode)
+    assert len(lines) == 1 and "preparing the call took 80.0 s, untimed (prepare_decode_step's cache fill" in lines[0]
+    assert "O(Tk^2)" in lines[0]
+    Sweep.say_slow_preparation(sweep, types.SimpleNamespace(**{**vars(decode), "prepare_s": SLOW_PREPARE_S / 2}))
+    assert len(lines) == 1
+    assert "prepare_decode_step filling its cache" in _while(("prepare", "k"), decode)
+    assert "filling" not in _while(("prepare", "k"), types.SimpleNamespace(workload="prefill"))
+    assert _while(("sample", "k", 3), decode) == ""

@@ -59,7 +59,7 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.8"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
+SCHEMA_VERSION = "2.9"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
 # 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured;
 # 2.3: decode points time a decode step over a filled KV cache (decode_step), not a call projecting all Tk keys; the
 # causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half); 2.4: points record
@@ -72,7 +72,10 @@ SCHEMA_VERSION = "2.8"  # 2.1: points record call_mask, other_cores, over_comput
 # bottom-right); under a sliding window the core FLOPs count the visible pairs exactly (less half the diagonal at
 # causal Tq = Tk, as the causal convention) and a decode step's bytes the cache rows its queries see; backends[name]
 # records native_causal, native_mask_polarity and what the backend declares (declared_policies); 2.8:
-# config.rotary_base and config.qk_norm_eps (--rotary-base, --qk-norm-eps: 10000 and 1e-6 before them)
+# config.rotary_base and config.qk_norm_eps (--rotary-base, --qk-norm-eps: 10000 and 1e-6 before them); 2.9: points
+# record prepare_s (loading the layer and preparing its call, a decode step's cache fill included: untimed)
+#: preparing a point's call (untimed) this long or longer is said in a progress line
+SLOW_PREPARE_S = 10.0
 #: what a decode point times, recorded in its document
 DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (LoadedAttention.prepare_decode_step): "
                "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
@@ -227,6 +230,7 @@ class BenchPoint:
     min_s: float | None = None
     max_s: float | None = None
     first_call_s: float | None = None
+    prepare_s: float | None = None  # untimed: loading the layer and preparing its call (a decode step's cache fill)
     timed_s: float = 0.0  # the reported samples' total: samples_s x calls_per_sample, summed
     wall_s: float = 0.0  # the harness's own clock around the requests that took them
     sample_requests: int = 0
@@ -351,8 +355,8 @@ class Sweep:
                         else f"was lost {self.losses[name]} times in a row (last: {exc.status})")
                 self.lost_reason[name] = f"{name}'s worker {lost} at Tq={point.tq} Tk={point.tk} {point.mode}: " \
                                          "its later points are not run"
-            point.status, point.skipped = exc.status, str(exc)
-            self.log(f"  {name} {point.key}: {exc.status}: {exc}")
+            point.status, point.skipped = exc.status, str(exc) + _while(message, point)
+            self.log(f"  {name} {point.key}: {exc.status}: {point.skipped}")
             return None
         except Exception as exc:  # noqa: BLE001 - e.g. a plugin that cannot be pickled for its worker
             point.status, point.skipped = "error", f"cannot run the backend in a worker: {type(exc).__name__}: {exc}"
@@ -390,11 +394,25 @@ class Sweep:
             point.call_mask = mask_in_call(self.backends[point.backend], shape_of(point, config))
             answer = self.ask(point, ("prepare", point.key, shape_of(point, config), config.warm_up_s,
                                       config.min_sample_s))
+            if answer is not None:
+                point.prepare_s = answer.get("prepare_s")
+                self.say_slow_preparation(point)
             if answer is not None and self.output_is_right(point, answer.get("checked")):
                 point.first_call_s = answer["first_call_s"]
                 point.calls_per_sample = answer["calls_per_sample"]
                 ready.append((point, answer["call_s"]))
         return ready
+
+    def say_slow_preparation(self, point: BenchPoint) -> None:
+        """A progress line when preparing ``point``'s call (untimed, so in no figure) took SLOW_PREPARE_S or more: an
+        outside user's decode step filled its 16,384-position cache with a prefill that also attended the prompt,
+        O(Tk^2), for 80 s and 16.6 GB with nothing printed."""
+        if point.prepare_s is None or point.prepare_s < SLOW_PREPARE_S:
+            return
+        what = ("prepare_decode_step's cache fill: a fill that also attends the prompt (its Tk x Tk scores) costs "
+                "O(Tk^2) time and memory; projecting the cached positions' keys and values is all a step needs"
+                if point.workload == "decode" else "loading the layer and prepare()")
+        self.log(f"  {point.backend} {point.key}: preparing the call took {point.prepare_s:.1f} s, untimed ({what})")
 
     def output_is_right(self, point: BenchPoint, values) -> bool:
         """Check what the point's worker sent of its first call (its output at a few rows, or its gradients) against
@@ -803,6 +821,17 @@ def _flags(p: BenchPoint) -> str:
     """The table's marks for a measured point: '*' when its budget ran out before the CI target, 'L' when other
     processes loaded the machine while it was timed."""
     return f"{'*' if p.budget_exhausted else ''}{'L' if _loaded(p) else ''}"
+
+
+def _while(message: tuple, point: BenchPoint) -> str:
+    """What the worker was doing when it was lost, for a request other than timed samples: preparing the call (a
+    decode step's untimed cache fill among it) or measuring its memory; "" for the samples."""
+    if message[0] == "prepare":
+        fill = (", prepare_decode_step filling its cache" if point.workload == "decode" else "")
+        return f" (while preparing the call: loading the layer{fill}, its first call and warm-up, before any sample)"
+    if message[0] == "memory":
+        return " (while measuring the call's peak memory)"
+    return ""
 
 
 def _loaded(p: BenchPoint) -> bool:

@@ -120,13 +120,16 @@ class _Server:
         return {"threads": thread_report(self.threads), "versions": versions, "pid": os.getpid()}
 
     def do_prepare(self, key, shape, warm_up_s: float, min_sample_s: float):
-        """Load, prepare and warm up the call for ``shape``; calibrate calls per sample. Returns timings and the
+        """Load, prepare and warm up the call for ``shape``; calibrate calls per sample. Returns timings (``prepare_s``:
+        loading the layer and preparing its call, a decode step's cache fill included, untimed) and the
         first call's values the parent checks against the reference (``checked``: its output at a few rows, or a
         forward + backward call's gradients, ``PreparedPoint.checked_values``)."""
         from mha_harness.bench.calls import prepare_point
         from mha_harness.bench.stats import calls_per_sample
         from mha_harness.bench.threads import apply_threads
+        prepare_start = time.perf_counter()
         point = prepare_point(self.backend, shape)
+        prepare_s = time.perf_counter() - prepare_start
         fn = point.fn
         apply_threads(self.threads)  # the backend may have imported its framework just now
         start = time.perf_counter()
@@ -146,7 +149,8 @@ class _Server:
             call_s = min(call_s, min(_time_calls(fn, calls) / calls for _ in range(CALIBRATION_SAMPLES)))
             calls = calls_per_sample(call_s, min_sample_s)
         self.prepared[key], self.points[key] = (fn, calls), point
-        return {"first_call_s": first_s, "call_s": call_s, "calls_per_sample": calls, "checked": checked}
+        return {"first_call_s": first_s, "call_s": call_s, "calls_per_sample": calls, "checked": checked,
+                "prepare_s": prepare_s}
 
     def do_last_output(self, key):
         """One more call after the point's timed calls, and what of it the parent checks: a call that drifts (a cache
