@@ -1,7 +1,8 @@
 """KV-cache attention layers as people write them for decoding (NumPy, and PyTorch with autograd), wrapped with
 ``inputs="kv_cache"``, and copies with the bugs such layers have: the new keys put before the cached ones, the
 step's causal mask applied top-left (its offset forgotten), one new token attending over the cache before its own
-key is appended, and a backward with the new keys and values detached. Written against the public API only."""
+key is appended, the cache's keys and values unpacked in the other order, and a backward with the new keys and
+values detached. Written against the public API only."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,10 +17,10 @@ class KVCacheLayer:
     query i sees every cached key and the new keys up to its own position."""
 
     def __init__(self, weights: dict, num_heads: int, *, new_keys_first: bool = False, top_left: bool = False,
-                 one_token_skips_itself: bool = False):
+                 one_token_skips_itself: bool = False, cache_kv_swapped: bool = False):
         self.w, self.h = weights, num_heads
         self.new_keys_first, self.top_left = new_keys_first, top_left
-        self.one_token_skips_itself = one_token_skips_itself
+        self.one_token_skips_itself, self.cache_kv_swapped = one_token_skips_itself, cache_kv_swapped
 
     def _proj(self, x, name):
         y = x @ self.w[f"W_{name}"] + self.w.get(f"b_{name}", 0.0)
@@ -30,7 +31,7 @@ class KVCacheLayer:
         return self._proj(x_past, "k"), self._proj(x_past, "v")
 
     def step(self, x_new, cache, bias=None):
-        k_past, v_past = cache
+        k_past, v_past = cache[::-1] if self.cache_kv_swapped else cache  # the pair unpacked in the other order
         k_new, v_new = self._proj(x_new, "k"), self._proj(x_new, "v")
         if self.one_token_skips_itself and x_new.shape[1] == 1 and k_past.shape[2]:  # attends before appending
             k_new, v_new = k_new[:, :, :0], v_new[:, :, :0]
@@ -103,6 +104,15 @@ class OneTokenSkipsItself(KVCacheAttention):
 
     name = "kv-cache-one-token-skips-itself"
     layer_options = {"one_token_skips_itself": True}
+
+
+class CacheKVSwapped(KVCacheAttention):
+    """A step that unpacks its cache's (keys, values) pair in the other order: the cached positions' keys read from
+    the value cache and their values from the key cache, its own new ones right (an outside user's bug, which
+    failed with figures only)."""
+
+    name = "kv-cache-kv-swapped"
+    layer_options = {"cache_kv_swapped": True}
 
 
 class OffsetForgotten(KVCacheAttention):

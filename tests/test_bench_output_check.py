@@ -156,6 +156,8 @@ def _rows_of(params, inputs, shape_rows):
     ("one_key_too_wide", "matches a causal mask one key too wide (query i also sees key i + 1"),
     ("reversed_mask", "matches a reversed causal mask"),
     ("no_diagonal", "matches a causal mask that excludes the diagonal"),
+    ("no_diagonal_decode", "a causal mask that excludes the diagonal (query i cannot see its own key) (in a KV-cache "
+                           "step: one that attends to the cache before it writes the new tokens' keys and values"),
     ("kv_tiled", "matches grouped-query key/value heads expanded by tiling: query head h reads key/value head h % "
                  "kv_heads"),
     ("noise", None),
@@ -163,11 +165,12 @@ def _rows_of(params, inputs, shape_rows):
 def test_a_wrong_output_names_the_known_mistake_its_checked_rows_match(mistake, says):
     """bench's wrong-output names the mistake as check does where its rows suffice: the causal mask dropped, the
     other alignment of a decode step, a common wrong scale, W_o left out; an output wrong in no known way names
-    none; a causal mask one key too wide, reversed or without its diagonal are named too."""
+    none; a causal mask one key too wide, reversed or without its diagonal are named too (a decode step's without
+    its diagonal as attending before writing, as check names it: an outside user's bench named it otherwise)."""
     from mha_harness.bench.calls import backend_arguments
     from mha_harness.conformance.diagnoses import wrong_layer_output
     from mha_harness.contract.mistakes import with_score_scale, without_output_projection
-    decode = mistake == "top_left_decode"
+    decode = mistake in ("top_left_decode", "no_diagonal_decode")
     shape = Shape(1, 16 if decode else 48, 64 if decode else 48, 64, 4, "float32", True, False, cached=decode,
                   num_kv_heads=2 if mistake == "kv_tiled" else None)
     backend = NumpyTiled()
@@ -180,6 +183,8 @@ def test_a_wrong_output_names_the_known_mistake_its_checked_rows_match(mistake, 
              "one_key_too_wide": lambda: _rows_of(params, _with_mask(inputs, np.tri(48, 48, k=1, dtype=bool)), rows),
              "reversed_mask": lambda: _rows_of(params, _with_mask(inputs, ~np.tri(48, 48, k=-1, dtype=bool)), rows),
              "no_diagonal": lambda: _rows_of(params, _with_mask(inputs, np.tri(48, 48, k=-1, dtype=bool)), rows),
+             "no_diagonal_decode": lambda: _rows_of(params, _with_mask(inputs, np.tri(16, 64, k=64 - 16 - 1,
+                                                                                     dtype=bool)), rows),
              "kv_tiled": lambda: wrong_layer_output(params, inputs, kv_tiled=True)[:, rows],
              "noise": lambda: _rows_of(params, inputs, rows) * 1.01}[mistake]()
     with pytest.raises(WrongOutput) as raised:

@@ -14,6 +14,7 @@ from mha_harness.bench.calls import backend_arguments
 from mha_harness.bench.metrics import Shape
 from tests.conftest import ROOT
 from tests.kv_cache_objects import (
+    CacheKVSwapped,
     KVCacheAttention,
     NewKeysFirst,
     OffsetForgotten,
@@ -64,6 +65,9 @@ def test_a_kv_cache_layers_gradients_are_d_x_new_and_d_x_cached():
                                                                "Tk - Tq (tril(ones(Tq, Tk)) where tril(ones(Tq, Tk), "
                                                                "diagonal=Tk - Tq) belongs); in a KV-cache step the new "
                                                                "queries then miss the cached keys"),
+    (CacheKVSwapped, "check_causal_output_matches_reference", "the output matches the cache's keys and values "
+                                                              "swapped: the cached positions' keys read from the "
+                                                              "value cache"),
     (OneTokenSkipsItself, "check_causal_output_matches_reference", "excludes the diagonal (query i cannot see its "
                                                                    "own key, key i + 64) (in a KV-cache step: one that "
                                                                    "attends to the cache before it writes"),

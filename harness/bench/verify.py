@@ -18,6 +18,7 @@ from mha_harness.bench.metrics import Shape
 from mha_harness.contract.conventions import EPS
 from mha_harness.contract.expected import gradient_names, gradient_tolerances, input_gradients, tolerance_for
 from mha_harness.contract.mistakes import (
+    ATTENDS_BEFORE_WRITING,
     KV_HEADS_TILED,
     OFFSET_NEGATED,
     WRITTEN_ONE_SLOT_LATE,
@@ -93,6 +94,9 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
             return False
         return explains_as_a_scale(got, wrong, truth, uniform()) if scale else explains(got, wrong, truth)
     candidates = [(params, call, what, False) for call, what in _causal_mask_mistakes(inputs, "call")]
+    if inputs.form == "kv_cache":  # a step without its diagonal: attending before writing, most often
+        candidates = [(p, call, f"{what} ({ATTENDS_BEFORE_WRITING})" if what == NO_DIAGONAL else what, scale)
+                      for p, call, what, scale in candidates]
     declared = score_scale_declared()
     true = (" instead of 1/sqrt(d_head)" if declared is None
             else f", not by the declared score_scale {score_scale_named()}")
@@ -122,6 +126,9 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     return f"; the output matches {found[0]}" if found else ""
 
 
+NO_DIAGONAL = "a causal mask that excludes the diagonal (query i cannot see its own key)"
+
+
 def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
     """(call, description) of the causal-mask mistakes a wrong ``what`` ("call": its output; "backward": its
     gradients) of the causal call ``inputs`` is compared against: the mask not applied, the other alignment
@@ -134,7 +141,7 @@ def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
              "one_key_too_wide": "a causal mask one key too wide (query i also sees key i + 1: tril(1) where tril "
                                  "belongs)",
              "reversed": "a reversed causal mask (query i sees key i and every later key: triu where tril belongs)",
-             "no_diagonal": "a causal mask that excludes the diagonal (query i cannot see its own key)",
+             "no_diagonal": NO_DIAGONAL,
              "inverted": "the causal mask inverted (query i sees only the keys after i: the mask's polarity "
                          "flipped)",
              "offset_negated": OFFSET_NEGATED}
@@ -150,7 +157,8 @@ def _where_to_look(shape: Shape) -> str:
                        if present)
     if shape.cached:
         return ("`mha-harness check` runs this decode step (prepare_decode_step) on a small cache and names known "
-                f"mistakes (attending before writing, writing one slot too far, the causal alignment{features} ...)")
+                f"mistakes (attending before writing, writing one slot too far, the cache's keys and values "
+                f"swapped, the causal alignment{features} ...)")
     return ("`mha-harness check` runs your compute(), never prepare()'s call: if check passes, the mistake is in the "
             f"call's own path, so compare it with compute() on the same inputs (the mask, the scale, W_o{features}); "
             "if check fails too, its diagnosis names more")

@@ -22,6 +22,7 @@ import numpy as np
 from mha_harness.conformance.diagnoses import (
     SCALE_MATCH,
     SOFTCAP_MATCH,
+    cache_kv_swapped_hint,
     cache_order_hint,
     layer_mistake,
     mask_mistake,
@@ -646,7 +647,7 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     return (_scale_or_qk_norm_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
             or qk_norm_hint(got, params, inputs, tol.bound) or rotary_hint(got, params, inputs, tol.bound)
             or window_hint(got, params, inputs, tol.bound) or mask_mistake(got, params, inputs)
-            or cache_order_hint(got, params, inputs)
+            or cache_order_hint(got, params, inputs) or cache_kv_swapped_hint(got, params, inputs)
             or scores_fit_hint(got, params, inputs, tol.bound)
             or single_key_rows_hint(got, expected, tol.bound, params, inputs))
 

@@ -18,6 +18,7 @@ import numpy as np
 from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
 from mha_harness.contract.conventions import causal_offset, rotary_positions
 from mha_harness.contract.mistakes import (
+    ATTENDS_BEFORE_WRITING,
     FUSED_QKV_LAYOUTS,
     KV_HEADS_TILED,
     LOADED_UNTRANSPOSED,
@@ -49,7 +50,8 @@ from mha_harness.contract.scores_fit import scores_mismatch
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
                        heads_feature_major: bool = False, softmax_axis: int = -1,
                        mask_after_softmax: bool = False, kv_tiled: bool = False,
-                       unrescaled_block: int = 0, cap_after_mask: bool = False) -> np.ndarray:
+                       unrescaled_block: int = 0, cap_after_mask: bool = False,
+                       cached_kv_swapped: bool = False) -> np.ndarray:
     """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``, the
     lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
     block of tokens instead of its own features of every token, merged back the same way; a module masks its score
@@ -66,7 +68,9 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     accumulator and row sum when the running maximum grows (each key weighted exp(s - m) with the running maximum
     m after its own block, :func:`unrescaled_block_weights`); ``cap_after_mask``, the declared soft cap c
     (:func:`~mha_harness.contract.reference.logit_softcap`) taken after the masks, ``c * tanh((s + mask) / c)``
-    with a masked score at -c (tanh(-inf) = -1: the masked keys keep a weight). A layer with a q/k norm
+    with a masked score at -c (tanh(-inf) = -1: the masked keys keep a weight); ``cached_kv_swapped``, a KV-cache
+    step that reads its cached positions' keys from the value cache and their values from the key cache (the
+    step's own new keys and values right; the cached keys as stored, turned by a rotary). A layer with a q/k norm
     (``config.qk_norm``) norms its q and k projections as the reference does (a mistaken norm:
     :mod:`~mha_harness.contract.qk_norm_diagnoses`). Masked values never reach
     it (a NaN stored there is read as 0)."""
@@ -87,6 +91,10 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     k, v = (expand(heads(x, w, bias, c.kv_heads, which))
             for x, w, bias, which in ((inputs.key, params.W_k, params.b_k, "k"),
                                       (inputs.value, params.W_v, params.b_v, "v")))
+    if cached_kv_swapped:
+        start = inputs.tk - inputs.tq
+        k, v = (np.concatenate([v[:, :, :start], k[:, :, start:]], axis=2),
+                np.concatenate([k[:, :, :start], v[:, :, start:]], axis=2))
     allowed, additive = allowed_and_bias(params, inputs)
     raw, bias = q @ k.transpose(0, 1, 3, 2) * score_scale(c.d_head), (0.0 if additive is None else additive)
     cap = logit_softcap()
@@ -258,9 +266,7 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if matches(mistake.get("no_diagonal")):
         offset = causal_offset(alignment, tq, tk)
         own_key = "key i" if offset == 0 else f"its own key, key i + {offset}"
-        step = (" (in a KV-cache step: one that attends to the cache before it writes the new tokens' keys and "
-                "values, or a key range that stops one key short of the step's own)"
-                if inputs.form == "kv_cache" else "")
+        step = f" ({ATTENDS_BEFORE_WRITING})" if inputs.form == "kv_cache" else ""
         hints.append(f"; the output matches a causal mask that excludes the diagonal (query i cannot see {own_key})"
                      + step)
     late = written_one_slot_late(params, inputs)
@@ -524,6 +530,20 @@ def cache_order_hint(got: np.ndarray, params: AttentionParams, inputs: Attention
         return ("; the output matches the new keys and values put before the cached ones (the step concatenates "
                 "[new, cached]): append them after the cache")
     return ""
+
+
+def cache_kv_swapped_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs) -> str:
+    """A KV-cache step's output that matches its cached positions' keys and values read from each other's cache,
+    its own new ones right (:func:`wrong_layer_output`'s ``cached_kv_swapped``); "" otherwise, for other forms and
+    for a step with nothing cached. An outside user's step with its cache's K and V swapped failed with figures
+    only."""
+    if inputs.form != "kv_cache" or inputs.tk == inputs.tq:
+        return ""
+    if not _wrong_layer_explains(got, params, inputs, None, None, cached_kv_swapped=True):
+        return ""
+    return ("; the output matches the cache's keys and values swapped: the cached positions' keys read from the "
+            "value cache and their values from the key cache, the step's own new keys and values right (a (k, v) "
+            "pair stored or unpacked in the other order, past_key_value[0] and [1] exchanged)")
 
 
 def _together(hints: list[str]) -> str:

@@ -237,6 +237,10 @@ def frozen_parameters_hint(gradients: dict, params: AttentionParams) -> str:
     return ""
 
 
+#: where a causal mask without its diagonal comes from in a KV-cache step, as a diagnosis adds it
+ATTENDS_BEFORE_WRITING = ("in a KV-cache step: one that attends to the cache before it writes the new tokens' keys "
+                          "and values, or a key range that stops one key short of the step's own")
+
 #: what :func:`written_one_slot_late` stands for, as a diagnosis names it
 WRITTEN_ONE_SLOT_LATE = ("a decode step that writes the new keys and values one slot too far (from position Tk - Tq "
                          "+ 1: the slot before them stays empty) and attends the first Tk slots, so query i sees an "
