@@ -76,8 +76,8 @@ def form_inputs(form: str, config: AttentionConfig, batch: int, tq: int, tk: int
             raise CaseSkipped(f"Tq = {tq} != Tk = {tk} cannot be expressed with one x (inputs='self')")
         return AttentionInputs(x_q, x_q, x_q, **masks)
     if form == "kv_cache" and tq > tk:
-        raise CaseSkipped(f"Tq = {tq} > Tk = {tk} cannot be expressed as a KV-cache step (inputs='kv_cache': the "
-                          "new queries are the last Tq of the Tk positions)")
+        raise CaseSkipped(f"declares inputs='kv_cache': Tq = {tq} > Tk = {tk} cannot be expressed as a KV-cache "
+                          "step (the new queries are the last Tq of the Tk positions)")
     x_kv = rng.standard_normal((batch, tk, config.d_model))
     inputs = AttentionInputs(x_q, x_kv, x_kv, **masks)
     return as_kv_cache_call(inputs) if form == "kv_cache" else inputs

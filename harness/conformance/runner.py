@@ -95,6 +95,13 @@ def unsupported_reason(backend, params: dict) -> str:
         f"{backend.name} declares no parameters this case can run with"
 
 
+def _said_of(backend, skip: Exception) -> str:
+    """A skip's reason; one that says what the backend declares ("declares inputs='kv_cache': ...") is said after
+    its name, as :func:`unsupported_reason`'s are, so one reason reads alike from either place."""
+    text = str(skip)
+    return f"{backend.name} {text}" if text.startswith("declares ") else text
+
+
 def _unsupported_skip(backend, params: dict) -> tuple[str, str | None]:
     """(reason, observed) of a variant marked ``unsupported``: a :class:`FormRefusal` is a skip for the form."""
     return unsupported_reason(backend, params), FORM_SKIP if isinstance(params["unsupported"], FormRefusal) else None
@@ -128,9 +135,9 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
             return Status.PASSED, "", measurement.max_error, measurement.observed, ""
         return Status.PASSED, "", None, None, ""
     except FormSkipped as skip:
-        return Status.SKIPPED, str(skip), None, FORM_SKIP, ""
+        return Status.SKIPPED, _said_of(backend, skip), None, FORM_SKIP, ""
     except (CaseSkipped, Unsupported) as skip:
-        return Status.SKIPPED, str(skip), None, None, ""
+        return Status.SKIPPED, _said_of(backend, skip), None, None, ""
     except CaseFailure as failure:
         # a guess of a lower precision from the error's size is the summary's diagnosis where no mistake is named
         return Status.FAILED, str(failure), failure.max_error, failure.observed, failure.diagnosis or failure.precision
