@@ -601,3 +601,31 @@ def test_a_causal_alignment_failing_for_a_wrong_scale_says_what_its_failures_mat
     row = report.policies()[backend.name]["causal_alignment"]
     assert "FAILS" in row and "their diagnosis: the output matches scores scaled by 1/d_model" in row, row
 
+
+
+def test_masked_scores_set_to_zero_instead_of_minus_inf_are_named():
+    """``jnp.where(mask, scores, 0.0)``: every masked key keeps a weight of exp(0 - max). An outside user's JAX layer
+    with it failed the causal cases with figures and "a real leak" only; the causal and padding cases now name it."""
+    import mha_harness
+    from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+    class MaskedToZeroLoaded(NumpyNaiveLoaded):
+        def masked_softmax(self, scores, allowed, additive):
+            if additive is not None:
+                scores = scores + additive.astype(self.dtype)
+            if allowed is not None:
+                scores = np.where(np.broadcast_to(allowed, scores.shape), scores, 0.0)
+            return self.softmax(scores)
+
+    class MaskedToZero(NumpyNaive):
+        name = "test-masked-to-zero"
+        loaded_class = MaskedToZeroLoaded
+
+    report = mha_harness.check(MaskedToZero(), cases=["check_causal_output_matches_reference",
+                                                      "check_padding_mask_output_matches_reference"],
+                               isolate=False)
+    failed = report.failures()
+    assert {r.case for r in failed} == {"check_causal_output_matches_reference",
+                                        "check_padding_mask_output_matches_reference"}
+    named = [r for r in failed if "masked scores set to 0 instead of -inf" in r.message]
+    assert {r.case for r in named} == {r.case for r in failed}, [r.message for r in failed][:3]

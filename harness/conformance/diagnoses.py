@@ -51,7 +51,7 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
                        heads_feature_major: bool = False, softmax_axis: int = -1,
                        mask_after_softmax: bool = False, kv_tiled: bool = False,
                        unrescaled_block: int = 0, cap_after_mask: bool = False,
-                       cached_kv_swapped: bool = False) -> np.ndarray:
+                       cached_kv_swapped: bool = False, masked_fill: float | None = None) -> np.ndarray:
     """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``, the
     lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
     block of tokens instead of its own features of every token, merged back the same way; a module masks its score
@@ -70,7 +70,9 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     (:func:`~mha_harness.contract.reference.logit_softcap`) taken after the masks, ``c * tanh((s + mask) / c)``
     with a masked score at -c (tanh(-inf) = -1: the masked keys keep a weight); ``cached_kv_swapped``, a KV-cache
     step that reads its cached positions' keys from the value cache and their values from the key cache (the
-    step's own new keys and values right; the cached keys as stored, turned by a rotary). A layer with a q/k norm
+    step's own new keys and values right; the cached keys as stored, turned by a rotary); ``masked_fill``, every
+    masked score set to that value instead of -inf (``jnp.where(mask, scores, 0.0)``: a masked key keeps a weight).
+    A layer with a q/k norm
     (``config.qk_norm``) norms its q and k projections as the reference does (a mistaken norm:
     :mod:`~mha_harness.contract.qk_norm_diagnoses`). Masked values never reach
     it (a NaN stored there is read as 0)."""
@@ -104,7 +106,7 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     else:
         scores = soft_capped(raw) + bias
         if not mask_after_softmax:
-            scores = np.where(allowed, scores, -np.inf)
+            scores = np.where(allowed, scores, -np.inf if masked_fill is None else masked_fill)
     if unrescaled_block:
         weights = unrescaled_block_weights(scores, unrescaled_block)
     else:
@@ -205,6 +207,18 @@ def normaliser_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionI
         return ""
     return ("; the output matches the mask applied after the softmax without renormalising (masked keys still "
             "enter the softmax denominator)")
+
+
+def masked_to_zero_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
+                        truth: Callable[[], np.ndarray] | None = None) -> str:
+    """A message suffix when ``got`` (on ``rows`` of (batch, Tq) if given) matches the masked scores set to 0 instead
+    of -inf (``wrong_layer_output(..., masked_fill=0.0)``): each masked key keeps a weight exp(0 - max) (an outside
+    user's JAX layer with ``jnp.where(mask, scores, 0.0)`` failed the causal cases with figures and "a leak")."""
+    if not _wrong_layer_explains(got, params, inputs, rows, truth, masked_fill=0.0):
+        return ""
+    return ("; the output matches masked scores set to 0 instead of -inf (jnp.where(mask, scores, 0.0) or "
+            "masked_fill(mask, 0.0) where -inf, or the dtype's most negative finite value, belongs): every masked key "
+            "keeps a weight of exp(0 - max)")
 
 
 def cap_after_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
@@ -562,7 +576,8 @@ def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
     """The mask mistakes a failing output ``got`` of a masked call matches (on ``rows`` if given; the causal
     diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, the attn_mask
     transposed, the key padding mask along the query axis or not applied, one of two masks dropped, the masks
-    applied after the softmax, a declared soft cap taken after the masks (:func:`cap_after_mask_hint`); "" when none
+    applied after the softmax, masked scores set to 0 instead of -inf (:func:`masked_to_zero_hint`), a declared soft
+    cap taken after the masks (:func:`cap_after_mask_hint`); "" when none
     or when the call has no mask. Every one that matches is named: on a
     small input two mistakes can give the same output, and naming only the first would be a guess. The wrong calls'
     rows without a key follow the backend's empty-row convention (:func:`_matches`)."""
@@ -575,4 +590,5 @@ def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
                       padding_axis_hint(got, params, inputs, rows, truth),
                       dropped_mask_hint(got, params, inputs, rows, truth),
                       normaliser_hint(got, params, inputs, rows, truth),
+                      masked_to_zero_hint(got, params, inputs, rows, truth),
                       cap_after_mask_hint(got, params, inputs, rows, truth)])

@@ -155,7 +155,7 @@ def without_output_projection(params: AttentionParams) -> AttentionParams:
 #: grouped-query key/value heads expanded by tiling, in words
 KV_HEADS_TILED = ("grouped-query key/value heads expanded by tiling: query head h reads key/value head h % kv_heads "
                   "instead of h // (heads / kv_heads) (torch .repeat, np.tile or jnp.tile where repeat_interleave "
-                  "or np.repeat belongs)")
+                  "or np.repeat / jnp.repeat belongs)")
 
 
 def with_kv_heads_tiled(params: AttentionParams) -> AttentionParams | None:
