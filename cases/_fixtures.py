@@ -59,6 +59,12 @@ def separate_inputs(config: AttentionConfig, batch: int, tq: int, tk: int | None
     return make_inputs(config, batch, tq, tk, seed=seed, self_attention=False, **masks)
 
 
+def kv_cache_refusal(tq: int, tk: int) -> str:
+    """Why a KV-cache layer skips a call with more queries than keys (said after the backend's name)."""
+    return (f"declares inputs='kv_cache': Tq = {tq} > Tk = {tk} cannot be expressed as a KV-cache step (the new "
+            "queries are the last Tq of the Tk positions)")
+
+
 def form_inputs(form: str, config: AttentionConfig, batch: int, tq: int, tk: int | None = None, seed: int = 1,
                 **masks) -> AttentionInputs:
     """Standard-normal inputs in ``form``: separate arrays, (x_q, x_kv, x_kv), (x, x, x), or a KV-cache call
@@ -76,8 +82,7 @@ def form_inputs(form: str, config: AttentionConfig, batch: int, tq: int, tk: int
             raise CaseSkipped(f"Tq = {tq} != Tk = {tk} cannot be expressed with one x (inputs='self')")
         return AttentionInputs(x_q, x_q, x_q, **masks)
     if form == "kv_cache" and tq > tk:
-        raise CaseSkipped(f"declares inputs='kv_cache': Tq = {tq} > Tk = {tk} cannot be expressed as a KV-cache "
-                          "step (the new queries are the last Tq of the Tk positions)")
+        raise CaseSkipped(kv_cache_refusal(tq, tk))
     x_kv = rng.standard_normal((batch, tk, config.d_model))
     inputs = AttentionInputs(x_q, x_kv, x_kv, **masks)
     return as_kv_cache_call(inputs) if form == "kv_cache" else inputs

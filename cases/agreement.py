@@ -11,6 +11,7 @@ from mha_harness.cases._fixtures import (
     SHORT_SEQ,
     cross_ok,
     form_inputs,
+    kv_cache_refusal,
 )
 from mha_harness.conformance.casekit import (
     CaseFailure,
@@ -121,8 +122,7 @@ def _grid_row_refusal(backend, tq, tk, kv, qk_norm=None, rotary=None, rotary_dim
                 if caps.inputs == "self"
                 else f"does not declare capability 'cross_attention' (Tq = {tq} != Tk = {tk})")
     if tq > tk and caps.inputs == "kv_cache":  # the form's own limit, in the words _fixtures' KV-cache calls use
-        return (f"declares inputs='kv_cache': Tq = {tq} > Tk = {tk} cannot be expressed as a KV-cache step (the new "
-                "queries are the last Tq of the Tk positions)")
+        return kv_cache_refusal(tq, tk)
     if tq > tk and not caps.more_queries_than_keys:
         return f"does not declare capability 'more_queries_than_keys' (Tq = {tq} > Tk = {tk})"
     if kv and not caps.grouped_query:

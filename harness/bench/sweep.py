@@ -394,10 +394,11 @@ class Sweep:
             point.call_mask = mask_in_call(self.backends[point.backend], shape_of(point, config))
             answer = self.ask(point, ("prepare", point.key, shape_of(point, config), config.warm_up_s,
                                       config.min_sample_s))
-            if answer is not None:
-                point.prepare_s = answer.get("prepare_s")
-                self.say_slow_preparation(point)
-            if answer is not None and self.output_is_right(point, answer.get("checked")):
+            if answer is None:
+                continue
+            point.prepare_s = answer.get("prepare_s")
+            self.say_slow_preparation(point)
+            if self.output_is_right(point, answer.get("checked")):
                 point.first_call_s = answer["first_call_s"]
                 point.calls_per_sample = answer["calls_per_sample"]
                 ready.append((point, answer["call_s"]))

@@ -94,9 +94,6 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
             return False
         return explains_as_a_scale(got, wrong, truth, uniform()) if scale else explains(got, wrong, truth)
     candidates = [(params, call, what, False) for call, what in _causal_mask_mistakes(inputs, "call")]
-    if inputs.form == "kv_cache":  # a step without its diagonal: attending before writing, most often
-        candidates = [(p, call, f"{what} ({ATTENDS_BEFORE_WRITING})" if what == NO_DIAGONAL else what, scale)
-                      for p, call, what, scale in candidates]
     declared = score_scale_declared()
     true = (" instead of 1/sqrt(d_head)" if declared is None
             else f", not by the declared score_scale {score_scale_named()}")
@@ -126,14 +123,12 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     return f"; the output matches {found[0]}" if found else ""
 
 
-NO_DIAGONAL = "a causal mask that excludes the diagonal (query i cannot see its own key)"
-
-
 def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
     """(call, description) of the causal-mask mistakes a wrong ``what`` ("call": its output; "backward": its
     gradients) of the causal call ``inputs`` is compared against: the mask not applied, the other alignment
     (Tq != Tk), and without other masks one key too wide, reversed, without its diagonal, inverted or (bottom-right,
-    Tq != Tk) with its offset negated; none without a causal mask."""
+    Tq != Tk) with its offset negated (in a KV-cache step a mask without its diagonal also named as attending before
+    writing, as check names it); none without a causal mask."""
     if inputs.causal is None:
         return []
     words = {"not_applied": f"the same call without its causal mask ({inputs.causal}): the {what} does not apply it",
@@ -141,7 +136,8 @@ def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
              "one_key_too_wide": "a causal mask one key too wide (query i also sees key i + 1: tril(1) where tril "
                                  "belongs)",
              "reversed": "a reversed causal mask (query i sees key i and every later key: triu where tril belongs)",
-             "no_diagonal": NO_DIAGONAL,
+             "no_diagonal": "a causal mask that excludes the diagonal (query i cannot see its own key)"
+                            + (f" ({ATTENDS_BEFORE_WRITING})" if inputs.form == "kv_cache" else ""),
              "inverted": "the causal mask inverted (query i sees only the keys after i: the mask's polarity "
                          "flipped)",
              "offset_negated": OFFSET_NEGATED}
