@@ -139,6 +139,20 @@ class _PythonList(NumpyNaiveLoaded):
         return AttentionOutput(super().compute(inputs).output.tolist())
 
 
+class _ForgetsToReturn(NumpyNaiveLoaded):
+    """Computes its right output and forgets the ``return``: ``compute`` gives None."""
+
+    def compute(self, inputs, *, need_weights=False):
+        super().compute(inputs, need_weights=need_weights)
+
+
+class _OutputNone(NumpyNaiveLoaded):
+    """Returns an AttentionOutput whose output is None."""
+
+    def compute(self, inputs, *, need_weights=False):
+        return AttentionOutput(None)
+
+
 class _ExitsZeroAtLoad(NumpyNaive):
     name = "hostile-exit0-at-load"
 
@@ -158,3 +172,5 @@ RaisesGeneratorExit = _hostile("hostile-generatorexit", _GeneratorExit)
 SpawnsChild = _hostile("hostile-spawns-child", _SpawnsChild)
 KilledBySignal9 = _hostile("hostile-sigkill", _KilledBySignal9)
 ExitsZeroAtLoad = _ExitsZeroAtLoad
+ForgetsToReturn = _hostile("hostile-forgets-return", _ForgetsToReturn)
+ReturnsNoneOutput = _hostile("hostile-none-output", _OutputNone)

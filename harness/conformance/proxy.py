@@ -162,7 +162,9 @@ class Server:
         with harness_context(context), left_unchanged("forward", inputs=inputs):
             out = self.loaded[handle].forward(inputs, need_weights=need_weights)
         if not hasattr(out, "output"):
-            raise TypeError(f"forward: returned {type(out).__name__}; accepted: mha_harness.AttentionOutput")
+            hint = " (a compute without a return statement gives None)" if out is None else ""
+            raise TypeError(f"forward: {type(self.loaded[handle]).__name__} returned {type(out).__name__}{hint}; "
+                            "accepted: mha_harness.AttentionOutput(output, weights)")
         return {"output": as_array(out.output, "forward: AttentionOutput.output"),
                 "weights": as_array(getattr(out, "weights", None), "forward: AttentionOutput.weights")}
 
@@ -230,7 +232,11 @@ def _own_copy(value):
 
 
 def real_float(value, what: str, shape: tuple | None = None) -> np.ndarray:
-    """``value`` as it came back, required to be a real floating NumPy array (of ``shape``): never cast."""
+    """``value`` as it came back, required to be a real floating NumPy array (of ``shape``): never cast. None (a
+    ``compute`` that forgot to return, a dict without the entry) is named as None, not as an array of dtype object."""
+    if value is None:
+        expected = f" of shape {tuple(shape)}" if shape is not None else ""
+        raise CaseFailure(f"{what}: got None; accepted: a real floating array{expected} (float16, float32, float64)")
     if isinstance(value, UnsendableArray):
         raise CaseFailure(f"{what} dtype: got {value.dtype}; accepted: a real floating dtype "
                           "(float16, float32, float64)")
