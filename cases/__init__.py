@@ -6,6 +6,7 @@ backends only through the plugin API and never import torch or jax. Run them wit
 """
 from mha_harness.cases import (  # noqa: F401
     agreement,
+    alibi,
     bad_input,
     decode_step,
     gradients,

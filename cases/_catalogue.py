@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from mha_harness.conformance.casekit import all_cases
 from mha_harness.contract.api import DTYPES, AttentionBackend, Capabilities
-from mha_harness.contract.conventions import QK_NORMS, ROTARY_KINDS, ROTARY_SCALING_KINDS
+from mha_harness.contract.conventions import ALIBI_KINDS, QK_NORMS, ROTARY_KINDS, ROTARY_SCALING_KINDS
 
 
 class _DeclaresEverything(AttentionBackend):
     name = "any"
     capabilities = Capabilities(gradients=True, dtypes=DTYPES, qk_norms=QK_NORMS, rotary=ROTARY_KINDS,
-                                partial_rotary=True, rotary_scalings=ROTARY_SCALING_KINDS, sliding_window=True)
+                                partial_rotary=True, rotary_scalings=ROTARY_SCALING_KINDS, sliding_window=True,
+                                alibi=ALIBI_KINDS)
 
 
 def case_parameters() -> dict[str, dict]:

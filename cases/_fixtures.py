@@ -33,18 +33,18 @@ CROSS_FORMS = ("separate", "shared_kv")
 
 def small_layer(backend, *, bias: bool = False, num_kv_heads=None, seed: int = 0, rotary=None,
                 rotary_base: float = 10_000.0, rotary_dims=None, rotary_scaling=None, sliding_window=None,
-                qk_norm=None, **overrides):
+                qk_norm=None, alibi=None, **overrides):
     """A small layer (d_model 32, 4 heads) using biases only where the backend declares them (``rotary``: with those
     rotary embeddings, ``rotary_dims`` of each head's features turned, its frequencies rescaled by the
     ``rotary_scaling`` kind of COMMON_ROTARY_SCALINGS, or a RotaryScaling itself; ``sliding_window``: a window of
-    that many keys; ``qk_norm``: that norm of q and k, its gains not 1)."""
+    that many keys; ``qk_norm``: that norm of q and k, its gains not 1; ``alibi``: that ALiBi bias)."""
     shape = {**SMALL, **overrides}
     config = AttentionConfig(shape["d_model"], shape["num_heads"], num_kv_heads, qk_norm=qk_norm,
                              bias=bias and backend.capabilities.bias, rotary=rotary, rotary_base=rotary_base,
                              rotary_dims=rotary_dims,
                              rotary_scaling=rotary_scaling if not isinstance(rotary_scaling, str)
                              else COMMON_ROTARY_SCALINGS[rotary_scaling],
-                             sliding_window=sliding_window)
+                             sliding_window=sliding_window, alibi=alibi)
     return make_params(config, seed=seed)
 
 

@@ -81,6 +81,10 @@ def _gradient_variants(backend):
     if caps.sliding_window and caps.causal_alignments:
         out.append({**feature, "causal": True, "kv_heads": 2 if caps.grouped_query else 4,
                     "sliding_window": GRADIENT_WINDOW})
+    # ALiBi (each kind declared): the backward through the biased scores, Tq != Tk where declared (the queries at
+    # the last positions), grouped-query heads where declared (the slopes are the query heads')
+    for kind in caps.alibi:
+        out.append({**turned, "alibi": kind})
     return out
 
 
@@ -114,7 +118,7 @@ def _mask(kinds: str | None, batch: int, tq: int, tk: int, empty_row: bool = Fal
 @case(requires=("gradients",), variants=_gradient_variants, forms=ALL_FORMS)
 def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_heads, one_x=False, mask=None,
                                     empty_row=False, qk_norm=None, rotary=None, rotary_dims=None,
-                                    rotary_scaling=None, sliding_window=None):
+                                    rotary_scaling=None, sliding_window=None, alibi=None):
     """Gradients of sum(output * cotangent) with respect to query, key, value and every parameter equal the
     reference's, within the tolerance rule applied to the naive backward in the same dtype. The input gradients
     follow the backend's declared form: one x (``inputs='self'``) gives d/dx, the sum over its three uses; shared
@@ -132,11 +136,13 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     gradients of q and k are turned back at their positions (with ``rotary_dims``, a partial rotary declared in
     ``Capabilities.partial_rotary``: only those of each head's first features; with ``rotary_scaling``, the first
     kind declared in ``Capabilities.rotary_scalings``: by the rescaled frequencies). With ``sliding_window`` (declared
-    in ``Capabilities.sliding_window``) the keys behind each query's window get exactly the reference's gradient."""
+    in ``Capabilities.sliding_window``) the keys behind each query's window get exactly the reference's gradient.
+    With ``alibi`` (a kind declared in ``Capabilities.alibi``) the gradients flow through the scores biased by
+    distance, the queries at the last Tq of the Tk positions."""
     config = AttentionConfig(32, 4, None if kv_heads == 4 else kv_heads, bias=bias, qk_norm=qk_norm, rotary=rotary,
                              rotary_base=500_000.0, rotary_dims=rotary_dims,
                              rotary_scaling=rotary_scaling and COMMON_ROTARY_SCALINGS[rotary_scaling],
-                             sliding_window=sliding_window)
+                             sliding_window=sliding_window, alibi=alibi)
     params = make_params(config, seed=21)
     form = "self" if one_x else form
     # Tq != Tk where declared; the causal variant of a layer whose mask is optional is square, while an

@@ -32,11 +32,14 @@ _PUBLIC = {
     "configure_jax": "mha_harness.toolkit.jax_setup",
     "parametrize_with_cases": "mha_harness.pytest_plugin",
     "rotary_positions": "mha_harness.contract.conventions",
+    "alibi_slopes": "mha_harness.contract.conventions",
+    "alibi_bias": "mha_harness.contract.conventions",
     "RotaryScaling": "mha_harness.contract.conventions",
 }
 
 __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
+           "alibi_bias", "alibi_slopes",
            "Capabilities", "Divergence", "LoadedAttention", "Report", "Unsupported", "as_kv_cache_call",
            "causal_offset", "check",
            "configure_jax", "function_backend", "implicitly_causal", "load_registry", "logit_softcap_as", "make_inputs",

@@ -578,6 +578,10 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--causal: got {args.causal!r} with --workload decode; accepted: leave it out (a decode step "
                          "is always bottom-right causal: its new queries are the last positions and see every "
                          "cached key)")
+    if args.workload == "prefill" and args.query_lens is not None:  # ignored otherwise: prefill times Tq = Tk = T
+        raise UsageError(f"--query-lens: got {','.join(map(str, args.query_lens))} with --workload prefill; accepted: "
+                         "leave it out (prefill times Tq = Tk = T), or --workload decode to time Tq new queries "
+                         "against the --seq-lens keys")
     args.causal = args.causal or "off"
     _check_inputs_fit(args.seq_lens, args.batch, args.d_model)
     registry = _registry(args.backend_spec)

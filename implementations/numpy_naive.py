@@ -18,12 +18,14 @@ from mha_harness.contract.api import (
     LoadedAttention,
 )
 from mha_harness.contract.conventions import (
+    ALIBI_KINDS,
     MASK_POLARITY,
     QK_NORMS,
     QK_NORMS_CENTRED,
     QK_NORMS_PER_HEAD,
     ROTARY_KINDS,
     ROTARY_SCALING_KINDS,
+    alibi_bias,
     rotary_pairs,
     rotary_positions,
 )
@@ -134,7 +136,20 @@ class NumpyNaiveLoaded(LoadedAttention):
         return 1.0 / np.sqrt(self.config.d_head)
 
     def masks(self, inputs: AttentionInputs):
-        return full_mask(inputs, sliding_window=self.config.sliding_window)
+        """(allowed, additive): the call's masks and the layer's own, its sliding window in ``allowed`` and its ALiBi
+        bias (:meth:`alibi`) added to the float mask."""
+        allowed, additive = full_mask(inputs, sliding_window=self.config.sliding_window)
+        bias = self.alibi(inputs.tq, inputs.tk)
+        if bias is not None:
+            additive = bias if additive is None else bias + additive
+        return allowed, additive
+
+    def alibi(self, tq: int, tk: int) -> np.ndarray | None:
+        """The layer's ALiBi bias (1, H, Tq, Tk) by each query's and key's positions (``config.alibi``'s kind, the
+        paper's slopes: :func:`~mha_harness.contract.conventions.alibi_bias`), in float64; None without ALiBi."""
+        if self.config.alibi is None:
+            return None
+        return alibi_bias(self.config.alibi, self.config.num_heads, tq, tk)[None]
 
     def softmax(self, scores: np.ndarray) -> np.ndarray:
         """Row softmax with the row maximum subtracted; a row of -inf (all masked) gives zeros.
@@ -251,7 +266,7 @@ class NumpyNaive(AttentionBackend):
     memory_method = "tracemalloc"
     capabilities = Capabilities(dtypes=("float32", "float64"), attention_weights=True, qk_norms=QK_NORMS,
                                 rotary=ROTARY_KINDS, partial_rotary=True,
-                                rotary_scalings=ROTARY_SCALING_KINDS, sliding_window=True)
+                                rotary_scalings=ROTARY_SCALING_KINDS, sliding_window=True, alibi=ALIBI_KINDS)
     loaded_class = NumpyNaiveLoaded
 
     def native_parameter_shapes(self, config: AttentionConfig) -> dict[str, tuple[int, ...]]:

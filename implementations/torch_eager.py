@@ -8,7 +8,14 @@ from __future__ import annotations
 import math
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, Capabilities
-from mha_harness.contract.conventions import MASK_POLARITY, QK_NORMS, ROTARY_KINDS, ROTARY_SCALING_KINDS
+from mha_harness.contract.conventions import (
+    ALIBI_KINDS,
+    MASK_POLARITY,
+    QK_NORMS,
+    ROTARY_KINDS,
+    ROTARY_SCALING_KINDS,
+    alibi_bias,
+)
 from mha_harness.implementations._torch_common import (
     GPU_DTYPES,
     TORCH_DTYPES,
@@ -98,13 +105,23 @@ def eager_attention(qh, kh, vh, allowed, additive, need_weights: bool, score_mod
 class TorchEagerLoaded(LinearTorchLoaded):
     layer = staticmethod(eager_layer)
 
+    def masks(self, inputs: AttentionInputs):
+        """The call's masks and the layer's own: its sliding window in ``allowed``, its ALiBi bias (computed in
+        float64, rounded once to the layer's dtype by ``mask_tensor``) added to the float mask."""
+        c = self.config
+        allowed, additive = full_mask(inputs, sliding_window=c.sliding_window)
+        if c.alibi is not None:
+            bias = alibi_bias(c.alibi, c.num_heads, inputs.tq, inputs.tk)[None]
+            additive = bias if additive is None else bias + additive
+        return allowed, additive
+
     def attend_heads(self, qh, kh, vh, inputs: AttentionInputs):
-        allowed, additive = full_mask(inputs, sliding_window=self.config.sliding_window)
+        allowed, additive = self.masks(inputs)
         return eager_attention(qh, kh, vh, self.mask_tensor(allowed), self.mask_tensor(additive), False)[0]
 
     def forward_tensors(self, q, k, v, inputs: AttentionInputs, need_weights: bool):
         c = self.config
-        allowed, additive = full_mask(inputs, sliding_window=c.sliding_window)
+        allowed, additive = self.masks(inputs)
         return self.layer(q, k, v, self.w, self.mask_tensor(allowed), self.mask_tensor(additive), c.num_heads,
                           c.kv_heads, need_weights, qk_norm=c.qk_norm, qk_norm_eps=c.qk_norm_eps, rotary=c.rotary,
                           rotary_base=c.rotary_base, rotary_dims=c.rotary_dims, rotary_scaling=c.rotary_scaling)
@@ -116,7 +133,7 @@ class TorchEager(TorchBackend):
     native_mask_polarity = MASK_POLARITY  # its compute takes the harness's masks as they are
     capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=TORCH_DTYPES, qk_norms=QK_NORMS,
                                 rotary=ROTARY_KINDS, partial_rotary=True,
-                                rotary_scalings=ROTARY_SCALING_KINDS, sliding_window=True)
+                                rotary_scalings=ROTARY_SCALING_KINDS, sliding_window=True, alibi=ALIBI_KINDS)
 
     def __init__(self, device: str = "cpu"):
         self.device = device
@@ -125,7 +142,7 @@ class TorchEager(TorchBackend):
             self.capabilities = Capabilities(attention_weights=True, gradients=True, dtypes=GPU_DTYPES,
                                              devices=(device,), qk_norms=QK_NORMS, rotary=ROTARY_KINDS,
                                              partial_rotary=True, rotary_scalings=ROTARY_SCALING_KINDS,
-                                             sliding_window=True)
+                                             sliding_window=True, alibi=ALIBI_KINDS)
 
     def native_parameter_shapes(self, config: AttentionConfig):
         from mha_harness.contract.params import make_params

@@ -313,6 +313,8 @@ def test_the_features_are_validated_naming_the_option_and_the_accepted_values(tm
                                                    "epsilon together with qk_norm (--qk-norm)"),
                        (["--workload", "decode", "--causal", "off"], "--causal: got 'off' with --workload decode; "
                                                                      "accepted: leave it out"),
+                       (["--query-lens", "128"], "--query-lens: got 128 with --workload prefill; accepted: leave it "
+                                                 "out (prefill times Tq = Tk = T), or --workload decode"),
                        (["--heads", "7"], "--heads: got 7, which does not divide --d-model 512; accepted: a divisor "
                                           "of --d-model (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)")):
         assert main(["bench", *argv, "--results", str(tmp_path)]) == 2

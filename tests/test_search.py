@@ -377,3 +377,13 @@ def test_a_plugin_error_found_by_search_says_where_it_was_raised(tmp_path):
     assert not outcome.passed and "RuntimeError: RoPE requires an even rotary dimension" in outcome.message
     assert "plugin_objects.py:" in outcome.message, outcome.message
 
+
+
+def test_a_failure_message_is_shown_whole_up_to_1200_characters_and_cut_saying_where_the_rest_is():
+    """An outside user's 602-character message ended mid-diagnosis ('...; or masked scores') with no mark."""
+    from mha_harness.conformance.search import MESSAGE_SHOWN_CHARS, SearchOutcome
+    diagnosis = "; the output matches masked scores set to 0 instead of -inf"
+    whole = SearchOutcome("b", passed=False, message="x" * 700 + diagnosis)
+    assert whole.lines()[1].strip().endswith(diagnosis)
+    long = SearchOutcome("b", passed=False, message="x" * (MESSAGE_SHOWN_CHARS + 10), saved="/r/search/b/1.json")
+    assert long.lines()[1].endswith("... (cut; the whole message is in /r/search/b/1.json)")

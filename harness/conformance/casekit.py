@@ -31,6 +31,7 @@ from mha_harness.conformance.diagnoses import (
 )
 from mha_harness.conformance.diagnosing import diagnosing
 from mha_harness.conformance.gradient_diagnoses import gradient_hint
+from mha_harness.contract.alibi_diagnoses import ALIBI_MATCH, alibi_hint
 from mha_harness.contract.api import (
     FULLY_MASKED_ROWS,
     INPUT_FORMS,
@@ -89,7 +90,8 @@ class CaseFailure(AssertionError):
         if diagnosis is None:
             diagnosis = hint.removeprefix("; ").strip()
         message, guess = str(self), self.guess
-        if (SOFTCAP_MATCH in hint or SCALE_MATCH in hint or QK_NORM_MATCH in hint or ROTARY_MATCH in hint) and guess:
+        if (SOFTCAP_MATCH in hint or SCALE_MATCH in hint or QK_NORM_MATCH in hint or ROTARY_MATCH in hint
+                or ALIBI_MATCH in hint) and guess:
             message, guess = message.replace(guess, ""), ""
         return CaseFailure(message + hint, self.max_error, self.observed, diagnosis or self.diagnosis, guess)
 
@@ -632,7 +634,8 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     feature-major, a softmax over the queries, no W_o), a q/k-norm mistake
     (:func:`~mha_harness.contract.qk_norm_diagnoses.qk_norm_hint`), a rotary mistake
     (:func:`~mha_harness.contract.rotary_diagnoses.rotary_hint`), a sliding-window mistake
-    (:func:`~mha_harness.contract.window_diagnoses.window_hint`) or a mask mistake
+    (:func:`~mha_harness.contract.window_diagnoses.window_hint`), an ALiBi mistake
+    (:func:`~mha_harness.contract.alibi_diagnoses.alibi_hint`) or a mask mistake
     (:func:`~mha_harness.conformance.diagnoses.mask_mistake`, its wrong calls' rows without a key under the empty-row
     convention the backend follows), else right only where a row sees a single key
     (:func:`~mha_harness.conformance.diagnoses.single_key_rows_hint`). '' inside
@@ -646,7 +649,8 @@ def common_mistake(backend: AttentionBackend, params: AttentionParams, inputs: A
     got = np.asarray(got, np.float64)
     return (_scale_or_qk_norm_hint(got, params, inputs, tol.bound) or layer_mistake(got, params, inputs, tol.bound)
             or qk_norm_hint(got, params, inputs, tol.bound) or rotary_hint(got, params, inputs, tol.bound)
-            or window_hint(got, params, inputs, tol.bound) or mask_mistake(got, params, inputs)
+            or window_hint(got, params, inputs, tol.bound) or alibi_hint(got, params, inputs, tol.bound)
+            or mask_mistake(got, params, inputs)
             or cache_order_hint(got, params, inputs) or cache_kv_swapped_hint(got, params, inputs)
             or scores_fit_hint(got, params, inputs, tol.bound)
             or single_key_rows_hint(got, expected, tol.bound, params, inputs))

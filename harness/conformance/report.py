@@ -228,7 +228,8 @@ class Report:
                                                      info.capabilities.get("score_scale"),
                                                      info.capabilities.get("qk_norms", ()),
                                                      info.capabilities.get("rotary", ()),
-                                                     info.capabilities.get("sliding_window", False))}
+                                                     info.capabilities.get("sliding_window", False),
+                                                     info.capabilities.get("alibi", ()))}
         return table
 
     def to_json(self) -> dict:
@@ -507,10 +508,10 @@ GRID_CASE = "check_output_matches_reference"
 DIAGNOSES_SHOWN, DIAGNOSIS_CHARS = 3, 600
 
 
-def _scores_policy(cap, scale=None, qk_norms=(), rotary=(), sliding_window=False) -> str:
+def _scores_policy(cap, scale=None, qk_norms=(), rotary=(), sliding_window=False, alibi=()) -> str:
     """The scores' conventions a backend declares, in words (the policy table's "scores" column): its score scale
-    when it declares one other than 1/sqrt(d_head), its soft cap, the q/k norms, rotary embeddings and sliding window
-    it can be built with; "as they are" for none."""
+    when it declares one other than 1/sqrt(d_head), its soft cap, the q/k norms, rotary embeddings, sliding window
+    and ALiBi biases it can be built with; "as they are" for none."""
     parts = [] if scale is None else [f"scaled by {score_scale_label(scale)} (declared, not 1/sqrt(d_head))"]
     if cap is not None:
         parts.append(f"soft-capped at {cap:g} (declared: {cap:g} * tanh(s / {cap:g}) before any mask)")
@@ -522,6 +523,8 @@ def _scores_policy(cap, scale=None, qk_norms=(), rotary=(), sliding_window=False
     if sliding_window:
         parts.append("the keys behind a sliding window masked in the layers whose config asks (sliding_window "
                      "declared)")
+    if alibi:
+        parts.append(f"biased by distance (ALiBi) in the layers whose config asks ({', '.join(alibi)} declared)")
     return "; ".join(parts) or "as they are"
 
 

@@ -37,6 +37,8 @@ from mha_harness.contract.api import Unsupported
 MUTANT_SPEC = "mha_harness.implementations.mutants:mutant_backends"
 DEFAULT_MAX_EXAMPLES = 200
 QUICK_MAX_EXAMPLES = 50
+#: how much of a failure's message the console shows whole (conformance's console shows as much)
+MESSAGE_SHOWN_CHARS = 1200
 
 
 # --- the search -----------------------------------------------------------------------------------------------------
@@ -68,6 +70,14 @@ class SearchOutcome:
             text += f"; {len(ranked) - most} other reason(s), {sum(n for _, n in ranked[most:])} draw(s)"
         return text
 
+    def _message_shown(self) -> str:
+        """The failure's message whole up to MESSAGE_SHOWN_CHARS (its diagnosis comes last), else cut saying so and
+        where the whole one is (an outside user's ended mid-diagnosis, at 600 characters, without a mark)."""
+        if len(self.message) <= MESSAGE_SHOWN_CHARS:
+            return self.message
+        where = f"the whole message is in {self.saved}" if self.saved else "its repro line prints the whole message"
+        return self.message[:MESSAGE_SHOWN_CHARS] + f" ... (cut; {where})"
+
     def lines(self) -> list[str]:
         head = f"search {self.backend}: {self.examples} examples in {self.seconds:.1f} s"
         if self.drew and self.passed:  # how much of a clean search reached the optional features declared
@@ -77,12 +87,12 @@ class SearchOutcome:
         if self.passed:
             return [f"{head}: no failure"]
         if self.example is None:  # nothing to shrink or replay: the message says why
-            return [f"{head}: FAILED", f"  {self.message[:600]}"]
+            return [f"{head}: FAILED", f"  {self._message_shown()}"]
         saved = []
         if self.saved:  # <search dir>/<backend>/<id>.json: the folder the pytest route must be pointed at
             saved = [f"  saved: {self.saved} (replayed by `mha-harness check` with the same --results, and by the "
                      f"pytest route with {SEARCH_DIR_ENV}={Path(self.saved).parent.parent})"]
-        return [f"{head}: FAILED", f"  {self.message[:600]}", f"  minimal example: {describe(self.example)}",
+        return [f"{head}: FAILED", f"  {self._message_shown()}", f"  minimal example: {describe(self.example)}",
                 f"  repro: {self.repro}"] + saved
 
 
@@ -103,6 +113,8 @@ def describe(example: dict[str, Any] | None) -> str:
                      + (f" scaled {e['rotary_scaling']}" if e.get("rotary_scaling") else ""))
     if e.get("sliding_window"):
         parts.append(f"sliding window {e['sliding_window']}")
+    if e.get("alibi"):
+        parts.append(f"alibi {e['alibi']}")
     if e.get("causal"):
         parts.append(f"causal {e['causal']}")
     if e.get("padding"):
@@ -157,6 +169,7 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
                 "a partial rotary": ("rotary_dims", space.partial_rotary and bool(space.rotary)),
                 "a rescaled rotary": ("rotary_scaling", bool(space.rotary_scalings) and bool(space.rotary)),
                 "a sliding window": ("sliding_window", space.sliding_window),
+                "ALiBi": ("alibi", bool(space.alibi)),
                 "a decode step": ("decode_step", space.decode_step)}
     drew = {feature: 0 for feature, (_, declared) in features.items() if declared}
     start = time.perf_counter()

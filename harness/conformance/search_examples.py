@@ -8,7 +8,7 @@ An *example* is a plain dict (what ``mha-harness search`` draws, shrinks, prints
 
 (plus ``"decode_step": true``, ``"qk_norm": "rms_per_head"`` or ``"rotary": "half_split", "rotary_base": 500000.0``
 a partial rotary's ``"rotary_dims": 4``, a rescaling's ``"rotary_scaling": "llama3"`` and a sliding window's
-``"sliding_window": 3`` where drawn).
+``"sliding_window": 3`` and ALiBi's ``"alibi": "symmetric"`` where drawn).
 
 :func:`build` rebuilds the parameters and inputs from it deterministically (seeded NumPy), and
 :func:`check_example` states the property: the backend's output equals the float64 reference under the one
@@ -200,7 +200,7 @@ def build(example: Mapping[str, Any]) -> tuple[AttentionParams, AttentionInputs]
                              qk_norm=e.get("qk_norm"), rotary=e.get("rotary"),
                              rotary_base=float(e.get("rotary_base", 10_000.0)), rotary_dims=e.get("rotary_dims"),
                              rotary_scaling=COMMON_ROTARY_SCALINGS.get(e.get("rotary_scaling")),
-                             sliding_window=e.get("sliding_window"))
+                             sliding_window=e.get("sliding_window"), alibi=e.get("alibi"))
     params = make_params(config, seed=int(e["seed"]))
     g = float(np.sqrt(float(e.get("logit_scale", 1))))
     if g != 1.0:

@@ -65,6 +65,9 @@ class SearchSpace:
     #: whether the backend declares a sliding window (Capabilities.sliding_window): examples then draw one of 1 .. Tk
     #: keys, or none (``sliding_window``, absent when none)
     sliding_window: bool = False
+    #: the ALiBi biases the backend declares (Capabilities.alibi): examples then draw one of them, or none (``alibi``,
+    #: absent when none)
+    alibi: tuple[str, ...] = ()
 
     @classmethod
     def for_backend(cls, backend: AttentionBackend, *, quick: bool = False, dtypes: tuple[str, ...] | None = None,
@@ -108,6 +111,7 @@ class SearchSpace:
             rotary_scalings=caps.rotary_scalings,
             d_head_multiple=caps.d_head_multiple,
             sliding_window=caps.sliding_window,
+            alibi=caps.alibi,
         )
 
 
@@ -200,6 +204,10 @@ def examples(draw, space: SearchSpace):
         window = draw(st.none() | st.integers(1, tk))
         if window:
             example["sliding_window"] = window
+    if space.alibi:  # a declared ALiBi bias, or none (absent)
+        alibi = draw(st.sampled_from((None, *space.alibi)))
+        if alibi:
+            example["alibi"] = alibi
     return example
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from mha_harness.contract.conventions import (
     ACCEPTED_FORMS,
+    ALIBI_KINDS,
     BOTTOM_RIGHT,
     CAUSAL_ALIGNMENTS,
     DEFAULT_QK_NORM_EPS,
@@ -131,6 +132,11 @@ class Capabilities:
     skips, naming it. ``sliding_window`` (OFF) declares a layer that can be built with a sliding window
     (``config.sliding_window = w``: each query sees only its own position and the w - 1 before it, as Mistral's,
     Gemma's and Qwen 2's local layers): the cases then also run such layers, and every other case a layer without one.
+    ``alibi`` (empty) names the ALiBi biases the layer can be built with
+    (:data:`~mha_harness.contract.conventions.ALIBI_KINDS`: ``"symmetric"``, ``-m_h * |p - s|``, flash-attn's
+    ``alibi_slopes`` and MPT's; ``"linear"``, ``-m_h * (p - s)``, the paper's and BLOOM's): the cases then also run
+    layers whose ``config.alibi`` is one of them, with the paper's slopes
+    (:func:`~mha_harness.contract.conventions.alibi_slopes`), and every other case a layer without it.
     Malformed values (a string where a tuple belongs, an unknown dtype or alignment, a truthy non-bool) are refused
     here, so nothing is declared by accident.
     """
@@ -159,6 +165,7 @@ class Capabilities:
     rotary_scalings: tuple[str, ...] = ()
     d_head_multiple: int = 1
     sliding_window: bool = False
+    alibi: tuple[str, ...] = ()
 
     def accepts_form(self, form: str) -> bool:
         """True when inputs of ``form`` (an :attr:`AttentionInputs.form`) may be passed to this backend."""
@@ -176,6 +183,7 @@ class Capabilities:
         self._names("qk_norms", QK_NORMS, allow_empty=True)
         self._names("rotary", ROTARY_KINDS, allow_empty=True)
         self._names("rotary_scalings", ROTARY_SCALING_KINDS, allow_empty=True)
+        self._names("alibi", ALIBI_KINDS, allow_empty=True)
         m = self.d_head_multiple
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"Capabilities.d_head_multiple: got {m!r}; accepted: an integer >= 1, the number every "
@@ -268,8 +276,17 @@ def parse_behaviour(behaviour: str) -> str:
     accepted = ([f"fully_masked_rows:{v}" for v in FULLY_MASKED_ROWS] + [f"precision:{d}" for d in DTYPES]
                 + ["masked_poison"])
     if behaviour not in accepted:
+        features = {"score_scale": ("a score scale of its own", "Capabilities(score_scale=1.0) or \"1/d_head\""),
+                    "softcap": ("soft-capped scores", "Capabilities(logit_softcap=c)"),
+                    "alibi": ("ALiBi", "Capabilities(alibi=(\"linear\",)) or (\"symmetric\",)"),
+                    "rotary": ("rotary embeddings", "Capabilities(rotary=(\"half_split\",))"),
+                    "window": ("a sliding window", "Capabilities(sliding_window=True)"),
+                    "qk_norm": ("a q/k norm", "Capabilities(qk_norms=(...))")}
+        named = next((pair for key, pair in features.items() if isinstance(behaviour, str) and key in behaviour), None)
+        feature = (f"; a layer built with {named[0]} declares it as a capability, {named[1]}, which every case then "
+                   "checks: not a divergence (docs/plugins.md, 'Layers that cannot run every call')") if named else ""
         raise ValueError(f"Divergence behaviour: got {behaviour!r}; accepted: {', '.join(accepted)} "
-                         "(ready-made: mha_harness.toolkit.divergences)")
+                         f"(ready-made: mha_harness.toolkit.divergences){feature}")
     return behaviour
 
 
@@ -358,6 +375,11 @@ class AttentionConfig:
     #: ``window_size=(w - 1, -1)``); p is the causal mask's diagonal in a causal call, the last Tq of the Tk positions
     #: without one (:func:`~mha_harness.contract.conventions.window_offset`)
     sliding_window: int | None = None
+    #: ALiBi: a bias on each head's scaled scores by the distance between query and key positions (None: none),
+    #: ``-m_h * |p - s|`` for ``"symmetric"`` (flash-attn's ``alibi_slopes``, MPT), ``-m_h * (p - s)`` for
+    #: ``"linear"`` (the ALiBi paper's, BLOOM's), with the paper's slopes m_h; query i at position i + Tk - Tq, key j at
+    #: j (:data:`~mha_harness.contract.conventions.ALIBI_KINDS`, :func:`~mha_harness.contract.conventions.alibi_bias`)
+    alibi: str | None = None
 
     def __post_init__(self):
         validate_config(self)
@@ -781,6 +803,7 @@ class AttentionBackend:
             raise ValueError(f"sliding_window: got {params.config.sliding_window} but {self.name} does not declare "
                              "Capabilities.sliding_window; accepted: None (every key visible), or declare "
                              "Capabilities(sliding_window=True) for a layer built with config.sliding_window")
+        self._require_declared("alibi", params.config.alibi, "alibi", "no ALiBi bias")
         if params.config.kv_heads != params.config.num_heads and not self.capabilities.grouped_query:
             raise ValueError(f"num_kv_heads: got {params.config.kv_heads} but {self.name} does not support "
                              f"grouped-query heads; accepted: num_kv_heads == num_heads ({params.config.num_heads})")

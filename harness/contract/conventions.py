@@ -276,3 +276,44 @@ class RotaryScaling:
 #: linear position interpolation by 4 (Vicuna 16k's) and Qwen 2.5's YaRN (factor 4 over 32,768 positions)
 COMMON_ROTARY_SCALINGS = {"llama3": RotaryScaling(), "linear": RotaryScaling("linear", 4.0),
                           "yarn": RotaryScaling("yarn", 4.0, original_max_positions=32_768)}
+
+
+# --- ALiBi: linear biases by distance ----------------------------------------------------------------------------
+
+#: how an ALiBi layer (``AttentionConfig.alibi``) biases the score of query position p and key position s, per head h
+#: with slope m_h (:func:`alibi_slopes`): ``"symmetric"``, ``-m_h * |p - s|`` (flash-attn's ``alibi_slopes``, MPT's
+#: bidirectional layers, xformers); ``"linear"``, ``-m_h * (p - s)``, the ALiBi paper's causal form written for
+#: every key (BLOOM's ``m_h * s``, which differs from it by a constant per row, gives the same softmax). The two agree
+#: on every key at or before the query's position, so they differ only where a later key is visible.
+ALIBI_KINDS = ("symmetric", "linear")
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi paper's head slopes (float64, one per head): for n heads a power of two, ``2 ** (-8 h / n)`` for h =
+    1 .. n; otherwise those of the largest power of two m below n, then every other slope of 2m's (the even-indexed:
+    the first, third, ...) for the n - m heads left, as the paper's code, BLOOM's ``build_alibi_tensor`` and
+    flash-attn's tests compute them (8 heads: 1/2 .. 1/256; 6 heads: 1/4, 1/16, 1/64, 1/256, 1/2, 1/8)."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads: got {num_heads!r}; accepted: an integer >= 1")
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+    m = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(m) + power_of_two(2 * m)[0::2][:num_heads - m]
+    return np.asarray(slopes, dtype=np.float64)
+
+
+def alibi_bias(kind: str, num_heads: int, tq: int, tk: int, q_idx=None) -> np.ndarray:
+    """The ALiBi bias (float64, shape (num_heads, R, Tk)) added to each head's scaled scores of a call with Tq
+    queries and Tk keys, at query rows ``q_idx`` (all Tq when None): query i at position i + Tk - Tq and key j at j
+    (:func:`rotary_positions`: the queries are the last Tq positions, as in a KV-cache step and flash-attn's
+    bottom-right ``alibi_slopes``), biased by ``kind`` (:data:`ALIBI_KINDS`) with :func:`alibi_slopes`."""
+    if kind not in ALIBI_KINDS:
+        raise ValueError(f"alibi: got {kind!r}; accepted: {', '.join(map(repr, ALIBI_KINDS))}")
+    q_pos, k_pos = rotary_positions(tq, tk)
+    if q_idx is not None:
+        q_pos = q_pos[np.asarray(q_idx)]
+    distance = (q_pos[:, None] - k_pos[None, :]).astype(np.float64)
+    if kind == "symmetric":
+        distance = np.abs(distance)
+    return -alibi_slopes(num_heads)[:, None, None] * distance[None]

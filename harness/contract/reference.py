@@ -16,7 +16,9 @@ gradients of their own) and the term magnitudes go through it. Rotary position e
 (``AttentionConfig.rotary``: Hugging Face's rotate_half pairing or GPT-J's interleaved one) turn each head's q and k
 after the norm, key j at position j and query i at i + Tk - Tq; the backward turns their gradients back. A sliding
 window (``AttentionConfig.sliding_window = w``: Mistral's, Gemma's) hides from each query every key more than w - 1
-positions before its own, on top of the call's masks.
+positions before its own, on top of the call's masks. An ALiBi layer (``AttentionConfig.alibi``: flash-attn's and
+MPT's ``-m_h |p - s|``, the paper's and BLOOM's ``-m_h (p - s)``) adds its bias by distance to each head's scaled
+scores, exactly (as a float attn_mask is added), before the call's float mask.
 
 Fully masked rows: a query row whose keys are all masked outputs **zeros** before W_o
 (its attention weights are all zero), following flash-attention and torch SDPA >= 2.5.
@@ -55,6 +57,7 @@ from mha_harness.contract.conventions import (
     QK_NORMS_CENTRED,
     QK_NORMS_PER_HEAD,
     QK_NORMS_WITH_BIAS,
+    alibi_bias,
     causal_offset,
     rotary_pairs,
     rotary_positions,
@@ -326,6 +329,8 @@ def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.
         allowed = allowed & window_allows(window, inputs.causal, tq, tk, q_idx)[None, None]
     if inputs.key_padding_mask is not None:
         allowed = allowed & ~inputs.key_padding_mask[:, None, None, :]
+    if params.config.alibi is not None:  # the layer's own bias by distance, per head (before any float mask's)
+        additive = alibi_bias(params.config.alibi, params.config.num_heads, tq, tk, q_idx)[None]
     if inputs.attn_mask is not None:
         m = inputs.attn_mask
         m = m.reshape((1, 1) + m.shape) if m.ndim == 2 else m
@@ -333,9 +338,10 @@ def allowed_and_bias(params: AttentionParams, inputs: AttentionInputs, rows: np.
         if m.dtype == np.bool_:
             allowed = allowed & m
         else:
-            additive = m.astype(np.float64)
-            allowed = allowed & ~np.isneginf(additive)
-            additive = np.where(np.isneginf(additive), 0.0, additive)
+            mask = m.astype(np.float64)
+            allowed = allowed & ~np.isneginf(mask)
+            mask = np.where(np.isneginf(mask), 0.0, mask)
+            additive = mask if additive is None else additive + mask
     return allowed, additive
 
 
@@ -683,6 +689,7 @@ def _call_digest(params: AttentionParams, inputs: AttentionInputs) -> bytes:
     same = lambda x: "same as query" if x is inputs.query else np.asarray(x)  # noqa: E731
     return _digest(c.d_model, c.num_heads, c.kv_heads, c.bias, c.qk_norm, c.qk_norm_eps, c.rotary, c.rotary_base,
                    c.rotary_dims, None if c.rotary_scaling is None else repr(c.rotary_scaling), c.sliding_window,
+                   c.alibi,
                    *(getattr(params, n) for n in PARAM_NAMES),
                    query, same(inputs.key), same(inputs.value), inputs.causal, inputs.key_padding_mask,
                    inputs.attn_mask)

@@ -14,6 +14,7 @@ import numpy as np
 
 from mha_harness.contract.conventions import (
     ACCEPTED_FORMS,
+    ALIBI_KINDS,
     ATTN_MASK_POLARITY,
     BOTTOM_RIGHT,
     CAUSAL_ALIGNMENTS,
@@ -93,6 +94,10 @@ def validate_config(config: AttentionConfig) -> None:
         raise ValueError(f"sliding_window: got {window!r}; accepted: None (every key visible) or an integer >= 1, the "
                          "number of keys each query sees: its own position and the ones before it (Mistral's "
                          "sliding_window, 4096)")
+    if config.alibi is not None and (not isinstance(config.alibi, str) or config.alibi not in ALIBI_KINDS):
+        raise ValueError(f"alibi: got {config.alibi!r}; accepted: None (no ALiBi bias), "
+                         f"{', '.join(map(repr, ALIBI_KINDS))} (-slope * |p - s|, flash-attn's alibi_slopes and MPT's; "
+                         "-slope * (p - s), the ALiBi paper's and BLOOM's)")
     base = config.rotary_base
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
         raise ValueError(f"rotary_base: got {base!r}; accepted: a finite number > 1, the base of the rotary "
@@ -137,7 +142,7 @@ def require_config(config) -> None:
     _require_kind("config", config, ("d_model", "num_heads", "kv_heads", "d_head", "bias"),
                   "mha_harness.AttentionConfig(d_model=..., num_heads=..., num_kv_heads=None, bias=False, "
                   "qk_norm=None, qk_norm_eps=1e-6, rotary=None, rotary_base=10000.0, rotary_dims=None, "
-                  "rotary_scaling=None, sliding_window=None)")
+                  "rotary_scaling=None, sliding_window=None, alibi=None)")
 
 
 def require_params(params) -> None:

@@ -11,11 +11,14 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionConfig, AttentionInputs, Capabilities
 from mha_harness.contract.conventions import (
+    ALIBI_KINDS,
     ROTARY_KINDS,
     ROTARY_SCALING_KINDS,
     TOP_LEFT,
+    alibi_slopes,
     causal_offset,
     rotary_pairs,
+    rotary_positions,
 )
 from mha_harness.contract.reference import mistaken_vjp, reference_vjp
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
@@ -50,6 +53,8 @@ class Mutant:
     rotary_scalings: tuple[str, ...] = ()
     #: whether it declares a sliding window (Capabilities.sliding_window): a window mutant declares the one it breaks
     sliding_window: bool = False
+    #: the ALiBi biases it declares (Capabilities.alibi): an ALiBi mutant declares the ones it gets wrong
+    alibi: tuple[str, ...] = ()
 
 
 class SelfAttentionModule(NumpyNaiveLoaded):
@@ -598,6 +603,55 @@ class SlidingWindowFromQueryIndex(NumpyNaiveLoaded):
         return (from_index if allowed is None else allowed & from_index), additive
 
 
+def _alibi_of(kind: str, slopes: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """(1, H, Tq, Tk): ``-m_h * |p - s|`` ("symmetric") or ``-m_h * (p - s)`` ("linear") with these slopes and
+    positions, as a hand-written layer builds it."""
+    gap = (q_pos[:, None] - k_pos[None, :]).astype(np.float64)
+    gap = np.abs(gap) if kind == "symmetric" else gap
+    return -(slopes[:, None, None] * gap[None])[None]
+
+
+class AlibiSlopesReversed(NumpyNaiveLoaded):
+    """ALiBi with the paper's slopes in reverse head order: head 0 gets the smallest slope (a slope list built
+    from the small end, or read back to front)."""
+
+    def alibi(self, tq, tk):
+        if self.config.alibi is None:
+            return None
+        return _alibi_of(self.config.alibi, alibi_slopes(self.config.num_heads)[::-1], *rotary_positions(tq, tk))
+
+
+class AlibiSlopesPowerOfTwoFormula(NumpyNaiveLoaded):
+    """ALiBi slopes ``2 ** (-8 h / n)`` at every head count: right for 8 or 16 heads, wrong at 6 or 12, where the
+    paper interleaves the slopes of the next power of two."""
+
+    def alibi(self, tq, tk):
+        if self.config.alibi is None:
+            return None
+        n = self.config.num_heads
+        return _alibi_of(self.config.alibi, 2.0 ** (-8.0 * np.arange(1, n + 1) / n), *rotary_positions(tq, tk))
+
+
+class AlibiQueriesFromIndex(NumpyNaiveLoaded):
+    """ALiBi with query i at position i, not i + Tk - Tq: the bias of a KV-cache step or cross-attention call that
+    ignores the keys before the queries (right when Tq = Tk)."""
+
+    def alibi(self, tq, tk):
+        if self.config.alibi is None:
+            return None
+        return _alibi_of(self.config.alibi, alibi_slopes(self.config.num_heads), np.arange(tq), np.arange(tk))
+
+
+class AlibiAlwaysSymmetric(NumpyNaiveLoaded):
+    """ALiBi as ``-m |p - s|`` whatever config.alibi says: a layer built with the paper's ``-m (p - s)`` (BLOOM's)
+    penalises the keys after the query, where it favours them (seen only where such keys are visible)."""
+
+    def alibi(self, tq, tk):
+        if self.config.alibi is None:
+            return None
+        return _alibi_of("symmetric", alibi_slopes(self.config.num_heads), *rotary_positions(tq, tk))
+
+
 class RotaryKeysNotTurned(NumpyNaiveLoaded):
     """Turns q by its rotary embeddings but not k (the key's rotary call dropped in a rewrite)."""
 
@@ -1070,6 +1124,15 @@ MUTANTS = (
     Mutant("mutant-sliding-window-from-query-index", "counts the sliding window back from each query's index in "
            "the call, not its position (a KV-cache step's window ignores the cached positions)",
            SlidingWindowFromQueryIndex, "measured from each query's index", sliding_window=True),
+    Mutant("mutant-alibi-slopes-reversed", "ALiBi with the paper's slopes in reverse head order",
+           AlibiSlopesReversed, "slopes in reverse head order", alibi=ALIBI_KINDS),
+    Mutant("mutant-alibi-slopes-power-of-two-formula", "ALiBi slopes 2 ** (-8 h / n) at every head count (wrong "
+           "where n is not a power of two)", AlibiSlopesPowerOfTwoFormula, "2 ** (-8 h / n)", alibi=ALIBI_KINDS),
+    Mutant("mutant-alibi-queries-from-index", "ALiBi with query i at position i, not i + Tk - Tq (a KV-cache "
+           "step's bias that ignores the cached positions)", AlibiQueriesFromIndex, "puts query i at position i",
+           alibi=ALIBI_KINDS),
+    Mutant("mutant-alibi-always-symmetric", "ALiBi as -m |p - s| where config.alibi = 'linear' asks for the "
+           "paper's -m (p - s)", AlibiAlwaysSymmetric, "where config.alibi = 'linear'", alibi=ALIBI_KINDS),
     Mutant("mutant-rotary-keys-not-turned", "turns q by its rotary embeddings but not k", RotaryKeysNotTurned,
            "k is not turned", rotary=ROTARY_KINDS),
     Mutant("mutant-rotary-left-out-on-causal-path", "a decoder layer whose causal calls take a fast path that never "
@@ -1144,7 +1207,7 @@ class MutantBackend(NumpyNaive):
                                          grouped_query=mutant.grouped_query, rotary=mutant.rotary,
                                          partial_rotary=mutant.partial_rotary,
                                          rotary_scalings=mutant.rotary_scalings,
-                                         sliding_window=mutant.sliding_window)
+                                         sliding_window=mutant.sliding_window, alibi=mutant.alibi)
         self.loaded_class = mutant.loaded
 
     def native_parameter_shapes(self, config):
