@@ -198,7 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=_positive_int, default=None, metavar="N",
                    help="key/value heads (grouped-query attention): N divides --heads, 1 <= N <= --heads; default: "
                         "as many as --heads (multi-head). Backends that do not declare grouped_query are skipped")
-    from mha_harness.contract.conventions import DEFAULT_QK_NORM_EPS, DEFAULT_ROTARY_BASE, QK_NORMS, ROTARY_KINDS
+    from mha_harness.contract.conventions import (
+        ALIBI_KINDS,
+        DEFAULT_QK_NORM_EPS,
+        DEFAULT_ROTARY_BASE,
+        QK_NORMS,
+        ROTARY_KINDS,
+    )
     p.add_argument("--rotary", choices=ROTARY_KINDS, default=None,
                    help="time a layer with rotary embeddings on q and k (half_split: Llama's rotate_half; interleaved: "
                         "GPT-J's), base --rotary-base, key j at position j and query i at i + Tk - Tq; default: none. "
@@ -217,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sliding-window", type=_positive_int, default=None, metavar="W",
                    help="time a layer whose query at position p sees only the keys after p - W (Mistral's, Gemma's "
                         "sliding_window); default: every key. Backends that do not declare sliding_window are skipped")
+    p.add_argument("--alibi", choices=ALIBI_KINDS, default=None,
+                   help="time a layer whose scores are biased by distance (linear: BLOOM's -m (p - s); symmetric: "
+                        "flash-attn's and MPT's -m |p - s|), with the paper's slopes; default: none. Backends that do "
+                        "not declare that kind (capabilities.alibi) are skipped")
 
     p = sub.add_parser("fidelity", help="figures proving the benchmarks: timing against torch.utils.benchmark, "
                                         "alone vs in the sweep, memory methods against formulas, harness overhead")
@@ -340,6 +350,8 @@ def cmd_list(args) -> int:
                                 if getattr(caps, "rotary_scalings", ()) else ""))
             if getattr(caps, "sliding_window", False):
                 parts.append("sliding window")
+            if getattr(caps, "alibi", ()):
+                parts.append(f"ALiBi {','.join(caps.alibi)}")
             print(f"{'':<{width}}  " + "; ".join(parts))
             divergences = entry.backend.divergences
             if args.verbose:
@@ -592,7 +604,7 @@ def cmd_bench(args) -> int:
     config = _usage(_bench_config, args, dtype=args.dtype, workload=args.workload, batch=args.batch,
                     d_model=args.d_model, num_heads=args.heads, num_kv_heads=args.kv_heads, bias=args.bias,
                     rotary=args.rotary, rotary_base=args.rotary_base, qk_norm=args.qk_norm,
-                    qk_norm_eps=args.qk_norm_eps, sliding_window=args.sliding_window)
+                    qk_norm_eps=args.qk_norm_eps, sliding_window=args.sliding_window, alibi=args.alibi)
     if args.d_model % args.heads:
         divisors = [n for n in range(1, args.d_model + 1) if args.d_model % n == 0]
         raise UsageError(f"--heads: got {args.heads}, which does not divide --d-model {args.d_model}; accepted: a "
@@ -663,7 +675,7 @@ def _skip_hint(why: str) -> str:
     if "no biases" in why:
         return "; leave out --bias, or declare bias=True if the backend's layer takes biases"
     for option, capability in (("--rotary", "rotary"), ("--qk-norm", "qk_norms"),
-                               ("--sliding-window", "sliding_window")):
+                               ("--sliding-window", "sliding_window"), ("--alibi", "alibi")):
         if f"{option} times" in why:
             return f"; leave out {option}, or declare {capability} if the backend's layer can be built with it"
     return ""

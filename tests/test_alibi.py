@@ -214,3 +214,44 @@ def test_a_divergence_naming_a_layer_feature_points_to_its_capability(behaviour,
     with pytest.raises(ValueError, match=r"Divergence behaviour: got .*declares it as a capability, "
                                          + re.escape(capability)):
         mha_harness.Divergence("check_scores_scaled_by_sqrt_d_head", behaviour, "by design")
+
+
+class _AlwaysAlibi(NumpyNaiveLoaded):
+    """BLOOM's bias whatever the config says (the layer always builds it)."""
+
+    def alibi(self, tq, tk):
+        from mha_harness.contract.conventions import alibi_bias
+        return alibi_bias("linear", self.config.num_heads, tq, tk)[None]
+
+
+def test_a_bias_always_on_in_a_layer_built_without_alibi_is_named_not_fitted_as_a_soft_cap():
+    """An outside user's BLOOM wrapper applied ALiBi whatever the config said: named as such (it was told of a soft
+    cap at 1000 and of the scores' normalisation)."""
+    report = mha_harness.check([_layer(_AlwaysAlibi)], cases=["check_output_matches_reference"], isolate=False,
+                               include_slow=False)
+    failed = [r for r in report.results if r.status == "failed"]
+    assert failed
+    named = [r for r in failed if "an ALiBi bias ('linear': -m (p - s), the paper's slopes) in a layer built without "
+                                  "one (config.alibi is None)" in r.message]
+    assert len(named) >= len(failed) // 2, [r.message[-300:] for r in failed]
+    assert not any("soft-capped" in r.message for r in named)
+
+
+def test_a_layer_without_a_causal_alignment_runs_every_alibi_row_unmasked():
+    """An encoder's ALiBi layer (MPT's bidirectional one) runs the causal rows without the mask, so the 6-head row
+    catches wrong slopes there too; BLOOM's row runs in each of its dtypes."""
+    class Encoder(NumpyNaive):
+        name = "alibi-encoder"
+        capabilities = Capabilities(causal_alignments=(), dtypes=("float32", "float64"), alibi=("symmetric",))
+
+    class EncoderNaiveSlopes(Encoder):
+        name = "alibi-encoder-naive-slopes"
+
+        def load_native(self, params, dtype):
+            from mha_harness.implementations.mutants.zoo import AlibiSlopesPowerOfTwoFormula
+            return AlibiSlopesPowerOfTwoFormula(params, dtype)
+    report = mha_harness.check([Encoder(), EncoderNaiveSlopes()], cases=[CASE], isolate=False)
+    mine = [r for r in report.results if r.backend == "alibi-encoder"]
+    assert {r.status for r in mine} == {"passed"} and len(mine) == 7, [(r.status, r.message) for r in mine]
+    naive = {r.params["variant"]: r for r in report.results if r.backend == "alibi-encoder-naive-slopes"}
+    assert naive["six_heads"].status == "failed" and "2 ** (-8 h / n)" in naive["six_heads"].message

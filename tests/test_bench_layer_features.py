@@ -18,7 +18,7 @@ from mha_harness.bench.metrics import (
     window_visible_pairs,
 )
 from mha_harness.bench.sweep import PLAIN_LAYER, BenchConfig, run_bench
-from mha_harness.contract.conventions import causal_offset, window_allows
+from mha_harness.contract.conventions import alibi_slopes, causal_offset, window_allows
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
 from mha_harness.implementations.numpy_tiled import NumpyTiled, NumpyTiledLoaded
 from mha_harness.toolkit.masks import full_mask
@@ -333,3 +333,41 @@ def test_a_backend_is_skipped_at_a_head_width_it_cannot_be_built_with():
     assert unsupported(backend, Shape(1, 32, 32, 64, 4)) is None  # d_head 16
     why = unsupported(backend, Shape(1, 32, 32, 48, 4))  # d_head 12
     assert why and "d_head 12 is not a multiple of 8 (declares d_head_multiple=8)" in why, why
+
+
+class _AlibiSlopesReversedLoaded(NumpyNaiveLoaded):
+    def alibi(self, tq, tk):
+        bias = super().alibi(tq, tk)
+        return None if bias is None else bias * (alibi_slopes(self.config.num_heads)[::-1]
+                                                 / alibi_slopes(self.config.num_heads))[None, :, None, None]
+
+
+class AlibiSlopesReversed(NumpyNaive):
+    """A layer that declares ALiBi and gives head h the slope of head n - 1 - h."""
+
+    name = "alibi-slopes-reversed"
+
+    def load_native(self, params, dtype):
+        return _AlibiSlopesReversedLoaded(params, dtype)
+
+
+@pytest.mark.parametrize("workload", ["prefill", "decode"])
+def test_bench_times_an_alibi_layer_skips_backends_without_it_and_names_wrong_slopes(tmp_path, capsys, workload):
+    """``--alibi linear`` builds the timed layer and its reference with BLOOM's bias: the header and bench.json say
+    it, numpy-naive is timed (its first call checked against the reference with the bias), numpy-tiled (no ALiBi)
+    is skipped naming the capability, and a layer whose slopes run backwards is wrong-output naming it, untimed."""
+    config = BenchConfig(alibi="linear", workload=workload, **SMALL)
+    decode = dict(query_lens=(1,)) if workload == "decode" else dict(causal="on")
+    doc = run_bench([NumpyNaive(), NumpyTiled(), AlibiSlopesReversed()], tmp_path, seq_lens=[48], config=config,
+                    **decode)
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "a linear ALiBi bias (-m_h (p - s), the paper's slopes)" in header, header
+    saved = json.loads((tmp_path / ("bench-decode" if workload == "decode" else "bench") / "bench.json").read_text())
+    assert saved["config"]["alibi"] == "linear" and \
+        saved["backends"]["numpy-naive"]["declares"]["alibi"] == ["symmetric", "linear"], saved["backends"]
+    by_name = {p["backend"]: p for p in doc["points"]}
+    assert by_name["numpy-naive"]["status"] == "measured", by_name["numpy-naive"]
+    assert "no linear ALiBi (capabilities.alibi declares: none)" in by_name["numpy-tiled"]["skipped"]
+    wrong = by_name["alibi-slopes-reversed"]
+    assert wrong["status"] == "wrong-output" and not wrong["samples_s"], wrong
+    assert "the ALiBi slopes in reverse head order" in wrong["skipped"], wrong["skipped"]

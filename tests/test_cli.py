@@ -25,6 +25,9 @@ def test_list_shows_numpy_backends_available_and_reasons_for_the_rest():
     assert any(line.startswith("numpy-naive") and "available" in line for line in lines)
     assert any(line.startswith("numpy-tiled") and "available" in line for line in lines)
     assert "torch-sdpa-flash-cuda" in out.stdout and "cuda" in out.stdout.lower()
+    # what the layer can be built with, ALiBi too (an outside user's BLOOM wrapper found it missing)
+    declared = lines[lines.index(next(line for line in lines if line.startswith("numpy-naive "))) + 1]
+    assert "sliding window; ALiBi symmetric,linear" in declared, declared
 
 
 def test_list_of_a_backend_spec_that_fails_to_load_exits_1_naming_it():

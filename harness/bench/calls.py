@@ -90,8 +90,8 @@ def unsupported(backend, shape: Shape) -> str | None:
 
 def missing_feature(caps, shape: Shape) -> str | None:
     """Why a backend with capabilities ``caps`` cannot be built with ``shape``'s layer features (rotary embeddings,
-    a q/k norm, a sliding window: ``--rotary``, ``--qk-norm``, ``--sliding-window``), naming the capability it does
-    not declare; None when it can."""
+    a q/k norm, a sliding window, ALiBi: ``--rotary``, ``--qk-norm``, ``--sliding-window``, ``--alibi``), naming the
+    capability it does not declare; None when it can."""
     declared = ", ".join(caps.rotary) or "none"
     if shape.rotary and shape.rotary not in caps.rotary:
         return (f"no {shape.rotary} rotary embeddings (capabilities.rotary declares: {declared}): --rotary times a "
@@ -103,6 +103,9 @@ def missing_feature(caps, shape: Shape) -> str | None:
     if shape.sliding_window is not None and not caps.sliding_window:
         return ("no sliding window (declares sliding_window=False): --sliding-window times a layer whose queries "
                 "see only the last w positions")
+    if shape.alibi and shape.alibi not in caps.alibi:
+        return (f"no {shape.alibi} ALiBi (capabilities.alibi declares: {', '.join(caps.alibi) or 'none'}): --alibi "
+                "times a layer whose scores are biased by the distance between query and key")
     return None
 
 
@@ -112,7 +115,8 @@ def layer_config(shape: Shape):
     from mha_harness.contract.api import AttentionConfig
     return AttentionConfig(shape.d_model, shape.num_heads, shape.num_kv_heads, bias=shape.bias, qk_norm=shape.qk_norm,
                            qk_norm_eps=shape.qk_norm_eps,
-                           rotary=shape.rotary, rotary_base=shape.rotary_base, sliding_window=shape.sliding_window)
+                           rotary=shape.rotary, rotary_base=shape.rotary_base, sliding_window=shape.sliding_window,
+                           alibi=shape.alibi)
 
 
 def call_arguments(shape: Shape, causal: str | None, *, kv_cache: bool = False):

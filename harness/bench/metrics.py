@@ -80,6 +80,8 @@ class Shape:
     qk_norm_eps: float = DEFAULT_QK_NORM_EPS
     #: each query sees only its own position and the w - 1 before it (AttentionConfig.sliding_window); None: all
     sliding_window: int | None = None
+    #: an ALiBi bias by distance on the scores (AttentionConfig.alibi: "linear" or "symmetric"); None: none
+    alibi: str | None = None
 
     @property
     def d_head(self) -> int:

@@ -59,7 +59,7 @@ DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
 WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.9"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
+SCHEMA_VERSION = "2.10"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
 # 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured;
 # 2.3: decode points time a decode step over a filled KV cache (decode_step), not a call projecting all Tk keys; the
 # causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half); 2.4: points record
@@ -73,7 +73,8 @@ SCHEMA_VERSION = "2.9"  # 2.1: points record call_mask, other_cores, over_comput
 # causal Tq = Tk, as the causal convention) and a decode step's bytes the cache rows its queries see; backends[name]
 # records native_causal, native_mask_polarity and what the backend declares (declared_policies); 2.8:
 # config.rotary_base and config.qk_norm_eps (--rotary-base, --qk-norm-eps: 10000 and 1e-6 before them); 2.9: points
-# record prepare_s (loading the layer and preparing its call, a decode step's cache fill included: untimed)
+# record prepare_s (loading the layer and preparing its call, a decode step's cache fill included: untimed); 2.10:
+# config.alibi (--alibi: "linear" or "symmetric", the timed layer's ALiBi bias) and declared_policies' alibi
 #: preparing a point's call (untimed) this long or longer is said in a progress line
 SLOW_PREPARE_S = 10.0
 #: what a decode point times, recorded in its document
@@ -108,6 +109,7 @@ class BenchConfig:
     qk_norm: str | None = None  # a norm of q and k after their projections (AttentionConfig.qk_norm)
     qk_norm_eps: float = DEFAULT_QK_NORM_EPS  # its epsilon (AttentionConfig.qk_norm_eps)
     sliding_window: int | None = None  # each query sees its own position and the w - 1 before it
+    alibi: str | None = None  # an ALiBi bias by distance on the scores: "linear" or "symmetric" (AttentionConfig.alibi)
     dtype: str = "float32"
     workload: str = "prefill"
     threads: int = DEFAULT_THREADS
@@ -142,7 +144,8 @@ class BenchConfig:
         eps = f" eps {self.qk_norm_eps:g}" if self.qk_norm_eps != DEFAULT_QK_NORM_EPS else ""
         return ([f"rotary {self.rotary}{base}"] if self.rotary else []) + \
             ([f"q/k norm {self.qk_norm}{eps}"] if self.qk_norm else []) + \
-            ([f"sliding window {self.sliding_window}"] if self.sliding_window is not None else [])
+            ([f"sliding window {self.sliding_window}"] if self.sliding_window is not None else []) + \
+            ([f"ALiBi {self.alibi}"] if self.alibi else [])
 
     def features_text(self) -> str:
         """What the timed layer computes beyond attention's projections and softmax, for the printed header: the
@@ -159,8 +162,12 @@ class BenchConfig:
         if self.sliding_window is not None:
             has.append(f"a sliding window of {self.sliding_window} keys (query at p sees keys j > p - "
                        f"{self.sliding_window})")
+        if self.alibi:
+            has.append(f"a {self.alibi} ALiBi bias (" + ("-m_h |p - s|" if self.alibi == "symmetric" else
+                                                          "-m_h (p - s)") + ", the paper's slopes)")
         missing = [name for name, value in (("rotary embeddings", self.rotary), ("q/k norm", self.qk_norm),
-                                            ("sliding window", self.sliding_window)) if value is None]
+                                            ("sliding window", self.sliding_window), ("ALiBi", self.alibi))
+                   if value is None]
         return f"the layer with {', '.join(has)}" + (f"; no {' or '.join(missing)}" if missing else "")
 
     def features_error(self) -> str | None:
@@ -178,7 +185,7 @@ class BenchConfig:
         try:
             AttentionConfig(self.d_model, self.num_heads, self.num_kv_heads, bias=self.bias, qk_norm=self.qk_norm,
                             qk_norm_eps=self.qk_norm_eps, rotary=self.rotary, rotary_base=self.rotary_base,
-                            sliding_window=self.sliding_window)
+                            sliding_window=self.sliding_window, alibi=self.alibi)
         except (TypeError, ValueError) as exc:
             return str(exc)
         return None
@@ -186,8 +193,9 @@ class BenchConfig:
 
 #: what the plain timed layer leaves out, in the printed header (an outside user's rotary layer could not tell whether
 #: its positions were turned: its plugin gives every token one position where the config has no rotary)
-PLAIN_LAYER = ("the plain layer: no rotary embeddings, q/k norm or sliding window (the config's rotary, "
-               "qk_norm and sliding_window are None; --rotary, --qk-norm and --sliding-window time them)")
+PLAIN_LAYER = ("the plain layer: no rotary embeddings, q/k norm, sliding window or ALiBi (the config's rotary, "
+               "qk_norm, sliding_window and alibi are None; --rotary, --qk-norm, --sliding-window and --alibi time "
+               "them)")
 
 
 def kv_heads_error(num_kv_heads, num_heads: int, name: str = "num_kv_heads",
@@ -274,7 +282,7 @@ def declared_policies(backend) -> dict:
         return {"native_causal": causal, "native_mask_polarity": polarity,
                 "declares": {"causal_alignments": list(caps.causal_alignments), "grouped_query": caps.grouped_query,
                              "rotary": list(caps.rotary), "qk_norms": list(caps.qk_norms),
-                             "sliding_window": caps.sliding_window}}
+                             "sliding_window": caps.sliding_window, "alibi": list(caps.alibi)}}
     except Exception as exc:  # noqa: BLE001 - a plugin's property that raises costs its record, not the sweep
         return {"declarations_unreadable": f"{type(exc).__name__}: {exc}"}
 
@@ -291,7 +299,7 @@ def shape_of(point: BenchPoint, config: BenchConfig) -> Shape:
     return Shape(config.batch, point.tq, point.tk, config.d_model, config.num_heads, config.dtype, point.causal,
                  point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode", bias=config.bias,
                  rotary=config.rotary, rotary_base=config.rotary_base, qk_norm=config.qk_norm,
-                 qk_norm_eps=config.qk_norm_eps, sliding_window=config.sliding_window)
+                 qk_norm_eps=config.qk_norm_eps, sliding_window=config.sliding_window, alibi=config.alibi)
 
 
 def plan_points(names, config: BenchConfig, seq_lens, *, causal_modes=(False,), backward=False,

@@ -15,6 +15,7 @@ import numpy as np
 
 from mha_harness.bench.calls import backend_arguments, checked_rows, gradient_part
 from mha_harness.bench.metrics import Shape
+from mha_harness.contract.alibi_diagnoses import alibi_hint
 from mha_harness.contract.conventions import EPS
 from mha_harness.contract.expected import gradient_names, gradient_tolerances, input_gradients, tolerance_for
 from mha_harness.contract.mistakes import (
@@ -111,6 +112,7 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     if not found:  # the layer's features: a window, rotary embeddings or a q/k norm dropped, turned or counted
         feature = (window_hint(got, params, inputs, bound, rows) if params.config.sliding_window is not None else "") \
             or (rotary_hint(got, params, inputs, bound, rows=rows) if params.config.rotary else "") \
+            or alibi_hint(got, params, inputs, bound, rows) \
             or qk_norm_hint(got, params, inputs, bound, rows=rows)  # otherwise: a norm kept on
         if feature:
             return feature
@@ -149,7 +151,8 @@ def _where_to_look(shape: Shape) -> str:
     hides in this layer, its features (rotary embeddings, q/k norm, sliding window) among them."""
     features = "".join(f", {what}" for what, present in (("the rotary positions", shape.rotary),
                                                          ("the q/k norm", shape.qk_norm),
-                                                         ("the sliding window", shape.sliding_window is not None))
+                                                         ("the sliding window", shape.sliding_window is not None),
+                                                         ("the ALiBi bias", shape.alibi))
                        if present)
     if shape.cached:
         return ("`mha-harness check` runs this decode step (prepare_decode_step) on a small cache and names known "

@@ -540,7 +540,8 @@ def _half_level_hint(err: float, tol: Tolerance) -> str:
             "line lists for it); a size alone cannot tell this from scores "
             "the layer changes by design (a norm on q or k, a scale of its own, rotary frequencies rescaled by "
             "another factor: docs/plugins.md, 'Layers that "
-            "cannot run every call'), which a precision declaration would hide")
+            "cannot run every call') or from a bug that moves this call's scores little (at one head an ALiBi "
+            "slope is 1/256: a bias added after the softmax), which a precision declaration would hide")
 
 
 def scores_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,

@@ -5,7 +5,8 @@ key/value heads, repeated for each group (grouped-query heads); the bias's sign 
 queries' positions taken from their index in the call instead of the last Tq of the Tk positions (a KV-cache step
 or a cross-attention call whose bias ignores the keys before the queries); and the other kind of bias
 (:data:`~mha_harness.contract.conventions.ALIBI_KINDS`: ``-m |p - s|`` where ``-m (p - s)`` is built, or the other
-way, which differ only where a key after the query's position is visible). Each wrong bias is the layer without
+way, which differ only where a key after the query's position is visible); and, in a layer built without ALiBi, a
+bias applied anyway (one always on in the layer, as BLOOM's and MPT's are). Each wrong bias is the layer without
 ALiBi given that bias as one more float attn_mask, one slope per head."""
 from __future__ import annotations
 
@@ -44,9 +45,19 @@ def _with_bias(params: AttentionParams, inputs: AttentionInputs, bias: np.ndarra
 
 
 def _candidates(params: AttentionParams, inputs: AttentionInputs):
-    """(label, wrong parameters, wrong inputs) for each ALiBi mistake that can change this layer's call."""
+    """(label, wrong parameters, wrong inputs) for each ALiBi mistake that can change this layer's call; for a layer
+    built without ALiBi, each kind applied anyway (a layer whose bias is always on, as BLOOM's and MPT's are)."""
     c = params.config
     kind, n, tq, tk = c.alibi, c.num_heads, inputs.tq, inputs.tk
+    if kind is None:
+        for other in ALIBI_KINDS:
+            yield (f"; the output matches an ALiBi bias ({other!r}: "
+                   + ("-m |p - s|" if other == "symmetric" else "-m (p - s)") + ", the paper's slopes) in a layer "
+                   "built without one (config.alibi is None): a bias always on in the layer (BLOOM's, MPT's) applies "
+                   "where the harness's layer has none: build it from config.alibi (None: no bias) and declare "
+                   f"Capabilities(alibi=({other!r},))",
+                   params.replace(config=dataclasses.replace(c, alibi=other)), inputs)
+        return
     slopes = alibi_slopes(n)
     q_pos, k_pos = rotary_positions(tq, tk)
     yield ("; the output matches attention without its ALiBi bias: config.alibi = "
@@ -60,7 +71,7 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
     if not np.allclose(naive, slopes, rtol=0, atol=0):
         yield (f"; the output matches ALiBi slopes 2 ** (-8 h / n) for h = 1 .. {n}: at {n} heads, not a power of "
                "two, the paper takes the slopes of the largest power of two m below n, then every other slope of 2m's "
-               f"(mha_harness.alibi_slopes({n}); MPT's gen_slopes interleaves them otherwise)",
+               f"(mha_harness.alibi_slopes({n}), as BLOOM's build_alibi_tensor and MPT's gen_slopes give them)",
                *_with_bias(params, inputs, _bias(kind, naive, q_pos, k_pos)))
     if c.group > 1:
         per_kv = np.repeat(alibi_slopes(c.kv_heads), c.group)
@@ -86,13 +97,13 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
 
 def alibi_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                 rows: list[int] | None = None) -> tuple[str, float] | None:
-    """The ALiBi mistake a failing whole output ``got`` of a layer built with ALiBi matches within
+    """The ALiBi mistake a failing whole output ``got`` matches within
     ``max(10 * bound, 1e-4)`` and explains better than the correct layer
     (:func:`~mha_harness.contract.mistakes.explains`), the closest of those that match, as (sentence to append, its
-    distance from ``got``); None when none matches or the layer has no ALiBi. ``rows``: ``got`` holds only these
-    query rows, and each reference is computed at them."""
+    distance from ``got``); for a layer built without ALiBi, a bias applied anyway; None when none matches.
+    ``rows``: ``got`` holds only these query rows, and each reference is computed at them."""
     got = np.asarray(got, np.float64)
-    if params.config.alibi is None or not np.all(np.isfinite(got)):
+    if not np.all(np.isfinite(got)) or inputs.tk < 2:  # one key: no distance to bias
         return None
     truth = np.asarray(reference_attention(params, inputs, rows=rows).output, np.float64)
     margin = max(10 * bound, 1e-4)
