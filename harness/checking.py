@@ -24,6 +24,7 @@ from mha_harness.registry import (
 )
 from mha_harness.util import integrity
 from mha_harness.util.guard import PluginFault, call_guarded, plugin_timeout
+from mha_harness.util.main_guard import refuse_unguarded_main
 from mha_harness.util.options import did_you_mean
 
 _ACCEPTED_BACKENDS = ("a registered backend name, a 'module:object' spec, an AttentionBackend instance or "
@@ -41,6 +42,8 @@ def _backend_items(backends) -> list:
 
 #: why a slow case is not in a run with ``include_slow=False`` (``--quick``)
 QUICK_LEAVES_OUT = "slow, T = 8192: left out by --quick (include_slow=False)"
+#: seconds per case before an isolated worker is killed, when check() is given no timeout
+DEFAULT_CASE_TIMEOUT_S = 120.0
 
 
 def importable_name(obj) -> str | None:
@@ -122,10 +125,16 @@ def _check_arguments(cases, timeout, jobs, isolate) -> list[str] | None:
         if not isinstance(cases, (list, tuple, set, frozenset)) or not all(isinstance(c, str) for c in cases):
             raise TypeError(f"cases: got {cases!r:.80}; accepted: None (every case), a case name or a list of names")
         cases = list(cases)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
-        raise ValueError(f"timeout: got {timeout!r}; accepted: a finite number of seconds > 0")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not math.isfinite(timeout) or timeout <= 0):
+        raise ValueError(f"timeout: got {timeout!r}; accepted: None (DEFAULT_CASE_TIMEOUT_S with isolate=True) or a "
+                         "finite number of seconds > 0")
     if not isinstance(isolate, bool):
         raise TypeError(f"isolate: got {isolate!r}; accepted: True or False")
+    if timeout is not None and not isolate:
+        raise ValueError(f"timeout: got {timeout!r} with isolate=False; accepted: None, or isolate=True (a per-case "
+                         "timeout needs a worker process that can be killed; in this process nothing can stop a "
+                         "plugin that hangs)")
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs: got {jobs!r}; accepted: None (one per CPU) or an integer >= 1")
     return cases
@@ -146,21 +155,27 @@ def _declaration_errors(targets: list[Target]) -> tuple[list[Target], list[Backe
     return kept, refused
 
 
-def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False, timeout: float = 120.0,
+def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False, timeout: float | None = None,
           jobs: int | None = None, include_slow: bool = True, registry: Registry | None = None,
           progress=None, on_backend_done=None) -> Report:
     """Run the conformance cases on one or more backends and return a :class:`Report`.
 
     ``backends``: a backend instance or class, a registered name, a ``module:object`` spec, or a list
     of these. ``isolate=True`` runs each backend's plugin code in its own worker process with a per-case
-    ``timeout``, out of reach of the verdict; ``isolate=False`` runs it in this process, where a plugin that
-    patches NumPy or the harness can change the verdict (use it only for code you trust). ``progress(result)`` is
-    called as each variant finishes, and again for a variant whose status changes once its backend's run is
-    complete (a pass under a precision declaration that no variant needed becomes an unexpected pass);
-    ``on_backend_done(name, results)`` as each backend finishes.
+    ``timeout`` (default DEFAULT_CASE_TIMEOUT_S, 120 s), out of reach of the verdict, and a plugin that crashes, hangs
+    or exits is reported as that backend's while the others go on (a script that calls it needs an ``if __name__ ==
+    "__main__":`` guard: each worker imports the script again); ``isolate=False`` (the default: a backend defined in
+    a notebook runs as it is) runs it in this process, where a plugin that patches NumPy or the harness can change
+    the verdict, one that hangs hangs the call (``timeout`` is refused: nothing could enforce it) and one that
+    crashes the interpreter ends it (use it only for code you trust; a plugin's SystemExit is that case's error).
+    ``progress(result)`` is called as each variant finishes, and again for a variant whose status changes once its
+    backend's run is complete (a pass under a precision declaration that no variant needed becomes an unexpected
+    pass); ``on_backend_done(name, results)`` as each backend finishes.
     """
     start = time.perf_counter()
     cases = _check_arguments(cases, timeout, jobs, isolate)
+    if isolate:  # before any worker starts: a script without its main guard would run again in each of them
+        refuse_unguarded_main("mha_harness.check(isolate=True)")
     chosen = select_cases(cases, include_slow)
     targets, unavailable = resolve_targets(backends, registry)
     targets, refused = _declaration_errors(targets)
@@ -170,7 +185,8 @@ def check(backends, *, cases: Iterable[str] | None = None, isolate: bool = False
     for info in unavailable + refused:
         report.backends[info.name] = info
     if isolate:
-        by_backend = run_isolated(targets, chosen, timeout=timeout, jobs=jobs, progress=progress,
+        by_backend = run_isolated(targets, chosen, timeout=timeout or DEFAULT_CASE_TIMEOUT_S, jobs=jobs,
+                                  progress=progress,
                                   on_backend_done=on_backend_done)
         for t in targets:
             report.results += by_backend.get(t.name, [])

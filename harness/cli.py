@@ -143,8 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="run the conformance cases (each backend in its own worker process)")
     _add_selection(p)
     p.add_argument("--case", action="append", default=[], metavar="CASE", help="run only this case (repeatable)")
-    p.add_argument("--timeout", type=TIMEOUT, default=120.0, metavar="S",
-                   help="seconds per case before the worker is killed (default 120)")
+    p.add_argument("--timeout", type=TIMEOUT, default=None, metavar="S",
+                   help="seconds per case before the worker is killed (default 120; not with --no-isolate, where "
+                        "nothing can stop a plugin that hangs)")
     p.add_argument("--jobs", type=JOBS, default=None, help="backends checked at once (default: CPU count)")
     p.add_argument("--no-isolate", action="store_true",
                    help="run plugin code in this process (faster start; no crash isolation, and a plugin "
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="the main job: conformance of every available backend, mutation score and a "
                                    "quick benchmark sweep, written under results/")
     _add_selection(p)
-    p.add_argument("--timeout", type=TIMEOUT, default=120.0, metavar="S",
+    p.add_argument("--timeout", type=TIMEOUT, default=None, metavar="S",
                    help="seconds per conformance case before the worker is killed (default 120)")
     p.add_argument("--jobs", type=JOBS, default=None, help="backends checked at once (default: CPU count)")
     p.add_argument("--seq-lens", type=_lengths, default=None, metavar="N,N,...")
@@ -441,6 +442,10 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
     progress = ProgressLines()
 
     isolate = not getattr(args, "no_isolate", False)
+    if not isolate and args.timeout is not None:  # before anything runs: it could not be honoured
+        raise UsageError(f"--timeout: got {args.timeout:g} with --no-isolate; accepted: leave it out, or drop "
+                         "--no-isolate (a per-case timeout kills the backend's worker process; in this process "
+                         "nothing can stop a plugin that hangs)")
     runnable = [n for n in names if registry.get(n).backend is not None]
     try:
         report = check(runnable, cases=cases or None, isolate=isolate,

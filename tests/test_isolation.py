@@ -117,6 +117,11 @@ def test_sigterm_leaves_every_finished_result_in_valid_json(tmp_path):
     doc = json.loads(path.read_text())  # valid JSON, never half-written
     assert doc["complete"] is False
     assert any(r["backend"] == "numpy-naive" and r["status"] == "passed" for r in doc["results"])
+    # the case the interrupt cut short is not run, not an internal error of the harness blamed on the plugin (an
+    # outside user's report said "AttributeError: 'NoneType' object has no attribute 'exitcode'")
+    hung = [r for r in doc["results"] if r["backend"] == "hostile-hangs"]
+    assert all("NoneType" not in (r["message"] or "") and "AttributeError" not in (r["message"] or "")
+               for r in hung), hung
     leftovers = [p for p in (tmp_path / "conformance").iterdir() if p.name.endswith(".tmp")]
     assert not leftovers
 
@@ -429,3 +434,56 @@ def test_an_answer_is_read_whole_or_refused_within_its_deadline():
     os.write(child.fileno(), b"\x80\x04garbage")  # a negative length
     with pytest.raises(GarbledAnswer):
         recv_bytes_within(parent, 0.5)
+
+
+# --- the Python API: a script without its main guard, a timeout in-process, sys.exit in-process ----------------
+
+_SCRIPT = '''import mha_harness
+from mha_harness.implementations.numpy_naive import NumpyNaive
+
+
+class Mine(NumpyNaive):
+    name = "mine"
+{guard}
+report = mha_harness.check([Mine()], isolate=True, cases=["check_output_projection_mixes_heads"])
+print("statuses", [r.status.value for r in report.results])
+'''
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_that_starts_workers_without_its_main_guard_is_told_so_at_once(tmp_path, guarded):
+    """An outside user's plain script called check(isolate=True) at its top level: each worker imported the script
+    again and ran it, and after 600 s a correct backend failed with "the worker did not import and build the
+    backend within 300 s". Now the call is refused before any worker starts, naming the guard."""
+    body = _SCRIPT.format(guard='if __name__ == "__main__":' if guarded else "")
+    if guarded:
+        body = body.replace("\nreport =", "\n    report =").replace("\nprint(", "\n    print(")
+    script = tmp_path / "mine.py"
+    script.write_text(body)
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if guarded:
+        assert out.returncode == 0 and "statuses ['passed']" in out.stdout, out.stderr[-2000:]
+    else:
+        assert out.returncode == 1 and out.stdout.count("statuses") == 0
+        assert "has no `if __name__ == \"__main__\":` guard: put the call under" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_timeout_that_could_not_be_enforced_in_process_is_refused_naming_it(capsys):
+    import mha_harness
+    from mha_harness.cli import main
+    with pytest.raises(ValueError, match=r"timeout: got 3 with isolate=False; accepted: None, or isolate=True"):
+        mha_harness.check("numpy-naive", timeout=3)
+    assert main(["check", "--backend", "numpy-naive", "--no-isolate", "--timeout", "3"]) == 2
+    assert "--timeout: got 3 with --no-isolate; accepted: leave it out" in capsys.readouterr().err
+
+
+def test_sys_exit_in_a_plugin_run_in_process_is_its_error_and_the_run_goes_on():
+    """With isolate=False (the Python default) a plugin's sys.exit ended the user's script; now it is that case's
+    error and the next backend runs."""
+    import mha_harness
+    from tests.hostile_plugins import RaisesSystemExit
+    report = mha_harness.check([RaisesSystemExit(), "numpy-naive"], cases=[ONE_CASE])
+    statuses = {r.backend: r.status.value for r in report.results}
+    assert statuses == {"hostile-systemexit": "error", "numpy-naive": "passed"}, statuses
+    exited = next(r for r in report.results if r.backend == "hostile-systemexit")
+    assert "SystemExit(0) from the plugin's forward: the plugin called sys.exit" in exited.message

@@ -879,3 +879,17 @@ def test_a_variant_failing_under_its_declaration_points_to_the_same_case_s_undec
     assert all("that no declaration covers too, e.g. " in f.message and "fix those first" in f.message
                for f in declared), [f.message[-300:] for f in declared]
     assert not any("no declaration covers" in f.message for f in failures if not f.params.get("empty_row"))
+
+
+def test_each_compared_variant_records_its_bound_and_how_near_it_came():
+    """An outside user building a summary from Python had to parse the tolerance out of the message: each variant
+    that compared outputs records the comparison closest to its bound, a pass below 1 and a failure above."""
+    import mha_harness
+    report = mha_harness.check(["numpy-naive"], cases=["check_output_matches_reference"], include_slow=False)
+    passed = [r for r in report.results if r.status.value == "passed"]
+    assert passed and all(0 <= r.extra["error_to_bound"] < 1 and r.extra["bound"] > 0 for r in passed)
+    assert all(r.extra["error_to_bound"] == round(r.max_error / r.extra["bound"], 4) for r in passed)
+    from mha_harness.implementations.mutants import mutant_backends
+    scaled = next(m for m in mutant_backends() if m.name == "mutant-scale-sqrt-d-model")
+    failed = mha_harness.check([scaled], cases=["check_output_matches_reference"], include_slow=False).failures()
+    assert failed and all(r.extra["error_to_bound"] > 1 for r in failed)

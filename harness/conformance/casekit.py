@@ -301,6 +301,20 @@ def require(backend: AttentionBackend, *features: str) -> None:
 
 #: the behaviours of the declared divergences being verified now (empty: the case runs strictly)
 _DECLARED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("declared", default=())
+#: (largest error, bound) of each comparison a running case made (None outside :func:`comparisons_recorded`)
+_COMPARISONS: contextvars.ContextVar[list | None] = contextvars.ContextVar("comparisons", default=None)
+
+
+@contextlib.contextmanager
+def comparisons_recorded():
+    """Collect (largest error, bound) of every :func:`assert_close` made while the block runs, passed or failed:
+    the runner keeps the comparison closest to its bound, so a user sees how near a passing variant came."""
+    seen: list[tuple[float, float]] = []
+    token = _COMPARISONS.set(seen)
+    try:
+        yield seen
+    finally:
+        _COMPARISONS.reset(token)
 
 
 @contextlib.contextmanager
@@ -409,6 +423,9 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
         raise CaseFailure(f"{what}: expected finite values, got {actual[bad]} at {where}")
     diff = np.abs(actual - expected)
     err = float(diff.max()) if diff.size else 0.0
+    recorded = _COMPARISONS.get()
+    if recorded is not None and tol.bound > 0:
+        recorded.append((err, float(tol.bound)))
     if err > tol.bound:
         idx = np.unravel_index(int(diff.argmax()), diff.shape)
         where = ", ".join(f"{label} {int(row_ids[i]) if (row_ids is not None and label == 'position') else int(i)}"

@@ -307,12 +307,12 @@ class WorkerTransport:
         for kill in (lambda: os.killpg(process.pid, signal.SIGKILL), lambda: process.kill()):
             try:
                 kill()
-            except (ProcessLookupError, PermissionError, OSError, AttributeError):
-                pass
+            except (ProcessLookupError, PermissionError, OSError, AttributeError, TypeError):
+                pass  # TypeError: a process that never started has no pid
         reap(process, 5)
         try:
             os.killpg(process.pid, signal.SIGKILL)  # members that outlived the leader
-        except (ProcessLookupError, PermissionError, OSError):
+        except (ProcessLookupError, PermissionError, OSError, TypeError):
             pass
         try:
             self.conn.close()
@@ -364,7 +364,8 @@ class WorkerTransport:
                 if _STOPPING.is_set():
                     self.stop()
                     raise WorkerLost(Status.ERROR, "not run: the run was interrupted")
-                if not self.process.is_alive():
+                process = self.process  # None once an interrupt's handler stopped it from another thread
+                if process is None or not process.is_alive():
                     self._lost()
                 if deadline is not None and time.monotonic() >= deadline:
                     self.stop()
@@ -387,6 +388,11 @@ class WorkerTransport:
 
     def _lost(self):
         process = self.process
+        if _STOPPING.is_set():  # Ctrl-C or SIGTERM stopped the worker: the case was not run, nothing crashed
+            self.stop()
+            raise WorkerLost(Status.ERROR, "not run: the run was interrupted")
+        if process is None:
+            raise WorkerLost(Status.ERROR, "not run: the worker was stopped before it answered")
         exitcode = reap(process, 2)
         message = death_message(exitcode, self.oom_before, oom_kills())
         self.stop()

@@ -203,6 +203,10 @@ class Server:
         self.loaded.clear()
 
 
+class PluginExited(Exception):
+    """A plugin called ``sys.exit`` inside a call made in this process: reported as the case's error."""
+
+
 class InProcess:
     """Transport for ``isolate=False``: plugin code runs in this process (it can reach the verdict)."""
 
@@ -215,7 +219,11 @@ class InProcess:
         # the plugin gets copies and the case gets copies back, as across a worker's pipe: nothing the plugin does
         # later (a thread left running after a timeout) reaches the arrays a verdict is computed from; one deepcopy
         # keeps query is key is value
-        return _own_copy(getattr(self.server, op)(*_own_copy(args)))
+        try:
+            return _own_copy(getattr(self.server, op)(*_own_copy(args)))
+        except SystemExit as exc:  # sys.exit() in the plugin is that case's error, not the end of the whole run
+            raise PluginExited(f"SystemExit({exc.code!r}) from the plugin's {op}: the plugin called sys.exit (or "
+                               "raised SystemExit); in this process it would have ended the run") from None
 
     def begin_case(self, timeout: float | None) -> None:
         pass

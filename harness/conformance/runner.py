@@ -20,6 +20,7 @@ from mha_harness.conformance.casekit import (
     FormSkipped,
     Measurement,
     all_cases,
+    comparisons_recorded,
     form_skip_reason,
     variant_id,
     verifying,
@@ -190,8 +191,12 @@ def run_case(backend, case: Case, params: dict, *, spec: str | None = None,
     start = time.perf_counter()
     proxy.transport.begin_case(timeout)
     try:
-        with scores_as_declared(proxy.capabilities):  # the references of this backend's calls
-            _run_and_verify(proxy, case, params, result)
+        with scores_as_declared(proxy.capabilities), comparisons_recorded() as compared:
+            _run_and_verify(proxy, case, params, result)  # the references: as this backend declares its scores
+        if compared:  # the comparison closest to its bound (the worst one of a failure)
+            error, bound = max(compared, key=lambda c: c[0] / c[1])
+            result.extra["bound"] = bound
+            result.extra["error_to_bound"] = round(error / bound, 4)
     except WorkerLost as lost:
         result.status, result.message = lost.status, str(lost)
     finally:
