@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_selection(p)
     p.add_argument("--case", action="append", default=[], metavar="CASE", help="run only this case (repeatable)")
     p.add_argument("--timeout", type=TIMEOUT, default=None, metavar="S",
-                   help="seconds per case before the worker is killed (default 120; not with --no-isolate, where "
-                        "nothing can stop a plugin that hangs)")
+                   help="seconds per case before the worker is killed (default 120); not with --no-isolate, where "
+                        "nothing can stop a plugin that hangs")
     p.add_argument("--jobs", type=JOBS, default=None, help="backends checked at once (default: CPU count)")
     p.add_argument("--no-isolate", action="store_true",
                    help="run plugin code in this process (faster start; no crash isolation, and a plugin "
@@ -370,6 +370,10 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
+#: how many variants repeating a message already printed whole get a line of their own
+REPEATS_SHOWN = 3
+
+
 class ProgressLines:
     """Prints each failing variant as it finishes: its message (a message this case already printed for the backend
     is one short line naming that variant, and so is a failure whose diagnosis a variant of this backend already
@@ -383,6 +387,10 @@ class ProgressLines:
         self.shown_repro: set[tuple] = set()  # (backend, case, diagnosis) whose repro was shown
         self.first_with: dict[tuple, str] = {}  # (backend, case, status, message) -> the variant that printed it
         self.diagnosed_by: dict[tuple, str] = {}  # (backend, diagnosis) -> the variant that printed it in full
+        # (backend, status, message) -> the case[variant] that printed it: a load error repeats in every case (an
+        # outside user's plugin that raised in load printed 28 errors and 28 repro lines)
+        self.first_anywhere: dict[tuple, str] = {}
+        self.repeats: dict[tuple, int] = {}  # (backend, status, message) -> short lines printed for it
 
     def say(self, text: str) -> None:
         print(text, file=self.out or sys.stdout, flush=True)
@@ -402,6 +410,18 @@ class ProgressLines:
         diagnosis = result.extra.get("diagnosis") or ""
         this = f"{result.case}[{result.variant}]"  # variant ids repeat across cases: the other one is named whole
         first = self.diagnosed_by.setdefault((result.backend, diagnosis), this) if diagnosis else None
+        said = (result.backend, result.status, result.message)
+        anywhere = self.first_anywhere.setdefault(said, this)
+        if anywhere != this:  # printed whole before: a few short lines, then one saying the rest are in the report
+            self.repeats[said] = self.repeats.get(said, 0) + 1
+            if self.repeats[said] > REPEATS_SHOWN:
+                if self.repeats[said] == REPEATS_SHOWN + 1:
+                    self.say(f"  {result.status.upper():<8} {result.backend}: more variants with the same message "
+                             f"as {anywhere} (not printed; each is in the report)")
+                return
+            if same == result.variant:  # printed whole for another case: one short line, no repro either
+                self.say(f"  {result.status.upper():<8} {this}: the same message as {anywhere}")
+                return
         if same != result.variant:
             self.say(f"  {result.status.upper():<8} {result.case}[{result.variant}]: the same message as [{same}]")
         elif first is not None and first != this and diagnosis in result.message:

@@ -347,3 +347,24 @@ def test_check_progress_prints_a_repeated_message_once_and_the_diagnosed_variant
     assert out.getvalue().splitlines()[-2] == (
         "  FAILED   check_y[v3]: fails even under its declared divergence (compared against the bound of dtype "
         "float32): max error 1.5; the same diagnosis as check_x[v3] (the full message is in the report)")
+
+
+def test_a_message_repeated_across_cases_is_printed_whole_once_then_a_few_short_lines():
+    """An outside user's plugin that raised in load printed the same error with a repro line 28 times, once per case:
+    it is printed whole once, then a short line for each of the next variants up to REPEATS_SHOWN, then one line
+    saying the rest are in the report."""
+    import io
+
+    from mha_harness.cli import REPEATS_SHOWN, ProgressLines
+    from mha_harness.conformance.results import CaseResult, Status
+    out = io.StringIO()
+    progress = ProgressLines(out)
+    for i in range(10):
+        progress(CaseResult("b", f"check_{i}", "v", {}, Status.ERROR, message="RuntimeError: cannot build it",
+                            repro=f"repro-{i}"))
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("check_0[v]: RuntimeError: cannot build it") and lines[1].strip() == "repro: repro-0"
+    assert lines[2:2 + REPEATS_SHOWN] == [f"  ERROR    check_{i}[v]: the same message as check_0[v]"
+                                          for i in range(1, 1 + REPEATS_SHOWN)]
+    assert lines[2 + REPEATS_SHOWN:] == ["  ERROR    b: more variants with the same message as check_0[v] (not "
+                                         "printed; each is in the report)"]

@@ -629,3 +629,17 @@ def test_masked_scores_set_to_zero_instead_of_minus_inf_are_named():
                                         "check_padding_mask_output_matches_reference"}
     named = [r for r in failed if "masked scores set to 0 instead of -inf" in r.message]
     assert {r.case for r in named} == {r.case for r in failed}, [r.message for r in failed][:3]
+
+
+def test_one_query_against_one_key_names_both_an_inverted_mask_and_one_without_its_diagonal():
+    """Search shrank an outside user's triu(k=0) mask (no diagonal) to one query and one key, where it and an
+    inverted mask both leave no key: it named only the inverted mask; both are named now."""
+    import numpy as np
+
+    import mha_harness
+    from mha_harness.conformance.diagnoses import causal_hint
+    from mha_harness.contract.params import make_inputs, make_params
+    config = mha_harness.AttentionConfig(2, 1)
+    hint = causal_hint(np.zeros((1, 1, 2)), make_params(config), make_inputs(config, 1, 1, 1, causal="top-left"))
+    assert "cannot tell 2 mistakes apart" in hint and "the causal mask inverted" in hint \
+        and "a causal mask that excludes the diagonal" in hint, hint

@@ -267,28 +267,34 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
         return _together(["; the output matches a reversed causal mask: query i sees key i and every later key (the "
                           "future) instead of the keys up to i (triu where tril belongs: torch.triu, np.triu or "
                           "jnp.triu)", negated])
-    if matches(mistake.get("inverted")):
+    no_diagonal = matches(mistake.get("no_diagonal"))
+    if matches(mistake.get("inverted")):  # one query against one key: no key either way, as without the diagonal
         return _together(["; the output matches the causal mask inverted: query i sees only the keys after i (the "
                           "future), none of the keys up to i (the mask's polarity flipped: keys masked where they may "
                           "be attended, as masked_fill(mask == 1, ...) where mask == 0 belongs, or a keep-mask passed "
-                          "where a mask of the keys to hide is read)", negated])
+                          "where a mask of the keys to hide is read)", negated,
+                          _no_diagonal_words(alignment, tq, tk, inputs.form) if no_diagonal else ""])
     if negated:
         return negated
     if matches(mistake.get("one_key_too_wide")):
         return "; the output matches a causal mask one key too wide (query i also sees key i + 1)"
     hints = []  # at some shapes (one query against two keys) these two give the same output: both are named
-    if matches(mistake.get("no_diagonal")):
-        offset = causal_offset(alignment, tq, tk)
-        own_key = "key i" if offset == 0 else f"its own key, key i + {offset}"
-        step = f" ({ATTENDS_BEFORE_WRITING})" if inputs.form == "kv_cache" else ""
-        hints.append(f"; the output matches a causal mask that excludes the diagonal (query i cannot see {own_key})"
-                     + step)
+    if no_diagonal:
+        hints.append(_no_diagonal_words(alignment, tq, tk, inputs.form))
     late = written_one_slot_late(params, inputs)
     if late is not None and matches(late):
         hints.append(f"; the output matches {WRITTEN_ONE_SLOT_LATE}")
     if matches(mistake.get("other_alignment")):
         hints.append(f"; the output matches {alignment_mistake(alignment, inputs.form)}")
     return _together(hints)
+
+
+def _no_diagonal_words(alignment: str, tq: int, tk: int, form: str) -> str:
+    """The diagnosis of a causal mask without its diagonal, as a message suffix."""
+    offset = causal_offset(alignment, tq, tk)
+    own_key = "key i" if offset == 0 else f"its own key, key i + {offset}"
+    step = f" ({ATTENDS_BEFORE_WRITING})" if form == "kv_cache" else ""
+    return f"; the output matches a causal mask that excludes the diagonal (query i cannot see {own_key})" + step
 
 
 def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,

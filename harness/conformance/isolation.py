@@ -440,7 +440,7 @@ def _abandoned(target: Target, remainder: list, spec: str | None, progress) -> l
     message = (f"not run: {target.name}'s worker was lost {MAX_CONSECUTIVE_LOSSES} times in a row (timeouts or "
                f"crashes); its remaining {not_run} case variant(s) were abandoned"
                + (f" ({len(skips) - not_run} more skip on its declarations)" if not_run < len(skips) else "")
-               + "; each is listed in conformance.json")
+               + "; each is among the report's results (conformance.json, where one is written)")
     out = []
     for (case, params), skip in zip(remainder, skips):
         if skip is None:
