@@ -17,7 +17,7 @@ import importlib
 #: that needs none of them -- the pytest plugin, which pytest loads in every run of the environment -- pays
 #: nothing for the core, NumPy included.
 _PUBLIC = {
-    "check": "mha_harness.checking", "repro": "mha_harness.checking",
+    "check": "mha_harness.checking", "repro": "mha_harness.checking", "search": "mha_harness.checking",
     "Report": "mha_harness.conformance.report",
     **{name: "mha_harness.contract.api" for name in (
         "AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
@@ -46,6 +46,7 @@ __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionO
            "make_params",
            "masks",
            "parametrize_with_cases", "reference_attention", "reference_vjp", "reference_vjp_magnitudes", "repro",
+           "search",
            "RotaryScaling", "rotary_positions", "score_scale_as"]
 
 

@@ -213,6 +213,46 @@ def _case_named(case) -> Case:
     return cases[case]
 
 
+def search(backends, *, max_examples: int | None = None, seed: int | None = None, time_budget: float | None = None,
+           quick: bool = False, results=None, isolate: bool = False, timeout: float | None = None,
+           dtypes: Iterable[str] | None = None, gradients: bool = True, progress=None) -> list:
+    """The property-based search of ``mha-harness search`` ([search.md](docs/search.md)) from Python: for each of
+    ``backends`` (as :func:`check` takes them) draw layers and calls from what it declares, check each against the
+    float64 reference and shrink the first failure to a minimal example. Returns one
+    :class:`~mha_harness.conformance.search.SearchOutcome` per backend: ``passed``, ``examples``, ``seconds``,
+    ``example`` (the shrunk failing example, a dict; None when it passed), ``message``, ``repro`` and ``saved``
+    (``<results>/search/<backend>/<id>.json``, which :func:`check` then replays; nothing is saved when ``results``
+    is None, the default). ``max_examples`` (200, 50 with ``quick``) and ``time_budget`` (seconds) bound the
+    generation; ``seed`` makes it repeatable; ``dtypes`` and ``gradients=False`` narrow what is drawn. ``isolate``
+    and ``timeout`` as in :func:`check` (60 s per example when isolated). ``progress(line)`` gets the lines the
+    command prints."""
+    from pathlib import Path
+
+    from mha_harness.conformance.search import DEFAULT_MAX_EXAMPLES, QUICK_MAX_EXAMPLES, run_search
+    from mha_harness.conformance.strategies import SearchSpace
+    _check_arguments(None, timeout, None, isolate)
+    if max_examples is not None and (isinstance(max_examples, bool) or not isinstance(max_examples, int)
+                                     or max_examples < 1):
+        raise ValueError(f"max_examples: got {max_examples!r}; accepted: None or an integer >= 1")
+    if isolate:
+        refuse_unguarded_main("mha_harness.search(isolate=True)")
+    targets, unavailable = resolve_targets(backends)
+    if unavailable:
+        raise ValueError("backends: " + "; ".join(f"{info.name} is not available here: {info.reason}"
+                                                  for info in unavailable))
+    chosen = tuple(dtypes) if dtypes is not None else None
+    for target in targets:  # a dtype no backend declares is refused before anything runs
+        try:
+            SearchSpace.for_backend(target.backend, dtypes=chosen)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--dtype:", "dtypes:", 1)) from None
+    return run_search(targets, progress=progress or (lambda line: None),
+                      max_examples=max_examples or (QUICK_MAX_EXAMPLES if quick else DEFAULT_MAX_EXAMPLES),
+                      seed=seed, time_budget=time_budget, quick=quick,
+                      results=Path(results) if results is not None else Path("results"), save=results is not None,
+                      isolate=isolate, timeout=timeout or 60.0, dtypes=chosen, gradients=gradients)
+
+
 def repro(backend, case: str, *, backend_name: str | None = None, **params) -> None:
     """Rerun one case variant in this process and raise its failure (the one-line repro in reports).
 

@@ -387,3 +387,23 @@ def test_a_failure_message_is_shown_whole_up_to_1200_characters_and_cut_saying_w
     assert whole.lines()[1].strip().endswith(diagnosis)
     long = SearchOutcome("b", passed=False, message="x" * (MESSAGE_SHOWN_CHARS + 10), saved="/r/search/b/1.json")
     assert long.lines()[1].endswith("... (cut; the whole message is in /r/search/b/1.json)")
+
+
+def test_the_search_runs_from_python_saving_nothing_unless_given_a_results_folder(tmp_path, monkeypatch):
+    """An outside user in a notebook had to shell out to `mha-harness search`: mha_harness.search returns one
+    outcome per backend, writes nothing by default, and saves the shrunk example (which check replays) under
+    results/search/ when given a folder; its bad arguments name the parameter."""
+    import mha_harness
+    from mha_harness.implementations.mutants import mutant_backends
+    monkeypatch.chdir(tmp_path)
+    mutant = next(b for b in mutant_backends() if b.name == "mutant-scale-sqrt-d-model")
+    clean, found = mha_harness.search(["numpy-naive", mutant], quick=True, seed=0, time_budget=30)
+    assert clean.passed and clean.examples > 0 and clean.example is None
+    assert not found.passed and found.example is not None and "sqrt(d_model)" in found.message and found.saved is None
+    assert list(tmp_path.iterdir()) == []
+    saved, = mha_harness.search([mutant], quick=True, seed=0, time_budget=30, results=tmp_path / "r")
+    assert saved.saved and Path(saved.saved).is_file() and Path(saved.saved).parent.parent == tmp_path / "r" / "search"
+    with pytest.raises(ValueError, match=r"dtypes: got bfloat16; numpy-naive is searched in float32, float64"):
+        mha_harness.search("numpy-naive", dtypes=["bfloat16"])
+    with pytest.raises(ValueError, match=r"timeout: got 5 with isolate=False"):
+        mha_harness.search("numpy-naive", timeout=5)

@@ -14,6 +14,7 @@ earlier failures first.
 """
 from __future__ import annotations
 
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -201,7 +202,7 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
             drew[feature] += bool(example.get(features[feature][0]))
 
     test = settings(max_examples=max_examples, deadline=None, derandomize=False, report_multiple_bugs=False,
-                    database=DirectoryBasedExampleDatabase(str(folder / ".hypothesis" / target.name)),
+                    database=DirectoryBasedExampleDatabase(str(folder / ".hypothesis" / target.name)) if save else None,
                     suppress_health_check=list(HealthCheck), print_blob=False, verbosity=Verbosity.quiet,
                     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
                     )(given(examples(space))(body))
@@ -209,7 +210,9 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
         test = fixed_seed(seed)(test)
     outcome = SearchOutcome(target.name, passed=True)
     home = vars(configuration).get("__hypothesis_home_directory")
-    configuration.set_hypothesis_home_dir(folder / ".hypothesis")  # its caches too, not ./.hypothesis in the cwd
+    scratch = None if save else tempfile.TemporaryDirectory(prefix="mha-harness-search-")  # nothing left behind
+    # its caches too, not ./.hypothesis in the cwd
+    configuration.set_hypothesis_home_dir(folder / ".hypothesis" if save else Path(scratch.name))
     from hypothesis.errors import Unsatisfiable
     try:
         test()
@@ -224,6 +227,8 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
             raise
     finally:
         configuration.set_hypothesis_home_dir(home)
+        if scratch is not None:
+            scratch.cleanup()
         if isolate:
             transport.close()
     outcome.seconds = round(time.perf_counter() - start, 2)
