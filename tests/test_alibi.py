@@ -16,6 +16,7 @@ from mha_harness.contract.conventions import ALIBI_KINDS, alibi_slopes
 from mha_harness.contract.params import make_inputs, make_params
 from mha_harness.contract.reference import reference_attention
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+from tests.test_sliding_window import projected_heads
 
 CASE = "check_alibi_output_matches_reference"
 
@@ -45,10 +46,7 @@ def _biased_attention(params, inputs, bias_of):
     """Attention written per query row with ``bias_of(head, query position, key positions)`` added to the scaled
     scores, the call's causal mask at the queries' positions (the last Tq of the Tk)."""
     c = params.config
-    heads = lambda y, n: y.reshape(*y.shape[:2], n, -1).transpose(0, 2, 1, 3)  # noqa: E731
-    q = heads(inputs.query @ params.W_q + params.b_q, c.num_heads)
-    k = np.repeat(heads(inputs.key @ params.W_k + params.b_k, c.kv_heads), c.group, axis=1)
-    v = np.repeat(heads(inputs.value @ params.W_v + params.b_v, c.kv_heads), c.group, axis=1)
+    q, k, v = projected_heads(params, inputs)
     tq, tk = inputs.tq, inputs.tk
     out = np.zeros(q.shape)
     for i in range(tq):

@@ -18,15 +18,23 @@ WINDOW_CASES = ["check_sliding_window_output_matches_reference", "check_sliding_
                 "check_decode_step_over_filled_cache_matches_reference"]
 
 
-def _windowed_attention(params, inputs, window):
-    """Written out per query and key as transformers' sliding-window mask reads (``kv_idx > q_idx - sliding_window``
-    and, causal, ``kv_idx <= q_idx``, at cache positions), with a loop: query i at position i + offset, where offset
-    is the causal alignment's diagonal (bottom-right without a causal mask, flash-attn's window convention)."""
+def projected_heads(params, inputs):
+    """Q (B, H, Tq, d_head), K and V (B, H, Tk, d_head; grouped-query heads repeated for their group) of a layer
+    with biases, written out in float64."""
     c = params.config
     heads = lambda y, n: y.reshape(*y.shape[:2], n, -1).transpose(0, 2, 1, 3)  # noqa: E731
     q = heads(inputs.query @ params.W_q + params.b_q, c.num_heads)
     k = np.repeat(heads(inputs.key @ params.W_k + params.b_k, c.kv_heads), c.group, axis=1)
     v = np.repeat(heads(inputs.value @ params.W_v + params.b_v, c.kv_heads), c.group, axis=1)
+    return q, k, v
+
+
+def _windowed_attention(params, inputs, window):
+    """Written out per query and key as transformers' sliding-window mask reads (``kv_idx > q_idx - sliding_window``
+    and, causal, ``kv_idx <= q_idx``, at cache positions), with a loop: query i at position i + offset, where offset
+    is the causal alignment's diagonal (bottom-right without a causal mask, flash-attn's window convention)."""
+    c = params.config
+    q, k, v = projected_heads(params, inputs)
     tq, tk = inputs.tq, inputs.tk
     offset = 0 if inputs.causal == "top-left" else tk - tq
     out = np.zeros(q.shape)
