@@ -15,7 +15,13 @@ import dataclasses
 import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams
-from mha_harness.contract.conventions import ALIBI_KINDS, alibi_bias, alibi_slopes, rotary_positions
+from mha_harness.contract.conventions import (
+    ALIBI_KINDS,
+    alibi_bias,
+    alibi_bias_from,
+    alibi_slopes,
+    rotary_positions,
+)
 from mha_harness.contract.mistakes import distance, explains
 from mha_harness.contract.reference import reference_attention
 
@@ -25,11 +31,9 @@ from mha_harness.contract.reference import reference_attention
 ALIBI_MATCH = "ALiBi"
 
 
-def _bias(kind: str, slopes: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, sign: float = -1.0) -> np.ndarray:
-    """(1, H, Tq, Tk): ``sign * m_h * (p - s)`` (``kind`` "linear") or ``sign * m_h * |p - s|`` ("symmetric")."""
-    gap = (q_pos[:, None] - k_pos[None, :]).astype(np.float64)
-    gap = np.abs(gap) if kind == "symmetric" else gap
-    return (sign * np.asarray(slopes, np.float64)[:, None, None] * gap[None])[None]
+def _bias(kind: str, slopes: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """(1, H, Tq, Tk): :func:`~mha_harness.contract.conventions.alibi_bias_from` with a batch axis."""
+    return alibi_bias_from(kind, slopes, q_pos, k_pos)[None]
 
 
 def _with_bias(params: AttentionParams, inputs: AttentionInputs, bias: np.ndarray):
@@ -79,7 +83,7 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
                f"of {c.group} query heads: the bias has one slope per query head (alibi_slopes({n}))",
                *_with_bias(params, inputs, _bias(kind, per_kv, q_pos, k_pos)))
     yield ("; the output matches the ALiBi bias with its sign flipped: +m * distance favours the distant keys "
-           "(the bias is -m * distance)", *_with_bias(params, inputs, _bias(kind, slopes, q_pos, k_pos, +1.0)))
+           "(the bias is -m * distance)", *_with_bias(params, inputs, -_bias(kind, slopes, q_pos, k_pos)))
     if tq != tk:
         shift = f"+ {tk - tq}" if tk > tq else f"- {tq - tk}"
         yield (f"; the output matches an ALiBi bias that puts query i at position i, not i {shift} (the last query is "

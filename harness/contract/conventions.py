@@ -313,7 +313,14 @@ def alibi_bias(kind: str, num_heads: int, tq: int, tk: int, q_idx=None) -> np.nd
     q_pos, k_pos = rotary_positions(tq, tk)
     if q_idx is not None:
         q_pos = q_pos[np.asarray(q_idx)]
-    distance = (q_pos[:, None] - k_pos[None, :]).astype(np.float64)
+    return alibi_bias_from(kind, alibi_slopes(num_heads), q_pos, k_pos)
+
+
+def alibi_bias_from(kind: str, slopes, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """The bias of ``kind`` (float64, (len(slopes), len(q_pos), len(k_pos))) with any slopes and positions:
+    ``-m_h * |p - s|`` ("symmetric") or ``-m_h * (p - s)`` ("linear"); :func:`alibi_bias` gives it the paper's
+    slopes and the call's positions, a diagnosis or a mutant wrong ones."""
+    distance = (np.asarray(q_pos)[:, None] - np.asarray(k_pos)[None, :]).astype(np.float64)
     if kind == "symmetric":
         distance = np.abs(distance)
-    return -alibi_slopes(num_heads)[:, None, None] * distance[None]
+    return -np.asarray(slopes, np.float64)[:, None, None] * distance[None]

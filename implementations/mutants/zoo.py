@@ -15,6 +15,7 @@ from mha_harness.contract.conventions import (
     ROTARY_KINDS,
     ROTARY_SCALING_KINDS,
     TOP_LEFT,
+    alibi_bias_from,
     alibi_slopes,
     causal_offset,
     rotary_pairs,
@@ -604,11 +605,8 @@ class SlidingWindowFromQueryIndex(NumpyNaiveLoaded):
 
 
 def _alibi_of(kind: str, slopes: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
-    """(1, H, Tq, Tk): ``-m_h * |p - s|`` ("symmetric") or ``-m_h * (p - s)`` ("linear") with these slopes and
-    positions, as a hand-written layer builds it."""
-    gap = (q_pos[:, None] - k_pos[None, :]).astype(np.float64)
-    gap = np.abs(gap) if kind == "symmetric" else gap
-    return -(slopes[:, None, None] * gap[None])[None]
+    """(1, H, Tq, Tk): the bias of ``kind`` with these (wrong) slopes or positions."""
+    return alibi_bias_from(kind, slopes, q_pos, k_pos)[None]
 
 
 class AlibiSlopesReversed(NumpyNaiveLoaded):
