@@ -468,6 +468,28 @@ def test_a_script_that_starts_workers_without_its_main_guard_is_told_so_at_once(
         assert "has no `if __name__ == \"__main__\":` guard: put the call under" in out.stderr, out.stderr[-2000:]
 
 
+_BENCH_SCRIPT = '''from mha_harness.bench.sweep import BenchConfig, run_bench
+from mha_harness.implementations.numpy_naive import NumpyNaive
+
+config = BenchConfig(d_model=32, num_heads=4, budget_s=0.1, warm_up_s=0.02, min_sample_s=0.002, turn_s=0.01)
+doc = run_bench([NumpyNaive()], None, seq_lens=[16], config=config, log=lambda *a, **k: None)
+print("points", len(doc["points"]))
+'''
+
+
+def test_a_script_that_benchmarks_without_its_main_guard_is_told_so_before_a_worker_starts(tmp_path):
+    """run_bench spawns a worker per backend, which imports the main script again: a script calling it at its top
+    level ran its sweep again inside every worker. It is refused before the roofs are measured, naming the guard
+    (bench has no in-process alternative to offer)."""
+    script = tmp_path / "bench_mine.py"
+    script.write_text(_BENCH_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "points" not in out.stdout, out.stdout[-2000:]
+    assert ("mha_harness.bench.sweep.run_bench was called from" in out.stderr
+            and "has no `if __name__ == \"__main__\":` guard: put the call under" in out.stderr), out.stderr[-2000:]
+    assert "isolate=False" not in out.stderr
+
+
 def test_a_timeout_that_could_not_be_enforced_in_process_is_refused_naming_it(capsys):
     import mha_harness
     from mha_harness.cli import main

@@ -54,6 +54,7 @@ from mha_harness.bench.worker import CRASHED, OUT_OF_MEMORY, TIMEOUT, BackendWor
 from mha_harness.contract.conventions import DEFAULT_QK_NORM_EPS, DEFAULT_ROTARY_BASE
 from mha_harness.util.atomic import check_writable, write_bytes_atomic, write_json_atomic
 from mha_harness.util.install import install_hint
+from mha_harness.util.main_guard import refuse_unguarded_main
 
 DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
@@ -1193,6 +1194,8 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
                          backward=backward, query_lens=query_lens)
     by_name = {b.name: b for b in backends}
     runnable = any(unsupported(by_name[p.backend], shape_of(p, config)) is None for group in groups for p in group)
+    if runnable:  # each backend's worker is spawned: it imports the main script again
+        refuse_unguarded_main("mha_harness.bench.sweep.run_bench", alternative=None)
     try:
         machine = machine_info(config.threads, roofs=runnable)
     except KeyboardInterrupt:

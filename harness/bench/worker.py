@@ -19,6 +19,7 @@ import signal
 import time
 from contextlib import contextmanager
 
+from mha_harness.util.main_guard import refuse_unguarded_main
 from mha_harness.util.pipes import GarbledAnswer, reap, recv_bytes_within
 from mha_harness.util.rebuild import backend_payload, build_backend
 
@@ -343,6 +344,7 @@ class BackendWorker:
 
     def _start(self) -> None:
         from mha_harness.bench.threads import thread_env
+        refuse_unguarded_main("a benchmark's worker process", alternative=None)  # before spawn imports the script
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
         process = context.Process(target=_worker_main, args=(child, self.payload, self.threads),
