@@ -100,11 +100,23 @@ def test_the_feature_benchmarks_time_the_layer_with_its_features_and_skip_a_back
             llama.setup("numpy-tiled", 64)
         except NotImplementedError as exc:
             print("skip:", exc)
+        bloom = features.BloomLayer()
+        bloom.setup("numpy-naive", 64)
+        assert bloom.shape.alibi == "linear" and bloom.shape.causal and not bloom.shape.cached
+        bloom_decode = features.BloomDecode()
+        bloom_decode.setup("numpy-naive", 64)
+        assert bloom_decode.shape.cached and bloom_decode.shape.tq == 1 and bloom_decode.shape.alibi == "linear"
+        bloom_decode.time_bloom_decode("numpy-naive", 64)
+        try:
+            bloom.setup("numpy-tiled", 64)
+        except NotImplementedError as exc:
+            print("skip:", exc)
     """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MHA_ASV_BACKENDS": "numpy-naive,numpy-tiled"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert "skip: no half_split rotary embeddings (capabilities.rotary declares: none)" in out.stdout, out.stdout
+    assert "skip: no linear ALiBi" in out.stdout, out.stdout
 
 
 def test_only_the_memory_benchmark_pins_the_mmap_threshold_its_timings_run_with_glibcs_default(tmp_path):
