@@ -30,6 +30,7 @@ from mha_harness.conformance.casekit import (
     on_primary_dtype,
     precision_level_hint,
     primary_dtype,
+    record_comparison,
     require,
     run,
     scores_fit_named,
@@ -306,6 +307,8 @@ def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
     real = ~query_padded[:, :, None]
     diff = np.where(real, np.abs(after - base), 0)
     bad = np.argwhere(real & ~(diff <= tol.bound))
+    if np.isfinite(diff).all():
+        record_comparison(float(np.max(diff)), tol.bound)
     if len(bad):
         b, t, f = bad[0]
         failure = CaseFailure(f"padding leak: padded {_what_changed(form)} set to {poison} changed the output of real "

@@ -893,3 +893,19 @@ def test_each_compared_variant_records_its_bound_and_how_near_it_came():
     scaled = next(m for m in mutant_backends() if m.name == "mutant-scale-sqrt-d-model")
     failed = mha_harness.check([scaled], cases=["check_output_matches_reference"], include_slow=False).failures()
     assert failed and all(r.extra["error_to_bound"] > 1 for r in failed)
+
+
+def test_the_padding_leak_case_records_its_bound_as_the_comparisons_through_assert_close_do():
+    """The padding leak case compares the backend's outputs before and after poisoning padded keys without
+    assert_close; its finite comparisons are recorded too (a NaN reaching an output has no distance to record)."""
+    import mha_harness
+    from mha_harness.implementations.mutants import mutant_backends
+    case = ["check_padding_mask_blocks_padded_keys"]
+    report = mha_harness.check(["numpy-naive"], cases=case, isolate=False)
+    passed = [r for r in report.results if r.status.value == "passed"]
+    assert passed and all(0 <= r.extra["error_to_bound"] < 1 and r.extra["bound"] > 0 for r in passed), \
+        [r.extra for r in passed]
+    ignored = next(m for m in mutant_backends() if m.name == "mutant-padding-ignored")
+    failed = mha_harness.check([ignored], cases=case, isolate=False).failures()
+    random = [r for r in failed if r.params.get("poison") == "random"]
+    assert random and all(r.extra["error_to_bound"] > 1 for r in random), [r.extra for r in random]

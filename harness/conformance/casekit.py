@@ -317,6 +317,14 @@ def comparisons_recorded():
         _COMPARISONS.reset(token)
 
 
+def record_comparison(error: float, bound: float) -> None:
+    """Count one comparison of a case that compares without :func:`assert_close` (its largest finite error against
+    its bound) for the runner's ``extra["bound"]`` and ``extra["error_to_bound"]``; nothing outside a run."""
+    recorded = _COMPARISONS.get()
+    if recorded is not None and bound > 0 and np.isfinite(error):
+        recorded.append((float(error), float(bound)))
+
+
 @contextlib.contextmanager
 def verifying(*behaviours: str):
     """Run a case under declared behaviours (see :class:`mha_harness.Divergence`), every one a variant's
@@ -423,9 +431,7 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, tol: Tolerance, what:
         raise CaseFailure(f"{what}: expected finite values, got {actual[bad]} at {where}")
     diff = np.abs(actual - expected)
     err = float(diff.max()) if diff.size else 0.0
-    recorded = _COMPARISONS.get()
-    if recorded is not None and tol.bound > 0:
-        recorded.append((err, float(tol.bound)))
+    record_comparison(err, tol.bound)
     if err > tol.bound:
         idx = np.unravel_index(int(diff.argmax()), diff.shape)
         where = ", ".join(f"{label} {int(row_ids[i]) if (row_ids is not None and label == 'position') else int(i)}"
