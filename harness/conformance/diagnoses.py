@@ -26,6 +26,7 @@ from mha_harness.contract.mistakes import (
     WRITTEN_ONE_SLOT_LATE,
     alignment_mistake,
     causal_mask_mistakes,
+    diagnosis_margin,
     explains,
     folded_into_attn_mask,
     with_fused_qkv_misread,
@@ -419,7 +420,7 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
     candidates.append(("concat(heads) without the output projection W_o (and b_o): W_o is missing",
                        lambda: reference_attention(params.replace(W_o=np.eye(c.d_model), b_o=no_bias), inputs).output))
     truth = reference_attention(params, inputs).output
-    margin = max(10 * bound, 1e-4)
+    margin = diagnosis_margin(bound)
     found = []
     for label, output in candidates:
         wrong = output()

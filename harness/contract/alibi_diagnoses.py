@@ -22,7 +22,7 @@ from mha_harness.contract.conventions import (
     alibi_slopes,
     rotary_positions,
 )
-from mha_harness.contract.mistakes import distance, explains
+from mha_harness.contract.mistakes import closest_mistake
 from mha_harness.contract.reference import reference_attention
 
 #: in every ALiBi diagnosis: a failure naming one drops its guess of a precision from the error's size (a wrong bias
@@ -102,7 +102,7 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs):
 def alibi_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                 rows: list[int] | None = None) -> tuple[str, float] | None:
     """The ALiBi mistake a failing whole output ``got`` matches within
-    ``max(10 * bound, 1e-4)`` and explains better than the correct layer
+    ``diagnosis_margin(bound)`` and explains better than the correct layer
     (:func:`~mha_harness.contract.mistakes.explains`), the closest of those that match, as (sentence to append, its
     distance from ``got``); for a layer built without ALiBi, a bias applied anyway; None when none matches.
     ``rows``: ``got`` holds only these query rows, and each reference is computed at them."""
@@ -110,15 +110,9 @@ def alibi_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if not np.all(np.isfinite(got)) or inputs.tk < 2:  # one key: no distance to bias
         return None
     truth = np.asarray(reference_attention(params, inputs, rows=rows).output, np.float64)
-    margin = max(10 * bound, 1e-4)
-    found = []
-    for label, wrong_params, wrong_inputs in _candidates(params, inputs):
-        wrong = np.asarray(reference_attention(wrong_params, wrong_inputs, rows=rows).output, np.float64)
-        if distance(got, wrong) <= margin and explains(got, wrong, truth):
-            found.append((label, distance(got, wrong)))
-    if not found:
-        return None
-    return min(found, key=lambda item: item[1])
+    outputs = ((label, np.asarray(reference_attention(wrong_params, wrong_inputs, rows=rows).output, np.float64))
+               for label, wrong_params, wrong_inputs in _candidates(params, inputs))
+    return closest_mistake(got, truth, outputs, bound)
 
 
 def alibi_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,

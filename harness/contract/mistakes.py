@@ -41,6 +41,37 @@ def explains(got: np.ndarray, wrong: np.ndarray, truth: np.ndarray) -> bool:
     return distance(got, wrong) < 0.5 * distance(got, truth)
 
 
+def diagnosis_margin(bound: float) -> float:
+    """How far a known mistake's output may lie from a failed output and still be named: ten times the failed
+    bound (the mistake's own float64 path rounds too, and a layer in half precision rounds its way to it), at least
+    1e-4."""
+    return max(10 * bound, 1e-4)
+
+
+def closest_mistake(got: np.ndarray, truth: np.ndarray, candidates, bound: float, *,
+                    name_ties: bool = False) -> tuple[str, float] | None:
+    """The known mistake a failed output ``got`` matches: of ``candidates`` (an iterable of (sentence to append,
+    the mistake's output), computed as it is consumed), those within :func:`diagnosis_margin` of ``got`` that
+    :func:`explains` better than the correct output ``truth``, the closest, as (sentence, its distance from
+    ``got``); None when none matches. ``name_ties``: mistakes that give this call the very same output are named
+    together, the first listed first ("; or, the same output at this call, ...")."""
+    margin = diagnosis_margin(bound)
+    found = []
+    for label, wrong in candidates:
+        gap = distance(got, wrong)
+        if gap <= margin and explains(got, wrong, truth):
+            found.append((label, gap))
+    if not found:
+        return None
+    best = min(gap for _, gap in found)
+    if not name_ties:
+        return next(item for item in found if item[1] == best)
+    tied = list(dict.fromkeys(label for label, gap in found if gap <= best + 1e-12 * (1.0 + best)))
+    prefix = "; the output matches "
+    others = "".join(f"; or, the same output at this call, {label.removeprefix(prefix)}" for label in tied[1:])
+    return tied[0] + others, best
+
+
 def explains_as_a_scale(got: np.ndarray, wrong: np.ndarray, truth: np.ndarray, uniform: np.ndarray) -> bool:
     """Whether a wrong score scale's output ``wrong`` explains a failed output ``got``: better than the correct
     output ``truth`` (:func:`explains`) and better than ``uniform``, the layer's output with every score 0 (uniform

@@ -13,7 +13,7 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import QK_NORMS, QK_NORMS_PER_HEAD, QK_NORMS_WITH_BIAS
-from mha_harness.contract.mistakes import distance, explains
+from mha_harness.contract.mistakes import closest_mistake
 from mha_harness.contract.reference import qk_norm_mistaken, qk_normed, reference_attention
 from mha_harness.contract.validation import qk_norm_bias_shapes, qk_norm_gain_shapes
 
@@ -114,7 +114,7 @@ def with_unit_qk_norm(params: AttentionParams, kind: str) -> AttentionParams:
 
 def qk_norm_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                  compare: np.ndarray | None = None, rows: list[int] | None = None) -> str:
-    """The q/k-norm mistake a failing output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains
+    """The q/k-norm mistake a failing output ``got`` matches within ``diagnosis_margin(bound)`` and explains
     better than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), as a sentence to append; "".
     A layer with a norm: each of :data:`MISTAKES`; a layer without one: q and k normed anyway (gains 1), each kind.
     ``compare``: the (batch, Tq) rows of ``got`` that are specified (padded queries' are not). ``rows``: ``got``
@@ -135,17 +135,16 @@ def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
         return None
     c = params.config
     truth = pick(reference_attention(params, inputs, rows=rows).output)
-    margin = max(10 * bound, 1e-4)
-    found = []
-    if c.qk_norm is None:
-        for kind in QK_NORMS:
-            wrong = pick(reference_attention(with_unit_qk_norm(params, kind), inputs, rows=rows).output)
-            if distance(got, wrong) <= margin and explains(got, wrong, truth):
-                found.append((f"; the output matches a q/k norm, {_WORDS[kind]}, in a layer built without "
-                              f"one: a layer with such a norm declares it, Capabilities(qk_norms=({kind!r},)), and "
-                              "builds its norms from config.qk_norm (the identity when it is None): \"A layer with a "
-                              "norm on q and k\" in docs/plugins.md", distance(got, wrong)))
-    else:
+
+    def outputs():
+        if c.qk_norm is None:
+            for kind in QK_NORMS:
+                yield (f"; the output matches a q/k norm, {_WORDS[kind]}, in a layer built without one: a layer "
+                       f"with such a norm declares it, Capabilities(qk_norms=({kind!r},)), and builds its norms from "
+                       "config.qk_norm (the identity when it is None): \"A layer with a norm on q and k\" in "
+                       "docs/plugins.md", pick(reference_attention(with_unit_qk_norm(params, kind), inputs,
+                                                                  rows=rows).output))
+            return
         mistakes = mistakes_of(c.qk_norm, c.qk_norm_eps)
         if c.rotary is not None and np.shape(params.g_q) == np.shape(params.g_k):
             mistakes["gains_swapped"] = GAINS_SWAPPED
@@ -153,6 +152,5 @@ def qk_norm_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
             with np.errstate(divide="ignore", invalid="ignore"), \
                     qk_norm_mistaken(mistake, mistaken_qk_norm(params, mistake)):  # epsilon 0 over a constant group:
                 wrong = pick(reference_attention(params, inputs, rows=rows).output)  # 0 / 0, no match
-            if distance(got, wrong) <= margin and explains(got, wrong, truth):
-                found.append(("; the output matches " + label, distance(got, wrong)))
-    return min(found, key=lambda f: f[1]) if found else None
+            yield "; the output matches " + label, wrong
+    return closest_mistake(got, truth, outputs(), bound)

@@ -17,7 +17,7 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import COMMON_ROTARY_BASES, COMMON_ROTARY_SCALINGS, ROTARY_KINDS, rotary_pairs
-from mha_harness.contract.mistakes import distance, explains
+from mha_harness.contract.mistakes import closest_mistake
 from mha_harness.contract.reference import reference_attention, rotary_mistaken
 
 #: every rotary diagnosis says so (a failure with one drops its guess of a precision from the error's size)
@@ -213,7 +213,7 @@ def pairing_permutation(config, inverse: bool = False) -> np.ndarray:
 
 def rotary_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                  compare: np.ndarray | None = None, rows: list[int] | None = None) -> tuple[str, float] | None:
-    """The rotary mistake a failing whole output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains better
+    """The rotary mistake a failing whole output ``got`` matches within ``diagnosis_margin(bound)`` and explains better
     than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), the closest of those that match, as
     (sentence to append, its distance from ``got``); None when none matches. Mistakes that give this call the same
     output (one new query and one cached key: the new tokens turned from 0 is no rotary at all) are named together,
@@ -225,20 +225,13 @@ def rotary_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
     if not np.all(np.isfinite(got)):
         return None
     truth = pick(reference_attention(params, inputs, rows=rows).output)
-    margin = max(10 * bound, 1e-4)
-    found = []
-    for label, wrong_params, mistake in _candidates(params, inputs):
-        with rotary_mistaken(mistake):
-            wrong = pick(reference_attention(wrong_params, inputs, rows=rows).output)
-        if distance(got, wrong) <= margin and explains(got, wrong, truth):
-            found.append((label, distance(got, wrong)))
-    if not found:
-        return None
-    best = min(distance for _, distance in found)
-    tied = list(dict.fromkeys(label for label, distance in found if distance <= best + 1e-12 * (1.0 + best)))
-    prefix = "; the output matches "
-    others = "".join(f"; or, the same output at this call, {label.removeprefix(prefix)}" for label in tied[1:])
-    return tied[0] + others, best
+
+    def outputs():
+        for label, wrong_params, mistake in _candidates(params, inputs):
+            with rotary_mistaken(mistake):
+                wrong = pick(reference_attention(wrong_params, inputs, rows=rows).output)
+            yield label, wrong
+    return closest_mistake(got, truth, outputs(), bound, name_ties=True)
 
 
 def rotary_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,

@@ -13,7 +13,7 @@ import numpy as np
 
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import TOP_LEFT, window_allows, window_offset
-from mha_harness.contract.mistakes import distance, explains, folded_into_attn_mask
+from mha_harness.contract.mistakes import closest_mistake, diagnosis_margin, folded_into_attn_mask
 from mha_harness.contract.reference import WINDOW_FIELD, reference_attention, without_masks
 
 #: the longest call at whose every window width a windowed layer's output is compared (one reference each)
@@ -96,7 +96,7 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
 
 def window_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
                  rows: list[int] | None = None) -> tuple[str, float] | None:
-    """The sliding-window mistake a failing whole output ``got`` matches within ``max(10 * bound, 1e-4)`` and explains
+    """The sliding-window mistake a failing whole output ``got`` matches within ``diagnosis_margin(bound)`` and explains
     better than the correct layer (:func:`~mha_harness.contract.mistakes.explains`), the closest of those that match,
     as (sentence to append, its distance from ``got``); None when none matches. Mistakes that give this call the same
     output are named together. ``rows``: ``got`` holds only these query rows (a benchmarked call's checked rows),
@@ -106,19 +106,10 @@ def window_match(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
     if not np.all(np.isfinite(got)) or (rows is not None and params.config.sliding_window is None):
         return None
     truth = np.asarray(reference_attention(params, inputs, rows=rows).output, np.float64)
-    margin = max(10 * bound, 1e-4)
-    found = []
-    for label, wrong_params, wrong_inputs in _candidates(params, inputs, got, truth, margin):
-        wrong = np.asarray(reference_attention(wrong_params, wrong_inputs, rows=rows).output, np.float64)
-        if distance(got, wrong) <= margin and explains(got, wrong, truth):
-            found.append((label, distance(got, wrong)))
-    if not found:
-        return None
-    best = min(d for _, d in found)
-    tied = [label for label, d in found if d <= best + 1e-12 * (1.0 + best)]
-    prefix = "; the output matches "
-    others = "".join(f"; or, the same output at this call, {label.removeprefix(prefix)}" for label in tied[1:])
-    return tied[0] + others, best
+    outputs = ((label, np.asarray(reference_attention(wrong_params, wrong_inputs, rows=rows).output, np.float64))
+               for label, wrong_params, wrong_inputs in _candidates(params, inputs, got, truth,
+                                                                    diagnosis_margin(bound)))
+    return closest_mistake(got, truth, outputs, bound, name_ties=True)
 
 
 def window_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float,
