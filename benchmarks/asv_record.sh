@@ -21,15 +21,18 @@ html="${ASV_HTML_DIR:-results/html}"
 # boots of the same VM, and asv files results under every machine field, so a new figure would start a separate
 # series in the dashboard for the same machine. A machine not yet in ~/.asv-machine.json gets an entry holding its
 # name first: `asv machine` (0.6.6) passes on only the fields that differ from its defaults, so a name equal to
-# this host's was dropped and, with no entry yet, it failed with KeyError: 'machine' on a fresh machine.
+# this host's was dropped and, with no entry yet, it failed with KeyError: 'machine' on a fresh machine. The entry
+# is looked up by its exact name: asv's own lookup gives a name equal to the host's the file's only entry when
+# there is one, and an outside user's results went under another session's machine (its RAM overwritten) while
+# this script said they were this host's.
 ram="$(python - "${ASV_CONFIG:-asv.conf.json}" "$machine" <<'EOF'
 import json, os, sys
 from asv.config import Config
 from asv.machine import MachineCollection
-from asv.util import UserError
-try:
-    MachineCollection.load(sys.argv[2])
-except UserError:
+known = {}
+if os.path.isfile(MachineCollection.get_machine_file_path()):
+    known = json.load(open(MachineCollection.get_machine_file_path()))
+if sys.argv[2] not in known:
     MachineCollection.save(sys.argv[2], {"machine": sys.argv[2]})
 path = os.path.join(Config.load(sys.argv[1]).results_dir, sys.argv[2], "machine.json")
 print(json.load(open(path)).get("ram", "") if os.path.exists(path) else "")

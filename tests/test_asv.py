@@ -219,13 +219,18 @@ def test_the_readmes_plugin_route_into_asv_leaves_the_committed_results_alone(tm
     directly rewrote the committed results/asv/benchmarks.json with the plugin's backend alone; the documented route,
     ``regenerate_results.sh --steps asv --results DIR``, writes its own asv config, results and dashboard under DIR.
     Under the default machine name, this host's, with no ~/.asv-machine.json yet (an outside user's fresh machine:
-    asv 0.6.6's `asv machine` dropped a name equal to its default and failed with KeyError: 'machine')."""
+    asv 0.6.6's `asv machine` dropped a name equal to its default and failed with KeyError: 'machine'), and with a
+    ~/.asv-machine.json holding one other machine (another session's, on a shared account: asv's lookup gave the
+    host's name that entry, and the results went under it, its RAM overwritten, while the script named this host)."""
     plugin_dir = tmp_path / "plugin"
     plugin_dir.mkdir()
     (plugin_dir / "my_asv_attn.py").write_text(PLUGIN)
     committed = {p: p.read_bytes() for p in (ROOT / "results" / "asv").rglob("*") if p.is_file()}
     home = tmp_path / "home"  # asv machine writes ~/.asv-machine.json: not the user's
     home.mkdir()
+    other = {"other-box": {"machine": "other-box", "ram": "1 kB", "arch": "x", "cpu": "x", "num_cpu": "1",
+                           "os": "x"}, "version": 1}
+    (home / ".asv-machine.json").write_text(json.dumps(other))
     out = _regenerate_asv(tmp_path / "out", {"HOME": str(home), "ASV_PYTHONPATH": str(plugin_dir),
                                              "MHA_ASV_BACKEND_SPECS": "my_asv_attn:MyAttention",
                                              "MHA_ASV_SEQ_LENS": "64", "ASV_BENCH": "TimeForward.time_forward"})
@@ -239,6 +244,8 @@ def test_the_readmes_plugin_route_into_asv_leaves_the_committed_results_alone(tm
     entry = doc["results"]["bench_time.TimeForward.time_forward"]
     assert any(isinstance(v, float) and v > 0 for v in entry[doc["result_columns"].index("result")])
     assert (tmp_path / "out" / "html" / "index.html").exists()
+    assert not (tmp_path / "out" / "asv" / "other-box").exists()
+    assert json.loads((home / ".asv-machine.json").read_text())["other-box"] == other["other-box"]
     # asv keeps no load with its figures: the run prints it before and after (an outside user's asv figures beside
     # another session's runs were up to 35x bench's, with nothing to say so)
     assert "load average" in out.stdout and "before asv run" in out.stdout and "after asv run" in out.stdout
