@@ -205,7 +205,8 @@ def check_causal_jacobian_zero_for_future_inputs(backend, *, form, dtype, alignm
                 b, t, f = np.argwhere(future != 0)[0]
                 shown = INPUT_NAMES[form][name]
                 seen = f"row {rows[0]}" if len(rows) == 1 else f"rows {rows[0]}..{rows[-1]}"
-                what = (f"d(output {seen}, which may see keys <= {cut})/d{shown} at position {cut + 1 + t} is "
+                wrt = shown if " " not in shown else f"({shown})"  # a phrase goes in parentheses
+                what = (f"d(output {seen}, which may see keys <= {cut})/d{wrt} at position {cut + 1 + t} is "
                         f"{future[b, t, f]:.3g} (batch {b}, feature {f}); expected exactly 0")
                 if not np.isfinite(future[b, t, f]):
                     raise CaseFailure(f"{alignment} causal gradients not finite: {what}"

@@ -146,6 +146,7 @@ class _TorchLoaded(mha_harness.LoadedAttention):
         return y.reshape(b, t, self.h, width // self.h).transpose(1, 2)
 
     detach_new_kv = False  # the bug of TorchGradientOfNewRowsAsQueriesOnly
+    keys_past_diagonal = 0  # 1: the bug of TorchOneFutureKey
 
     def _step(self, x_new, x_cached, bias):
         torch = self.torch
@@ -155,7 +156,7 @@ class _TorchLoaded(mha_harness.LoadedAttention):
         q = self._heads(self.lin["q"](x_new))
         tq, tk = q.shape[2], k.shape[2]
         scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-        keep = torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
+        keep = torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq) + self.keys_past_diagonal
         if bias is not None:
             bias = torch.as_tensor(bias, dtype=self.dt)
             keep = keep & torch.isfinite(bias)
@@ -214,4 +215,16 @@ class TorchGradientOfNewRowsAsQueriesOnly(TorchKVCacheAttention):
     def load_native(self, params, dtype):
         loaded = _TorchLoaded(params, dtype)
         loaded.detach_new_kv = True
+        return loaded
+
+
+class TorchOneFutureKey(TorchKVCacheAttention):
+    """A KV-cache layer whose causal mask lets each new query see the next new token (GPT-2's tril buffer sliced one
+    key too wide): its gradients reach the future, which the causal Jacobian case names."""
+
+    name = "kv-cache-torch-one-future-key"
+
+    def load_native(self, params, dtype):
+        loaded = _TorchLoaded(params, dtype)
+        loaded.keys_past_diagonal = 1
         return loaded

@@ -21,6 +21,7 @@ from tests.kv_cache_objects import (
     OneTokenSkipsItself,
     TorchGradientOfNewRowsAsQueriesOnly,
     TorchKVCacheAttention,
+    TorchOneFutureKey,
 )
 
 
@@ -159,3 +160,43 @@ def test_search_draws_kv_cache_steps(tmp_path, spec, found):
     assert line.endswith(": FAILED") == found, out.stdout + out.stderr
     if found:
         assert "top-left alignment instead" in out.stdout
+
+
+def test_a_kv_cache_layers_gradient_leak_names_the_input_it_flows_into_readably():
+    """The causal Jacobian case names the input whose gradient is not zero; a KV-cache step's is a phrase, which an
+    outside user read as "d(output row 0, ...)/dthe sequence's input (...)": it is now in parentheses."""
+    torch = pytest.importorskip("torch")  # noqa: F841
+    report = mha_harness.check([TorchOneFutureKey()], cases=["check_causal_jacobian_zero_for_future_inputs"],
+                               isolate=False)
+    failed = report.failures()
+    assert failed, report.summary_lines()
+    assert all("/d(the sequence's input (x_kv's cached rows, then x_new)) at position" in f.message
+               for f in failed), failed[0].message[:500]
+
+
+def test_an_always_causal_layers_own_causal_mask_is_checked_in_process_as_in_its_worker():
+    """A layer that masks causally itself and asks the mask helpers for the call's other masks
+    (``masks.additive_mask(inputs, causal=False)``) got, in-process only (isolate=False, the pytest route), the
+    case's implicit causal mask back: its own mask one key too wide passed there and failed isolated. The plugin's
+    code now runs outside the case's implicitly_causal on every route, and the verdicts agree."""
+    pytest.importorskip("torch")
+    case = ["check_causal_output_matches_reference"]
+    in_process = mha_harness.check([TorchOneFutureKey()], cases=case, isolate=False)
+    isolated = mha_harness.check([TorchOneFutureKey()], cases=case, isolate=True)
+    statuses = [(r.variant, r.status.value) for r in in_process.results]
+    assert statuses == [(r.variant, r.status.value) for r in isolated.results]
+    failed = in_process.failures()
+    assert len(failed) >= 2 and all("a causal mask one key too wide" in f.message for f in failed), statuses
+
+
+def test_replacing_causal_by_none_gives_a_call_without_a_causal_mask_even_where_inputs_are_implicitly_causal():
+    """implicitly_causal fills in the causal of inputs made without one; an explicit ``replace(causal=None)`` (the
+    call without its causal mask, as a diagnosis or a layer's own mask helper asks for it) stays without one."""
+    x = np.zeros((1, 3, 4))
+    with mha_harness.implicitly_causal("top-left"):
+        inputs = mha_harness.AttentionInputs(x, x, x)
+        assert inputs.causal == "top-left"
+        assert inputs.replace(causal=None).causal is None
+        assert inputs.replace(key_padding_mask=None).causal == "top-left"
+        from mha_harness import masks
+        assert masks.additive_mask(inputs, causal=False) is None

@@ -28,6 +28,7 @@ from mha_harness.contract.api import (
     AttentionParams,
     LoadedAttention,
     Unsupported,
+    implicitly_causal,
 )
 from mha_harness.util.wire import UnsendableArray
 
@@ -109,9 +110,15 @@ def current_context() -> dict:
 
 @contextlib.contextmanager
 def harness_context(context: dict | None):
-    """Re-establish, where the plugin runs, the settings :func:`current_context` captured."""
+    """Re-establish, where the plugin runs, the settings :func:`current_context` captured, and nothing else of the
+    case's: the plugin's code runs as in an isolated worker, whichever route runs it. The case's
+    :func:`~mha_harness.implicitly_causal` (an always-causal backend's inputs) stays out: under it, the plugin's own
+    ``masks.additive_mask(inputs, causal=False)`` or ``inputs.replace(causal=None)`` made inputs causal again, so a
+    layer that masks causally itself had the harness's causal mask joined to its own, in-process only, and a GPT-2
+    mask one key too wide passed there while it failed isolated."""
     from mha_harness.contract.validation import causal_future_poison_allowed
     with contextlib.ExitStack() as stack:
+        stack.enter_context(implicitly_causal(None))
         if context and context.get("causal_future_poison"):
             stack.enter_context(causal_future_poison_allowed())
         yield
@@ -154,7 +161,7 @@ class Server:
 
     def load(self, params: AttentionParams, dtype: str) -> int:
         handle = len(self.loaded)
-        with left_unchanged("load", params=params):
+        with harness_context(None), left_unchanged("load", params=params):
             self.loaded[handle] = self.backend.load(params, dtype=dtype)
         return handle
 

@@ -502,6 +502,11 @@ class AttentionInputs:
             self.causal = _IMPLICIT_CAUSAL.get()
 
     def replace(self, **fields) -> AttentionInputs:
+        """A copy with ``fields`` replaced; ``causal=None`` gives a call without a causal mask even inside
+        :func:`implicitly_causal` (which only fills in the causal of inputs made without one)."""
+        if "causal" in fields and fields["causal"] is None:
+            with scoped(_IMPLICIT_CAUSAL, None):
+                return dataclasses.replace(self, **fields)
         return dataclasses.replace(self, **fields)
 
     def features(self) -> set[str]:
