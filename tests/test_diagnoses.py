@@ -186,6 +186,32 @@ def test_one_query_against_two_keys_names_both_mistakes_it_cannot_tell_apart():
         assert ("top-left" in hint) == (tk == 2), hint
 
 
+def test_two_positions_name_a_mask_one_key_too_wide_beside_no_mask_they_cannot_tell_apart():
+    """At Tq = Tk = 2 a causal mask one key too wide lets every query see every key, as no mask does: an outside
+    user's GPT-2 tril(diagonal=1), shrunk by search to two positions, was named "without a causal mask" and
+    "masked scores set to 0" only, its own mistake left out of a list that read as whole. At three positions the
+    two differ, and only the wide mask is named."""
+    from mha_harness.conformance.diagnoses import causal_hint
+    config = AttentionConfig(16, 2)
+    params = make_params(config, seed=3)
+    for t, both in ((2, True), (3, False)):
+        inputs = mha_harness.make_inputs(config, 1, t, seed=4).replace(causal="top-left")
+        wrong = reference_attention(params, inputs.replace(causal=None, attn_mask=np.tri(t, t, k=1, dtype=bool)))
+        hint = causal_hint(wrong.output, params, inputs)
+        assert "a causal mask one key too wide" in hint, hint
+        assert ("without a causal mask" in hint) == both and ("cannot tell" in hint) == both, hint
+
+
+def test_a_list_of_mistakes_joined_to_another_counts_every_mistake_once():
+    """The causal mask's own list (no mask, or one key too wide) joined to another diagnosis that fits (masked scores
+    set to 0) reads as one list of three, not a list nested in a list of two."""
+    from mha_harness.conformance.diagnoses import _together
+    joined = _together(["; this input cannot tell 2 mistakes apart, the output matches each: no mask; or too wide",
+                        "; the output matches masked scores set to 0"])
+    assert joined == ("; this input cannot tell 3 mistakes apart, the output matches each: no mask; or too wide; or "
+                      "masked scores set to 0"), joined
+
+
 @pytest.mark.parametrize("loaded, case, named", [
     (_ScaledByDModel, "check_scores_scaled_by_sqrt_d_head", "scores scaled by 1/d_model"),
     (_ScaledByDModel, "check_output_projection_mixes_heads", "scores scaled by 1/d_model"),

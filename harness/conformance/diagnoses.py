@@ -11,6 +11,7 @@ where it explains the output better than the correct layer does (:func:`~mha_har
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -243,6 +244,9 @@ CAP_AFTER_MASK = ("scores soft-capped after the masks, {cap:g} * tanh((s + mask)
                   "(a row with no visible key averages them): cap the scaled scores, then add the mask")
 
 
+_ONE_KEY_TOO_WIDE = "; the output matches a causal mask one key too wide (query i also sees key i + 1)"
+
+
 def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs,
                 truth: Callable[[], np.ndarray] | None = None) -> str:
     """A message suffix naming the causal-mask mistake a causal call's output ``got`` matches: the other alignment
@@ -262,8 +266,9 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     # at some shapes a negated offset gives what another mistake gives (Tq > Tk: every key, as no mask; one query
     # against two keys: none, as the inverted mask): both are named there
     negated = f"; the output matches {OFFSET_NEGATED}" if matches(mistake.get("offset_negated")) else ""
-    if inputs.attn_mask is None and matches(mistake.get("not_applied")):
-        return _together(["; the output matches attention without a causal mask: the mask is not applied", negated])
+    if inputs.attn_mask is None and matches(mistake.get("not_applied")):  # Tq = Tk = 2: one key too wide is no mask
+        return _together(["; the output matches attention without a causal mask: the mask is not applied",
+                          _ONE_KEY_TOO_WIDE if matches(mistake.get("one_key_too_wide")) else "", negated])
     if matches(mistake.get("reversed")):
         return _together(["; the output matches a reversed causal mask: query i sees key i and every later key (the "
                           "future) instead of the keys up to i (triu where tril belongs: torch.triu, np.triu or "
@@ -278,7 +283,7 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if negated:
         return negated
     if matches(mistake.get("one_key_too_wide")):
-        return "; the output matches a causal mask one key too wide (query i also sees key i + 1)"
+        return _ONE_KEY_TOO_WIDE
     hints = []  # at some shapes (one query against two keys) these two give the same output: both are named
     if no_diagonal:
         hints.append(_no_diagonal_words(alignment, tq, tk, inputs.form))
@@ -574,9 +579,16 @@ def _together(hints: list[str]) -> str:
     if len(hints) < 2:
         return hints[0] if hints else ""
     prefix = "; the output matches "
-    parts = [h[len(prefix):] if h.startswith(prefix) else h.lstrip("; ") for h in hints]
+    parts = []
+    for hint in hints:
+        told = _TOLD_APART.match(hint)  # a list of its own (causal_hint's): its parts join this one
+        parts += told.group(1).split("; or ") if told else [hint[len(prefix):] if hint.startswith(prefix)
+                                                              else hint.lstrip("; ")]
     return (f"; this input cannot tell {len(parts)} mistakes apart, the output matches each: "
             + "; or ".join(parts))
+
+
+_TOLD_APART = re.compile(r"; this input cannot tell \d+ mistakes apart, the output matches each: (.*)\Z", re.S)
 
 
 def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
