@@ -353,6 +353,10 @@ def cmd_list(args) -> int:
                 parts.append("sliding window")
             if getattr(caps, "alibi", ()):
                 parts.append(f"ALiBi {','.join(caps.alibi)}")
+            if getattr(caps, "max_seq_len", None) is not None:  # what check and bench skip beyond
+                parts.append(f"sequences up to {caps.max_seq_len} positions (max_seq_len)")
+            if not getattr(caps, "native_parameters", True):
+                parts.append("no native parameter shapes (the parameter count case skips)")
             print(f"{'':<{width}}  " + "; ".join(parts))
             divergences = entry.backend.divergences
             if args.verbose:

@@ -87,7 +87,7 @@ def test_bench_times_the_layer_with_its_features_and_skips_backends_that_cannot_
     config = BenchConfig(rotary="half_split", qk_norm="rms_per_head", sliding_window=16, **SMALL)
     doc = run_bench([NumpyNaive(), NumpyTiled()], tmp_path, seq_lens=[32, 64], causal="on", config=config)
     header = capsys.readouterr().out.splitlines()[0]
-    assert "causal (--causal on: top-left, Tq = Tk)" in header, header
+    assert "causal (--causal on; Tq = Tk, where top-left and bottom-right are one mask)" in header, header
     assert "the layer with half_split rotary embeddings on q and k (base 10000" in header, header
     assert "a sliding window of 16 keys" in header and PLAIN_LAYER not in header, header
     assert "rotary half_split" not in header, header  # said once, not in the shape's words too

@@ -368,3 +368,21 @@ def test_a_message_repeated_across_cases_is_printed_whole_once_then_a_few_short_
                                           for i in range(1, 1 + REPEATS_SHOWN)]
     assert lines[2 + REPEATS_SHOWN:] == ["  ERROR    b: more variants with the same message as check_0[v] (not "
                                          "printed; each is in the report)"]
+
+
+def test_list_shows_the_longest_sequence_a_backend_declares_and_missing_native_parameter_shapes(
+        capsys, tmp_path, monkeypatch):
+    """An outside user's GPT-2 layer declared max_seq_len=4096, which decides what check and bench skip, and
+    `list -v` did not show it."""
+    from mha_harness.cli import main
+    (tmp_path / "limited_layer.py").write_text(
+        "import dataclasses\n"
+        "from mha_harness.implementations.numpy_naive import NumpyNaive\n\n\n"
+        "class Limited(NumpyNaive):\n"
+        "    name = 'limited'\n"
+        "    capabilities = dataclasses.replace(NumpyNaive.capabilities, max_seq_len=4096, native_parameters=False)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["list", "-v", "--backend-spec", "limited_layer:Limited"]) == 0
+    line = capsys.readouterr().out.split("\n")[1]
+    assert "sequences up to 4096 positions (max_seq_len)" in line, line
+    assert "no native parameter shapes (the parameter count case skips)" in line, line

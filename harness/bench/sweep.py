@@ -292,7 +292,7 @@ def _causal_text(causal: str, decode: bool) -> str:
     """The run's causal masking in words, for the printed header."""
     if decode:
         return "causal bottom-right (the new queries are the last positions)"
-    return {"off": "no causal mask (--causal off)", "on": "causal (--causal on: top-left, Tq = Tk)",
+    return {"off": "no causal mask (--causal off)", "on": "causal (--causal on; Tq = Tk, where top-left and bottom-right are one mask)",
             "both": "without and with a causal mask (--causal both)"}[causal]
 
 
@@ -888,8 +888,10 @@ def output_check_line(points: list[BenchPoint]) -> str | None:
     if checked:
         worst = max(p.output_check["max_error"] / p.output_check["bound"] for p in checked)
         by_gradients = sum("gradients" in p.output_check for p in checked)
-        parts.append(f"{len(checked)} measured point(s) matched the float64 reference at up to "
-                     f"{max(p.output_check['rows'] for p in checked)} query rows before they were timed ("
+        rows = max(p.output_check['rows'] for p in checked)
+        parts.append(f"{len(checked)} measured point(s) matched the float64 reference at "
+                     + ("1 query row" if rows == 1 else f"up to {rows} query rows")
+                     + " before they were timed ("
                      + (f"{by_gradients} of them forward+backward, by their gradients; " if by_gradients else "")
                      + f"largest error {worst:.2g} of its bound)")
     if len(measured) > len(checked):

@@ -622,7 +622,9 @@ _ATTENDS_BEFORE_WRITING = ("; the second call is right: the step attends before 
                            "into the cache, so the first call's new queries saw the cache's empty slots (write, "
                            "then attend)")
 _NOT_THE_SAME_SLOTS = ("; the first call is right: a later step no longer attends over the same positions (it "
-                       "writes past the last Tq slots, or adds into the cache instead of overwriting them)")
+                       "writes past the last Tq slots, or adds into the cache instead of overwriting them, or a cache "
+                       "grown by concatenation, torch.cat([past_k, k_new]), is kept as the next call's past: each "
+                       "call starts from the same filled past)")
 
 
 def assert_decode_step_close(backend: AttentionBackend, params: AttentionParams, inputs: AttentionInputs, dtype: str,
