@@ -292,7 +292,8 @@ def _causal_text(causal: str, decode: bool) -> str:
     """The run's causal masking in words, for the printed header."""
     if decode:
         return "causal bottom-right (the new queries are the last positions)"
-    return {"off": "no causal mask (--causal off)", "on": "causal (--causal on; Tq = Tk, where top-left and bottom-right are one mask)",
+    return {"off": "no causal mask (--causal off)",
+            "on": "causal (--causal on; Tq = Tk, where top-left and bottom-right are one mask)",
             "both": "without and with a causal mask (--causal both)"}[causal]
 
 

@@ -12,6 +12,7 @@ nothing is cast silently) and of exactly the expected shape.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import traceback
@@ -225,9 +226,11 @@ class InProcess:
     def call(self, op: str, *args):
         # the plugin gets copies and the case gets copies back, as across a worker's pipe: nothing the plugin does
         # later (a thread left running after a timeout) reaches the arrays a verdict is computed from; one deepcopy
-        # keeps query is key is value
+        # keeps query is key is value. In a fresh contextvars context, as in a worker: none of the case's settings
+        # (its implicit causal mask, the declared conventions of its references) reach the plugin's code but those
+        # the call carries (current_context)
         try:
-            return _own_copy(getattr(self.server, op)(*_own_copy(args)))
+            return _own_copy(contextvars.Context().run(getattr(self.server, op), *_own_copy(args)))
         except SystemExit as exc:  # sys.exit() in the plugin is that case's error, not the end of the whole run
             raise PluginExited(f"SystemExit({exc.code!r}) from the plugin's {op}: the plugin called sys.exit (or "
                                "raised SystemExit); in this process it would have ended the run") from None
