@@ -123,13 +123,33 @@ def pytest_collection_modifyitems(session, config, items):
     option did nothing (an outside user's ``pytest --mha-backend mine`` in their own project silently ran only
     their own tests). Before ``-k`` deselects: a run whose cases were all deselected was still asked for them."""
     asked = [option for option in CASE_OPTIONS if config.getoption(option)]
-    if asked and not any(_is_cases_module(getattr(item, "module", None)) for item in items):
-        import warnings
-        warnings.warn(pytest.PytestConfigWarning(
-            f"{', '.join(asked)} given, but no mha-harness case was collected: these options act only on "
-            "mha_harness's own cases module; run 'pytest --pyargs mha_harness.cases "
-            f"{' '.join(asked)} ...' (with your own paths too, if you like), or in a test file of your own use "
-            "mha_harness.pytest_plugin.parametrize_with_cases(YourBackend())"), stacklevel=1)
+    if not asked or any(_is_cases_module(getattr(item, "module", None)) for item in items):
+        return
+    import warnings
+    if any(_is_decorated_case(item) for item in items):
+        # parametrize_with_cases' tests: --mha-include-slow runs their slow cases; the other two cannot act on them
+        idle = [option for option in asked if option != "--mha-include-slow"]
+        if idle:
+            warnings.warn(pytest.PytestConfigWarning(
+                f"{', '.join(idle)} given: {'these act' if len(idle) > 1 else 'it acts'} only on 'pytest --pyargs "
+                "mha_harness.cases'; parametrize_with_cases' tests take their backends from the decorator's "
+                "argument, and the search runs from a test of your own: outcomes = mha_harness.search(YourBackend(), "
+                "quick=True, seed=0); assert all(o.passed for o in outcomes), [o.message for o in outcomes]"),
+                stacklevel=1)
+        return
+    warnings.warn(pytest.PytestConfigWarning(
+        f"{', '.join(asked)} given, but no mha-harness case was collected: these options act only on "
+        "mha_harness's own cases module and (--mha-include-slow) on tests made by parametrize_with_cases; run "
+        f"'pytest --pyargs mha_harness.cases {' '.join(asked)} ...' (with your own paths too, if you like), or in a "
+        "test file of your own use mha_harness.pytest_plugin.parametrize_with_cases(YourBackend())"), stacklevel=1)
+
+
+def _is_decorated_case(item) -> bool:
+    """Whether a collected test is one that :func:`parametrize_with_cases` made (its ``case`` parameter a case
+    variant), without importing the harness for a run that has none."""
+    callspec = getattr(item, "callspec", None)
+    case = callspec.params.get("case") if callspec is not None else None
+    return type(case).__module__ == "mha_harness.conformance.as_pytest" and type(case).__name__ == "CaseVariant"
 
 
 #: the user property a failed case variant's report carries its diagnosis under: (backend, case, diagnosis)

@@ -121,8 +121,13 @@ def test_parametrize_with_cases_runs_the_slow_case_with_mha_include_slow(pyteste
         def test_mine(backend, case):
             case(backend)
     ''')
-    result = pytester.runpytest("-q", "-rs", "--mha-include-slow")
-    result.assert_outcomes(passed=2)
+    result = pytester.runpytest("-q", "-rs", "--mha-include-slow", "-W", "error::pytest.PytestConfigWarning")
+    result.assert_outcomes(passed=2, warnings=0)  # an outside user's strict project: it warned it had done nothing
+    result = pytester.runpytest("-q", "-rs", "--mha-include-slow", "--mha-search", "--mha-backend", "numpy-tiled",
+                                "--collect-only")
+    result.stdout.fnmatch_lines(["*--mha-backend, --mha-search given: these act only on 'pytest --pyargs "
+                                 "mha_harness.cases'; parametrize_with_cases' tests take their backends from the "
+                                 "decorator's argument, and the search runs from a test of your own: *"])
 
 
 def test_parametrize_with_cases_fails_a_broken_backend_with_the_case_message(pytester):
