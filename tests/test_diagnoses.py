@@ -669,3 +669,20 @@ def test_one_query_against_one_key_names_both_an_inverted_mask_and_one_without_i
     hint = causal_hint(np.zeros((1, 1, 2)), make_params(config), make_inputs(config, 1, 1, 1, causal="top-left"))
     assert "cannot tell 2 mistakes apart" in hint and "the causal mask inverted" in hint \
         and "a causal mask that excludes the diagonal" in hint, hint
+
+
+def test_a_padding_mask_along_the_query_axis_of_an_always_causal_layer_is_named_beside_dropped():
+    """An outside user's always-causal Llama layer broadcast its padding mask along the query axis, and was told only
+    "the same call without key_padding_mask": under the causal mask the right-padded item's real query sees no
+    padded key either way, which kept the query-axis diagnosis from fitting. On the compared rows the two are one
+    output: both are named."""
+    import dataclasses
+
+    from mha_harness.implementations.mutants import mutant_backends
+    mutant = next(m for m in mutant_backends() if m.name == "mutant-padding-on-query-axis")
+    mutant.capabilities = dataclasses.replace(mutant.capabilities, always_causal=True, inputs="self",
+                                              causal_alignments=("top-left",), cross_attention=False)
+    failed = mha_harness.check([mutant], cases=["check_padding_mask_output_matches_reference"],
+                               isolate=False).failures()
+    assert failed and all("key_padding_mask applied along the query axis" in f.message
+                          and "cannot tell 2 mistakes apart" in f.message for f in failed), failed[0].message[-600:]

@@ -485,20 +485,27 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     positions' query rows see no key, every other row sees every key, padded ones included; only with Tq == Tk,
     where that broadcast runs; "" otherwise. Each batch item is its own call (its rows' mask joins the call's other
     masks), compared under the backend's empty-row convention (:func:`_matches`); an item with no padded key (the
-    same call either way) must match but cannot explain better than the correct output."""
+    same call either way) must match but cannot explain better than the correct output; nor can an item whose
+    compared rows the broadcast leaves as they were (under a causal mask, right padding: the real queries see no
+    padded key either way, an outside user's always-causal layer was named "dropped" only), so one item that it
+    explains better than the correct output is enough."""
     kpm = inputs.key_padding_mask
     if kpm is None or inputs.tq != inputs.tk or not kpm.any():
         return ""
     got = np.asarray(got, np.float64)
     whole = truth or _truth(params, inputs)
+    explained = False
     for b in range(inputs.batch):
         mask = folded_into_attn_mask(inputs.attn_mask, np.broadcast_to(~kpm[b][:, None], (inputs.tq, inputs.tk)))
         call = inputs.replace(query=inputs.query[b:b + 1], key=inputs.key[b:b + 1], value=inputs.value[b:b + 1],
                               key_padding_mask=None, attn_mask=mask)
-        # an item without a padded key is the same call either way: it must match, and cannot explain better
-        if not _matches(got[b:b + 1], params, call, None if rows is None else rows[b:b + 1],
-                        truth=(lambda b=b: whole()[b:b + 1]) if kpm[b].any() else None):
+        item_rows = None if rows is None else rows[b:b + 1]
+        if not _matches(got[b:b + 1], params, call, item_rows):
             return ""
+        explained = explained or (kpm[b].any() and _matches(got[b:b + 1], params, call, item_rows,
+                                                            truth=lambda b=b: whole()[b:b + 1]))
+    if not explained:
+        return ""
     return ("; the output matches key_padding_mask applied along the query axis instead of the key axis (padded "
             "positions' queries see no key, the others see the padded keys too: mask[:, None, :, None] where "
             "mask[:, None, None, :] belongs)")
