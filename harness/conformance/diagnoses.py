@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionInputs, AttentionParams, implicitly_causal
+from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import causal_offset, rotary_positions
 from mha_harness.contract.mistakes import (
     ATTENDS_BEFORE_WRITING,
@@ -311,14 +311,13 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
     when none. A lone causal mask or attn_mask is left to :func:`causal_hint` and the polarity and normaliser
     hints."""
     candidates = []
-    with implicitly_causal(None):  # the call without its causal mask, also for a backend that declares always_causal
-        if inputs.causal is not None:
-            candidates.append((f"the causal mask ({inputs.causal})", inputs.replace(causal=None)))
-        if inputs.key_padding_mask is not None:
-            candidates.append(("key_padding_mask", inputs.replace(key_padding_mask=None)))
-        if inputs.attn_mask is not None:
-            kind = "bool" if inputs.attn_mask.dtype == np.bool_ else "additive"
-            candidates.append((f"the {kind} attn_mask", inputs.replace(attn_mask=None)))
+    if inputs.causal is not None:  # without its causal mask, also for a backend that declares always_causal
+        candidates.append((f"the causal mask ({inputs.causal})", inputs.replace(causal=None)))
+    if inputs.key_padding_mask is not None:
+        candidates.append(("key_padding_mask", inputs.replace(key_padding_mask=None)))
+    if inputs.attn_mask is not None:
+        kind = "bool" if inputs.attn_mask.dtype == np.bool_ else "additive"
+        candidates.append((f"the {kind} attn_mask", inputs.replace(attn_mask=None)))
     if not candidates or (len(candidates) == 1 and inputs.key_padding_mask is None):
         return ""
     ending = "that mask is dropped when combined" if len(candidates) > 1 else "the mask is not applied"

@@ -29,7 +29,6 @@ from mha_harness.contract.api import (
     AttentionParams,
     LoadedAttention,
     Unsupported,
-    implicitly_causal,
 )
 from mha_harness.util.wire import UnsendableArray
 
@@ -111,15 +110,10 @@ def current_context() -> dict:
 
 @contextlib.contextmanager
 def harness_context(context: dict | None):
-    """Re-establish, where the plugin runs, the settings :func:`current_context` captured, and nothing else of the
-    case's: the plugin's code runs as in an isolated worker, whichever route runs it. The case's
-    :func:`~mha_harness.implicitly_causal` (an always-causal backend's inputs) stays out: under it, the plugin's own
-    ``masks.additive_mask(inputs, causal=False)`` or ``inputs.replace(causal=None)`` made inputs causal again, so a
-    layer that masks causally itself had the harness's causal mask joined to its own, in-process only, and a GPT-2
-    mask one key too wide passed there while it failed isolated."""
+    """Re-establish, where the plugin runs (a worker, or :class:`InProcess`'s fresh context), the settings
+    :func:`current_context` captured: the only ones of the case's that reach the plugin's code."""
     from mha_harness.contract.validation import causal_future_poison_allowed
     with contextlib.ExitStack() as stack:
-        stack.enter_context(implicitly_causal(None))
         if context and context.get("causal_future_poison"):
             stack.enter_context(causal_future_poison_allowed())
         yield
@@ -162,7 +156,7 @@ class Server:
 
     def load(self, params: AttentionParams, dtype: str) -> int:
         handle = len(self.loaded)
-        with harness_context(None), left_unchanged("load", params=params):
+        with left_unchanged("load", params=params):
             self.loaded[handle] = self.backend.load(params, dtype=dtype)
         return handle
 
@@ -227,8 +221,9 @@ class InProcess:
         # the plugin gets copies and the case gets copies back, as across a worker's pipe: nothing the plugin does
         # later (a thread left running after a timeout) reaches the arrays a verdict is computed from; one deepcopy
         # keeps query is key is value. In a fresh contextvars context, as in a worker: none of the case's settings
-        # (its implicit causal mask, the declared conventions of its references) reach the plugin's code but those
-        # the call carries (current_context)
+        # reach the plugin's code but those the call carries (current_context). Under the case's implicit causal
+        # mask, an always-causal layer's own masks.additive_mask(inputs, causal=False) gave the harness's causal
+        # mask back, joined to the layer's own: a GPT-2 mask one key too wide passed in-process, failed isolated
         try:
             return _own_copy(contextvars.Context().run(getattr(self.server, op), *_own_copy(args)))
         except SystemExit as exc:  # sys.exit() in the plugin is that case's error, not the end of the whole run

@@ -502,12 +502,11 @@ class AttentionInputs:
             self.causal = _IMPLICIT_CAUSAL.get()
 
     def replace(self, **fields) -> AttentionInputs:
-        """A copy with ``fields`` replaced; ``causal=None`` gives a call without a causal mask even inside
-        :func:`implicitly_causal` (which only fills in the causal of inputs made without one)."""
-        if "causal" in fields and fields["causal"] is None:
-            with scoped(_IMPLICIT_CAUSAL, None):
-                return dataclasses.replace(self, **fields)
-        return dataclasses.replace(self, **fields)
+        """A copy with ``fields`` replaced, its causal mask the one given or else this call's, also inside
+        :func:`implicitly_causal` (which fills in the causal of inputs made without one, not of a copy):
+        ``replace(causal=None)`` is the call without its causal mask, and a copy of it stays without one."""
+        with scoped(_IMPLICIT_CAUSAL, None):
+            return dataclasses.replace(self, **fields)
 
     def features(self) -> set[str]:
         """Capabilities this call needs from a backend."""

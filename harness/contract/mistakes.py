@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams, implicitly_causal
+from mha_harness.contract.api import AttentionConfig, AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import BOTTOM_RIGHT, TOP_LEFT, causal_offset, other_alignment
 from mha_harness.contract.score_scale import score_scale_at
 
@@ -216,23 +216,22 @@ def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
     Tq != Tk), ``"offset_negated"`` (tril(diagonal=Tq - Tk) where diagonal=Tk - Tq belongs), as boolean masks
     offset like the call's alignment. Empty
     without a causal mask. The calls carry no causal mask of their own, also for a backend that declares
-    ``always_causal`` (they are made outside its implicit causal mask)."""
+    ``always_causal`` (:meth:`AttentionInputs.replace` keeps a copy's causal as given)."""
     if inputs.causal is None:
         return {}
     tq, tk = inputs.tq, inputs.tk
     offset = causal_offset(inputs.causal, tq, tk)
-    with implicitly_causal(None):
-        unmasked = inputs.replace(causal=None)
-        calls = {"not_applied": unmasked}
-        if tq != tk:
-            calls["other_alignment"] = inputs.replace(causal=other_alignment(inputs.causal))
-        if inputs.attn_mask is None:
-            calls["one_key_too_wide"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool))
-            calls["reversed"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool))
-            calls["no_diagonal"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool))
-            calls["inverted"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset, dtype=bool))
-            if offset:
-                calls["offset_negated"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=-offset, dtype=bool))
+    unmasked = inputs.replace(causal=None)
+    calls = {"not_applied": unmasked}
+    if tq != tk:
+        calls["other_alignment"] = inputs.replace(causal=other_alignment(inputs.causal))
+    if inputs.attn_mask is None:
+        calls["one_key_too_wide"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool))
+        calls["reversed"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool))
+        calls["no_diagonal"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool))
+        calls["inverted"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset, dtype=bool))
+        if offset:
+            calls["offset_negated"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=-offset, dtype=bool))
     return calls
 
 
