@@ -278,13 +278,31 @@ PADDING_NEW_TOKENS = 3
 PADDING_KEYS = 300
 
 
-def _padding_call(form: str, config, mask: np.ndarray):
+#: queries of the padding output case's ``cross_attention`` variant: a decoder's few queries against an encoder's
+#: PADDING_KEYS padded keys (Tq != Tk), where a mask built or sliced by the query length (``mask[:, :Tq]``, a
+#: (Tq, Tq) mask) is wrong; at Tq = Tk it is right
+PADDING_CROSS_QUERIES = 7
+
+
+def _padding_call(form: str, config, mask: np.ndarray, tq: int | None = None):
     """The padding cases' call: one x of PADDING_KEYS positions (any form), or for a KV-cache step
-    PADDING_NEW_TOKENS new tokens against them; and the (batch, Tq) mask of the queries at padded positions (not
-    compared)."""
+    PADDING_NEW_TOKENS new tokens against them, or ``tq`` queries against them (cross-attention: no query is
+    padded); and the (batch, Tq) mask of the queries at padded positions (not compared)."""
     tk = mask.shape[1]
+    if tq is not None:
+        return form_inputs(form, config, mask.shape[0], tq, tk, key_padding_mask=mask), np.zeros((len(mask), tq), bool)
     tq = PADDING_NEW_TOKENS if form == "kv_cache" else tk
     return form_inputs(form, config, mask.shape[0], tq, tk, key_padding_mask=mask), mask[:, tk - tq:]
+
+
+def _padding_output_variants(backend):
+    """The primary dtype at Tq = Tk (a KV-cache step: PADDING_NEW_TOKENS new tokens) and, where cross-attention
+    is declared (not for a KV-cache step, whose call has Tq < Tk already), ``cross_attention``:
+    PADDING_CROSS_QUERIES queries against the PADDING_KEYS keys."""
+    out = on_primary_dtype(backend)
+    if cross_ok(backend) and backend.capabilities.inputs != "kv_cache":
+        out.append({**out[0], "variant": "cross_attention", "seq": PADDING_CROSS_QUERIES})
+    return out
 
 
 @case(requires=("key_padding_mask",), variants=_poisoned(on_primary_dtype, cached_rows=True), forms=ALL_FORMS)
@@ -327,12 +345,13 @@ def check_padding_mask_blocks_padded_keys(backend, *, form, dtype, poison):
     return Measurement(max_error=worst)
 
 
-@case(requires=("key_padding_mask",), forms=ALL_FORMS)
-def check_padding_mask_output_matches_reference(backend, *, form, dtype):
-    """With a key padding mask (True = padding) the outputs of real queries equal the reference."""
+@case(requires=("key_padding_mask",), variants=_padding_output_variants, forms=ALL_FORMS)
+def check_padding_mask_output_matches_reference(backend, *, form, dtype, variant=None, seq=None):
+    """With a key padding mask (True = padding) the outputs of real queries equal the reference, at Tq = Tk and,
+    with cross-attention (``cross_attention``: ``seq`` queries, none padded), at Tq < Tk."""
     params = small_layer(backend, bias=True)
     mask = _padding(3, PADDING_KEYS)
-    inputs, query_padded = _padding_call(form, params.config, mask)
+    inputs, query_padded = _padding_call(form, params.config, mask, tq=seq)
     got = run(backend, params, inputs, dtype).output
     expected, tol = tolerance_for(params, inputs, dtype)
     real = ~query_padded[:, :, None]

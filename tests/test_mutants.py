@@ -104,6 +104,24 @@ def test_padding_dropped_under_causal_is_caught_for_a_backend_with_one_alignment
     assert all("without key_padding_mask: that mask is dropped" in f.message for f in failed)
 
 
+def test_a_padding_only_cross_attention_layer_is_checked_with_fewer_queries_than_keys():
+    """An encoder-decoder cross-attention layer declares a key padding mask and no causal mask or attn_mask, so no
+    mask composition runs on it: the padding output case's ``cross_attention`` variant (7 queries, 300 keys) is what
+    sees a padding mask applied over the query length only, and names it; at Tq = Tk that layer is right."""
+    backend = MutantBackend(BY_NAME["mutant-padding-masked-to-query-length"], weights=False)
+    backend.capabilities = dataclasses.replace(backend.capabilities, causal_alignments=(), bool_attn_mask=False,
+                                               additive_attn_mask=False)
+    report = mha_harness.check(backend, include_slow=False)
+    assert not [r for r in report.results if r.status == "error"]
+    failed = report.failures()
+    assert [(f.case, f.params.get("variant")) for f in failed] == [
+        ("check_padding_mask_output_matches_reference", "cross_attention")], [f.message[:120] for f in failed]
+    assert "applied to the first Tq = 7 keys only (the keys at positions 7..299" in failed[0].message
+    square = [r for r in report.results if r.case == "check_padding_mask_output_matches_reference"
+              and "variant" not in r.params]
+    assert [r.status for r in square] == ["passed"]
+
+
 def test_mutants_come_in_every_input_form_and_read_only_their_form():
     forms = {m.inputs for m in MUTANTS}
     assert forms == {"separate", "shared_kv", "self"}

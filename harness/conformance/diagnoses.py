@@ -510,6 +510,26 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
             "mask[:, None, None, :] belongs)")
 
 
+def padding_within_query_length_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None,
+                                     truth: Callable[[], np.ndarray] | None = None) -> str:
+    """A message suffix when ``got`` of a call with fewer queries than keys (Tq < Tk) matches the key padding mask
+    applied to the first Tq keys only: a mask built, sliced or looped over the query length (``range(q.shape[1])``,
+    written for self-attention, where Tq = Tk); "" otherwise, or when no key at or after position Tq is padded (the
+    same call either way)."""
+    kpm = inputs.key_padding_mask
+    if kpm is None or inputs.tq >= inputs.tk or not kpm[:, inputs.tq:].any():
+        return ""
+    short = np.array(kpm, bool)
+    short[:, inputs.tq:] = False
+    if not _matches(got, params, inputs.replace(key_padding_mask=short), rows, truth=truth or _truth(params, inputs)):
+        return ""
+    later = (f"the key at position {inputs.tq} is" if inputs.tk - inputs.tq == 1
+             else f"the keys at positions {inputs.tq}..{inputs.tk - 1} are")
+    return (f"; the output matches key_padding_mask applied to the first Tq = {inputs.tq} keys only ({later} never "
+            "masked): a padding mask built, sliced or looped over the query length, which equals the key length in "
+            "self-attention only")
+
+
 #: phrases every :func:`scores_fit_hint` sentence holds, one of them (a failure that has one drops its guess of a
 #: precision: the fit named the cause)
 SOFTCAP_MATCH, SCALE_MATCH = "soft-capped", "the output matches scores scaled by"
@@ -600,7 +620,7 @@ _TOLD_APART = re.compile(r"; this input cannot tell \d+ mistakes apart, the outp
 def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
     """The mask mistakes a failing output ``got`` of a masked call matches (on ``rows`` if given; the causal
     diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, the attn_mask
-    transposed, the key padding mask along the query axis or not applied, one of two masks dropped, the masks
+    transposed, the key padding mask along the query axis, over the first Tq keys only or not applied, one of two masks dropped, the masks
     applied after the softmax, masked scores set to 0 instead of -inf (:func:`masked_to_zero_hint`), a declared soft
     cap taken after the masks (:func:`cap_after_mask_hint`); "" when none
     or when the call has no mask. Every one that matches is named: on a
@@ -613,6 +633,7 @@ def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInpu
                       polarity_hint(got, params, inputs, rows, truth=truth),
                       transposed_mask_hint(got, params, inputs, rows, truth),
                       padding_axis_hint(got, params, inputs, rows, truth),
+                      padding_within_query_length_hint(got, params, inputs, rows, truth),
                       dropped_mask_hint(got, params, inputs, rows, truth),
                       normaliser_hint(got, params, inputs, rows, truth),
                       masked_to_zero_hint(got, params, inputs, rows, truth),

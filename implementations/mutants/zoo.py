@@ -202,6 +202,19 @@ class PaddingOnQueryAxis(NumpyNaiveLoaded):
         return (rows if allowed is None else allowed & rows), additive
 
 
+class PaddingLoopOverQueryLength(NumpyNaiveLoaded):
+    """Masks padded keys in a loop over the query length (``for j in range(T)`` with T = q.shape[1], written for
+    self-attention): keys at positions >= Tq are never masked. At Tq = Tk it is right; a cross-attention call with
+    fewer queries than keys sees the padded keys behind them."""
+
+    def masks(self, inputs):
+        if inputs.key_padding_mask is None or inputs.tq >= inputs.tk:
+            return super().masks(inputs)
+        padding = np.array(inputs.key_padding_mask, bool)
+        padding[:, inputs.tq:] = False
+        return full_mask(inputs.replace(key_padding_mask=padding))
+
+
 class CausalMaskNeverApplied(NumpyNaiveLoaded):
     """Declares causal masking, builds the other masks, never applies the causal one."""
 
@@ -984,6 +997,9 @@ MUTANTS = (
     Mutant("mutant-padding-ignored", "ignores the key padding mask", PaddingIgnored, "padding"),
     Mutant("mutant-padding-on-query-axis", "broadcasts the key padding mask along the query axis (padded positions' "
            "queries see no key; every query sees the padded keys)", PaddingOnQueryAxis, "along the query axis"),
+    Mutant("mutant-padding-masked-to-query-length", "masks padded keys in a loop over the query length (for j in "
+           "range(q.shape[1])): with fewer queries than keys, the padded keys behind them are seen",
+           PaddingLoopOverQueryLength, "first Tq"),
     Mutant("mutant-additive-mask-ignored", "drops the finite values of a float attn_mask (keeps only -inf)",
            AdditiveMaskIgnored, "additive-masked output"),
     Mutant("mutant-mask-polarity-inverted", "reads attn_mask True as 'masked out'", MaskPolarityInverted, "INVERTED"),
