@@ -499,10 +499,12 @@ def padding_axis_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
         call = inputs.replace(query=inputs.query[b:b + 1], key=inputs.key[b:b + 1], value=inputs.value[b:b + 1],
                               key_padding_mask=None, attn_mask=mask)
         item_rows = None if rows is None else rows[b:b + 1]
-        if not _matches(got[b:b + 1], params, call, item_rows):
+        # explaining better than the correct output implies matching: the first item that does costs one question
+        if not explained and kpm[b].any() and _matches(got[b:b + 1], params, call, item_rows,
+                                                       truth=lambda b=b: whole()[b:b + 1]):
+            explained = True
+        elif not _matches(got[b:b + 1], params, call, item_rows):
             return ""
-        explained = explained or (kpm[b].any() and _matches(got[b:b + 1], params, call, item_rows,
-                                                            truth=lambda b=b: whole()[b:b + 1]))
     if not explained:
         return ""
     return ("; the output matches key_padding_mask applied along the query axis instead of the key axis (padded "
