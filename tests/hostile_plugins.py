@@ -43,6 +43,15 @@ class _Segfaults(NumpyNaiveLoaded):
         ctypes.string_at(0)
 
 
+class _RefusesCrossShapes(NumpyNaiveLoaded):
+    """A layer written for self-attention: a call with Tq != Tk fails on a broadcast, as such layers do."""
+
+    def compute(self, inputs, *, need_weights=False):
+        if inputs.tq != inputs.tk:
+            raise ValueError(f"operands could not be broadcast together with shapes ({inputs.tq},) ({inputs.tk},)")
+        return super().compute(inputs, need_weights=need_weights)
+
+
 def _hostile(name, loaded):
     return type(name, (NumpyNaive,), {"name": name, "loaded_class": loaded})
 
@@ -53,6 +62,7 @@ ReturnsNaN = _hostile("hostile-nan", _NaN)
 Hangs = _hostile("hostile-hangs", _Hangs)
 KillsProcess = _hostile("hostile-exits", _Exits)
 Segfaults = _hostile("hostile-segfault", _Segfaults)
+RefusesCrossShapes = _hostile("hostile-refuses-cross-shapes", _RefusesCrossShapes)
 
 
 # --- plugins that try to reach the verdict, or the harness's exit code ----------------------------------------

@@ -509,3 +509,20 @@ def test_sys_exit_in_a_plugin_run_in_process_is_its_error_and_the_run_goes_on():
     assert statuses == {"hostile-systemexit": "error", "numpy-naive": "passed"}, statuses
     exited = next(r for r in report.results if r.backend == "hostile-systemexit")
     assert "SystemExit(0) from the plugin's forward: the plugin called sys.exit" in exited.message
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_an_error_a_plugin_raises_names_the_call_it_raised_on(isolate):
+    """A plugin's own exception (a shape error at Tq != Tk) says which call raised it, its shapes and masks, on
+    both routes: the traceback alone does not tell the variant's call apart from the others."""
+    report = mha_harness.check(["tests.hostile_plugins:RefusesCrossShapes"], isolate=isolate,
+                               cases=["check_padding_mask_output_matches_reference",
+                                      "check_mask_compositions_match_reference"])
+    errors = {(r.case, r.params.get("variant")): r.message for r in report.results if r.status == "error"}
+    padding = errors[("check_padding_mask_output_matches_reference", "cross_attention")]
+    assert padding.startswith("ValueError: operands could not be broadcast"), padding
+    assert padding.endswith("; raised by the plugin's forward of batch 3, Tq = 7 queries against Tk = 300 keys "
+                            "(separate query/key/value), with key_padding_mask (3, 300)"), padding
+    composed = [m for (case, variant), m in errors.items() if variant == "causal_with_padding"]
+    assert composed and all("a causal mask (" in m and " and key_padding_mask (2, 11)" in m for m in composed), composed
+    assert not [r for r in report.results if r.status == "error" and r.params.get("seq", 0) == r.params.get("tk")]

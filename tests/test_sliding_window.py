@@ -253,3 +253,21 @@ def test_jax_dpa_runs_its_window_through_local_window_size_and_jax_counts_that_f
     assert [r.params["variant"] for r in failed] == ["new_queries_against_long_cache"], failed
     assert "a sliding window and a causal mask both counted from each query's index in the call" in failed[0].message
     assert "local_window_size=(7, 0) is top-left" in failed[0].message, failed[0].message
+
+
+def test_a_window_that_empties_a_row_is_not_offered_for_a_padding_mask_never_applied():
+    """A layer that never masks its one padded key (Tq = 1, Tk = 2, uniform-average empty rows declared, as an
+    outside user's Flax layer) sees both keys; a window of 1 key would leave its row with no key, whose uniform
+    average of V lies within the margin of a softmax over two nearly equal scores. The window is not offered (it
+    was, and named alone, in a layer built without one); the mask mistake is."""
+    from mha_harness.conformance.diagnoses import mask_mistake
+    from mha_harness.conformance.search_examples import build
+    from mha_harness.contract.reference import empty_rows_as
+    from mha_harness.contract.window_diagnoses import window_hint
+    params, inputs = build({"dtype": "float32", "form": "shared_kv", "batch": 1, "tq": 1, "tk": 2, "heads": 1,
+                            "kv_heads": 1, "d_head": 1, "bias": False, "causal": None,
+                            "padding": {"valid": [1], "side": "end"}, "attn_mask": None, "seed": 0})
+    got = reference_attention(params, inputs.replace(key_padding_mask=None)).output
+    with empty_rows_as("uniform_average"):
+        assert window_hint(got, params, inputs, 1.85e-7) == ""
+        assert "the same call without key_padding_mask: the mask is not applied" in mask_mistake(got, params, inputs)

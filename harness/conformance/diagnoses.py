@@ -622,12 +622,12 @@ _TOLD_APART = re.compile(r"; this input cannot tell \d+ mistakes apart, the outp
 def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
     """The mask mistakes a failing output ``got`` of a masked call matches (on ``rows`` if given; the causal
     diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, the attn_mask
-    transposed, the key padding mask along the query axis, over the first Tq keys only or not applied, one of two masks dropped, the masks
-    applied after the softmax, masked scores set to 0 instead of -inf (:func:`masked_to_zero_hint`), a declared soft
-    cap taken after the masks (:func:`cap_after_mask_hint`); "" when none
-    or when the call has no mask. Every one that matches is named: on a
-    small input two mistakes can give the same output, and naming only the first would be a guess. The wrong calls'
-    rows without a key follow the backend's empty-row convention (:func:`_matches`)."""
+    transposed, the key padding mask along the query axis, over the first Tq keys only or not applied, one of two
+    masks dropped, the masks applied after the softmax, masked scores set to 0 instead of -inf
+    (:func:`masked_to_zero_hint`), a declared soft cap taken after the masks (:func:`cap_after_mask_hint`); "" when
+    none or when the call has no mask. Every one that matches is named: on a small input two mistakes can give the
+    same output, and naming only the first would be a guess. The wrong calls' rows without a key follow the
+    backend's empty-row convention (:func:`_matches`)."""
     if inputs.causal is None and inputs.key_padding_mask is None and inputs.attn_mask is None:
         return ""
     truth = _truth(params, inputs)  # the correct output, computed once for every hint that needs it

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_harness.conformance.casekit import CaseFailure
+from mha_harness.conformance.casekit import FORM_WORDS, CaseFailure
 from mha_harness.contract.api import (
     AttentionBackend,
     AttentionConfig,
@@ -279,8 +279,19 @@ class LoadedProxy:
     def __init__(self, proxy: BackendProxy, handle: int, config: AttentionConfig):
         self._proxy, self._handle, self.config = proxy, handle, config
 
+    def _call(self, op: str, inputs: AttentionInputs, *args) -> Any:
+        """The transport's answer to ``op`` on ``inputs``; an exception it raises carries the call it was raised by
+        (``mha_call``, :func:`describe_call`), which an error result names: a plugin's shape error alone does not say
+        which variant's call (Tq != Tk, which masks) it could not take."""
+        try:
+            return self._proxy.transport.call(op, self._handle, inputs, *args)
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # an exception that takes no attribute is reported as it is
+                exc.mha_call = describe_call(op, inputs)
+            raise
+
     def forward(self, inputs: AttentionInputs, *, need_weights: bool = False) -> AttentionOutput:
-        got = self._proxy.transport.call("forward", self._handle, inputs, need_weights, current_context())
+        got = self._call("forward", inputs, need_weights, current_context())
         output = real_float(got.get("output"), "output",
                             (inputs.batch, inputs.tq, self.config.d_model) if _shaped(inputs) else None)
         weights = got.get("weights")
@@ -290,15 +301,53 @@ class LoadedProxy:
         return AttentionOutput(output, weights if need_weights else None)
 
     def vjp(self, inputs: AttentionInputs, cotangent: np.ndarray) -> dict[str, np.ndarray]:
-        got = self._proxy.transport.call("vjp", self._handle, inputs, np.asarray(cotangent), current_context())
+        got = self._call("vjp", inputs, np.asarray(cotangent), current_context())
         return {name: real_float(_reached(value, name), f"gradient of {name}") for name, value in got.items()}
 
     def decode_step(self, inputs: AttentionInputs) -> tuple[np.ndarray, np.ndarray]:
         """The outputs of the first and the second call of the backend's decode step for ``inputs`` (see
         :meth:`mha_harness.LoadedAttention.prepare_decode_step`)."""
-        got = self._proxy.transport.call("decode_step", self._handle, inputs, current_context())
+        got = self._call("decode_step", inputs, current_context())
         shape = (inputs.batch, inputs.tq, self.config.d_model) if _shaped(inputs) else None
         return tuple(real_float(got.get(call), f"decode step's {call} output", shape) for call in ("first", "second"))
+
+
+def fault_message(exc: BaseException) -> str:
+    """An exception of a plugin's code as a result reports it: its type and message, where it was raised (the
+    worker's file:line, carried across; else this process's last frame) and the plugin call that raised it with its
+    shapes and masks (:func:`describe_call`), one form for check and search."""
+    if isinstance(exc, PluginError):
+        text, where = str(exc), exc.where
+    else:
+        text, where = f"{type(exc).__name__}: {exc}", getattr(exc, "where", "")
+        if not where:
+            frames = traceback.extract_tb(exc.__traceback__)
+            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    call = getattr(exc, "mha_call", None)
+    return text + (f" at {where}" if where else "") + (f"; raised by the plugin's {call}" if isinstance(call, str)
+                                                        else "")
+
+
+_OP_WORDS = {"forward": "forward", "vjp": "backward (vjp)", "decode_step": "decode step"}
+
+
+def describe_call(op: str, inputs: AttentionInputs) -> str:
+    """The plugin call ``op`` on ``inputs`` in words, for an error it raised: its shapes and masks, e.g. "forward
+    of batch 3, Tq = 7 queries against Tk = 300 keys (one x_q and one x_kv), with key_padding_mask (3, 300)"."""
+    if not _shaped(inputs):
+        return f"{_OP_WORDS.get(op, op)} of malformed inputs (the bad-input case's)"
+    masks = []
+    if inputs.causal is not None:
+        masks.append(f"a causal mask ({inputs.causal})")
+    if inputs.key_padding_mask is not None:
+        masks.append(f"key_padding_mask {tuple(np.shape(inputs.key_padding_mask))}")
+    if inputs.attn_mask is not None:
+        kind = "bool" if np.asarray(inputs.attn_mask).dtype == np.bool_ else "additive"
+        masks.append(f"a {kind} attn_mask {tuple(np.shape(inputs.attn_mask))}")
+    shape = f"Tq = {inputs.tq} queries against Tk = {inputs.tk} keys" if inputs.tq != inputs.tk else \
+        f"Tq = Tk = {inputs.tq}"
+    return (f"{_OP_WORDS.get(op, op)} of batch {inputs.batch}, {shape} ({FORM_WORDS.get(inputs.form, inputs.form)})"
+            + (f", with {' and '.join(masks)}" if masks else ", without masks"))
 
 
 def _shaped(inputs: AttentionInputs) -> bool:

@@ -26,7 +26,7 @@ from mha_harness.conformance.casekit import (
     verifying,
 )
 from mha_harness.conformance.diagnosing import undiagnosed
-from mha_harness.conformance.proxy import PluginError, WorkerLost, as_proxy
+from mha_harness.conformance.proxy import WorkerLost, as_proxy, fault_message
 from mha_harness.conformance.results import CaseResult, Status, repro_command
 from mha_harness.contract.api import AttentionBackend, Divergence, Unsupported, supported
 from mha_harness.contract.reference import scores_as_declared
@@ -142,16 +142,8 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
     except CaseFailure as failure:
         # a guess of a lower precision from the error's size is the summary's diagnosis where no mistake is named
         return Status.FAILED, str(failure), failure.max_error, failure.observed, failure.diagnosis or failure.precision
-    except PluginError as exc:
-        where = f" at {exc.where}" if exc.where else ""
-        return Status.ERROR, f"{exc}{where}", None, None, ""
-    except Exception as exc:  # noqa: BLE001 - the backend's fault, reported not raised
-        where = getattr(exc, "where", "")
-        if not where:
-            import traceback
-            tb = traceback.extract_tb(exc.__traceback__)
-            where = f"{tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-        return Status.ERROR, f"{type(exc).__name__}: {exc}" + (f" at {where}" if where else ""), None, None, ""
+    except Exception as exc:  # noqa: BLE001 - the backend's fault (a PluginError from a worker), reported not raised
+        return Status.ERROR, fault_message(exc), None, None, ""
 
 
 def _verify(backend, case: Case, params: dict, declared: list[Divergence], result: CaseResult) -> None:

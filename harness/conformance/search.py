@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 from mha_harness.conformance.casekit import CaseFailure, CaseSkipped
 from mha_harness.conformance.isolation import Target, WorkerTransport, unsendable
-from mha_harness.conformance.proxy import BackendProxy, PluginError, WorkerLost
+from mha_harness.conformance.proxy import BackendProxy, WorkerLost, fault_message
 from mha_harness.conformance.search_examples import (
     SEARCH_DIR_ENV,
     check_example,
@@ -238,23 +237,13 @@ def search_backend(target: Target, *, max_examples: int = DEFAULT_MAX_EXAMPLES, 
         example, exc = state["failing"]
         outcome.passed = False
         outcome.example = example
-        outcome.message = str(exc) if isinstance(exc, CaseFailure) else _fault(exc)
+        outcome.message = str(exc) if isinstance(exc, CaseFailure) else fault_message(exc)
         outcome.repro = repro_line(target.name, target.spec if target.spec and ":" in target.spec else None, example)
         if save:
             outcome.saved = str(save_regression(target.name, target.spec if target.spec and ":" in target.spec
                                                 else None, example, outcome.message, folder))
         outcome.extra["id"] = example_id(example)
     return outcome
-
-
-def _fault(exc: Exception) -> str:
-    """An exception of the backend's code as check reports it: its type, message and where it was raised (the
-    worker's file:line for a :class:`PluginError`; an outside user's config error raised in native_parameter_shapes
-    was reported without it)."""
-    if isinstance(exc, PluginError):
-        return f"{exc}" + (f" at {exc.where}" if exc.where else "")
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f"{type(exc).__name__}: {exc}" + (f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else "")
 
 
 def mutant_table(outcomes: list[SearchOutcome], bugs: dict[str, str]) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 from mha_harness.contract.api import AttentionInputs, AttentionParams
 from mha_harness.contract.conventions import TOP_LEFT, window_allows, window_offset
 from mha_harness.contract.mistakes import closest_mistake, diagnosis_margin, folded_into_attn_mask
-from mha_harness.contract.reference import WINDOW_FIELD, reference_attention, without_masks
+from mha_harness.contract.reference import WINDOW_FIELD, allowed_and_bias, reference_attention, without_masks
 
 #: the longest call at whose every window width a windowed layer's output is compared (one reference each)
 MAX_WIDTHS_TRIED = 128
@@ -43,6 +43,17 @@ def _widths_that_can_differ(got: np.ndarray, truth: np.ndarray, inputs: Attentio
     return list(range(1, min(first, inputs.tk - 1) + 1)) if inputs.tk <= MAX_WIDTHS_TRIED else []
 
 
+def _empties_a_row(params: AttentionParams, inputs: AttentionInputs, width: int) -> bool:
+    """Whether a window of ``width`` keys, joined to the call's masks, leaves a query row (in some head) without a
+    key that the call without it does not: that row's output is then the empty-row convention's (under the uniform
+    average, the plain average of V, within a small margin of any softmax over nearly equal scores), so a match
+    there tells nothing of a window (an outside user's layer that never masked its one padded key, at Tq = 1 and
+    Tk = 2, was named "a sliding window of 1 keys" in a layer built without one)."""
+    before, _ = allowed_and_bias(params, inputs)
+    after, _ = allowed_and_bias(params.replace(config=dataclasses.replace(params.config, sliding_window=width)), inputs)
+    return bool(np.any(~np.any(after, axis=-1) & np.any(before, axis=-1)))
+
+
 def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarray, truth: np.ndarray,
                 margin: float):
     """(label, wrong parameters, wrong inputs) for each window mistake of this layer and call, the more specific
@@ -51,6 +62,8 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
     tq, tk, offset = inputs.tq, inputs.tk, window_offset(inputs.causal, inputs.tq, inputs.tk)
     if w is None:
         for width in _widths_that_can_differ(got, truth, inputs, margin):
+            if _empties_a_row(params, inputs, width):
+                continue
             yield (f"; the output matches a sliding window of {width} keys (each query sees its own position and the "
                    f"{width - 1} before it) in a layer built without one (config.sliding_window is None): a window "
                    "fixed in the layer (Mistral's config.sliding_window, Gemma's local layers) applies where the "
