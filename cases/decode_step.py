@@ -30,8 +30,14 @@ STEP_SCALINGS = {"yarn": RotaryScaling("yarn", 32.0, original_max_positions=4096
 def _step_variants(backend):
     caps = backend.capabilities
     if BOTTOM_RIGHT not in caps.causal_alignments:
-        return [{"unsupported": "declares no bottom-right causal mask: a decode step's new queries are the last "
-                                "positions of the cache"}]
+        if caps.always_causal:
+            return [{"unsupported": "declares no bottom-right causal mask: a decode step's new queries are the last "
+                                    "positions of the cache"}]
+        # one new query sees every cached key: no causal mask is needed, and none is passed (as bench's decode
+        # workload calls such a step); a few new queries need the bottom-right mask the backend does not declare
+        tq, _, bias, cached = STEPS["one_new_query"]
+        return [{"dtype": primary_dtype(backend), "variant": "one_new_query", "tq": tq, "tk": tq + cached,
+                 "bias": bias, "causal": False}]
     out = []
     for name, (tq, kv_heads, bias, cached) in STEPS.items():
         v = {"dtype": primary_dtype(backend), "variant": name, "tq": tq, "tk": tq + cached, "bias": bias and caps.bias}
@@ -60,7 +66,7 @@ def _step_variants(backend):
 @case(variants=_step_variants, forms=("separate", "shared_kv", "kv_cache"))
 def check_decode_step_over_filled_cache_matches_reference(backend, *, dtype, variant, tq, tk, bias, kv_heads=None,
                                                           rotary=None, rotary_base=10_000.0, rotary_dims=None,
-                                                          rotary_scaling=None, sliding_window=None):
+                                                          rotary_scaling=None, sliding_window=None, causal=True):
     """A decode step whose cache was filled from the first Tk - Tq positions (65 keys in all, across a tiled
     kernel's blocks; or none, a prompt into an empty cache) returns, on its first and on its second call, the
     output the float64 reference gives for the whole KV-cache call: the step writes x_new's keys and values into
@@ -68,11 +74,13 @@ def check_decode_step_over_filled_cache_matches_reference(backend, *, dtype, var
     without a decode step. A layer with rotary embeddings (each kind it declares) turns the cached keys, the new keys
     and the new queries at their own positions, with a partial rotary's width and a rescaling where declared; a layer
     with a sliding window (where declared) counts it back from each new query's position, hiding most of the cache.
-    YaRN's step is gpt-oss's (:data:`STEP_SCALINGS`), the grid's Qwen 2.5's."""
+    YaRN's step is gpt-oss's (:data:`STEP_SCALINGS`), the grid's Qwen 2.5's. A backend that declares no bottom-right
+    causal mask (a layer whose own mask is top-left, with a KV-cache path beside it) runs the one-query step only,
+    without a causal mask (``causal`` False): one new query sees every cached key, the same attention."""
     params = small_layer(backend, bias=bias, num_kv_heads=kv_heads, seed=tq, rotary=rotary, rotary_base=rotary_base,
                          rotary_dims=rotary_dims, rotary_scaling=STEP_SCALINGS.get(rotary_scaling, rotary_scaling),
                          sliding_window=sliding_window)
-    inputs = as_kv_cache_call(make_inputs(params.config, 2, tq, tk, seed=tq, causal=BOTTOM_RIGHT))
+    inputs = as_kv_cache_call(make_inputs(params.config, 2, tq, tk, seed=tq, causal=BOTTOM_RIGHT if causal else None))
     require(backend, *inputs.features(), f"dtype:{dtype}")
     first, second = backend.load(params, dtype=dtype).decode_step(inputs)
     return Measurement(max_error=assert_decode_step_close(backend, params, inputs, dtype, first, second))

@@ -37,6 +37,22 @@ def test_a_step_that_attends_before_writing_is_caught_only_by_the_decode_step_ca
                for f in failures), failures[0].message
 
 
+def test_a_step_of_a_backend_without_bottom_right_masking_is_checked_at_one_new_query():
+    """A layer whose own mask is top-left, with a KV-cache path beside it (an outside user's Flax layer): one new
+    query sees every cached key, so its step is checked unmasked at Tq = 1 (bench's decode workload times it so), and
+    a step that attends before it writes is caught there; its other steps need the bottom-right mask."""
+    backend = MutantBackend(BY_NAME["mutant-decode-step-attends-before-writing"], weights=False)
+    backend.capabilities = dataclasses.replace(backend.capabilities, causal_alignments=("top-left",))
+    report = mha_harness.check(backend, cases=[CASE])
+    assert [(r.params["variant"], r.params["causal"], r.status) for r in report.results] == [
+        ("one_new_query", False, "failed")], [r.message[:120] for r in report.results]
+    assert "attends before it writes" in report.results[0].message
+    right = MutantBackend(BY_NAME["mutant-decode-step-attends-before-writing"], weights=False)
+    right.capabilities = backend.capabilities
+    right.loaded_class = NumpyNaiveLoaded
+    assert [r.status for r in mha_harness.check(right, cases=[CASE]).results] == ["passed"]
+
+
 class _AddsIntoCache(NumpyNaiveLoaded):
     """A step right on its first call that adds x_new's keys and values into the cache's slots instead of
     overwriting them: every later call attends over doubled keys."""

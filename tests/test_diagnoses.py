@@ -372,8 +372,15 @@ def test_causal_mask_mistakes_are_plain_calls_with_the_masks_they_name():
     np.testing.assert_array_equal(got["no_diagonal"].attn_mask, np.tri(3, 5, k=1, dtype=bool))
     np.testing.assert_array_equal(got["inverted"].attn_mask, ~np.tri(3, 5, k=2, dtype=bool))
     np.testing.assert_array_equal(got["offset_negated"].attn_mask, np.tri(3, 5, k=-2, dtype=bool))
-    square = AttentionInputs(q, q, q, causal="top-left", attn_mask=np.ones((3, 3), bool))
-    assert list(causal_mask_mistakes(square)) == ["not_applied"]  # no alignment to swap, a mask of its own
+    # no alignment to swap; the mistaken causal masks joined to the call's own attn_mask, bool or additive
+    keep = np.array([[True, False, True]] * 3)
+    square = AttentionInputs(q, q, q, causal="top-left", attn_mask=keep)
+    got = causal_mask_mistakes(square)
+    assert list(got) == ["not_applied", "one_key_too_wide", "reversed", "no_diagonal", "inverted"]
+    np.testing.assert_array_equal(got["one_key_too_wide"].attn_mask, keep & np.tri(3, 3, k=1, dtype=bool))
+    biases = np.where(keep, 0.5, -np.inf)
+    wide = causal_mask_mistakes(square.replace(attn_mask=biases))["one_key_too_wide"].attn_mask
+    np.testing.assert_array_equal(wide, np.where(np.tri(3, 3, k=1, dtype=bool), biases, -np.inf))
     assert causal_mask_mistakes(AttentionInputs(q, q, q)) == {}
 
 
@@ -686,3 +693,34 @@ def test_a_padding_mask_along_the_query_axis_of_an_always_causal_layer_is_named_
                                isolate=False).failures()
     assert failed and all("key_padding_mask applied along the query axis" in f.message
                           and "cannot tell 2 mistakes apart" in f.message for f in failed), failed[0].message[-600:]
+
+
+@pytest.mark.parametrize("name, words", [
+    ("mutant-causal-one-future-token", "a causal mask one key too wide"),
+    ("mutant-causal-excludes-diagonal", "a causal mask that excludes the diagonal"),
+    ("mutant-causal-mask-reversed", "a reversed causal mask"),
+    ("mutant-causal-always-top-left", "top-left alignment instead of bottom-right"),
+])
+def test_a_causal_mask_mistake_is_named_beside_another_mask(name, words):
+    """The causal mistakes are named in the compositions too: joined to the call's attn_mask (bool or additive) and
+    on the real queries of a padded call (an outside user's FlexAttention layer, its causal mask one key too wide,
+    failed the causal-with-additive composition with a half-precision guess only)."""
+    mutant = next(m for m in MUTANTS if m.name == name)
+    report = mha_harness.check(MutantBackend(mutant, weights=False), cases=["check_mask_compositions_match_reference"])
+    failed = [f for f in report.failures() if f.params["variant"].startswith("causal_with")]
+    assert {f.params["variant"] for f in failed} >= {"causal_with_bool_mask", "causal_with_additive_mask"}
+    assert all(words in f.message for f in failed), [f.message[-160:] for f in failed if words not in f.message]
+
+
+def test_a_named_mistake_drops_the_guess_of_a_precision_and_a_pattern_keeps_it():
+    """A failure that matches a known mistake is that mistake, whatever its size: the guess of a lower precision
+    (which suggests declaring one, hiding the bug) goes; a pattern that names no mistake leaves it."""
+    from mha_harness.conformance.casekit import CaseFailure
+    guess = "; the error is of half precision's size (within the float16 bound 0.0295): ..."
+    failure = CaseFailure("output: max error 0.00858" + guess, 0.00858, None, "", guess)
+    named = failure.with_hint("; the output matches a causal mask one key too wide (query i also sees key i + 1)")
+    assert str(named) == "output: max error 0.00858; the output matches a causal mask one key too wide (query i " \
+                         "also sees key i + 1)" and not named.guess
+    pattern = failure.with_hint("; every row that sees a single key is right and every row that sees several keys is "
+                                "wrong")
+    assert guess in str(pattern) and pattern.guess == guess

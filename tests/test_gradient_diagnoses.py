@@ -287,3 +287,26 @@ def test_a_gradient_the_backward_never_reached_is_named_as_such_not_as_a_dtype()
     assert messages and all("gradient of W_o: got None: the backward did not reach W_o" in m for m in messages), \
         messages
     assert not any("dtype: got object" in m for m in messages)
+
+
+def test_a_wrong_forward_under_a_gradient_failure_is_named_or_placed_at_this_call():
+    """The gradient cases' "fix the forward first" names the mask mistake the forward matches, or, where none is
+    known, the call it is wrong at (an outside user's gradient failure pointed at output and mask cases that had all
+    passed: the layer was wrong at Tq < Tk with padding only)."""
+    from mha_harness.conformance.casekit import forward_also_wrong
+    from mha_harness.contract.api import AttentionConfig, AttentionInputs
+    from mha_harness.contract.params import make_params
+    from mha_harness.contract.reference import reference_attention
+    params = make_params(AttentionConfig(8, 2), seed=0)
+    rng = np.random.default_rng(1)
+    q, kv = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 9, 8))
+    inputs = AttentionInputs(q, kv, kv, key_padding_mask=np.arange(9)[None, :] >= np.array([[9], [5]]))
+    cotangent = np.ones((2, 3, 8))
+    ignored = reference_attention(params, inputs.replace(key_padding_mask=None)).output
+    named = forward_also_wrong(lambda: ignored, params, inputs, "float64", cotangent)
+    assert "the same call without key_padding_mask: the mask is not applied" in named and "(this call:" not in named
+    noisy = reference_attention(params, inputs).output + 0.01 * rng.standard_normal((2, 3, 8))
+    placed = forward_also_wrong(lambda: noisy, params, inputs, "float64", cotangent)
+    assert placed.endswith("fix the forward first (this call: forward of batch 2, Tq = 3 queries against Tk = 9 keys "
+                           "(one x_q and one x_kv), with key_padding_mask (2, 9); where the output and mask cases "
+                           "pass, the forward is wrong at this shape or with these masks only)"), placed

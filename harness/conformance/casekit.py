@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mha_harness.conformance.diagnoses import (
+    MISTAKE_MATCH,
     SCALE_MATCH,
     SOFTCAP_MATCH,
     cache_kv_swapped_hint,
@@ -84,14 +85,17 @@ class CaseFailure(AssertionError):
         """This failure with ``hint``, a diagnosis suffix ("; the output matches ..."), appended to its message and
         kept as its diagnosis (the diagnosis it had when ``hint`` is empty); ``diagnosis``: a shorter one to keep
         instead, for the summary's "diagnosed:" line, or "" when the hint names no mistake (a list of the wrong
-        gradients): the failure keeps the diagnosis it had. A hint that names a soft cap on the scores or another
-        score scale (:data:`~mha_harness.conformance.diagnoses.SOFTCAP_MATCH`, ``SCALE_MATCH``) names the cause the
-        message's guess from the error's size (a precision, :attr:`guess`) would misname: the guess is dropped."""
+        gradients): the failure keeps the diagnosis it had. A hint that names a known mistake the output matches
+        ("the output matches ...", one or several), a soft cap on the scores or another score scale
+        (:data:`~mha_harness.conformance.diagnoses.SOFTCAP_MATCH`, ``SCALE_MATCH``) names the cause the message's
+        guess from the error's size (a precision, :attr:`guess`) would misname: the guess is dropped (a causal mask
+        one key too wide beside an additive mask moved two rows by 0.009 and was first offered a precision
+        declaration that would have hidden it: an outside user's FlexAttention layer)."""
         if diagnosis is None:
             diagnosis = hint.removeprefix("; ").strip()
         message, guess = str(self), self.guess
-        if (SOFTCAP_MATCH in hint or SCALE_MATCH in hint or QK_NORM_MATCH in hint or ROTARY_MATCH in hint
-                or ALIBI_MATCH in hint) and guess:
+        if (MISTAKE_MATCH in hint or SOFTCAP_MATCH in hint or SCALE_MATCH in hint or QK_NORM_MATCH in hint
+                or ROTARY_MATCH in hint or ALIBI_MATCH in hint) and guess:
             message, guess = message.replace(guess, ""), ""
         return CaseFailure(message + hint, self.max_error, self.observed, diagnosis or self.diagnosis, guess)
 
@@ -159,6 +163,28 @@ def on_primary_dtype(backend: AttentionBackend) -> list[dict]:
 
 FORM_WORDS = {"separate": "separate query/key/value", "shared_kv": "one x_q and one x_kv", "self": "one x",
               "kv_cache": "a KV-cache step (x_new, the last Tq rows of x_kv)"}
+
+
+_OP_WORDS = {"forward": "forward", "vjp": "backward (vjp)", "decode_step": "decode step"}
+
+
+def describe_call(op: str, inputs: AttentionInputs) -> str:
+    """The plugin call ``op`` on ``inputs`` in words, for an error it raised: its shapes and masks, e.g. "forward
+    of batch 3, Tq = 7 queries against Tk = 300 keys (one x_q and one x_kv), with key_padding_mask (3, 300)"."""
+    if not all(getattr(x, "ndim", 0) == 3 for x in (inputs.query, inputs.key)):
+        return f"{_OP_WORDS.get(op, op)} of malformed inputs (the bad-input case's)"
+    masks = []
+    if inputs.causal is not None:
+        masks.append(f"a causal mask ({inputs.causal})")
+    if inputs.key_padding_mask is not None:
+        masks.append(f"key_padding_mask {tuple(np.shape(inputs.key_padding_mask))}")
+    if inputs.attn_mask is not None:
+        kind = "bool" if np.asarray(inputs.attn_mask).dtype == np.bool_ else "additive"
+        masks.append(f"a {kind} attn_mask {tuple(np.shape(inputs.attn_mask))}")
+    shape = f"Tq = {inputs.tq} queries against Tk = {inputs.tk} keys" if inputs.tq != inputs.tk else \
+        f"Tq = Tk = {inputs.tq}"
+    return (f"{_OP_WORDS.get(op, op)} of batch {inputs.batch}, {shape} ({FORM_WORDS.get(inputs.form, inputs.form)})"
+            + (f", with {' and '.join(masks)}" if masks else ", without masks"))
 
 
 def _in_form(func: Callable[..., Any], forms: tuple[str, ...]) -> Callable[..., Any]:
@@ -915,16 +941,19 @@ def forward_also_wrong(forward: Callable[[], np.ndarray] | None, params: Attenti
         error = float(np.max(np.abs(output - expected[weighed]), initial=0.0)) if np.all(np.isfinite(output)) \
             else np.inf
         named = ""
-        if error > tol.bound:  # a rotary mistake or another score scale (on whole outputs), else another soft cap
+        if error > tol.bound:  # a rotary mistake or another score scale (on whole outputs), else another soft cap,
+            # else a mask mistake (an outside user's padding mask applied to the first Tq keys only)
             named = ((rotary_hint(whole, params, inputs, tol.bound) or scale_hint(whole, params, inputs, tol.bound)
-                      if weighed.all() else "") or scores_hint(whole, params, inputs, tol.bound, compare=weighed))
+                      if weighed.all() else "") or scores_hint(whole, params, inputs, tol.bound, compare=weighed)
+                     or mask_mistake(whole, params, inputs, rows=weighed))
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return ""
     if error <= tol.bound:
         return ""
+    where = ("" if named else f" (this call: {describe_call('forward', inputs)}; where the output and mask cases "
+             "pass, the forward is wrong at this shape or with these masks only)")
     return (f"the forward's output for this call is wrong too (max error {error:.3g}, bound {tol.bound:.3g}"
-            f"{named.replace('; ', ': ', 1)}): the gradients follow it, so fix the forward first (the output and "
-            "mask cases say what it matches)")
+            f"{named.replace('; ', ': ', 1)}): the gradients follow it, so fix the forward first{where}")
 
 
 def gradient_mistake_hint(got: Mapping[str, np.ndarray], params: AttentionParams, inputs: AttentionInputs,

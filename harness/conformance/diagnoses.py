@@ -248,12 +248,13 @@ _ONE_KEY_TOO_WIDE = "; the output matches a causal mask one key too wide (query 
 
 
 def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs,
-                truth: Callable[[], np.ndarray] | None = None) -> str:
+                truth: Callable[[], np.ndarray] | None = None, rows=None) -> str:
     """A message suffix naming the causal-mask mistake a causal call's output ``got`` matches: the other alignment
     (Tq != Tk), a mask without the diagonal, no mask at all, a reversed mask (the future instead of the past), an
     inverted one (its polarity flipped: only the future), a bottom-right mask with its diagonal offset negated, or a
-    mask one key too wide; "" when none. Rows a
-    candidate leaves without a key are compared under the backend's empty-row convention (:func:`_matches`)."""
+    mask one key too wide; "" when none. On ``rows`` of (batch, Tq) if given (a composition with a padding mask:
+    its real queries). Rows a candidate leaves without a key are compared under the backend's empty-row convention
+    (:func:`_matches`)."""
     alignment, tq, tk = inputs.causal, inputs.tq, inputs.tk
     if alignment is None:
         return ""
@@ -261,7 +262,7 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     truth = truth or _truth(params, inputs)
 
     def matches(other: AttentionInputs | None) -> bool:
-        return other is not None and _matches(got, params, other, truth=truth)
+        return other is not None and _matches(got, params, other, rows, truth=truth)
     mistake = causal_mask_mistakes(inputs)
     # at some shapes a negated offset gives what another mistake gives (Tq > Tk: every key, as no mask; one query
     # against two keys: none, as the inverted mask): both are named there
@@ -298,7 +299,7 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
 def _no_diagonal_words(alignment: str, tq: int, tk: int, form: str) -> str:
     """The diagnosis of a causal mask without its diagonal, as a message suffix."""
     offset = causal_offset(alignment, tq, tk)
-    own_key = "key i" if offset == 0 else f"its own key, key i + {offset}"
+    own_key = "key i" if offset == 0 else f"its own key, key i {'+' if offset > 0 else '-'} {abs(offset)}"
     step = f" ({ATTENDS_BEFORE_WRITING})" if form == "kv_cache" else ""
     return f"; the output matches a causal mask that excludes the diagonal (query i cannot see {own_key})" + step
 
@@ -532,6 +533,9 @@ def padding_within_query_length_hint(got: np.ndarray, params: AttentionParams, i
             "self-attention only")
 
 
+#: the phrase of every hint that names a known mistake the output matches (one, or several an input cannot tell apart)
+MISTAKE_MATCH = "the output matches"
+
 #: phrases every :func:`scores_fit_hint` sentence holds, one of them (a failure that has one drops its guess of a
 #: precision: the fit named the cause)
 SOFTCAP_MATCH, SCALE_MATCH = "soft-capped", "the output matches scores scaled by"
@@ -620,18 +624,17 @@ _TOLD_APART = re.compile(r"; this input cannot tell \d+ mistakes apart, the outp
 
 
 def mask_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, rows=None) -> str:
-    """The mask mistakes a failing output ``got`` of a masked call matches (on ``rows`` if given; the causal
-    diagnoses on whole outputs only): the causal mask's (:func:`causal_hint`), an inverted polarity, the attn_mask
-    transposed, the key padding mask along the query axis, over the first Tq keys only or not applied, one of two
-    masks dropped, the masks applied after the softmax, masked scores set to 0 instead of -inf
-    (:func:`masked_to_zero_hint`), a declared soft cap taken after the masks (:func:`cap_after_mask_hint`); "" when
-    none or when the call has no mask. Every one that matches is named: on a small input two mistakes can give the
-    same output, and naming only the first would be a guess. The wrong calls' rows without a key follow the
-    backend's empty-row convention (:func:`_matches`)."""
+    """The mask mistakes a failing output ``got`` of a masked call matches (on ``rows`` if given): the causal
+    mask's (:func:`causal_hint`), an inverted polarity, the attn_mask transposed, the key padding mask along the
+    query axis, over the first Tq keys only or not applied, one of two masks dropped, the masks applied after the
+    softmax, masked scores set to 0 instead of -inf (:func:`masked_to_zero_hint`), a declared soft cap taken after
+    the masks (:func:`cap_after_mask_hint`); "" when none or when the call has no mask. Every one that matches is
+    named: on a small input two mistakes can give the same output, and naming only the first would be a guess. The
+    wrong calls' rows without a key follow the backend's empty-row convention (:func:`_matches`)."""
     if inputs.causal is None and inputs.key_padding_mask is None and inputs.attn_mask is None:
         return ""
     truth = _truth(params, inputs)  # the correct output, computed once for every hint that needs it
-    return _together([causal_hint(got, params, inputs, truth) if rows is None else "",
+    return _together([causal_hint(got, params, inputs, truth, rows),
                       polarity_hint(got, params, inputs, rows, truth=truth),
                       transposed_mask_hint(got, params, inputs, rows, truth),
                       padding_axis_hint(got, params, inputs, rows, truth),

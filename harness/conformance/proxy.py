@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mha_harness.conformance.casekit import FORM_WORDS, CaseFailure
+from mha_harness.conformance.casekit import CaseFailure, describe_call
 from mha_harness.contract.api import (
     AttentionBackend,
     AttentionConfig,
@@ -326,28 +326,6 @@ def fault_message(exc: BaseException) -> str:
     call = getattr(exc, "mha_call", None)
     return text + (f" at {where}" if where else "") + (f"; raised by the plugin's {call}" if isinstance(call, str)
                                                         else "")
-
-
-_OP_WORDS = {"forward": "forward", "vjp": "backward (vjp)", "decode_step": "decode step"}
-
-
-def describe_call(op: str, inputs: AttentionInputs) -> str:
-    """The plugin call ``op`` on ``inputs`` in words, for an error it raised: its shapes and masks, e.g. "forward
-    of batch 3, Tq = 7 queries against Tk = 300 keys (one x_q and one x_kv), with key_padding_mask (3, 300)"."""
-    if not _shaped(inputs):
-        return f"{_OP_WORDS.get(op, op)} of malformed inputs (the bad-input case's)"
-    masks = []
-    if inputs.causal is not None:
-        masks.append(f"a causal mask ({inputs.causal})")
-    if inputs.key_padding_mask is not None:
-        masks.append(f"key_padding_mask {tuple(np.shape(inputs.key_padding_mask))}")
-    if inputs.attn_mask is not None:
-        kind = "bool" if np.asarray(inputs.attn_mask).dtype == np.bool_ else "additive"
-        masks.append(f"a {kind} attn_mask {tuple(np.shape(inputs.attn_mask))}")
-    shape = f"Tq = {inputs.tq} queries against Tk = {inputs.tk} keys" if inputs.tq != inputs.tk else \
-        f"Tq = Tk = {inputs.tq}"
-    return (f"{_OP_WORDS.get(op, op)} of batch {inputs.batch}, {shape} ({FORM_WORDS.get(inputs.form, inputs.form)})"
-            + (f", with {' and '.join(masks)}" if masks else ", without masks"))
 
 
 def _shaped(inputs: AttentionInputs) -> bool:

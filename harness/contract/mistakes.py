@@ -209,12 +209,13 @@ def with_kv_heads_tiled(params: AttentionParams) -> AttentionParams | None:
 def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
     """For a causal call ``inputs``: the calls whose reference outputs are the common causal-mask mistakes, by name.
     ``"not_applied"``: the same call without its causal mask; ``"other_alignment"`` (Tq != Tk only): the other
-    alignment; and, where the call has no ``attn_mask`` of its own to combine with, ``"one_key_too_wide"`` (query i
+    alignment; ``"one_key_too_wide"`` (query i
     also sees key i + 1), ``"reversed"`` (query i sees key i and every later key: triu where tril belongs),
     ``"no_diagonal"`` (query i cannot see its own key), ``"inverted"`` (the mask's polarity flipped: query i sees
     only the keys after i, the last query none) and, where the alignment offsets the diagonal (bottom-right with
     Tq != Tk), ``"offset_negated"`` (tril(diagonal=Tq - Tk) where diagonal=Tk - Tq belongs), as boolean masks
-    offset like the call's alignment. Empty
+    offset like the call's alignment, joined to the call's own attn_mask where it has one (a causal mask one key too
+    wide beside an additive mask was named a half-precision error: an outside user's FlexAttention layer). Empty
     without a causal mask. The calls carry no causal mask of their own, also for a backend that declares
     ``always_causal`` (:meth:`AttentionInputs.replace` keeps a copy's causal as given)."""
     if inputs.causal is None:
@@ -225,13 +226,14 @@ def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
     calls = {"not_applied": unmasked}
     if tq != tk:
         calls["other_alignment"] = inputs.replace(causal=other_alignment(inputs.causal))
-    if inputs.attn_mask is None:
-        calls["one_key_too_wide"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset + 1, dtype=bool))
-        calls["reversed"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset - 1, dtype=bool))
-        calls["no_diagonal"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=offset - 1, dtype=bool))
-        calls["inverted"] = unmasked.replace(attn_mask=~np.tri(tq, tk, k=offset, dtype=bool))
-        if offset:
-            calls["offset_negated"] = unmasked.replace(attn_mask=np.tri(tq, tk, k=-offset, dtype=bool))
+    def causal_as(allowed: np.ndarray) -> AttentionInputs:  # the mistaken causal mask joined to the call's attn_mask
+        return unmasked.replace(attn_mask=folded_into_attn_mask(inputs.attn_mask, allowed))
+    calls["one_key_too_wide"] = causal_as(np.tri(tq, tk, k=offset + 1, dtype=bool))
+    calls["reversed"] = causal_as(~np.tri(tq, tk, k=offset - 1, dtype=bool))
+    calls["no_diagonal"] = causal_as(np.tri(tq, tk, k=offset - 1, dtype=bool))
+    calls["inverted"] = causal_as(~np.tri(tq, tk, k=offset, dtype=bool))
+    if offset:
+        calls["offset_negated"] = causal_as(np.tri(tq, tk, k=-offset, dtype=bool))
     return calls
 
 
