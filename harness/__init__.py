@@ -3,6 +3,7 @@
 Public API::
 
     mha_harness.check(backend_or_name, ...) -> Report   # run the conformance cases
+    mha_harness.case_names()                            # every registered case, plugins' included
     mha_harness.AttentionBackend, mha_harness.LoadedAttention, mha_harness.Capabilities, mha_harness.Divergence
     mha_harness.function_backend(...)                   # the few-line adapter for a plain NumPy function
     mha_harness.masks.causal_mask / padding_mask / combined_mask / additive_mask   # the public mask builder
@@ -18,6 +19,7 @@ import importlib
 #: nothing for the core, NumPy included.
 _PUBLIC = {
     "check": "mha_harness.checking", "repro": "mha_harness.checking", "search": "mha_harness.checking",
+    "case_names": "mha_harness.checking",
     "Report": "mha_harness.conformance.report",
     **{name: "mha_harness.contract.api" for name in (
         "AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
@@ -41,7 +43,7 @@ __version__ = "0.1.0"
 __all__ = ["AttentionBackend", "AttentionConfig", "AttentionInputs", "AttentionOutput", "AttentionParams",
            "alibi_bias", "alibi_slopes",
            "Capabilities", "Divergence", "LoadedAttention", "Report", "Unsupported", "as_kv_cache_call",
-           "causal_offset", "check",
+           "case_names", "causal_offset", "check",
            "configure_jax", "function_backend", "implicitly_causal", "load_registry", "logit_softcap_as", "make_inputs",
            "make_params",
            "masks",

@@ -140,6 +140,13 @@ def _check_arguments(cases, timeout, jobs, isolate) -> list[str] | None:
     return cases
 
 
+def case_names() -> list[str]:
+    """The name of every registered case: the built-in ones and those of the installed case plugins that loaded
+    (entry-point group ``mha_harness.cases``). A backend's divergence for a case plugin's case names a case that
+    exists only where that plugin is installed: declare it when its name is here."""
+    return list(all_cases())
+
+
 def _declaration_errors(targets: list[Target]) -> tuple[list[Target], list[BackendInfo]]:
     """Refuse, at load, backends whose divergence declarations name unknown cases or ``when`` keys."""
     from mha_harness.conformance.runner import divergence_problems

@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeatable), with the reason when it fails to load; the registered ones are not listed, "
                         "as check runs only these")
     p.add_argument("--verbose", "-v", action="store_true", help="show every capability and the source")
+    p.add_argument("--cases", action="store_true",
+                   help="list the conformance cases instead: the built-in ones and those of installed case plugins "
+                        "(what each requires, its input forms, its module), and the case plugins that failed to load")
 
     p = sub.add_parser("check", help="run the conformance cases (each backend in its own worker process)")
     _add_selection(p)
@@ -315,14 +318,40 @@ def _say_opted_out(registry) -> None:
         print(f"  not run unless named: {entry.name} ({opt_in_reason(entry)}; --backend {entry.name})")
 
 
+def _list_cases() -> int:
+    """``list --cases``: every registered case, one line each, then the case plugins that failed to load (exit 1)."""
+    from mha_harness.conformance.casekit import BUILTIN_CASES, all_cases, case_plugin_errors
+    cases = all_cases()
+    width = max(len(name) for name in cases)
+    for name, c in cases.items():
+        origin = c.func.__module__
+        facts = [f"requires {', '.join(c.requires)}" if c.requires else "requires nothing",
+                 f"forms {', '.join(c.forms)}"] + (["slow (not in --quick)"] if c.slow else []) \
+            + ([] if origin.startswith(BUILTIN_CASES + ".") else [f"from {origin}"])
+        print(f"{name:<{width}}  {'; '.join(facts)}")
+    errors = case_plugin_errors()
+    for module, why in errors.items():
+        print(f"case plugin {module}: {why} (its cases are not listed and do not run)", file=sys.stderr)
+    return EXIT_FAILED if errors else EXIT_OK
+
+
 def cmd_list(args) -> int:
+    if args.cases:
+        if args.backend_spec or args.verbose:
+            raise UsageError("--cases: lists cases, not backends; accepted: mha-harness list --cases alone")
+        return _list_cases()
+    from mha_harness.conformance.runner import divergence_problems
     from mha_harness.contract.score_scale import score_scale_label
     registry = _registry(args.backend_spec)
     # the backends check/search/bench would run with the same options: with --backend-spec, only the spec's
     entries = [e for e in registry.entries.values() if not args.backend_spec or e.spec in args.backend_spec]
     width = max(len(e.name) for e in entries)
+    refused = {}  # what check would refuse at load, as it does: divergences naming unknown cases or 'when' keys
     for entry in entries:
         reason = entry.reason_unavailable
+        problems = divergence_problems(entry.backend) if entry.backend is not None and reason is None else []
+        if problems:
+            refused[entry.name] = reason = "declared divergences refused: " + "; ".join(problems)
         status = "available" if reason is None else f"unavailable: {reason}"
         if reason is None and opt_in_reason(entry):
             status += f"; runs only when named (--backend {entry.name}): {opt_in_reason(entry)}"
@@ -366,9 +395,11 @@ def cmd_list(args) -> int:
                     print(f"{'':<{width}}    {d.case}: {d.behaviour}{when} ({d.reason})")
     if args.backend_spec:
         print(f"({len(registry.entries) - len(entries)} registered backends not listed: mha-harness list)")
-        broken = [e.name for e in entries if e.error]  # import, construction or availability() failed
+        broken = [e.name for e in entries if e.error or e.name in refused]  # import, construction or
+        # availability() failed, or check would refuse its declarations
         if broken:  # a spec that does not load is an error of the command, as for check and bench
-            print(f"mha-harness list: {len(broken)} --backend-spec backend(s) failed to load: {', '.join(broken)}",
+            print(f"mha-harness list: {len(broken)} --backend-spec backend(s) failed to load"
+                  f"{' or declare divergences check refuses' if refused else ''}: {', '.join(broken)}",
                   file=sys.stderr)
             return EXIT_FAILED
     return EXIT_OK

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,3 +95,71 @@ def test_a_broken_case_plugin_is_reported_and_the_run_goes_on(tmp_path, body):
     assert "broken_cases" in doc["case_plugin_errors"] and not doc["ok"]
     assert ("cases broke" if "raise" in body else "SystemExit") in doc["case_plugin_errors"]["broken_cases"]
     assert [r["status"] for r in doc["results"]] == ["passed"]
+
+
+HALF_REGISTERED = '''
+from mha_harness.conformance.casekit import Measurement, case
+
+
+@case()
+def check_registered_before_the_failure(backend, *, dtype):
+    """Registered, then the module fails below."""
+    return Measurement(max_error=0.0)
+
+
+raise RuntimeError("cases broke halfway")
+'''
+
+
+def _plugin_site(tmp_path, body: str):
+    site = tmp_path / "site"
+    dist = site / "half_cases-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: half-cases\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[mha_harness.cases]\nhalf = half_cases\n")
+    (site / "half_cases.py").write_text(body)
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+
+
+def test_a_case_plugin_that_fails_halfway_runs_none_of_its_cases_and_is_named_where_they_are_asked_for(tmp_path):
+    """All of a plugin or none of it (an outside user's plugin failed after one case had registered, and that case
+    ran although the report said its cases did not); asking for one of its cases names the plugin's failure, and
+    ``list --cases`` shows the cases there are and the plugin that failed (exit 1)."""
+    env = _plugin_site(tmp_path, HALF_REGISTERED)
+    out = run_cli("check", "--backend", "numpy-naive", "--case", "check_scores_scaled_by_sqrt_d_head", "--no-isolate",
+                  "--results", tmp_path / "res", env=env)
+    doc = json.loads((tmp_path / "res" / "conformance" / "conformance.json").read_text())
+    assert out.returncode == 1 and [r["case"] for r in doc["results"]] == ["check_scores_scaled_by_sqrt_d_head"]
+    asked = run_cli("check", "--backend", "numpy-naive", "--case", "check_registered_before_the_failure",
+                    "--results", tmp_path / "res2", env=env)
+    assert asked.returncode == 2 and "case plugins that failed to load (their cases are unknown): half_cases: " \
+                                      "failed to load" in asked.stderr and "cases broke halfway" in asked.stderr
+    listed = run_cli("list", "--cases", env=env)
+    assert listed.returncode == 1 and "check_registered_before_the_failure" not in listed.stdout
+    assert re.search(r"^check_padding_mask_output_matches_reference +requires key_padding_mask; forms separate, "
+                     r"shared_kv, self, kv_cache$", listed.stdout, re.M), listed.stdout
+    assert "case plugin half_cases: failed to load" in listed.stderr
+
+
+def test_a_misspelt_capability_in_requires_is_refused_at_registration():
+    from mha_harness.conformance.casekit import case
+    with pytest.raises(ValueError, match=r"requires: capability: unknown capability 'additive_mask'; accepted: "
+                                         r"\['additive_attn_mask'"):
+        case(requires=("additive_mask",))
+
+
+def test_list_refuses_a_backend_whose_divergence_names_a_case_not_installed(tmp_path):
+    """What check refuses at load, list says, and exits 1 on it (an outside user's backend, declaring a divergence
+    for a case plugin's case, was "available" in list and refused by check once the plugin was uninstalled)."""
+    (tmp_path / "half_mask.py").write_text(
+        "import mha_harness\n"
+        "from mha_harness.implementations.numpy_naive import NumpyNaive\n\n\n"
+        "class HalfMask(NumpyNaive):\n"
+        "    name = 'half-mask'\n"
+        "    divergences = (mha_harness.Divergence('check_from_a_plugin', 'precision:float16', 'a float16 mask'),)\n")
+    out = run_cli("list", "--backend-spec", "half_mask:HalfMask",
+                  env={"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert out.returncode == 1
+    assert "half-mask  unavailable: declared divergences refused: divergence for unknown case 'check_from_a_plugin'" \
+        in out.stdout and "declare the divergence when `name in mha_harness.case_names()`" in out.stdout
+    assert "failed to load or declare divergences check refuses: half-mask" in out.stderr

@@ -40,6 +40,7 @@ from mha_harness.contract.api import (
     AttentionInputs,
     AttentionOutput,
     AttentionParams,
+    Capabilities,
     as_kv_cache_call,
     implicitly_causal,
     supported,
@@ -232,6 +233,12 @@ def case(*, requires: Iterable[str] = (), variants: Callable[[AttentionBackend],
     unknown = [f for f in forms if f not in INPUT_FORMS]
     if unknown or not forms:
         raise ValueError(f"forms: got {forms!r}; accepted: a non-empty subset of {INPUT_FORMS}")
+    requires = (requires,) if isinstance(requires, str) else tuple(requires)
+    for feature in requires:  # a misspelt capability is refused at registration, not an error on every backend
+        try:
+            Capabilities().has(feature)
+        except ValueError as exc:
+            raise ValueError(f"requires: {exc}") from None
 
     def register(func):
         if not func.__name__.startswith("check_"):
@@ -240,7 +247,7 @@ def case(*, requires: Iterable[str] = (), variants: Callable[[AttentionBackend],
         if existing is not None and existing.func.__module__ != func.__module__:  # a re-import replaces itself
             raise ValueError(f"case name: {func.__name__!r} is registered twice, by {existing.func.__module__} "
                              f"and {func.__module__}")
-        _REGISTRY[func.__name__] = Case(func.__name__, _in_form(func, forms), tuple(requires), variants,
+        _REGISTRY[func.__name__] = Case(func.__name__, _in_form(func, forms), requires, variants,
                                         inspect.cleandoc(func.__doc__ or ""), slow, forms)
         return func
     return register
@@ -279,10 +286,14 @@ def load_case_modules() -> None:
         if name in _LOADED_CASE_MODULES or name in _CASE_PLUGIN_ERRORS:
             continue
         integrity.take_snapshot()  # before plugin code runs here (adds what was loaded since)
+        before = dict(_REGISTRY)
         try:
             call_guarded(lambda n=name: importlib.import_module(n), "import", plugin_timeout())
             _LOADED_CASE_MODULES.add(name)
         except PluginFault as fault:
+            # all of a plugin or none of it: the cases it registered before it failed do not run either
+            _REGISTRY.clear()
+            _REGISTRY.update(before)
             _CASE_PLUGIN_ERRORS[name] = f"failed to load: {fault}"
 
 

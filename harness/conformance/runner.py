@@ -20,6 +20,7 @@ from mha_harness.conformance.casekit import (
     FormSkipped,
     Measurement,
     all_cases,
+    case_plugin_errors,
     comparisons_recorded,
     form_skip_reason,
     variant_id,
@@ -33,16 +34,25 @@ from mha_harness.contract.reference import scores_as_declared
 
 
 def select_cases(names: Iterable[str] | None = None, include_slow: bool = True) -> list[Case]:
-    """Cases by name (all when None); an unknown name is a ValueError listing the accepted names."""
+    """Cases by name (all when None); an unknown name is a ValueError listing the accepted names, and the case
+    plugins that failed to load (the name may be one of theirs)."""
     cases = all_cases()
     if names:
         unknown = [n for n in names if n not in cases]
         if unknown:
-            raise ValueError(f"case: got {', '.join(map(repr, unknown))}; accepted: {', '.join(cases)}")
+            raise ValueError(f"case: got {', '.join(map(repr, unknown))}; accepted: {', '.join(cases)}"
+                             + _unloaded_plugins())
         chosen = [cases[n] for n in names]
     else:
         chosen = list(cases.values())
     return [c for c in chosen if include_slow or not c.slow]
+
+
+def _unloaded_plugins() -> str:
+    """"; case plugins that failed to load: ..." naming each with its reason, or "" when every one loaded."""
+    errors = case_plugin_errors()
+    return ("; case plugins that failed to load (their cases are unknown): "
+            + "; ".join(f"{name}: {why}" for name, why in errors.items())) if errors else ""
 
 
 def plan(backend: AttentionBackend, cases: list[Case]) -> list[tuple[Case, dict]]:
@@ -76,7 +86,9 @@ def divergence_problems(backend: AttentionBackend) -> list[str]:
             problems.append(f"divergences: got {type(d).__name__}; accepted: mha_harness.Divergence")
             continue
         if d.case not in cases:
-            problems.append(f"divergence for unknown case {d.case!r}; accepted: {', '.join(cases)}")
+            problems.append(f"divergence for unknown case {d.case!r}; accepted: {', '.join(cases)}"
+                            + _unloaded_plugins() + "; a case plugin's case is known only where that plugin is "
+                            "installed: declare the divergence when `name in mha_harness.case_names()`")
             continue
         accepted = case_parameters(cases[d.case])
         unknown = sorted(set(d.when) - accepted)
@@ -215,8 +227,8 @@ def _run_and_verify(proxy, case: Case, params: dict, result: CaseResult) -> None
         d = next((d for d in declared if not d.behaviour.startswith("precision:")), declared[0])
         if d.behaviour.startswith("precision:"):
             result.observed = PRECISION_NOT_NEEDED
-            result.message = (f"passed at the strict tolerance: the declared {d.observed} ({d.reason}) was not "
-                              "needed by this variant")
+            result.message = (f"passed at the strict tolerance: the declared divergence, {d.observed} ({d.reason}), "
+                              "was not needed by this variant")
         else:
             result.status, result.message = Status.UNEXPECTED_PASS, _did_not_happen(proxy.name, d)
 
