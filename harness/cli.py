@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run plugin code in this process (faster start; no crash isolation, and a plugin "
                         "that patches NumPy or the harness can change the verdict: only for code you trust)")
     p.add_argument("--quick", action="store_true", help="skip the slow cases (T = 8192)")
-    p.add_argument("--mutants", action="store_true", help="also compute the mutation score")
+    p.add_argument("--mutants", action="store_true",
+                   help="also compute the mutation score: the --quick cases (with --case: those cases) on every "
+                        "mutant of the zoo, a few minutes")
 
     p = sub.add_parser("search", help="property-based search (hypothesis) for inputs a backend gets wrong; shrinks "
                                       "to a minimal runnable repro saved under results/search/")
@@ -405,6 +407,9 @@ def cmd_list(args) -> int:
     return EXIT_OK
 
 
+#: a progress line of the mutation score after every this many mutants
+MUTANTS_PER_PROGRESS_LINE = 16
+
 #: how many variants repeating a message already printed whole get a line of their own
 REPEATS_SHOWN = 3
 
@@ -514,9 +519,14 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
     for name in names:  # sources that failed to load were not run; they are reported as load errors
         report.backends.setdefault(name, entry_info(registry.get(name)))
     if mutants:
-        print("computing the mutation score ...", flush=True)
+        print("computing the mutation score" + (f" of the cases asked for ({', '.join(cases)})" if cases else "")
+              + " ...", flush=True)
         from mha_harness.implementations.mutants import mutant_backends
-        report.mutation = mutation_score(mutant_backends())
+
+        def said(done: int, total: int, caught: int) -> None:
+            if done % MUTANTS_PER_PROGRESS_LINE == 0 or done == total:
+                print(f"  mutants: {done}/{total} run, {caught} caught", flush=True)
+        report.mutation = mutation_score(mutant_backends(), cases=cases or None, progress=said)
     report.seconds = time.perf_counter() - start
     paths = report.write(results_dir / "conformance")
     print(f"\nconformance ({report.seconds:.1f} s checking, {time.perf_counter() - _COMMAND_START[0]:.1f} s since "
@@ -524,7 +534,8 @@ def _check(args, registry, results_dir: Path, *, cases=None, include_slow=True, 
     print("\n".join(report.summary_lines()))
     if report.mutation:
         m = report.mutation
-        print(f"  mutation score: {m['caught']}/{m['total']} mutants caught")
+        print(f"  mutation score: {m['caught']}/{m['total']} mutants caught"
+              + (f" by the cases asked for ({', '.join(m['cases'])})" if m.get("cases") else ""))
     print(f"  report: {paths['markdown']}  json: {paths['json']}")
     if any(r.status == "skipped" for r in report.results):
         print(f"  skip reasons: the 'Skipped' section of {paths['markdown']} (grouped, with counts); each "

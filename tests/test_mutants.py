@@ -356,3 +356,24 @@ def test_a_key_block_with_no_visible_key_must_leave_the_running_maximum_at_minus
                                cases=["check_large_logits_stay_finite_and_correct"])
     assert {r.params["variant"] for r in report.failures()} == {"negative_rows_after_padded_keys"}
     assert "a key block with no visible key must leave it at -inf" in report.failures()[0].message
+
+
+def test_the_mutation_score_of_the_cases_asked_for_says_so_and_shows_progress(tmp_path):
+    """``check --mutants --case X`` scores the zoo against those cases alone (a case author's question: which bugs
+    does my case catch?), prints a progress line every 16 mutants and names the cases in the score; an outside user
+    waited 300 s on a silent run and could not tell whether --case was honoured."""
+    import json
+
+    from tests.conftest import run_cli
+    out = run_cli("check", "--backend", "numpy-naive", "--case", "check_scores_scaled_by_sqrt_d_head", "--mutants",
+                  "--no-isolate", "--results", tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    total = len(MUTANTS)
+    assert f"  mutants: 16/{total} run, " in out.stdout and f"  mutants: {total}/{total} run, " in out.stdout
+    doc = json.loads((tmp_path / "conformance" / "conformance.json").read_text())
+    m = doc["mutation"]
+    assert m["cases"] == ["check_scores_scaled_by_sqrt_d_head"] and m["total"] == total
+    assert {r["name"] for r in m["mutants"] if r["caught_by"]} >= {"mutant-no-scale", "mutant-scale-sqrt-d-model"}
+    assert all(set(r["caught_by"]) <= {"check_scores_scaled_by_sqrt_d_head"} for r in m["mutants"])
+    assert (f"mutation score: {m['caught']}/{total} mutants caught by the cases asked for "
+            "(check_scores_scaled_by_sqrt_d_head)") in out.stdout

@@ -152,6 +152,9 @@ def test_a_precision_declaration_is_held_to_the_bound_of_the_declared_dtype():
     ok = _grid_float64(Float32Inside())
     assert ok.status == Status.EXPECTED_DIVERGENCE, ok.message
     assert "float64 error" in ok.message  # the strict run failed against the float64 bound
+    # both bounds are recorded: the strict one it failed, the declared dtype's it was verified under
+    assert ok.extra["error_to_bound"] > 1 >= ok.extra["declared_error_to_bound"]
+    assert ok.extra["declared_bound"] > 1e3 * ok.extra["bound"]
     bad = _grid_float64(Float16Inside())
     assert bad.status == Status.FAILED
     assert "fails even under its declared divergence (compared against the bound of dtype float32): " in bad.message

@@ -8,12 +8,15 @@ from mha_harness.conformance.runner import run_backend, select_cases
 from mha_harness.contract.api import AttentionBackend
 
 
-def mutation_score(mutants: Iterable[AttentionBackend], cases=None, *, include_slow: bool = False) -> dict:
-    """Run the cases on each of ``mutants`` (deliberately broken backends, each carrying a ``mutant`` record with its
-    ``bug`` and the words ``message_mentions`` a catching message must contain; the CLI passes
+def mutation_score(mutants: Iterable[AttentionBackend], cases=None, *, include_slow: bool = False,
+                   progress=None) -> dict:
+    """Run the cases (``cases``: those names only, e.g. a case author's own; all when None) on each of ``mutants``
+    (deliberately broken backends, each carrying a ``mutant`` record with its ``bug`` and the words
+    ``message_mentions`` a catching message must contain; the CLI passes
     ``mha_harness.implementations.mutants.mutant_backends()``). A mutant is caught when at least one case fails with a
-    message naming its broken property."""
+    message naming its broken property. ``progress(done, total, caught)`` is called after each mutant."""
     chosen = select_cases(cases, include_slow)
+    mutants = list(mutants)
     rows = []
     for backend in mutants:
         report = Report(results=run_backend(backend, chosen))
@@ -21,4 +24,7 @@ def mutation_score(mutants: Iterable[AttentionBackend], cases=None, *, include_s
         caught_by = sorted({r.case for r in report.failures() if mention in r.message.lower()})
         rows.append({"name": backend.name, "bug": backend.mutant.bug, "caught_by": caught_by,
                      "failures": len(report.failures())})
-    return {"caught": sum(bool(r["caught_by"]) for r in rows), "total": len(rows), "mutants": rows}
+        if progress is not None:
+            progress(len(rows), len(mutants), sum(bool(r["caught_by"]) for r in rows))
+    return {"caught": sum(bool(r["caught_by"]) for r in rows), "total": len(rows), "mutants": rows,
+            "cases": list(cases) if cases else None}

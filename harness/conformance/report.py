@@ -328,7 +328,9 @@ class Report:
             m = self.mutation
             lines += ["", "## Mutation score", "",
                       f"{m['caught']} of {m['total']} mutants caught "
-                      f"({100.0 * m['caught'] / max(1, m['total']):.0f}%).", "",
+                      f"({100.0 * m['caught'] / max(1, m['total']):.0f}%)"
+                      + (f" by the cases asked for ({', '.join(e(c) for c in m['cases'])})" if m.get("cases") else "")
+                      + ".", "",
                       "| mutant | bug | caught by |", "|---|---|---|"]
             for row in m["mutants"]:
                 lines.append(f"| {e(row['name'])} | {e(row['bug'])} | "

@@ -164,8 +164,12 @@ def _verify(backend, case: Case, params: dict, declared: list[Divergence], resul
     behaviours = tuple(dict.fromkeys(d.behaviour for d in declared))
     observed = "; ".join(dict.fromkeys(d.observed for d in declared))
     reasons = "; ".join(dict.fromkeys(d.reason for d in declared))
-    with verifying(*behaviours):
+    with verifying(*behaviours), comparisons_recorded() as under:  # the bounds the declaration gives, apart
         status, message, max_error, seen, diagnosis = _execute(backend, case, params)
+    if under:  # the comparison closest to the declared bound (a pass's says how near it came)
+        error, bound = max(under, key=lambda c: c[0] / c[1])
+        result.extra["declared_bound"] = bound
+        result.extra["declared_error_to_bound"] = round(error / bound, 4)
     if status == Status.PASSED and "masked_poison" in behaviours and params.get("poison") not in (None, "random"):
         finite = {**params, "poison": "random"}
         with verifying(*(b for b in behaviours if b != "masked_poison")):
