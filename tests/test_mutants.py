@@ -113,7 +113,8 @@ def test_a_padding_only_cross_attention_layer_is_checked_with_fewer_queries_than
                                                additive_attn_mask=False)
     report = mha_harness.check(backend, include_slow=False)
     assert not [r for r in report.results if r.status == "error"]
-    failed = report.failures()
+    # the replay of its saved search example (results/search, Tq = 1 against Tk = 2) catches it too
+    failed = [f for f in report.failures() if f.case != "check_search_regressions_still_pass"]
     assert [(f.case, f.params.get("variant")) for f in failed] == [
         ("check_padding_mask_output_matches_reference", "cross_attention")], [f.message[:120] for f in failed]
     assert "applied to the first Tq = 7 keys only (the keys at positions 7..299" in failed[0].message
