@@ -30,6 +30,7 @@ from mha_harness.contract.mistakes import (
     diagnosis_margin,
     explains,
     folded_into_attn_mask,
+    padding_over_query_length,
     with_fused_qkv_misread,
     with_kv_weights_swapped,
     with_qk_weights_swapped,
@@ -519,12 +520,8 @@ def padding_within_query_length_hint(got: np.ndarray, params: AttentionParams, i
     applied to the first Tq keys only: a mask built, sliced or looped over the query length (``range(q.shape[1])``,
     written for self-attention, where Tq = Tk); "" otherwise, or when no key at or after position Tq is padded (the
     same call either way)."""
-    kpm = inputs.key_padding_mask
-    if kpm is None or inputs.tq >= inputs.tk or not kpm[:, inputs.tq:].any():
-        return ""
-    short = np.array(kpm, bool)
-    short[:, inputs.tq:] = False
-    if not _matches(got, params, inputs.replace(key_padding_mask=short), rows, truth=truth or _truth(params, inputs)):
+    short = padding_over_query_length(inputs)
+    if short is None or not _matches(got, params, short, rows, truth=truth or _truth(params, inputs)):
         return ""
     later = (f"the key at position {inputs.tq} is" if inputs.tk - inputs.tq == 1
              else f"the keys at positions {inputs.tq}..{inputs.tk - 1} are")

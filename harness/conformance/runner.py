@@ -158,6 +158,15 @@ def _execute(backend, case: Case, params: dict) -> tuple[Status, str, float | No
         return Status.ERROR, fault_message(exc), None, None, ""
 
 
+def _record_closest(result: CaseResult, comparisons: list, prefix: str = "") -> None:
+    """Record the comparison closest to its bound, (error, bound), in ``result.extra`` as ``{prefix}bound`` and
+    ``{prefix}error_to_bound``; nothing when the variant compared nothing."""
+    if comparisons:
+        error, bound = max(comparisons, key=lambda c: c[0] / c[1])
+        result.extra[f"{prefix}bound"] = bound
+        result.extra[f"{prefix}error_to_bound"] = round(error / bound, 4)
+
+
 def _verify(backend, case: Case, params: dict, declared: list[Divergence], result: CaseResult) -> None:
     """The strict run failed and ``declared`` match the variant: rerun under all their behaviours at once; only a
     pass there is expected."""
@@ -166,10 +175,7 @@ def _verify(backend, case: Case, params: dict, declared: list[Divergence], resul
     reasons = "; ".join(dict.fromkeys(d.reason for d in declared))
     with verifying(*behaviours), comparisons_recorded() as under:  # the bounds the declaration gives, apart
         status, message, max_error, seen, diagnosis = _execute(backend, case, params)
-    if under:  # the comparison closest to the declared bound (a pass's says how near it came)
-        error, bound = max(under, key=lambda c: c[0] / c[1])
-        result.extra["declared_bound"] = bound
-        result.extra["declared_error_to_bound"] = round(error / bound, 4)
+    _record_closest(result, under, "declared_")  # a pass's says how near it came to the declared bound
     if status == Status.PASSED and "masked_poison" in behaviours and params.get("poison") not in (None, "random"):
         finite = {**params, "poison": "random"}
         with verifying(*(b for b in behaviours if b != "masked_poison")):
@@ -178,7 +184,11 @@ def _verify(backend, case: Case, params: dict, declared: list[Divergence], resul
             message = f"the finite-value variant ({variant_id(backend.name, finite)}) fails too: {message}"
     if status == Status.PASSED:
         result.status = Status.EXPECTED_DIVERGENCE
-        result.message = (f"declared divergence, verified: {observed} ({reasons}); "
+        within = ""
+        if "declared_bound" in result.extra:  # how near the verifying run came to the bound the declaration gives
+            within = (f" within the declared bound {result.extra['declared_bound']:.3g} (error "
+                      f"{result.extra['declared_error_to_bound']:.2f} of it)")
+        result.message = (f"declared divergence, verified{within}: {observed} ({reasons}); "
                           f"the strict case said: {result.message}")
         result.observed = result.observed or seen or observed  # the verifying run may say how it held
     elif status == Status.FAILED:
@@ -201,10 +211,7 @@ def run_case(backend, case: Case, params: dict, *, spec: str | None = None,
     try:
         with scores_as_declared(proxy.capabilities), comparisons_recorded() as compared:
             _run_and_verify(proxy, case, params, result)  # the references: as this backend declares its scores
-        if compared:  # the comparison closest to its bound (the worst one of a failure)
-            error, bound = max(compared, key=lambda c: c[0] / c[1])
-            result.extra["bound"] = bound
-            result.extra["error_to_bound"] = round(error / bound, 4)
+        _record_closest(result, compared)  # a failure's: its worst comparison
     except WorkerLost as lost:
         result.status, result.message = lost.status, str(lost)
     finally:

@@ -247,6 +247,18 @@ _REACH = {TOP_LEFT: ("keys 0..i", "tril(ones(Tq, Tk))"),
           BOTTOM_RIGHT: ("keys 0..i + Tk - Tq", "tril(ones(Tq, Tk), diagonal=Tk - Tq)")}
 
 
+def padding_over_query_length(inputs: AttentionInputs) -> AttentionInputs | None:
+    """The call as a layer sees it whose key padding mask is built, sliced or looped over the query length
+    (``range(q.shape[1])``, written for self-attention): ``key_padding_mask`` cleared at the key positions >= Tq.
+    None when that is the call itself (no padding mask, Tq >= Tk, or no key at or after Tq padded)."""
+    kpm = inputs.key_padding_mask
+    if kpm is None or inputs.tq >= inputs.tk or not np.asarray(kpm)[:, inputs.tq:].any():
+        return None
+    short = np.array(kpm, bool)
+    short[:, inputs.tq:] = False
+    return inputs.replace(key_padding_mask=short)
+
+
 def alignment_mistake(expected: str, form: str) -> str:
     """The causal mask aligned the other way than ``expected`` (Tq != Tk), in words and as the mask that was built:
     "top-left alignment instead of bottom-right: query i sees ...". A KV-cache call (``form`` "kv_cache") that

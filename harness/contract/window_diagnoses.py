@@ -43,15 +43,15 @@ def _widths_that_can_differ(got: np.ndarray, truth: np.ndarray, inputs: Attentio
     return list(range(1, min(first, inputs.tk - 1) + 1)) if inputs.tk <= MAX_WIDTHS_TRIED else []
 
 
-def _empties_a_row(params: AttentionParams, inputs: AttentionInputs, width: int) -> bool:
+def _empties_a_row(params: AttentionParams, inputs: AttentionInputs, width: int, rows_with_keys: np.ndarray) -> bool:
     """Whether a window of ``width`` keys, joined to the call's masks, leaves a query row (in some head) without a
     key that the call without it does not: that row's output is then the empty-row convention's (under the uniform
     average, the plain average of V, within a small margin of any softmax over nearly equal scores), so a match
     there tells nothing of a window (an outside user's layer that never masked its one padded key, at Tq = 1 and
-    Tk = 2, was named "a sliding window of 1 keys" in a layer built without one)."""
-    before, _ = allowed_and_bias(params, inputs)
+    Tk = 2, was named "a sliding window of 1 keys" in a layer built without one). ``rows_with_keys``: which rows
+    see a key in the call without the window (computed once for all the widths tried)."""
     after, _ = allowed_and_bias(params.replace(config=dataclasses.replace(params.config, sliding_window=width)), inputs)
-    return bool(np.any(~np.any(after, axis=-1) & np.any(before, axis=-1)))
+    return bool(np.any(~np.any(after, axis=-1) & rows_with_keys))
 
 
 def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarray, truth: np.ndarray,
@@ -61,8 +61,11 @@ def _candidates(params: AttentionParams, inputs: AttentionInputs, got: np.ndarra
     c, w = params.config, params.config.sliding_window
     tq, tk, offset = inputs.tq, inputs.tk, window_offset(inputs.causal, inputs.tq, inputs.tk)
     if w is None:
+        rows_with_keys = None
         for width in _widths_that_can_differ(got, truth, inputs, margin):
-            if _empties_a_row(params, inputs, width):
+            if rows_with_keys is None:
+                rows_with_keys = np.any(allowed_and_bias(params, inputs)[0], axis=-1)
+            if _empties_a_row(params, inputs, width, rows_with_keys):
                 continue
             yield (f"; the output matches a sliding window of {width} keys (each query sees its own position and the "
                    f"{width - 1} before it) in a layer built without one (config.sliding_window is None): a window "

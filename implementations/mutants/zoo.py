@@ -21,6 +21,7 @@ from mha_harness.contract.conventions import (
     rotary_pairs,
     rotary_positions,
 )
+from mha_harness.contract.mistakes import padding_over_query_length
 from mha_harness.contract.reference import mistaken_vjp, reference_vjp
 from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
 from mha_harness.implementations.numpy_tiled import NumpyTiledLoaded
@@ -208,11 +209,8 @@ class PaddingLoopOverQueryLength(NumpyNaiveLoaded):
     fewer queries than keys sees the padded keys behind them."""
 
     def masks(self, inputs):
-        if inputs.key_padding_mask is None or inputs.tq >= inputs.tk:
-            return super().masks(inputs)
-        padding = np.array(inputs.key_padding_mask, bool)
-        padding[:, inputs.tq:] = False
-        return full_mask(inputs.replace(key_padding_mask=padding))
+        short = padding_over_query_length(inputs)
+        return super().masks(inputs) if short is None else full_mask(short)
 
 
 class CausalMaskNeverApplied(NumpyNaiveLoaded):
