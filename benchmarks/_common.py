@@ -11,7 +11,8 @@ MHA_ASV_BACKEND_SPECS (comma-separated 'module:object' plugins, as `--backend-sp
 PYTHONPATH from its benchmark processes, so put the plugin's folder in ASV_PYTHONPATH, which asv passes on as
 PYTHONPATH),
 MHA_ASV_SEQ_LENS (comma-separated lengths), MHA_ASV_MAX_CPU_SEQ (default 8192),
-MHA_ASV_DECODE_KV_LENS (default 1024,4096,16384,65536), MHA_ASV_THREADS (default: the bench default, 2);
+MHA_ASV_DECODE_KV_LENS (default 1024,4096,16384,65536), MHA_ASV_CROSS_KV_LENS (bench_cross.py's key/value lengths,
+default 77,1024,4096), MHA_ASV_THREADS (default: the bench default, 2);
 bench_layer_features.py's lengths: MHA_ASV_FEATURE_SEQ_LENS (default 1024,4096) and MHA_ASV_FEATURE_KV_LENS (default
 4096,65536).
 """
@@ -29,6 +30,10 @@ CPU_SEQ_LENS = (128, 256, 512, 1024, 2048, 4096, 8192)
 GPU_SEQ_LENS = (16384, 32768, 65536)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
+#: the cross workload's key/value lengths (`mha-harness bench --workload cross`'s defaults less 256, for asv's time)
+#: and query lengths (its defaults: 128, a decoder's chunk; 4096, a 64 x 64 latent's image tokens)
+CROSS_KV_LENS = (77, 1024, 4096)
+CROSS_QUERY_LENS = (128, 4096)
 
 
 def _listed(variable: str) -> list[str]:
@@ -71,6 +76,7 @@ def _ints(variable: str, default) -> list[int]:
 BACKENDS = _backend_names()
 SEQ_LENS = _ints("MHA_ASV_SEQ_LENS", CPU_SEQ_LENS + GPU_SEQ_LENS)
 KV_LENS = _ints("MHA_ASV_DECODE_KV_LENS", DECODE_KV_LENS)
+CROSS_LENS = _ints("MHA_ASV_CROSS_KV_LENS", CROSS_KV_LENS)
 CAUSAL = [False, True]
 PARAMS = [BACKENDS, SEQ_LENS, CAUSAL]
 PARAM_NAMES = ["backend", "seq_len", "causal"]
@@ -97,7 +103,9 @@ def half_dtype(backend) -> str:
 
 def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = False, tq: int | None = None, *,
              for_memory: bool = False, **layer):
-    """(backend, prepared callable, Shape) or NotImplementedError with the reason; ``tq`` < seq_len is decode;
+    """(backend, prepared callable, Shape) or NotImplementedError with the reason; ``tq`` given is decode (Tq new
+    queries over a cache of ``seq_len`` keys), or with ``cross=True`` cross-attention (Tq queries against ``seq_len``
+    keys of another sequence);
     ``layer``: the layer's shape and features beyond the default (``num_kv_heads``, ``rotary``, ``qk_norm``,
     ``sliding_window``: :class:`~mha_harness.bench.metrics.Shape`'s fields), as `mha-harness bench` takes them.
 
@@ -124,8 +132,8 @@ def prepared(backend_name: str, seq_len: int, causal: bool, backward: bool = Fal
         pin_mmap_threshold()
     if backend.device == "cpu" and seq_len > MAX_CPU_SEQ and tq is None:
         raise NotImplementedError(f"T={seq_len} is a GPU-only length (CPU sweep stops at {MAX_CPU_SEQ})")
-    shape = Shape(1, tq or seq_len, seq_len, 512, 8, half_dtype(backend), causal, backward, cached=tq is not None,
-                  **layer)
+    shape = Shape(1, tq or seq_len, seq_len, 512, 8, half_dtype(backend), causal, backward,
+                  cached=tq is not None and not layer.get("cross"), **layer)
     why = unsupported(backend, shape)
     if why:
         raise NotImplementedError(why)

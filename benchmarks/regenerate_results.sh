@@ -15,6 +15,7 @@
 #   conformance  mha-harness check --mutants                                          ~2 min  DIR/conformance/
 #   bench        mha-harness bench --opt-in --budget 1                                3.8 min  DIR/bench/
 #   decode       mha-harness bench --workload decode --budget 1                        11 min  DIR/bench-decode/
+#   cross        mha-harness bench --workload cross --budget 1                          ~8 min  DIR/bench-cross/
 #   long         mha-harness bench --backend (5 CPU kernels) --seq-lens 1024..8192     12 min  DIR/long/bench/
 #   window       mha-harness bench --sliding-window 256 --causal on (4 backends that     12 min  DIR/sliding-window/
 #                declare it, T 1024..8192), then --workload decode --sliding-window 4096  (bench/, bench-decode/)
@@ -40,7 +41,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 results=""
-steps="conformance,bench,decode,long,window,fidelity,asv,search"
+steps="conformance,bench,decode,cross,long,window,fidelity,asv,search"
 machine="$(hostname)"
 dry=0
 while [ $# -gt 0 ]; do
@@ -53,7 +54,7 @@ while [ $# -gt 0 ]; do
         *) echo "regenerate_results.sh: unknown argument '$1'; accepted: --results DIR, --steps LIST, --machine NAME, --dry-run" >&2; exit 2 ;;
     esac
 done
-all="conformance bench decode long window fidelity asv search"
+all="conformance bench decode cross long window fidelity asv search"
 for s in ${steps//,/ }; do
     case " $all " in *" $s "*) ;; *) echo "regenerate_results.sh: --steps: got '$s'; accepted: ${all// /, }" >&2; exit 2 ;; esac
 done
@@ -112,6 +113,7 @@ command_of() {
                           "--results '$results'" ;;
         bench) echo "mha-harness bench --opt-in --budget 1 --results '$results'" ;;
         decode) echo "mha-harness bench --workload decode --budget 1 --results '$results'" ;;
+        cross) echo "mha-harness bench --workload cross --budget 1 --results '$results'" ;;
         long) echo "mha-harness bench --backend numpy-naive --backend numpy-tiled --backend torch-sdpa-flash-cpu" \
                    "--backend torch-sdpa-math-cpu --backend jax-dpa --seq-lens 1024,2048,4096,8192" \
                    "--results '$results/long'" ;;

@@ -7,6 +7,7 @@ conformance exits 1; an interrupted run (Ctrl-C, SIGTERM) keeps every finished r
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -19,6 +20,8 @@ from mha_harness.util.options import available_memory_bytes, float_range, int_ra
 from mha_harness.util.text import clipped
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+#: the reader of stdout closed it early (128 + SIGPIPE, a shell's status for a command killed by the broken pipe)
+EXIT_BROKEN_PIPE = 141
 
 
 class UsageError(Exception):
@@ -184,15 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_options(p)
     p.add_argument("--seq-lens", type=_lengths, default=None, metavar="N,N,...",
                    help="prefill: sequence lengths (default 128,256,512,1024,2048); decode: KV lengths "
-                        "(default 1024,4096,16384,65536)")
-    p.add_argument("--workload", choices=("prefill", "decode"), default="prefill",
+                        "(default 1024,4096,16384,65536); cross: the key/value sequence's lengths Tk (default "
+                        "77,256,1024,4096)")
+    p.add_argument("--workload", choices=("prefill", "decode", "cross"), default="prefill",
                    help="prefill: Tq = Tk = T (default); decode: Tq in --query-lens against KV lengths --seq-lens, "
-                        "bottom-right causal (results in <results>/bench-decode)")
+                        "bottom-right causal (results in <results>/bench-decode); cross: cross-attention, Tq in "
+                        "--query-lens queries of one sequence against --seq-lens keys and values of another (one "
+                        "x_kv), unmasked, for layers that take x_q and x_kv (results in <results>/bench-cross)")
     p.add_argument("--query-lens", type=_lengths, default=None, metavar="N,N,...",
-                   help="decode only: new queries per call (default 1,16)")
+                   help="decode: new queries per call (default 1,16); cross: query lengths Tq (default 128,4096; "
+                        "more queries than keys too)")
     p.add_argument("--causal", choices=("off", "on", "both"), default=None,
                    help="prefill only: off (default), on (top-left, Tq = Tk) or both; a decode step is always "
-                        "bottom-right causal, and --causal with --workload decode is a usage error")
+                        "bottom-right causal and cross-attention unmasked: --causal with --workload decode or cross "
+                        "is a usage error")
     p.add_argument("--backward", action="store_true", help="also time forward + backward where gradients exist")
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
     p.add_argument("--batch", type=_positive_int, default=1)
@@ -653,7 +661,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from mha_harness.bench.sweep import DECODE_QUERY_LENS, kv_heads_error, run_bench
+    from mha_harness.bench.sweep import kv_heads_error, run_bench
     kv_error = kv_heads_error(args.kv_heads, args.heads, "--kv-heads", "--heads")
     if kv_error:  # before anything loads: a usage error, naming the option and the values it accepts
         raise UsageError(kv_error)
@@ -661,15 +669,21 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--causal: got {args.causal!r} with --workload decode; accepted: leave it out (a decode step "
                          "is always bottom-right causal: its new queries are the last positions and see every "
                          "cached key)")
+    if args.workload == "cross" and args.causal is not None:
+        raise UsageError(f"--causal: got {args.causal!r} with --workload cross; accepted: leave it out "
+                         "(cross-attention is unmasked: the queries' sequence and the keys' are two, with no "
+                         "positions in common for a causal mask to order)")
     if args.workload == "prefill" and args.query_lens is not None:  # ignored otherwise: prefill times Tq = Tk = T
         raise UsageError(f"--query-lens: got {','.join(map(str, args.query_lens))} with --workload prefill; accepted: "
-                         "leave it out (prefill times Tq = Tk = T), or --workload decode to time Tq new queries "
-                         "against the --seq-lens keys")
+                         "leave it out (prefill times Tq = Tk = T), or --workload decode (Tq new queries against "
+                         "a cache of --seq-lens keys) or cross (Tq queries against --seq-lens keys of another "
+                         "sequence)")
     args.causal = args.causal or "off"
     _check_inputs_fit(args.seq_lens, args.batch, args.d_model)
     registry = _registry(args.backend_spec)
     names = _targets(args, registry)
-    _usage(check_writable, Path(args.results) / "bench", "--results")
+    folder = "bench" if args.workload == "prefill" else f"bench-{args.workload}"  # as run_bench names it
+    _usage(check_writable, Path(args.results) / folder, "--results")
     _require("matplotlib", "bench")
     _require("scipy", "bench")
     config = _usage(_bench_config, args, dtype=args.dtype, workload=args.workload, batch=args.batch,
@@ -684,13 +698,13 @@ def cmd_bench(args) -> int:
     feature_error = config.features_error()
     if feature_error:  # e.g. rotary embeddings on an odd d_head: named by its option, before anything runs
         field_name, colon, rest = feature_error.partition(":")
-        if colon and field_name in ("rotary", "rotary_base", "qk_norm", "qk_norm_eps", "sliding_window"):
+        if colon and field_name in ("rotary", "rotary_base", "qk_norm", "qk_norm_eps", "sliding_window", "alibi"):
             feature_error = f"--{field_name.replace('_', '-')}:{rest}"  # each field's option is its name so spelt
         feature_error = feature_error.replace("or rotary=None", "or no --rotary")  # the API's words, on a command line
         raise UsageError(feature_error)
     backends = _available_backends(registry, names)
     doc = run_bench(backends, Path(args.results), seq_lens=args.seq_lens, causal=args.causal, backward=args.backward,
-                    config=config, query_lens=args.query_lens or DECODE_QUERY_LENS,
+                    config=config, query_lens=args.query_lens,
                     payloads=_worker_payloads(registry, backends)) if backends else {}
     explicit = bool(args.backend or args.backend_spec)  # asked for by name: measuring none of its points is a failure
     return _bench_verdict(_not_loaded(registry, names), doc, explicit)
@@ -729,10 +743,18 @@ def _bench_problems(doc: dict) -> list[str]:
     return lines
 
 
-def _skip_hint(why: str) -> str:
-    """What to do about a backend whose every point was skipped for ``why``, where the command line can help."""
+def _skip_hint(why: str, workload: str = "prefill") -> str:
+    """What to do about a backend whose every point of a ``workload`` sweep was skipped for ``why``, where the
+    command line can help."""
     if "always causal" in why:
+        if workload == "cross":
+            return ("; cross-attention is unmasked: an always-causal layer runs the prefill workload with --causal on, "
+                    "or decode")
         return "; pass --causal on (or both)"
+    if "cross-attention" in why:  # a one-x or KV-cache layer, or one without cross_attention, under --workload cross
+        return ("; the cross workload times a layer that takes x_q and x_kv of another sequence (inputs='separate' or "
+                "'shared_kv', cross_attention=True: an encoder-decoder's cross-attention block); time this layer "
+                "with --workload prefill (or decode, with a decode step)")
     if "inputs='self'" in why:
         return ("; a layer called as module(x) runs the prefill workload (Tq = Tk; --causal on for a causal layer); "
                 "for decode, a second backend with a decode step (LoadedAttention.prepare_decode_step: fill the "
@@ -761,7 +783,7 @@ def _nothing_measured(doc: dict) -> list[str]:
         if all(p.get("status") == "skipped" for p in mine):
             why = mine[0].get("skipped") or "unsupported"
             lines.append(f"{name}: no point measured, all {len(mine)} skipped "
-                         f"(first: {clipped(why, 300)}){_skip_hint(why)}")
+                         f"(first: {clipped(why, 300)}){_skip_hint(why, doc.get('workload', 'prefill'))}")
     return lines
 
 
@@ -869,6 +891,9 @@ def main(argv=None) -> int:
     reaper.become_subreaper()
     try:
         return _main(argv)
+    except BrokenPipeError:  # the reader left early (`mha-harness list | head`): end quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
+        return EXIT_BROKEN_PIPE
     finally:
         left = reaper.kill_leftovers()
         if left:

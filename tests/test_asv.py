@@ -41,7 +41,8 @@ def run_asv(config, *args, env=None):
 
 def test_two_machines_merge_into_one_dashboard(tmp_path):
     config = asv_config(tmp_path)
-    env = {"MHA_ASV_BACKENDS": "numpy-naive", "MHA_ASV_SEQ_LENS": "64", "MHA_ASV_DECODE_KV_LENS": "64"}
+    env = {"MHA_ASV_BACKENDS": "numpy-naive", "MHA_ASV_SEQ_LENS": "64", "MHA_ASV_DECODE_KV_LENS": "64",
+           "MHA_ASV_CROSS_KV_LENS": "64"}
     # every benchmark on the first machine; the second needs only one to prove the dashboard merges machines
     for machine, only in (("cpu-box", []), ("gpu-box", ["--bench", "bench_environment"])):
         out = run_asv(config, "run", "--python=same", "--quick", "--machine", machine, *only, env=env)
@@ -57,6 +58,7 @@ def test_two_machines_merge_into_one_dashboard(tmp_path):
                  "bench_throughput.Throughput.track_fraction_of_gemm_peak", "bench_decode.Decode.time_decode",
                  "bench_decode.DecodeBandwidth.track_gbytes_per_s",
                  "bench_decode.DecodeBandwidth.track_fraction_of_memory_bandwidth",
+                 "bench_cross.Cross.time_cross", "bench_cross.CrossPeakMemory.track_cross_peak_extra_memory",
                  "bench_environment.ThreadSettings.track_threads"):
         assert name in names
     assert index["benchmarks"]["bench_memory.PeakMemory.track_peak_extra_memory"]["unit"] == "bytes"
@@ -75,6 +77,7 @@ def test_benchmark_files_import_without_any_backend_available(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MHA_ASV_BACKENDS": "does-not-exist"}
     code = "import benchmarks.bench_time, benchmarks.bench_memory, benchmarks.bench_throughput\n" \
            "import benchmarks.bench_decode, benchmarks.bench_environment, benchmarks.bench_layer_features\n" \
+           "import benchmarks.bench_cross\n" \
            "from benchmarks._common import prepared\n" \
            "try:\n    prepared('does-not-exist', 64, False)\nexcept NotImplementedError as e:\n    print('skip:', e)\n"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
@@ -127,16 +130,19 @@ def test_only_the_memory_benchmark_pins_the_mmap_threshold_its_timings_run_with_
     code = ("import mha_harness.bench.memory as memory\n"
             "pinned = []\n"
             "memory.pin_mmap_threshold = lambda *a: pinned.append(1) or True\n"
-            "from benchmarks import bench_time, bench_decode, bench_throughput, bench_memory\n"
+            "from benchmarks import bench_time, bench_decode, bench_throughput, bench_memory, bench_cross\n"
             "for name, bench, args in [('time', bench_time.TimeForward(), ('numpy-naive', 64, False)),\n"
             "                          ('decode', bench_decode.Decode(), ('numpy-naive', 1, 64)),\n"
+            "                          ('cross', bench_cross.Cross(), ('numpy-naive', 128, 64)),\n"
+            "                          ('cross memory', bench_cross.CrossPeakMemory(), ('numpy-naive', 128, 64)),\n"
             "                          ('throughput', bench_throughput.Throughput(), ('numpy-naive', 64, False)),\n"
             "                          ('memory', bench_memory.PeakMemory(), ('numpy-naive', 64, False))]:\n"
             "    pinned.clear(); bench.setup(*args); print(name, bool(pinned))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:4] == ["time False", "decode False", "throughput False", "memory True"], out.stdout
+    assert out.stdout.split("\n")[:6] == ["time False", "decode False", "cross False", "cross memory True",
+                                          "throughput False", "memory True"], out.stdout
 
 
 PLUGIN = '''

@@ -135,7 +135,8 @@ def test_decode_workload_is_bottom_right_with_its_own_plots(tmp_path):
     assert all(p["causal"] and p["status"] == "measured" and p["gbytes_per_s"] > 0 for p in doc["points"])
     assert {p["call_mask"] for p in doc["points"]} == {"bottom-right"}
     assert "numpy-tiled|decode tq=1|forward" in doc["fits"]
-    for name in ("decode_time_vs_kv_len.png", "decode_bandwidth_vs_kv_len.png", "bench.json"):
+    for name in ("decode_time_vs_kv_len.png", "decode_bandwidth_vs_kv_len.png", "decode_memory_vs_kv_len.png",
+                 "bench.json"):
         assert (tmp_path / "bench-decode" / name).exists()
 
 
@@ -432,7 +433,7 @@ def test_plots_never_fail_on_readings_below_resolution_or_missing(tmp_path):
     decode = [_point("a", t, 0, True) for t in (64, 128)]
     for p in decode:
         p.workload, p.tq, p.gbytes_per_s = "decode", 1, None  # nothing drawable on the bandwidth plot
-    assert len(plot(decode, tmp_path / "decode", {"memory_bandwidth_gbs": 0.0})) == 2
+    assert len(plot(decode, tmp_path / "decode", {"memory_bandwidth_gbs": 0.0})) == 3
 
 
 def test_readings_below_one_resolution_at_one_length_are_drawn_side_by_side(tmp_path, monkeypatch):
@@ -713,9 +714,14 @@ def test_a_layer_declaring_only_bottom_right_runs_causal_prefill_with_that_mask(
     assert unsupported(decoder, square) is None
     assert backend_arguments(decoder, square)[1].causal == "bottom-right"
     assert backend_arguments(NumpyNaive(), square)[1].causal == "top-left"
-    doc = run_bench([decoder], tmp_path, seq_lens=[64], causal="on", config=BenchConfig(**SMALL))
-    [point] = doc["points"]
-    assert point["status"] == "measured" and point["call_mask"] == "bottom-right", point
+    doc = run_bench([decoder], tmp_path, seq_lens=[64], causal="on", backward=True, config=BenchConfig(**SMALL))
+    forward, backward = sorted(doc["points"], key=lambda p: p["mode"])
+    assert forward["status"] == "measured" and forward["call_mask"] == "bottom-right", forward
+    # its skipped forward + backward row (NumpyNaive declares no gradients) showed "top-left" beside it (an outside
+    # user's KV-cache layer): a skipped point shows the mask its backend's call would carry
+    assert backward["status"] == "skipped" and backward["call_mask"] == "bottom-right", backward
+    rows = [line.split()[:3] for line in table([BenchPoint(**p) for p in doc["points"]]).splitlines()]
+    assert ["numpy-naive-bottom-right", "fwd+bwd", "bottom-right"] in rows
 
 
 def test_figures_beyond_this_machines_roofs_are_flagged_not_compared():

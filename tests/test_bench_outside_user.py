@@ -105,7 +105,9 @@ def test_the_plots_titles_name_the_heads_and_the_key_value_heads(tmp_path, monke
     sweep.plot([point], tmp_path, {}, BenchConfig(num_kv_heads=2, **SMALL))
     decode = BenchPoint("a", "decode", 64, 1, 64, True, "forward")
     sweep.plot([decode], tmp_path, {"memory_bandwidth_gbs": 10.0}, BenchConfig(workload="decode", **SMALL))
-    assert len(titles) == 4
+    cross = BenchPoint("a", "cross", 64, 128, 64, False, "forward")
+    sweep.plot([cross], tmp_path, {}, BenchConfig(workload="cross", **SMALL))
+    assert len(titles) == 7  # prefill 2, decode 3 (time, bandwidth, memory), cross 2
     assert all("4 heads, num_kv_heads 2 (grouped-query)" in t for t in titles[:2]), titles
     assert all("4 heads, num_kv_heads 4 (multi-head)" in t for t in titles[2:]), titles
 
@@ -320,6 +322,18 @@ def test_fidelity_says_a_ratio_outside_its_target_with_a_ci_including_1_is_undet
     line = _timing_line(row)
     assert "sweep/autorange 2.500 [0.260-8.400] OUTSIDE +-10% (undetermined: the CI includes 1.0)" in line, line
     assert line.endswith("sweep/alone 1.200 [1.100-1.300] OUTSIDE +-5%"), line
+
+
+def test_fidelity_says_why_the_printed_medians_disagree_with_the_compared_ratio():
+    """An outside user read 'sweep 185.99 ms ... adaptive_autorange 539.55 ms sweep/autorange 0.962 ok' as a
+    contradiction: the ratio is the median of each round's ratio, the medians are over all rounds of a box whose
+    speed changed. The line says so when the two disagree by more than MEDIANS_APART, and only then."""
+    from mha_harness.bench.fidelity import _timing_line
+    row = {"backend": "mine", "seq_len": 1024, "sweep_median_s": 0.186, "alone_median_s": 0.233,
+           "autorange_median_s": 0.5396, "sweep_over_autorange": 0.962, "sweep_over_autorange_ci95": [0.345, 1.093],
+           "within_10pct": True, "sweep_over_alone": 1.0, "sweep_over_alone_ci95": [0.9, 1.1], "within_5pct": True}
+    assert "the medians' own ratio, 0.345, is not the compared one" in _timing_line(row)
+    assert "medians' own ratio" not in _timing_line(dict(row, autorange_median_s=0.19))
 
 
 def test_fidelity_timing_lengths_and_rounds_are_options(tmp_path, monkeypatch):

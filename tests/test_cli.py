@@ -30,6 +30,25 @@ def test_list_shows_numpy_backends_available_and_reasons_for_the_rest():
     assert "sliding window; ALiBi symmetric,linear" in declared, declared
 
 
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly_with_141():
+    """`mha-harness list | head` printed a BrokenPipeError traceback: the command now ends quietly with 128 +
+    SIGPIPE, as a Unix tool killed by the broken pipe would."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes its first line
+    try:
+        out = subprocess.run([sys.executable, "-m", "mha_harness", "list"], cwd=ROOT, stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=600)
+    finally:
+        os.close(write)
+    assert out.returncode == 141, out.stderr
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
+
+
 def test_list_of_a_backend_spec_that_fails_to_load_exits_1_naming_it():
     """A stranger's `mha-harness list --backend-spec` of a module with a typo printed the import error and exited 0,
     so a script could not tell; a spec that loads still exits 0."""

@@ -52,11 +52,32 @@ def one_x_reason(shape: Shape) -> str:
             "'shared_kv' or 'kv_cache')")
 
 
+def cross_attention_reason(caps, shape: Shape) -> str | None:
+    """Why a backend with capabilities ``caps`` cannot run ``shape``, a cross-attention call (queries from one
+    sequence, keys and values from another: ``Shape.cross``), for its input form; None when it can."""
+    if caps.inputs == "self":
+        return ("declares inputs='self' (one x): cross-attention takes its keys and values from another sequence "
+                "(x_q and x_kv), which one x cannot express")
+    if caps.inputs == "kv_cache":
+        return ("declares inputs='kv_cache': its keys and values are its own sequence's (a cache whose last Tq rows "
+                "are the queries), not another sequence's, as cross-attention's are")
+    if not caps.cross_attention:
+        return "no cross-attention (declares cross_attention=False): the cross workload times x_q against another x_kv"
+    if shape.tq > shape.tk and not caps.more_queries_than_keys:
+        return (f"declares more_queries_than_keys=False: Tq = {shape.tq} queries against Tk = {shape.tk} keys needs "
+                "it")
+    return None
+
+
 def unsupported(backend, shape: Shape) -> str | None:
     """Why ``backend`` cannot run ``shape``, from its declared capabilities; None when it can. A structural reason
     comes first: a one-x layer (``inputs="self"``) asked for Tq != Tk is told so, not that it lacks a mask."""
     caps = backend.capabilities
     alignment = alignment_for(backend, shape)
+    if shape.cross:
+        why = cross_attention_reason(caps, shape)
+        if why:
+            return why
     if shape.tq != shape.tk and caps.inputs == "self":
         return one_x_reason(shape)
     if shape.tq > shape.tk and caps.inputs == "kv_cache":
@@ -122,12 +143,16 @@ def layer_config(shape: Shape):
 def call_arguments(shape: Shape, causal: str | None, *, kv_cache: bool = False):
     """(params, inputs) of the benchmarked call for ``shape`` with the causal mask ``causal`` (an alignment, or None
     for no mask): seeded, the same in every process. ``kv_cache``: a KV-cache step's inputs (the same query, and
-    one x_kv whose last Tq rows are it: see ``Capabilities(inputs="kv_cache")``)."""
+    one x_kv whose last Tq rows are it: see ``Capabilities(inputs="kv_cache")``). A cross-attention shape
+    (``shape.cross``): x_q and one x_kv of another sequence, key = value (the ``shared_kv`` form), at Tq = Tk too."""
     from mha_harness.contract.api import as_kv_cache_call
     from mha_harness.contract.params import make_inputs, make_params
     attn = layer_config(shape)
-    inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal)
-    if kv_cache and not inputs.is_self_attention:
+    inputs = make_inputs(attn, shape.batch, shape.tq, shape.tk, seed=shape.tk, causal=causal,
+                         self_attention=False if shape.cross else None)
+    if shape.cross:
+        inputs = inputs.replace(value=inputs.key)
+    elif kv_cache and not inputs.is_self_attention:
         inputs = as_kv_cache_call(inputs)
     return make_params(attn, seed=0), inputs
 

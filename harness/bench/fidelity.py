@@ -355,9 +355,33 @@ def _timing_line(row: dict) -> str:
             f"sweep/autorange {_compared(row, AUTORANGE_TARGET)}  sweep/alone "
             + (row["sweep_over_alone_not_compared"] if row.get("sweep_over_alone_not_compared")
                else _compared(row, ALONE_TARGET)))
+    apart = _medians_apart(row)
+    if apart:
+        line += f"  ({apart})"
     if row.get("errors"):
         line += f"  ({'; '.join(dict.fromkeys(row['errors']))})"
     return line
+
+
+#: the medians of the sweep's and adaptive_autorange's rounds, each over all rounds, whose own ratio differs from the
+#: per-round ratio by more than this factor are said to differ (an outside user read 186 ms against 540 ms beside
+#: "sweep/autorange 0.962 ok" as a contradiction)
+MEDIANS_APART = 1.25
+
+
+def _medians_apart(row: dict) -> str:
+    """Why the printed medians' own ratio differs from ``sweep/autorange``, when it does by more than MEDIANS_APART:
+    the ratio pairs the two methods round by round, each median is over all rounds, and a box whose speed changed
+    between rounds moves both medians while each round's pair stays alike; "" otherwise."""
+    sweep, autorange, ratio = (row.get(k) for k in ("sweep_median_s", "autorange_median_s", "sweep_over_autorange"))
+    if not (_positive(sweep) and _positive(autorange) and _positive(ratio)):
+        return ""
+    medians = sweep / autorange
+    if max(medians / ratio, ratio / medians) <= MEDIANS_APART:
+        return ""
+    return (f"the medians' own ratio, {medians:.3f}, is not the compared one: sweep/autorange is the median of each "
+            "round's ratio, its two methods timed back to back; the box's speed changed between rounds, which moves "
+            "each method's median over all rounds")
 
 
 def predicted_bytes(a: int, b: int, shape: Shape) -> int:

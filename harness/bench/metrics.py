@@ -47,7 +47,8 @@ FLOPS_FORMULA = ("core: 4*B*h*Tq*Tk*d_head x the causal mask's visible fraction 
 BYTES_FORMULA = ("compulsory traffic: query + key + value + 4 weight matrices (W_k, W_v: d_model x kv_width) + "
                  "output, once each, in dtype; a decode step over a filled cache: x_new + the K and V cache "
                  "(2*B*Tk*kv_width; under a sliding window of w keys, the min(Tk, Tq + w - 1) rows its queries see) "
-                 "read + its Tq new rows written + weights + output")
+                 "read + its Tq new rows written + weights + output; cross-attention: x_q (B*Tq*d_model) and one "
+                 "x_kv (B*Tk*d_model) that makes both K and V")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class Shape:
     sliding_window: int | None = None
     #: an ALiBi bias by distance on the scores (AttentionConfig.alibi: "linear" or "symmetric"); None: none
     alibi: str | None = None
+    #: cross-attention: the queries from one sequence, the keys and values from another (an encoder-decoder's
+    #: decoder attending to the encoder's states; key = value = x_kv), at any Tq and Tk, Tq = Tk included
+    cross: bool = False
 
     @property
     def d_head(self) -> int:
@@ -149,11 +153,14 @@ def compulsory_bytes(s: Shape) -> float:
     """query + key + value + output + 4 weight matrices, each moved once, in the dtype (self-attention reads x once;
     W_k and W_v are d_model x kv_width, smaller for grouped-query heads). A decode step over a filled cache reads
     x_new and the whole K and V cache, and writes the cache's Tq new rows, in place of the key and value inputs;
-    under a sliding window of w keys it needs only the min(Tk, Tq + w - 1) cache rows its queries see."""
+    under a sliding window of w keys it needs only the min(Tk, Tq + w - 1) cache rows its queries see. A
+    cross-attention call (``Shape.cross``) reads x_q and one x_kv, whose projections make both K and V."""
     size = ITEMSIZE.get(s.dtype, 4)
     if s.cached:
         read = min(s.tk, s.tq + s.sliding_window - 1) if s.sliding_window is not None else s.tk
         inputs = s.batch * s.tq * s.d_model + 2 * s.batch * (read + s.tq) * s.kv_width
+    elif s.cross:  # x_q and one x_kv that makes both K and V
+        inputs = s.batch * (s.tq + s.tk) * s.d_model
     else:
         inputs = s.batch * s.tq * s.d_model if s.tq == s.tk else s.batch * (s.tq + 2 * s.tk) * s.d_model
     weights = 2 * s.d_model * s.d_model + 2 * s.d_model * s.kv_width

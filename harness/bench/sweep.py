@@ -14,7 +14,10 @@ Workloads: ``prefill`` (Tq = Tk = T, self-attention; causal top-left) and ``deco
 cache filled before it (``LoadedAttention.prepare_decode_step``: the first Tk - Tq positions' keys and values
 projected untimed; each timed call projects its Tq new rows, writes their keys and values into the cache, attends
 over all Tk and applies W_o), Tq in ``query_lens`` (e.g. 1 and 16 new queries) against Tk = KV length, bottom-right
-causal; only for backends with a decode step (the others are skipped, saying so). Both take
+causal; only for backends with a decode step (the others are skipped, saying so); and ``cross``: cross-attention
+(an encoder-decoder's decoder attending to the encoder's states, a diffusion model's image tokens attending to the
+text's), Tq in ``query_lens`` queries of one sequence against Tk = ``seq_lens`` keys and values of another (one
+x_kv makes both), unmasked, every projection in the call; only for backends that take x_q and x_kv. All take
 ``BenchConfig.num_kv_heads`` (grouped-query heads; backends without the ``grouped_query`` capability are skipped).
 A run in which no backend can run any point stops before the machine's roofs are measured.
 
@@ -59,8 +62,14 @@ from mha_harness.util.main_guard import refuse_unguarded_main
 DEFAULT_SEQ_LENS = (128, 256, 512, 1024, 2048)
 DECODE_KV_LENS = (1024, 4096, 16384, 65536)
 DECODE_QUERY_LENS = (1, 16)
-WORKLOADS = ("prefill", "decode")
-SCHEMA_VERSION = "2.10"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
+#: the cross workload's defaults: key/value lengths (77: a CLIP text encoder's tokens, as a diffusion model's
+#: cross-attention sees them) and query lengths (128: a decoder's chunk; 4096: a 64 x 64 latent's image tokens)
+CROSS_KV_LENS = (77, 256, 1024, 4096)
+CROSS_QUERY_LENS = (128, 4096)
+WORKLOADS = ("prefill", "decode", "cross")
+#: the workloads whose points pair Tq query lengths with each length of the sweep (the KV length Tk)
+QUERY_LENGTH_WORKLOADS = ("decode", "cross")
+SCHEMA_VERSION = "2.11"  # 2.1: points record call_mask, other_cores, over_compute_roof, over_memory_bandwidth;
 # 2.2: config.num_kv_heads (grouped-query), machine.memory_bandwidth_median_gbs and _calls, roofs_measured;
 # 2.3: decode points time a decode step over a filled KV cache (decode_step), not a call projecting all Tk keys; the
 # causal FLOPs count the visible (query, key) pairs (nearly all for decode, not half); 2.4: points record
@@ -75,7 +84,8 @@ SCHEMA_VERSION = "2.10"  # 2.1: points record call_mask, other_cores, over_compu
 # records native_causal, native_mask_polarity and what the backend declares (declared_policies); 2.8:
 # config.rotary_base and config.qk_norm_eps (--rotary-base, --qk-norm-eps: 10000 and 1e-6 before them); 2.9: points
 # record prepare_s (loading the layer and preparing its call, a decode step's cache fill included: untimed); 2.10:
-# config.alibi (--alibi: "linear" or "symmetric", the timed layer's ALiBi bias) and declared_policies' alibi
+# config.alibi (--alibi: "linear" or "symmetric", the timed layer's ALiBi bias) and declared_policies' alibi; 2.11:
+# the cross workload (workload "cross", causal "off", query_lens, cross_call; its points' Tq against Tk = seq_len)
 #: preparing a point's call (untimed) this long or longer is said in a progress line
 SLOW_PREPARE_S = 10.0
 #: what a decode point times, recorded in its document
@@ -83,6 +93,11 @@ DECODE_STEP = ("one decode step over a KV cache filled before the timed calls (L
                "the keys and values of the first Tk - Tq positions are projected untimed; each call projects its Tq "
                "new rows, writes their keys and values into the cache's last Tq slots, attends over all Tk "
                "(bottom-right causal) and applies W_o")
+#: what a cross-attention point times, recorded in its document
+CROSS_CALL = ("one cross-attention call: Tq queries projected from x_q, keys and values projected from one x_kv of "
+              "Tk positions (another sequence: an encoder's states), unmasked, and W_o; every projection in the call "
+              "(a decoder that caches the encoder's keys and values once would time the decode workload's kind of "
+              "step instead)")
 MAX_CONSECUTIVE_LOSSES = 2  # crashes or out-of-memory in a row before a backend's remaining points are not run
 MEASURED, SKIPPED, NOT_RUN = "measured", "skipped", "not-run"
 #: a point whose reported samples add up to less than TIMED_FRACTION_MIN of the harness's own clock around the
@@ -173,10 +188,18 @@ class BenchConfig:
 
     def features_error(self) -> str | None:
         """Why the layer's features cannot build a layer of this shape (an unknown rotary kind or q/k norm, a
-        window that is not a positive integer, rotary embeddings on an odd d_head), naming the field and the
-        accepted values; None when they can. A base other than 10000 without rotary embeddings is refused too (it
-        would time the plain layer under a name that says otherwise)."""
+        window that is not a positive integer, rotary embeddings on an odd d_head, a positional feature under the
+        cross workload), naming the field and the accepted values; None when they can. A base other than 10000
+        without rotary embeddings is refused too (it would time the plain layer under a name that says
+        otherwise)."""
         from mha_harness.contract.api import AttentionConfig
+        positional = [name for name, value in (("rotary", self.rotary), ("sliding_window", self.sliding_window),
+                                               ("alibi", self.alibi)) if value is not None]
+        if self.workload == "cross" and positional:
+            return (f"{positional[0]}: got {getattr(self, positional[0])!r} with the cross workload; accepted: None "
+                    "(a positional feature relates a query's position to a key's in one sequence, and "
+                    "cross-attention's keys are another sequence's; --qk-norm times a cross-attention layer's q/k "
+                    "norm)")
         if self.rotary is None and self.rotary_base != DEFAULT_ROTARY_BASE:
             return (f"rotary_base: got {self.rotary_base:g} without rotary embeddings; accepted: a base together with "
                     "rotary (--rotary), the base of their frequencies")
@@ -220,12 +243,13 @@ def kv_heads_error(num_kv_heads, num_heads: int, name: str = "num_kv_heads",
 class BenchPoint:
     backend: str
     workload: str
-    seq_len: int  # T for prefill; the KV length Tk for decode
+    seq_len: int  # T for prefill; the KV length Tk for decode and cross
     tq: int
     tk: int
     causal: bool  # the workload's shape: prefill top-left, decode bottom-right
     mode: str  # "forward" or "forward+backward"
-    call_mask: str | None = None  # the mask the call carried ("top-left", "bottom-right", "none"): calls.mask_in_call
+    call_mask: str | None = None  # the mask the call carried, or skipped would carry ("top-left", "bottom-right",
+    # "none"): calls.mask_in_call
     status: str = NOT_RUN
     skipped: str | None = None  # the reason, when status is not "measured"
     samples_s: list = field(default_factory=list)
@@ -299,7 +323,8 @@ def _causal_text(causal: str, decode: bool) -> str:
 
 def shape_of(point: BenchPoint, config: BenchConfig) -> Shape:
     return Shape(config.batch, point.tq, point.tk, config.d_model, config.num_heads, config.dtype, point.causal,
-                 point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode", bias=config.bias,
+                 point.mode != "forward", config.num_kv_heads, cached=point.workload == "decode",
+                 cross=point.workload == "cross", bias=config.bias,
                  rotary=config.rotary, rotary_base=config.rotary_base, qk_norm=config.qk_norm,
                  qk_norm_eps=config.qk_norm_eps, sliding_window=config.sliding_window, alibi=config.alibi)
 
@@ -310,6 +335,8 @@ def plan_points(names, config: BenchConfig, seq_lens, *, causal_modes=(False,), 
     modes = ["forward", "forward+backward"] if backward else ["forward"]
     if config.workload == "decode":
         shapes = [(tq, tk, True) for tk in sorted(seq_lens) for tq in query_lens if tq <= tk]
+    elif config.workload == "cross":  # more queries than keys too (a diffusion model's image tokens on its text)
+        shapes = [(tq, tk, False) for tk in sorted(seq_lens) for tq in query_lens]
     else:
         shapes = [(t, t, c) for t in sorted(seq_lens) for c in causal_modes]
     return [[BenchPoint(n, config.workload, tk, tq, tk, causal, mode) for n in names]
@@ -397,11 +424,13 @@ class Sweep:
             if point.backend in self.lost_reason:
                 point.status, point.skipped = NOT_RUN, self.lost_reason[point.backend]
                 continue
+            # a skipped point records the mask this backend's call would carry: a layer that declares only
+            # bottom-right showed "top-left" on its skipped fwd+bwd row beside its forward's "bottom-right"
+            point.call_mask = mask_in_call(self.backends[point.backend], shape_of(point, config))
             reason = unsupported(self.backends[point.backend], shape_of(point, config))
             if reason:
                 point.status, point.skipped = SKIPPED, reason
                 continue
-            point.call_mask = mask_in_call(self.backends[point.backend], shape_of(point, config))
             answer = self.ask(point, ("prepare", point.key, shape_of(point, config), config.warm_up_s,
                                       config.min_sample_s))
             if answer is None:
@@ -649,16 +678,16 @@ def warm_up(fn, seconds: float):
 # ---------------------------------------------------------------- fits, table, plots
 
 def series(points: list[BenchPoint]) -> dict[tuple, list[BenchPoint]]:
-    """Measured points per (backend, workload, tq for decode, causal, mode), sorted by length."""
+    """Measured points per (backend, workload, tq for decode and cross, causal, mode), sorted by length."""
     out: dict[tuple, list[BenchPoint]] = {}
     for p in sorted((p for p in points if p.status == MEASURED), key=lambda p: p.seq_len):
-        tq = p.tq if p.workload == "decode" else None
+        tq = p.tq if p.workload in QUERY_LENGTH_WORKLOADS else None
         out.setdefault((p.backend, p.workload, tq, p.causal, p.mode), []).append(p)
     return dict(sorted(out.items(), key=lambda kv: tuple(str(x) for x in kv[0])))
 
 
 def series_key(backend: str, workload: str, tq, causal: bool, mode: str) -> str:
-    shape = f"decode tq={tq}" if workload == "decode" else ("causal" if causal else "full")
+    shape = f"{workload} tq={tq}" if workload in QUERY_LENGTH_WORKLOADS else ("causal" if causal else "full")
     return f"{backend}|{shape}|{mode}"
 
 
@@ -712,7 +741,7 @@ def table(points: list[BenchPoint]) -> str:
     width = max([24, *(len(p.backend) + 2 for p in points)])  # a long plugin name keeps its columns apart
     for key in sorted({(p.workload, p.tq, p.tk) for p in points}, key=lambda k: (k[2], k[1])):
         workload, tq, tk = key
-        label = "T" if workload == "prefill" else f"decode Tq = {tq}, KV"
+        label = "T" if workload == "prefill" else f"{workload} Tq = {tq}, KV"
         lines.append(f"\n{label} = {tk}")
         lines.append(f"  {'backend':<{width}}{'mode':<9}{'mask':<13}{'median ms':>10}{'95% CI +-':>12}{'n':>5}"
                      f"{'x best':>8}{'calls':>7}{'peak MiB':>9}{'core GFLOP/s':>13} {'core %GEMM':>11}{'GB/s':>9}"
@@ -918,8 +947,9 @@ def roof_warnings(points: list[BenchPoint]) -> list[str]:
 
 
 def _mask_label(p: BenchPoint) -> str:
-    """The mask column, always one of top-left, bottom-right, none: what the call carried, or for a point never
-    prepared (skipped, not run) the mask its workload asks for (prefill causal top-left, decode bottom-right)."""
+    """The mask column, always one of top-left, bottom-right, none: what the call carried or, skipped, would carry
+    for its backend, or for a point not run (its backend lost) the mask its workload asks for (prefill causal
+    top-left, decode bottom-right)."""
     if p.call_mask:
         return p.call_mask
     shape = Shape(1, p.tq, p.tk, 1, 1, causal=p.causal)
@@ -945,6 +975,25 @@ def _backend_styles(points) -> dict[str, tuple]:
     return {b: (palette[i % 20], _MARKERS[i % len(_MARKERS)]) for i, b in enumerate(order)}
 
 
+def _query_lengths(points) -> list[int]:
+    """The query lengths Tq of a decode or cross sweep's points, shortest first ([] for prefill)."""
+    return sorted({p.tq for p in points if p.workload in QUERY_LENGTH_WORKLOADS})
+
+
+def _dashed_query_lengths(points) -> set[int]:
+    """The query lengths drawn dashed: every one but the shortest (solid), so that two (decode's Tq = 1 and 16)
+    read as solid and dashed."""
+    return set(_query_lengths(points)[1:])
+
+
+def _line_styles_text(points) -> str:
+    """What the plot's line styles say of its query lengths: 'solid Tq = 1, dashed Tq = 16'."""
+    lengths = _query_lengths(points)
+    if len(lengths) < 2:
+        return f"Tq = {lengths[0]}" if lengths else ""
+    return f"solid Tq = {lengths[0]}, dashed Tq = {', '.join(map(str, lengths[1:]))}"
+
+
 def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roof=None):
     """One log-log figure. Only positive, finite values are drawn on the log axis; a memory reading below the
     method's resolution is drawn as an open triangle at that resolution (an upper bound) and named in a note;
@@ -960,10 +1009,11 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     memory = metric == "peak_extra_bytes"
     drawn, below_notes, empty_notes, roof_notes, loaded_notes, all_xs = False, [], [], [], [], []
     styles = _backend_styles(points)
+    dashed_tq = _dashed_query_lengths(points)
     lost: dict[str, list[str]] = {}  # a line that ends early says why: timeout, crash, out of memory, not run
     for p in points:
         if p.status not in (MEASURED, SKIPPED):
-            label = p.backend + (f" Tq={p.tq}" if p.workload == "decode" else "")
+            label = p.backend + (f" Tq={p.tq}" if p.workload in QUERY_LENGTH_WORKLOADS else "")
             lost.setdefault(label, []).append(f"{p.seq_len}{' ' + _mask_label(p) if p.causal else ''} {p.status}")
     lost_notes = [f"{label}: {', '.join(items)}" for label, items in lost.items()]
     measured_backends = {p.backend for p in points if p.status == MEASURED}
@@ -972,8 +1022,8 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     placed: dict[tuple, int] = {}  # below-resolution triangles drawn at each (T, resolution)
     for key, line in series(points).items():
         backend, workload, tq, causal, mode = key
-        name = backend + (f" Tq={tq}" if workload == "decode" else "") + (" causal" if causal and workload ==
-                                                                           "prefill" else "") \
+        name = backend + (f" Tq={tq}" if workload in QUERY_LENGTH_WORKLOADS else "") \
+            + (" causal" if causal and workload == "prefill" else "") \
             + (" fwd+bwd" if mode != "forward" else "")
         all_xs += [p.seq_len for p in line]
         over = [p for p in line if p.over_compute_roof]
@@ -993,7 +1043,7 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
                 name += " (no exp: measurement error)"
             else:
                 name += " (no exp: too few points)"
-        style = "--" if (causal and workload == "prefill") or mode != "forward" or tq == 16 else "-"
+        style = "--" if (causal and workload == "prefill") or mode != "forward" or tq in dashed_tq else "-"
         color, marker = styles[backend]
         if shown:
             xs, ys = [p.seq_len for p, _ in shown], [y for _, y in shown]
@@ -1059,7 +1109,7 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
         import textwrap
         note_lines = [w for n in notes for w in textwrap.wrap(n, 150)][:8]
         fig.text(0.01, 0.005, "\n".join(note_lines), fontsize=6, va="bottom")
-    ax.set_xlabel("KV length Tk" if points and points[0].workload == "decode" else "sequence length T")
+    ax.set_xlabel("KV length Tk" if points and points[0].workload in QUERY_LENGTH_WORKLOADS else "sequence length T")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
@@ -1078,11 +1128,24 @@ def plot(points: list[BenchPoint], directory: Path, machine: dict, config: Bench
     if points and points[0].workload == "decode":
         bw = machine.get("memory_bandwidth_gbs")
         return [_figure(points, "median_s", "time per call (s), 95% CI", "decode: time vs KV length "
-                        f"(solid Tq = 1, dashed Tq = 16; bottom-right causal){layer}", directory,
+                        f"({_line_styles_text(points)}; bottom-right causal){layer}", directory,
                         "decode_time_vs_kv_len.png", ci=True),
                 _figure(points, "gbytes_per_s", "compulsory bytes moved per second (GB/s)",
                         f"decode: memory throughput vs KV length{layer}", directory, "decode_bandwidth_vs_kv_len.png",
-                        roof=(bw, f"memory bandwidth measured in this run {bw:.1f} GB/s") if bw else None)]
+                        roof=(bw, f"memory bandwidth measured in this run {bw:.1f} GB/s") if bw else None),
+                # a step that allocates per call (a Tk x Tk bias built every step: an outside user's 1 GiB at 4096
+                # keys) showed in the table and the JSON only
+                _figure(points, "peak_extra_bytes", "peak extra memory per step (bytes)",
+                        "decode: peak extra memory vs KV length (a filled cache held before the step is not counted; "
+                        f"below the method's resolution: open triangle){layer}", directory,
+                        "decode_memory_vs_kv_len.png")]
+    if points and points[0].workload == "cross":
+        return [_figure(points, "median_s", "time per call (s), 95% CI", "cross-attention: time vs key/value length "
+                        f"({_line_styles_text(points)}; unmasked; fitted exponent ± stderr){layer}", directory,
+                        "cross_time_vs_kv_len.png", ci=True),
+                _figure(points, "peak_extra_bytes", "peak extra memory (bytes)",
+                        "cross-attention: peak extra memory vs key/value length (below the method's resolution: open "
+                        f"triangle at the resolution){layer}", directory, "cross_memory_vs_kv_len.png")]
     return [_figure(points, "median_s", "time per call (s), 95% CI of the median",
                     f"time vs sequence length (log-log; fitted exponent ± stderr){layer}", directory,
                     "time_vs_seq_len.png", ci=True),
@@ -1138,7 +1201,8 @@ def machine_info(threads: int, roofs: bool = True) -> dict:
 
 
 #: memory_error of a timed point whose memory was never measured: the memory pass runs after every timing
-NOT_MEASURED_INTERRUPTED = "not measured: the sweep was interrupted before its memory pass (it runs after the timings)"
+NOT_MEASURED_INTERRUPTED = ("not measured: the sweep was interrupted before this point's memory was measured (the "
+                            "memory pass runs after all the timings, one point after another)")
 
 
 def _interrupted(sweep: Sweep, directory: Path | None, log) -> None:
@@ -1157,8 +1221,9 @@ def _interrupted(sweep: Sweep, directory: Path | None, log) -> None:
 
 def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal: str = "off",
               backward: bool = False, quick: bool = False, config: BenchConfig | None = None,
-              query_lens=DECODE_QUERY_LENS, log=print, payloads: dict | None = None) -> dict:
-    """Sweep ``backends``, print the table, write ``<results>/bench[-decode]/bench.json`` and the plots.
+              query_lens=None, log=print, payloads: dict | None = None) -> dict:
+    """Sweep ``backends``, print the table, write ``<results>/bench[-decode|-cross]/bench.json`` and the plots.
+    ``query_lens``: the decode and cross workloads' query lengths Tq (None: DECODE_QUERY_LENS, CROSS_QUERY_LENS).
     ``payloads``: backend name -> how its worker process rebuilds it (:func:`mha_harness.util.rebuild.
     backend_payload`: from its ``module:object`` spec, so a plugin's factory-made classes need not pickle); a
     backend without one is pickled.
@@ -1175,15 +1240,20 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     feature_error = config.features_error()
     if feature_error:
         raise ValueError(feature_error)
-    decode = config.workload == "decode"
+    decode, cross = config.workload == "decode", config.workload == "cross"
+    paired = decode or cross  # Tq query lengths against each KV length
+    if query_lens is None:
+        query_lens = CROSS_QUERY_LENS if cross else DECODE_QUERY_LENS
     directory = None
     if results_dir is not None:
-        directory = check_writable(Path(results_dir) / ("bench-decode" if decode else "bench"), "--results")
+        folder = "bench" if config.workload == "prefill" else f"bench-{config.workload}"
+        directory = check_writable(Path(results_dir) / folder, "--results")
     causal_modes = {"off": (False,), "on": (True,), "both": (False, True)}[causal]
-    seq_lens = list(seq_lens or (DECODE_KV_LENS if decode else DEFAULT_SEQ_LENS))
+    seq_lens = list(seq_lens or (DECODE_KV_LENS if decode else CROSS_KV_LENS if cross else DEFAULT_SEQ_LENS))
     names = [b.name for b in backends]
-    log(f"benchmark ({config.workload}): {len(names)} backends x {'KV lengths' if decode else 'T'} in {seq_lens}"
-        f"{f', Tq in {list(query_lens)}' if decode else ''}; {_causal_text(causal, decode)}; "
+    log(f"benchmark ({config.workload}): {len(names)} backends x {'KV lengths' if paired else 'T'} in {seq_lens}"
+        f"{f', Tq in {list(query_lens)}' if paired else ''}; "
+        f"{'unmasked cross-attention (x_q against another x_kv)' if cross else _causal_text(causal, decode)}; "
         f"{config.layer_text(features=False)}; {config.features_text()}; each "
         f"backend in its own worker; per point: 95% CI of the median within +-{100 * config.ci_rel:g}% or "
         f"{config.budget_s:g} s",
@@ -1193,7 +1263,9 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
         if dropped:
             log(f"  left out (more new queries than KV length): {', '.join(dropped)}", flush=True)
     start = time.perf_counter()
-    groups = plan_points(names, config, seq_lens, causal_modes=(True,) if decode else causal_modes,
+    if decode or cross:  # decode: bottom-right causal; cross: unmasked
+        causal_modes = (decode,)
+    groups = plan_points(names, config, seq_lens, causal_modes=causal_modes,
                          backward=backward, query_lens=query_lens)
     by_name = {b.name: b for b in backends}
     runnable = any(unsupported(by_name[p.backend], shape_of(p, config)) is None for group in groups for p in group)
@@ -1207,10 +1279,10 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     doc = {"schema": "mha-harness/bench", "schema_version": SCHEMA_VERSION, "complete": False,
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine,
            "threads": thread_report(config.threads), "config": asdict(config), "workload": config.workload,
-           "causal": "bottom-right" if decode else causal,
-           "seq_lens": seq_lens, "query_lens": list(query_lens) if decode else None, "quick": quick,
+           "causal": "bottom-right" if decode else "off" if cross else causal,
+           "seq_lens": seq_lens, "query_lens": list(query_lens) if paired else None, "quick": quick,
            "flops_formula": FLOPS_FORMULA, "bytes_formula": BYTES_FORMULA,
-           **({"decode_step": DECODE_STEP} if decode else {}),
+           **({"decode_step": DECODE_STEP} if decode else {}), **({"cross_call": CROSS_CALL} if cross else {}),
            "statistics": {"sample": f"the call repeated until a sample lasts >= {config.min_sample_s} s (calls "
                                     "per sample from the fastest warm-up call); value = sample time / calls",
                           "load": f"other_cores: CPU-s of other processes per second while the point's group was "
@@ -1252,7 +1324,7 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
 
     def progress(i, group):
         p = group[0]
-        label = f"Tq={p.tq} Tk={p.tk}" if decode else f"T={p.tk}{' causal' if p.causal else ''}"
+        label = f"Tq={p.tq} Tk={p.tk}" if paired else f"T={p.tk}{' causal' if p.causal else ''}"
         done = ", ".join(f"{q.backend} {q.median_s * 1e3:.2f} ms{_flags(q)}" if q.status == MEASURED
                          else f"{q.backend} {q.status}" for q in group)
         log(f"  [{i + 1}/{len(groups)}] {label} {p.mode}: {done}", flush=True)
@@ -1283,7 +1355,7 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     if loaded:
         log(f"  loaded machine: {loaded}")
     lengths = {series_key(*key): len({p.seq_len for p in line}) for key, line in series(points).items()}
-    axis = "KV length" if decode else "T"
+    axis = "KV length" if paired else "T"
     short = [key for key in doc["fits"] if lengths.get(key, 0) < 3]
     for key, value in doc["fits"].items():
         if key not in short:
