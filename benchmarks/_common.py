@@ -11,8 +11,9 @@ MHA_ASV_BACKEND_SPECS (comma-separated 'module:object' plugins, as `--backend-sp
 PYTHONPATH from its benchmark processes, so put the plugin's folder in ASV_PYTHONPATH, which asv passes on as
 PYTHONPATH),
 MHA_ASV_SEQ_LENS (comma-separated lengths), MHA_ASV_MAX_CPU_SEQ (default 8192),
-MHA_ASV_DECODE_KV_LENS (default 1024,4096,16384,65536), MHA_ASV_CROSS_KV_LENS (bench_cross.py's key/value lengths,
-default 77,1024,4096), MHA_ASV_THREADS (default: the bench default, 2);
+MHA_ASV_DECODE_KV_LENS (default 1024,4096,16384,65536), MHA_ASV_CROSS_KV_LENS and MHA_ASV_CROSS_QUERY_LENS
+(bench_cross.py's key/value lengths, default 77,1024,4096, and query lengths, default 128,4096), MHA_ASV_THREADS
+(default: the bench default, 2);
 bench_layer_features.py's lengths: MHA_ASV_FEATURE_SEQ_LENS (default 1024,4096) and MHA_ASV_FEATURE_KV_LENS (default
 4096,65536).
 """
@@ -77,6 +78,7 @@ BACKENDS = _backend_names()
 SEQ_LENS = _ints("MHA_ASV_SEQ_LENS", CPU_SEQ_LENS + GPU_SEQ_LENS)
 KV_LENS = _ints("MHA_ASV_DECODE_KV_LENS", DECODE_KV_LENS)
 CROSS_LENS = _ints("MHA_ASV_CROSS_KV_LENS", CROSS_KV_LENS)
+CROSS_QUERIES = _ints("MHA_ASV_CROSS_QUERY_LENS", CROSS_QUERY_LENS)
 CAUSAL = [False, True]
 PARAMS = [BACKENDS, SEQ_LENS, CAUSAL]
 PARAM_NAMES = ["backend", "seq_len", "causal"]

@@ -23,7 +23,8 @@
 #   asv          asv run --quick, time/decode/peak memory (T 256,1024; KV 1024,16384) 28 min  DIR/asv/, DIR/html/
 #   search       mha-harness search --mutants --seed 0 --time-budget 60               ~5 min  DIR/search/
 # The asv step's lengths are MHA_ASV_SEQ_LENS and MHA_ASV_DECODE_KV_LENS when set in the environment (default
-# 256,1024 and 1024,16384); ASV_BENCH=all records every asv benchmark, ASV_BENCH=REGEX those asv's -b REGEX matches
+# 256,1024 and 1024,16384); the cross benchmarks (bench_cross.py, not in the default set: ASV_BENCH=Cross) take
+# MHA_ASV_CROSS_KV_LENS and MHA_ASV_CROSS_QUERY_LENS from the environment (default 77,1024,4096 and 128,4096); ASV_BENCH=all records every asv benchmark, ASV_BENCH=REGEX those asv's -b REGEX matches
 # (e.g. ASV_BENCH=TimeForward.time_forward); ASV_SAMPLING=repeats replaces asv's one-call smoke mode (--quick, the
 # default) by asv's own calibrated samples, one setup per benchmark (the time figures then carry asv's spread);
 # ASV_EXTRA_ARGS is added to asv run's arguments (ASV_EXTRA_ARGS=

@@ -199,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "more queries than keys too)")
     p.add_argument("--causal", choices=("off", "on", "both"), default=None,
                    help="prefill only: off (default), on (top-left, Tq = Tk) or both; a decode step is always "
-                        "bottom-right causal and cross-attention unmasked: --causal with --workload decode or cross "
-                        "is a usage error")
+                        "bottom-right causal and cross-attention unmasked: --causal with --workload decode, or on or "
+                        "both with --workload cross, is a usage error")
     p.add_argument("--backward", action="store_true", help="also time forward + backward where gradients exist")
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
     p.add_argument("--batch", type=_positive_int, default=1)
@@ -669,8 +669,8 @@ def cmd_bench(args) -> int:
         raise UsageError(f"--causal: got {args.causal!r} with --workload decode; accepted: leave it out (a decode step "
                          "is always bottom-right causal: its new queries are the last positions and see every "
                          "cached key)")
-    if args.workload == "cross" and args.causal is not None:
-        raise UsageError(f"--causal: got {args.causal!r} with --workload cross; accepted: leave it out "
+    if args.workload == "cross" and args.causal not in (None, "off"):  # off is what it does: a script may say so
+        raise UsageError(f"--causal: got {args.causal!r} with --workload cross; accepted: off or leave it out "
                          "(cross-attention is unmasked: the queries' sequence and the keys' are two, with no "
                          "positions in common for a causal mask to order)")
     if args.workload == "prefill" and args.query_lens is not None:  # ignored otherwise: prefill times Tq = Tk = T

@@ -87,3 +87,29 @@ def test_cross_workload_refuses_a_mask_and_positional_features_naming_the_option
     assert main(["bench", "--workload", "cross", "--backend", "numpy-tiled", *options,
                  "--results", str(tmp_path)]) == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tq, tk", [(32, 32), (48, 16)])
+def test_a_cross_call_whose_keys_and_values_come_from_the_queries_is_named_by_benchs_output_check(tq, tk):
+    """An outside user's encoder-decoder block projecting K and V from the decoder's input: check named it, bench
+    said only 'wrong-output'. Its output is self-attention over the queries, at Tq = Tk and at Tq != Tk."""
+    from mha_harness.bench.calls import checked_rows
+    from mha_harness.bench.verify import WrongOutput, check_output
+    from mha_harness.contract.mistakes import SELF_ATTENTION_OVER_QUERIES
+    from mha_harness.contract.reference import reference_attention
+    backend, shape = NumpyNaive(), Shape(1, tq, tk, 64, 4, cross=True)
+    params, inputs = backend_arguments(backend, shape)
+    rows = checked_rows(tq)
+    wrong = reference_attention(params, inputs.replace(key=inputs.query, value=inputs.query), rows=rows).output
+    with pytest.raises(WrongOutput, match=SELF_ATTENTION_OVER_QUERIES + "x_kv belongs"):
+        check_output(backend, shape, wrong)
+    right = reference_attention(params, inputs, rows=rows).output
+    assert check_output(backend, shape, right)["max_error"] == 0.0
+
+
+def test_cross_workload_accepts_causal_off_what_it_does(tmp_path):
+    """A script that always passes --causal off broke on the cross workload: off is what cross-attention does."""
+    assert main(["bench", "--workload", "cross", "--causal", "off", "--backend", "numpy-tiled", "--seq-lens", "16",
+                 "--query-lens", "8", "--d-model", "64", "--heads", "4", "--budget", "0.2",
+                 "--results", str(tmp_path)]) == 0
+    assert (tmp_path / "bench-cross" / "bench.json").exists()

@@ -986,12 +986,30 @@ def _dashed_query_lengths(points) -> set[int]:
     return set(_query_lengths(points)[1:])
 
 
+def _line_style(workload: str, causal: bool, mode: str, dashed_tq: bool) -> str:
+    """A series' line style. Prefill: dashed when causal or forward + backward. Decode and cross: solid for the
+    shortest Tq, dashed for the others; their forward + backward lines dotted and dash-dot (a stranger's cross plot
+    drew its Tq = 128 fwd+bwd line dashed beside a title saying dashed was the longer Tq)."""
+    if workload not in QUERY_LENGTH_WORKLOADS:
+        return "--" if causal or mode != "forward" else "-"
+    if mode != "forward":
+        return "-." if dashed_tq else ":"
+    return "--" if dashed_tq else "-"
+
+
 def _line_styles_text(points) -> str:
-    """What the plot's line styles say of its query lengths: 'solid Tq = 1, dashed Tq = 16'."""
+    """What the plot's line styles say of its query lengths: 'solid Tq = 1, dashed Tq = 16', and of forward +
+    backward where it has such lines."""
     lengths = _query_lengths(points)
     if len(lengths) < 2:
-        return f"Tq = {lengths[0]}" if lengths else ""
-    return f"solid Tq = {lengths[0]}, dashed Tq = {', '.join(map(str, lengths[1:]))}"
+        text = f"Tq = {lengths[0]}" if lengths else ""
+        backward = "fwd+bwd dotted"
+    else:
+        text = f"solid Tq = {lengths[0]}, dashed Tq = {', '.join(map(str, lengths[1:]))}"
+        backward = "fwd+bwd dotted, dash-dot"
+    if any(p.mode != "forward" for p in points if p.workload in QUERY_LENGTH_WORKLOADS):
+        text += f"; {backward}"
+    return text
 
 
 def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roof=None):
@@ -1043,7 +1061,7 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
                 name += " (no exp: measurement error)"
             else:
                 name += " (no exp: too few points)"
-        style = "--" if (causal and workload == "prefill") or mode != "forward" or tq in dashed_tq else "-"
+        style = _line_style(workload, causal, mode, tq in dashed_tq)
         color, marker = styles[backend]
         if shown:
             xs, ys = [p.seq_len for p, _ in shown], [y for _, y in shown]
@@ -1100,7 +1118,9 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
         ax.set_xlim(min(all_xs) / 1.3, max(all_xs) * 1.3)
     if drawn:
         ax.set_yscale("log")
-        ax.legend(fontsize=6)
+        # see-through: where 'best' finds no empty corner (a dozen lines) the points under the legend still show
+        # (an outside user's decode plot had its upper-left points hidden)
+        ax.legend(fontsize=6, loc="best", framealpha=0.45)
     else:
         ax.text(0.5, 0.5, "nothing to plot: no reading (see the note below)", ha="center", va="center",
                 transform=ax.transAxes)
@@ -1135,17 +1155,16 @@ def plot(points: list[BenchPoint], directory: Path, machine: dict, config: Bench
                         roof=(bw, f"memory bandwidth measured in this run {bw:.1f} GB/s") if bw else None),
                 # a step that allocates per call (a Tk x Tk bias built every step: an outside user's 1 GiB at 4096
                 # keys) showed in the table and the JSON only
-                _figure(points, "peak_extra_bytes", "peak extra memory per step (bytes)",
-                        "decode: peak extra memory vs KV length (a filled cache held before the step is not counted; "
-                        f"below the method's resolution: open triangle){layer}", directory,
+                _figure(points, "peak_extra_bytes", "peak extra memory per step (bytes; the filled cache not counted)",
+                        f"decode: peak extra memory vs KV length (open triangle: below resolution){layer}", directory,
                         "decode_memory_vs_kv_len.png")]
     if points and points[0].workload == "cross":
-        return [_figure(points, "median_s", "time per call (s), 95% CI", "cross-attention: time vs key/value length "
-                        f"({_line_styles_text(points)}; unmasked; fitted exponent ± stderr){layer}", directory,
+        return [_figure(points, "median_s", "time per call (s), 95% CI", "cross-attention: time vs Tk "
+                        f"({_line_styles_text(points)}; unmasked){layer}", directory,
                         "cross_time_vs_kv_len.png", ci=True),
                 _figure(points, "peak_extra_bytes", "peak extra memory (bytes)",
-                        "cross-attention: peak extra memory vs key/value length (below the method's resolution: open "
-                        f"triangle at the resolution){layer}", directory, "cross_memory_vs_kv_len.png")]
+                        f"cross-attention: peak extra memory vs Tk (open triangle: below resolution){layer}",
+                        directory, "cross_memory_vs_kv_len.png")]
     return [_figure(points, "median_s", "time per call (s), 95% CI of the median",
                     f"time vs sequence length (log-log; fitted exponent ± stderr){layer}", directory,
                     "time_vs_seq_len.png", ci=True),

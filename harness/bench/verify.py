@@ -32,6 +32,7 @@ from mha_harness.contract.mistakes import (
     with_score_scale,
     without_output_projection,
     written_one_slot_late,
+    wrong_input_calls,
     wrong_scales,
 )
 from mha_harness.contract.qk_norm_diagnoses import qk_norm_hint
@@ -72,18 +73,19 @@ def declared_precision(backend, dtype: str, case: str = OUTPUT_CASE) -> str | No
 
 
 def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float) -> str:
-    """The known mistake whose float64 output the checked ``rows`` of a wrong output ``got`` match, within
-    ``max(10 * bound, 1e-3)`` (the conformance diagnoses' margin), as a message suffix; "" when none: the causal
-    mask not applied, the other causal alignment (Tq != Tk), a causal mask one key too wide, reversed or without
-    its diagonal, a common wrong score scale, W_o left out, grouped-query key/value heads tiled, a decode step's new
-    keys and values written one slot too far; every one that matches and explains ``got`` better than the correct
-    layer (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache can match
-    two), a wrong scale also better than uniform weights (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`);
-    when none does, a mistake of the layer's sliding window, rotary embeddings or q/k norm, or a norm kept on in a
-    layer without one (the diagnoses ``check`` names: :mod:`~mha_harness.contract.window_diagnoses`,
-    :mod:`~mha_harness.contract.rotary_diagnoses`, :mod:`~mha_harness.contract.qk_norm_diagnoses`), then scores
-    soft-capped or scaled otherwise than declared (:func:`~mha_harness.contract.scores_fit.scores_mismatch`,
-    within twice the bound)."""
+    """The known mistake whose float64 output the checked ``rows`` of a wrong output ``got`` match, within ``max(10 *
+    bound, 1e-3)`` (the conformance diagnoses' margin), as a message suffix; "" when none: the causal mask not applied,
+    the other causal alignment (Tq != Tk), a causal mask one key too wide, reversed or without its diagonal, a common
+    wrong score scale, W_o left out, grouped-query key/value heads tiled, a decode step's new keys and values written
+    one slot too far, a cross-attention call's keys or values projected from the wrong input
+    (:func:`~mha_harness.contract.mistakes.wrong_input_calls`); every one that matches and explains ``got`` better than
+    the correct layer (:func:`~mha_harness.contract.mistakes.explains`; a decode step's one query against a long cache
+    can match two), a wrong scale also better than uniform weights
+    (:func:`~mha_harness.contract.mistakes.explains_as_a_scale`); when none does, a mistake of the layer's sliding
+    window, rotary embeddings or q/k norm, or a norm kept on in a layer without one (the diagnoses ``check`` names:
+    :mod:`~mha_harness.contract.window_diagnoses`, :mod:`~mha_harness.contract.rotary_diagnoses`,
+    :mod:`~mha_harness.contract.qk_norm_diagnoses`), then scores soft-capped or scaled otherwise than declared
+    (:func:`~mha_harness.contract.scores_fit.scores_mismatch`, within twice the bound)."""
     margin = max(10 * bound, 1e-3)
     truth = reference_attention(params, inputs, rows=rows).output
 
@@ -108,6 +110,8 @@ def known_mistake(got: np.ndarray, params, inputs, rows: list[int], bound: float
     late = written_one_slot_late(params, inputs)
     if late is not None:
         candidates.append((params, late, WRITTEN_ONE_SLOT_LATE, False))
+    # a cross-attention layer's keys or values from the wrong input (the cross workload's most typical bug)
+    candidates += [(params, call, what, False) for what, call in wrong_input_calls(inputs)]
     found = [what for p, call, what, scale in candidates if matches(p, call, scale)]
     if not found:  # the layer's features: a window, rotary embeddings or a q/k norm dropped, turned or counted
         feature = (window_hint(got, params, inputs, bound, rows) if params.config.sliding_window is not None else "") \

@@ -36,6 +36,7 @@ from mha_harness.contract.mistakes import (
     with_qk_weights_swapped,
     with_weights_transposed,
     written_one_slot_late,
+    wrong_input_calls,
 )
 from mha_harness.contract.reference import (
     allowed_and_bias,
@@ -328,37 +329,6 @@ def dropped_mask_hint(got: np.ndarray, params: AttentionParams, inputs: Attentio
         if _matches(got, params, other, rows, truth=truth):
             return f"; the output matches the same call without {label}: {ending}"
     return ""
-
-
-
-
-def wrong_input_calls(inputs: AttentionInputs) -> list[tuple[str, AttentionInputs]]:
-    """(description, call) of a cross-attention layer that projects its keys or values from the wrong input, for a
-    ``shared_kv`` or ``separate`` call: the key and value inputs swapped, keys from the value input, values from the
-    key input (``separate``), and, where the query input has the key input's shape (Tq = Tk), keys, values or both
-    from the query input (the last is self-attention over the queries). Each call's reference output is that
-    layer's; empty for the other forms (one x, or a KV-cache step whose keys are its own input)."""
-    form = inputs.form
-    if form not in ("shared_kv", "separate"):
-        return []
-    kv = "x_kv" if form == "shared_kv" else "the key input"
-    calls = []
-    if form == "separate":
-        calls += [("the key and value inputs swapped (W_k applied to value, W_v to key)",
-                   inputs.replace(key=inputs.value, value=inputs.key)),
-                  ("keys projected from the value input (W_k applied to value, not key)",
-                   inputs.replace(key=inputs.value)),
-                  ("values projected from the key input (W_v applied to key, not value)",
-                   inputs.replace(value=inputs.key))]
-    if inputs.query.shape == inputs.key.shape:
-        values = "x_kv" if form == "shared_kv" else "the value input"
-        calls += [(f"keys projected from the query input (W_k applied to the query input, not {kv})",
-                   inputs.replace(key=inputs.query)),
-                  (f"values projected from the query input (W_v applied to the query input, not {values})",
-                   inputs.replace(value=inputs.query)),
-                  ("keys and values projected from the query input: self-attention over the queries where "
-                   f"attention to {kv} belongs", inputs.replace(key=inputs.query, value=inputs.query))]
-    return calls
 
 
 def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInputs, bound: float) -> str:

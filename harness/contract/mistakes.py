@@ -259,6 +259,46 @@ def padding_over_query_length(inputs: AttentionInputs) -> AttentionInputs | None
     return inputs.replace(key_padding_mask=short)
 
 
+#: the start of the diagnosis of a cross-attention layer whose keys and values come from its query input
+SELF_ATTENTION_OVER_QUERIES = ("keys and values projected from the query input: self-attention over the queries where "
+                               "attention to ")
+
+
+def wrong_input_calls(inputs: AttentionInputs) -> list[tuple[str, AttentionInputs]]:
+    """(description, call) of a cross-attention layer that projects its keys or values from the wrong input, for a
+    ``shared_kv`` or ``separate`` call: the key and value inputs swapped, keys from the value input, values from the
+    key input (``separate``), and, where the query input has the key input's shape (Tq = Tk), keys, values or both
+    from the query input (the last is self-attention over the queries; at Tq != Tk only it, and only for a call
+    without masks). Each call's reference output is that layer's; empty for the other forms (one x, or a KV-cache
+    step whose keys are its own input). Used by ``check``'s diagnoses and ``bench``'s output check."""
+    form = inputs.form
+    if form not in ("shared_kv", "separate"):
+        return []
+    kv = "x_kv" if form == "shared_kv" else "the key input"
+    calls = []
+    if form == "separate":
+        calls += [("the key and value inputs swapped (W_k applied to value, W_v to key)",
+                   inputs.replace(key=inputs.value, value=inputs.key)),
+                  ("keys projected from the value input (W_k applied to value, not key)",
+                   inputs.replace(key=inputs.value)),
+                  ("values projected from the key input (W_v applied to key, not value)",
+                   inputs.replace(value=inputs.key))]
+    if inputs.query.shape == inputs.key.shape:
+        values = "x_kv" if form == "shared_kv" else "the value input"
+        calls += [(f"keys projected from the query input (W_k applied to the query input, not {kv})",
+                   inputs.replace(key=inputs.query)),
+                  (f"values projected from the query input (W_v applied to the query input, not {values})",
+                   inputs.replace(value=inputs.query)),
+                  (SELF_ATTENTION_OVER_QUERIES + kv + " belongs", inputs.replace(key=inputs.query, value=inputs.query))]
+    elif inputs.key_padding_mask is None and inputs.attn_mask is None and not inputs.causal:
+        # Tq != Tk: a layer projecting both from the query input attends over the Tq queries, a call the reference
+        # can make where no mask over the Tk keys is in it (an outside user's bench of such a layer said only
+        # "wrong-output")
+        calls.append((SELF_ATTENTION_OVER_QUERIES + kv + " belongs", inputs.replace(key=inputs.query,
+                                                                                value=inputs.query)))
+    return calls
+
+
 def alignment_mistake(expected: str, form: str) -> str:
     """The causal mask aligned the other way than ``expected`` (Tq != Tk), in words and as the mask that was built:
     "top-left alignment instead of bottom-right: query i sees ...". A KV-cache call (``form`` "kv_cache") that
