@@ -751,7 +751,7 @@ def _skip_hint(why: str, workload: str = "prefill") -> str:
             return ("; cross-attention is unmasked: an always-causal layer runs the prefill workload with --causal on, "
                     "or decode")
         return "; pass --causal on (or both)"
-    if "cross-attention" in why:  # a one-x or KV-cache layer, or one without cross_attention, under --workload cross
+    if workload == "cross" and "cross-attention" in why:  # a one-x or KV-cache layer, or no cross_attention
         return ("; the cross workload times a layer that takes x_q and x_kv of another sequence (inputs='separate' or "
                 "'shared_kv', cross_attention=True: an encoder-decoder's cross-attention block); time this layer "
                 "with --workload prefill (or decode, with a decode step)")
