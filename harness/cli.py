@@ -661,7 +661,7 @@ def cmd_search(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from mha_harness.bench.sweep import kv_heads_error, run_bench
+    from mha_harness.bench.sweep import kv_heads_error, results_folder, run_bench
     kv_error = kv_heads_error(args.kv_heads, args.heads, "--kv-heads", "--heads")
     if kv_error:  # before anything loads: a usage error, naming the option and the values it accepts
         raise UsageError(kv_error)
@@ -682,8 +682,7 @@ def cmd_bench(args) -> int:
     _check_inputs_fit(args.seq_lens, args.batch, args.d_model)
     registry = _registry(args.backend_spec)
     names = _targets(args, registry)
-    folder = "bench" if args.workload == "prefill" else f"bench-{args.workload}"  # as run_bench names it
-    _usage(check_writable, Path(args.results) / folder, "--results")
+    _usage(check_writable, Path(args.results) / results_folder(args.workload), "--results")
     _require("matplotlib", "bench")
     _require("scipy", "bench")
     config = _usage(_bench_config, args, dtype=args.dtype, workload=args.workload, batch=args.batch,

@@ -1238,6 +1238,11 @@ def _interrupted(sweep: Sweep, directory: Path | None, log) -> None:
         pass
 
 
+def results_folder(workload: str) -> str:
+    """The folder under a results directory that a ``workload`` sweep writes: bench, bench-decode, bench-cross."""
+    return "bench" if workload == "prefill" else f"bench-{workload}"
+
+
 def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal: str = "off",
               backward: bool = False, quick: bool = False, config: BenchConfig | None = None,
               query_lens=None, log=print, payloads: dict | None = None) -> dict:
@@ -1260,13 +1265,12 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
     if feature_error:
         raise ValueError(feature_error)
     decode, cross = config.workload == "decode", config.workload == "cross"
-    paired = decode or cross  # Tq query lengths against each KV length
+    paired = config.workload in QUERY_LENGTH_WORKLOADS  # Tq query lengths against each KV length
     if query_lens is None:
         query_lens = CROSS_QUERY_LENS if cross else DECODE_QUERY_LENS
     directory = None
     if results_dir is not None:
-        folder = "bench" if config.workload == "prefill" else f"bench-{config.workload}"
-        directory = check_writable(Path(results_dir) / folder, "--results")
+        directory = check_writable(Path(results_dir) / results_folder(config.workload), "--results")
     causal_modes = {"off": (False,), "on": (True,), "both": (False, True)}[causal]
     seq_lens = list(seq_lens or (DECODE_KV_LENS if decode else CROSS_KV_LENS if cross else DEFAULT_SEQ_LENS))
     names = [b.name for b in backends]
