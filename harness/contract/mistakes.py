@@ -283,17 +283,16 @@ def wrong_input_calls(inputs: AttentionInputs) -> list[tuple[str, AttentionInput
                    inputs.replace(key=inputs.value)),
                   ("values projected from the key input (W_v applied to key, not value)",
                    inputs.replace(value=inputs.key))]
-    if inputs.query.shape == inputs.key.shape:
+    same_shape = inputs.query.shape == inputs.key.shape
+    if same_shape:
         values = "x_kv" if form == "shared_kv" else "the value input"
         calls += [(f"keys projected from the query input (W_k applied to the query input, not {kv})",
                    inputs.replace(key=inputs.query)),
                   (f"values projected from the query input (W_v applied to the query input, not {values})",
-                   inputs.replace(value=inputs.query)),
-                  (SELF_ATTENTION_OVER_QUERIES + kv + " belongs", inputs.replace(key=inputs.query, value=inputs.query))]
-    elif inputs.key_padding_mask is None and inputs.attn_mask is None and not inputs.causal:
-        # Tq != Tk: a layer projecting both from the query input attends over the Tq queries, a call the reference
-        # can make where no mask over the Tk keys is in it (an outside user's bench of such a layer said only
-        # "wrong-output")
+                   inputs.replace(value=inputs.query))]
+    # at Tq != Tk a layer projecting both from the query input attends over the Tq queries, a call the reference can
+    # make where no mask over the Tk keys is in it (an outside user's bench of such a layer said only "wrong-output")
+    if same_shape or (inputs.key_padding_mask is None and inputs.attn_mask is None and not inputs.causal):
         calls.append((SELF_ATTENTION_OVER_QUERIES + kv + " belongs", inputs.replace(key=inputs.query,
                                                                                 value=inputs.query)))
     return calls
