@@ -256,6 +256,10 @@ def test_interrupted_sweep_keeps_every_finished_point_and_kills_its_workers(tmp_
     assert all(p["peak_extra_bytes"] is not None or p["memory_error"].startswith("not measured: the sweep was "
                "interrupted") for p in doc["points"])
     assert "bench.json (complete: false" in out, out[-2000:]
+    # the plots are redrawn from the finished points and say so: none is left from an earlier run beside this json
+    for name in ("time_vs_seq_len.png", "memory_vs_seq_len.png"):
+        assert (path.parent / name).stat().st_mtime >= path.stat().st_mtime - 60, name
+    assert "plots of the finished points:" in out, out[-2000:]
     for info in doc["backends"].values():
         with pytest.raises(ProcessLookupError):
             os.kill(info["pid"], 0)

@@ -1012,7 +1012,7 @@ def _line_styles_text(points) -> str:
     return text
 
 
-def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roof=None):
+def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roof=None, first_note=None):
     """One log-log figure. Only positive, finite values are drawn on the log axis; a memory reading below the
     method's resolution is drawn as an open triangle at that resolution (an upper bound) and named in a note;
     a series with no value at all is listed in the note. Never fails on data: with nothing drawable the axis
@@ -1095,7 +1095,7 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     if roof and _positive(roof[0]):
         ax.axhline(roof[0], color="black", linewidth=1, linestyle=":", label=roof[1])
         drawn = True
-    notes = []
+    notes = [first_note] if first_note else []
     if below_notes:
         notes.append("below resolution (open triangle drawn at the method's resolution, an upper bound; several at "
                      "one T side by side): "
@@ -1140,38 +1140,41 @@ def _figure(points, metric, ylabel, title, directory, filename, *, ci=False, roo
     return write_bytes_atomic(Path(directory) / filename, buffer.getvalue())
 
 
-def plot(points: list[BenchPoint], directory: Path, machine: dict, config: BenchConfig | None = None) -> list[Path]:
+def plot(points: list[BenchPoint], directory: Path, machine: dict, config: BenchConfig | None = None, *,
+         interrupted: str | None = None) -> list[Path]:
     """Log-log plots; times carry their 95% CI as error bars; memory below resolution is drawn as an open triangle at
     the resolution (left out of the fit); a figure with nothing drawable is still written, saying so. Each title
-    ends with the layer's shape (``config``: heads and num_kv_heads, dtype, threads)."""
+    ends with the layer's shape (``config``: heads and num_kv_heads, dtype, threads). ``interrupted``: a sweep stopped
+    before its end, in words; each figure's first note says so (its lines stop where the sweep did)."""
     layer = f"\n{config.layer_text()}" if config is not None else ""
     if points and points[0].workload == "decode":
         bw = machine.get("memory_bandwidth_gbs")
         return [_figure(points, "median_s", "time per call (s), 95% CI", "decode: time vs KV length "
                         f"({_line_styles_text(points)}; bottom-right causal){layer}", directory,
-                        "decode_time_vs_kv_len.png", ci=True),
+                        "decode_time_vs_kv_len.png", ci=True, first_note=interrupted),
                 _figure(points, "gbytes_per_s", "compulsory bytes moved per second (GB/s)",
                         f"decode: memory throughput vs KV length{layer}", directory, "decode_bandwidth_vs_kv_len.png",
+                        first_note=interrupted,
                         roof=(bw, f"memory bandwidth measured in this run {bw:.1f} GB/s") if bw else None),
                 # a step that allocates per call (a Tk x Tk bias built every step: an outside user's 1 GiB at 4096
                 # keys) showed in the table and the JSON only
                 _figure(points, "peak_extra_bytes", "peak extra memory per step (bytes; the filled cache not counted)",
                         f"decode: peak extra memory vs KV length (open triangle: below resolution){layer}", directory,
-                        "decode_memory_vs_kv_len.png")]
+                        "decode_memory_vs_kv_len.png", first_note=interrupted)]
     if points and points[0].workload == "cross":
         return [_figure(points, "median_s", "time per call (s), 95% CI", "cross-attention: time vs Tk "
                         f"({_line_styles_text(points)}; unmasked){layer}", directory,
-                        "cross_time_vs_kv_len.png", ci=True),
+                        "cross_time_vs_kv_len.png", ci=True, first_note=interrupted),
                 _figure(points, "peak_extra_bytes", "peak extra memory (bytes)",
                         f"cross-attention: peak extra memory vs Tk (open triangle: below resolution){layer}",
-                        directory, "cross_memory_vs_kv_len.png")]
+                        directory, "cross_memory_vs_kv_len.png", first_note=interrupted)]
     return [_figure(points, "median_s", "time per call (s), 95% CI of the median",
                     f"time vs sequence length (log-log; fitted exponent ± stderr){layer}", directory,
-                    "time_vs_seq_len.png", ci=True),
+                    "time_vs_seq_len.png", ci=True, first_note=interrupted),
             _figure(points, "peak_extra_bytes", "peak extra memory (bytes)",
                     f"peak extra memory vs T (below the method's resolution: open triangle at the resolution){layer}",
                     directory,
-                    "memory_vs_seq_len.png")]
+                    "memory_vs_seq_len.png", first_note=interrupted)]
 
 
 # ---------------------------------------------------------------- entry point
@@ -1224,16 +1227,27 @@ NOT_MEASURED_INTERRUPTED = ("not measured: the sweep was interrupted before this
                             "memory pass runs after all the timings, one point after another)")
 
 
-def _interrupted(sweep: Sweep, directory: Path | None, log) -> None:
-    """After Ctrl-C or SIGTERM: the timed points whose memory pass never came say so, and where the results are."""
+def _interrupted(sweep: Sweep, directory: Path | None, log, planned: int) -> None:
+    """After Ctrl-C or SIGTERM: the timed points whose memory pass never came say so, bench.json is saved with
+    ``complete: false``, and the plots are redrawn from the finished points, each saying the sweep was interrupted
+    (plots left from an earlier run beside the new bench.json would show another run). A second interrupt stops the
+    plots; the bench.json saved after the last point stays."""
     try:
         for point in sweep.points:
             if point.status == MEASURED and point.peak_extra_bytes is None and not point.memory_error:
                 point.memory_error = NOT_MEASURED_INTERRUPTED
         sweep.save(complete=False)
-        if directory is not None:
-            log(f"  interrupted: {sum(p.status == MEASURED for p in sweep.points)} finished point(s) in "
-                f"{directory / 'bench.json'} (complete: false; no plots)", flush=True)
+        if directory is None:
+            return
+        finished = sum(p.status == MEASURED for p in sweep.points)
+        log(f"  interrupted: {finished} finished point(s) in {directory / 'bench.json'} (complete: false)", flush=True)
+        words = (f"INTERRUPTED: {len(sweep.points)} of the {planned} planned points run ({finished} measured); "
+                 "bench.json says complete: false")
+        try:
+            paths = plot(sweep.points, directory, sweep.doc.get("machine", {}), sweep.config, interrupted=words)
+            log(f"  plots of the finished points: {', '.join(str(p) for p in paths)}", flush=True)
+        except ImportError:
+            log(f"  plots skipped: matplotlib is not installed ({install_hint('bench')})", flush=True)
     except BaseException:  # noqa: BLE001 - a second interrupt: the file saved after the last point stays
         pass
 
@@ -1355,7 +1369,7 @@ def run_bench(backends: list, results_dir: Path | None, *, seq_lens=None, causal
         points = sweep.run(groups, progress)
     except BaseException:  # Ctrl-C, SIGTERM: every finished point is already on disk; kill the workers now
         sweep.close(interrupted=True)
-        _interrupted(sweep, directory, log)
+        _interrupted(sweep, directory, log, planned=sum(len(group) for group in groups))
         raise
     sweep.close()
     doc["seconds"] = round(time.perf_counter() - start, 1)
