@@ -55,10 +55,10 @@ def _gradient_variants(backend):
         masked = {"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
                   "causal": caps.always_causal, "bias": caps.bias, "kv_heads": 4, "mask": "+".join(masks)}
         out.append(masked)
-        # the same call with one query row whose attn_mask masks every key: its backward must be zero (the
-        # double-where trap gives NaN there); same shapes and mask kinds, so no new compiled program
-        if attn_mask:
-            out.append({**masked, "empty_row": True})
+        # the same call with rows that see no key: one query row whose attn_mask masks every key, or, for a layer
+        # with padding alone (BERT's), batch item 1 with every key padded; nothing but b_o's share flows back there
+        # (the double-where trap, a log-sum-exp of -inf, give NaN); same shapes and mask kinds, no new program
+        out.append({**masked, "empty_row": True})
     # the layer features' variants, each in float32 where declared
     feature = {"dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0], "causal": caps.always_causal,
                "bias": caps.bias}
@@ -101,11 +101,14 @@ EMPTY_ROW = 3
 def _mask(kinds: str | None, batch: int, tq: int, tk: int, empty_row: bool = False) -> dict:
     """The variant's masks as AttentionInputs fields, for each kind in ``kinds`` ('+'-joined): item 1 padded after
     PADDED_ITEM_KEYS keys; a random attn_mask (every row keeps key 0, so padding never empties a row; bool, or
-    finite biases with -inf where masked), except row EMPTY_ROW with ``empty_row``, which it masks whole."""
+    finite biases with -inf where masked), except row EMPTY_ROW with ``empty_row``, which it masks whole; with
+    ``empty_row`` and padding alone, item 1 has every key padded."""
     fields = {}
-    for kind in (kinds or "").split("+"):
+    kinds = (kinds or "").split("+")
+    for kind in kinds:
         if kind == "key_padding_mask":
-            fields[kind] = np.arange(tk)[None, :] >= np.array([tk, PADDED_ITEM_KEYS][:batch])[:, None]
+            real = 0 if empty_row and kinds == ["key_padding_mask"] else PADDED_ITEM_KEYS
+            fields[kind] = np.arange(tk)[None, :] >= np.array([tk, real][:batch])[:, None]
         elif kind in ("bool_attn_mask", "additive_attn_mask"):
             allowed = random_allowed_mask(tq, tk, seed=23)
             allowed[:, 0] = True
@@ -128,8 +131,9 @@ def check_gradients_match_reference(backend, *, form, dtype, causal, bias, kv_he
     it). With ``mask`` (padding and the attn_mask kind declared, in one call) the backward applies them as the
     forward does: padded and masked keys get exactly the reference's gradient (zero where nothing reaches them);
     the cotangent is zero at padded query positions (Tq = Tk), whose outputs are unspecified. With ``empty_row`` the
-    attn_mask also masks every key of query row EMPTY_ROW, whose output is zeros before W_o (b_o): nothing flows
-    back through it but b_o's share, and no gradient is NaN (a layer whose empty rows output the uniform average of
+    attn_mask also masks every key of query row EMPTY_ROW (a layer with padding and no attn_mask: batch item 1 has
+    every key padded), whose output is zeros before W_o (b_o): nothing flows back through it but b_o's share, and
+    no gradient is NaN (a layer whose empty rows output the uniform average of
     V or NaN declares it, and the declaration covers this variant). With ``qk_norm`` (a norm the layer declares in
     ``Capabilities.qk_norms``) the gradients reach the projections through that norm, and its gains ``g_q`` and
     ``g_k`` have gradients of their own. With ``rotary`` (declared in ``Capabilities.rotary``; base 500,000) the
@@ -206,17 +210,19 @@ def _empty_row_hint(got: dict, forward, params, inputs, dtype: str, cotangent: n
     point); NaN gradients with the forward finite there are the backward's own (the double-where trap, a
     diagnosis); otherwise what the reference expects through that row, and which declaration covers another
     convention."""
+    empty = _rows_without_keys(inputs)
     others = cotangent.copy()
-    others[:, EMPTY_ROW] = 0.0  # the rows the forward is compared on: every weighed one but the empty one
+    others[empty] = 0.0  # the rows the forward is compared on: every weighed one but the empty ones
     if forward_also_wrong(forward, params, inputs, dtype, others):
         return "", ""
     try:
         output = np.asarray(forward(), np.float64)
     except Exception:  # noqa: BLE001 - a diagnosis only: the failure is reported as it is
         return "", ""
-    row = f"query row {EMPTY_ROW} sees no key (the attn_mask masks every key there)"
+    row = (f"query row {EMPTY_ROW} sees no key (the attn_mask masks every key there)" if inputs.attn_mask is not None
+           else "batch item 1 has every key padded, so none of its queries sees a key (key_padding_mask all True)")
     if not all(np.all(np.isfinite(np.asarray(g, np.float64))) for g in got.values()):
-        if np.all(np.isfinite(output[:, EMPTY_ROW])):
+        if np.all(np.isfinite(output[empty])):
             hint = f"{row} and the forward's output there is finite: the NaN is the backward's own. {DOUBLE_WHERE_TRAP}"
             return f"; {hint}", hint
         return (f"; {row} and the forward's output there is not finite: NaN there spreads through the backward into "
@@ -233,4 +239,15 @@ def _empty_row_hint(got: dict, forward, params, inputs, dtype: str, cotangent: n
                    "uniform_fully_masked_divergences, which covers this variant too")
     return (f"; {row}: with {through}; the variant without the empty row (the same mask, empty_row absent) says "
             "whether the rest of the backward is right"), ""
+
+
+def _rows_without_keys(inputs) -> np.ndarray:
+    """(batch, Tq) True at the ``empty_row`` variant's rows that see no key: row EMPTY_ROW where an attn_mask
+    empties it, else every row of the fully padded item."""
+    empty = np.zeros((inputs.batch, inputs.tq), bool)
+    if inputs.attn_mask is not None:
+        empty[:, EMPTY_ROW] = True
+    else:
+        empty[np.asarray(inputs.key_padding_mask, bool).all(axis=-1)] = True
+    return empty
 

@@ -57,6 +57,8 @@ class Mutant:
     sliding_window: bool = False
     #: the ALiBi biases it declares (Capabilities.alibi): an ALiBi mutant declares the ones it gets wrong
     alibi: tuple[str, ...] = ()
+    #: whether it declares attn_masks (bool and additive): a padding-only mutant (BERT's masks) declares none
+    attn_masks: bool = True
 
 
 class SelfAttentionModule(NumpyNaiveLoaded):
@@ -1072,6 +1074,12 @@ MUTANTS = (
     Mutant("mutant-gradient-nan-in-rows-without-keys", "a hand-written backward recomputes the weights of a row "
            "without a visible key as 0 / 0 (NaN) while the forward outputs zeros there", GradientNaNInRowsWithoutKeys,
            "the NaN is the backward's own", gradients=True),
+    # a padding-only layer (no attn_mask declared) has no row emptied by an attn_mask: its rows without a key come
+    # from a batch item whose keys are all padded (an outside user's custom_vjp took exp(s - lse) with lse = -inf)
+    Mutant("mutant-gradient-nan-in-fully-padded-item", "a padding-only layer (BERT's masks, no attn_mask) whose "
+           "hand-written backward recomputes the weights of a batch item with every key padded as 0 / 0 (NaN) while "
+           "the forward outputs zeros there", GradientNaNInRowsWithoutKeys, "every key padded", gradients=True,
+           attn_masks=False),
     Mutant("mutant-tiled-block-mask-of-first-item", "a tiled kernel (16-key blocks) classifies its key blocks by batch "
            "item 0's masks for the whole batch (FlexAttention's create_block_mask(B=None) with a mask_mod that reads "
            "the batch index: an outside user's layer)", TiledBlockMaskOfFirstItem, "padding"),
@@ -1219,7 +1227,8 @@ class MutantBackend(NumpyNaive):
                                          grouped_query=mutant.grouped_query, rotary=mutant.rotary,
                                          partial_rotary=mutant.partial_rotary,
                                          rotary_scalings=mutant.rotary_scalings,
-                                         sliding_window=mutant.sliding_window, alibi=mutant.alibi)
+                                         sliding_window=mutant.sliding_window, alibi=mutant.alibi,
+                                         bool_attn_mask=mutant.attn_masks, additive_attn_mask=mutant.attn_masks)
         self.loaded_class = mutant.loaded
 
     def native_parameter_shapes(self, config):
