@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 
 from mha_harness.contract.api import AttentionBackend
@@ -117,10 +117,31 @@ def parse_spec(spec: str) -> tuple[str, str]:
 def _resolve(spec: str):
     module_name, attr = parse_spec(spec)
     importlib.import_module("mha_harness").load_core()  # the integrity snapshot, before any plugin is imported
-    obj = importlib.import_module(module_name)
+    module = obj = importlib.import_module(module_name)
     for part in attr.split("."):
-        obj = getattr(obj, part)
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            shadow = _namespace_shadow(module)
+            if shadow:
+                raise AttributeError(f"{exc}: {shadow}") from None
+            raise
     return obj
+
+
+def _namespace_shadow(module) -> str:
+    """Why a module has none of the attributes a spec names, when it is a namespace package (a folder without
+    __init__.py, e.g. a plugin's project folder in the current directory, which is imported first): "" otherwise.
+    Two outside users ran mha-harness beside their project folders and read only "module 'x' has no attribute"."""
+    if getattr(module, "__file__", None) is not None:
+        return ""
+    places = list(dict.fromkeys(getattr(getattr(module, "__spec__", None), "submodule_search_locations", None) or []))
+    if not places:
+        return ""
+    return (f"'{module.__name__}' was imported as a namespace package (a folder without __init__.py) from "
+            f"{', '.join(places)}, which shadows any installed package of that name (the current folder and the "
+            "script's are searched first); run mha-harness from another folder, or give the folder an __init__.py "
+            "that defines it")
 
 
 def backends_from_object(obj) -> list[AttentionBackend]:
@@ -229,16 +250,17 @@ def _import_once(spec: str):
     return obj
 
 
-def entries_for_spec(spec: str, source: str) -> list[BackendEntry]:
+def entries_for_spec(spec: str, source: str, failed_name: str | None = None) -> list[BackendEntry]:
     """The registry entries one source produces, each with its availability; a source that fails to
-    import, construct or name itself (any exception, or a hang) is one entry carrying that error."""
+    import, construct or name itself (any exception, or a hang) is one entry carrying that error, named
+    ``failed_name`` (an entry point's own name, which its users pass to --backend) or else the spec."""
     timeout = None if is_trusted(spec) else plugin_timeout()
     try:
         obj = _import_once(spec)
         backends = call_guarded(lambda: backends_from_object(obj), "constructing the backend", timeout)
         named = [(call_guarded(lambda b=b: b.name, "name", timeout), b) for b in backends]
     except PluginFault as fault:
-        return [BackendEntry(name=spec, source=source, spec=spec, error=f"failed to load: {fault}")]
+        return [BackendEntry(name=failed_name or spec, source=source, spec=spec, error=f"failed to load: {fault}")]
     entries = []
     for name, backend in named:
         if not isinstance(name, str) or not name:
@@ -257,6 +279,10 @@ class Registry:
         self.entries: dict[str, BackendEntry] = {}
         for entry in entries:
             other = self.entries.get(entry.name)
+            if other is not None and entry.backend is None and entry.name != entry.spec:
+                # a source that failed to load, named after its entry point, yields a name taken: its spec then
+                entry = replace(entry, name=entry.spec)
+                other = self.entries.get(entry.name)
             if other is not None:
                 if other.spec == entry.spec:  # the same object reached twice (e.g. a plugin re-exporting a built-in)
                     continue
@@ -308,7 +334,7 @@ def load_registry(extra_specs=(), *, entry_points: bool = True, builtins: bool =
         for ep in builtin_entry_points():
             entries += entries_for_spec(ep.value, f"built-in {ep.value}")
     for ep in eps:
-        entries += entries_for_spec(ep.value, f"entry point {ep.name} = {ep.value}")
+        entries += entries_for_spec(ep.value, f"entry point {ep.name} = {ep.value}", failed_name=ep.name)
     for spec in extra_specs:
         entries += entries_for_spec(spec, f"--backend-spec {spec}")
     return Registry(entries)

@@ -56,6 +56,46 @@ def test_a_missing_attribute_is_recorded_with_its_error():
     assert "AttributeError" in entry.error
 
 
+def _with_entry_points(monkeypatch, *pairs):
+    """The installed entry points plus fake third-party ones (name, value) in mha-harness's group."""
+    from importlib import metadata
+
+    from mha_harness import registry
+    real = metadata.entry_points
+    fake = [metadata.EntryPoint(name, value, registry.ENTRY_POINT_GROUP) for name, value in pairs]
+    monkeypatch.setattr(registry.metadata, "entry_points",
+                        lambda **kw: list(real(**kw)) + (fake if kw.get("group") == registry.ENTRY_POINT_GROUP else []))
+
+
+def test_an_entry_point_that_fails_to_load_is_listed_under_the_entry_points_own_name(monkeypatch):
+    """Its users pass the entry point's name to --backend: the failure is found there (it was named by its spec,
+    and --backend my-attn said 'did you mean' the spec)."""
+    _with_entry_points(monkeypatch, ("my-attn", "tests.plugin_objects:Nothing"),
+                       ("numpy-naive", "tests.plugin_objects:NothingElse"))
+    registry = load_registry()
+    entry = registry.get("my-attn")
+    assert entry.backend is None and "AttributeError" in entry.error and entry.spec == "tests.plugin_objects:Nothing"
+    # a failed entry point whose name a backend holds is named by its spec, and the registry still loads
+    assert registry.get("numpy-naive").available
+    assert registry.get("tests.plugin_objects:NothingElse").backend is None
+
+
+def test_a_project_folder_shadowing_the_plugin_is_named_as_a_namespace_package(tmp_path):
+    """A plugin's project folder (no __init__.py) in the current directory is imported first, as an empty namespace
+    package: the load error says so and where, not only "module has no attribute" (two outside users)."""
+    import subprocess
+    import sys
+    (tmp_path / "shadowed_attn" / "shadowed_attn").mkdir(parents=True)
+    (tmp_path / "shadowed_attn" / "shadowed_attn" / "__init__.py").write_text("Backend = None\n")
+    out = subprocess.run([sys.executable, "-m", "mha_harness", "check", "--backend-spec", "shadowed_attn:Backend",
+                          "--results", str(tmp_path / "results")], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "has no attribute 'Backend'" in text and "imported as a namespace package" in text, text[-2000:]
+    assert str(tmp_path / "shadowed_attn") in text
+
+
 def test_two_backends_with_one_name_is_an_error_naming_both_sources():
     with pytest.raises(RegistryError) as info:
         load_registry(["tests.plugin_objects:DuplicateOfNaive"], entry_points=False)
