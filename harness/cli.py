@@ -202,10 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "bottom-right causal and cross-attention unmasked: --causal with --workload decode, or on or "
                         "both with --workload cross, is a usage error")
     p.add_argument("--backward", action="store_true", help="also time forward + backward where gradients exist")
-    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
-    p.add_argument("--batch", type=_positive_int, default=1)
-    p.add_argument("--d-model", type=_positive_int, default=512)
-    p.add_argument("--heads", type=_positive_int, default=8)
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32",
+                   help="the layer's dtype (default float32)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="batch size (default 1)")
+    p.add_argument("--d-model", type=_positive_int, default=512, help="d_model (default 512)")
+    p.add_argument("--heads", type=_positive_int, default=8,
+                   help="query heads (default 8); --d-model must be a multiple of it")
     p.add_argument("--bias", action="store_true",
                    help="the layer's four projections carry biases (b_q, b_k, b_v, b_o), as GPT-2's and "
                         "nn.MultiheadAttention's do; default: none. Backends that declare bias=False are skipped")
