@@ -181,3 +181,25 @@ def test_search_leaves_a_declared_nan_row_out_of_its_comparison(mask):
                "d_head": 2, "bias": False, "causal": None, "padding": None, "attn_mask": None, "logit_scale": 1,
                "cut": 0, "poison": "random", "gradients": False, "malformed": None, "seed": 0, **mask}
     check_example(NaNRows(), example)
+
+
+@pytest.mark.parametrize("row_from", ["weights", "output"])
+@pytest.mark.parametrize("recompute", ["softmax", "lse"])
+def test_a_diagnosis_backward_over_rows_without_keys_prints_no_numpy_warnings(recompute, row_from):
+    """A known mistake's backward (the causal mask dropped when recomputing, exp(s - lse) with lse = -inf in the
+    rows that padding and the causal mask leave without a key) gives inf and NaN by design; numpy's warnings about
+    it, printed from the harness's reference, read as a harness fault (an outside user's search printed six)."""
+    import warnings
+
+    from mha_harness.contract.reference import mistaken_vjp
+    config = AttentionConfig(10, 2, bias=False)
+    params = make_params(config, seed=5)
+    # large logits (the search's draw: W_q and W_k entries of 30) overflow exp(s - lse) into inf, and inf * 0 is NaN
+    params = params.replace(W_q=params.W_q * 300, W_k=params.W_k * 300)
+    padded = np.arange(9)[None, :] < 2  # the first two keys padded: causal rows 0 and 1 see no key
+    inputs = form_inputs("self", config, 1, 9, 9, seed=5, causal="top-left", key_padding_mask=padded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        grads = mistaken_vjp(params, inputs, np.random.default_rng(6).standard_normal((1, 9, 10)),
+                             recomputed_without=("causal",), recompute=recompute, row_from=row_from)
+    assert grads
