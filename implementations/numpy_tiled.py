@@ -96,7 +96,7 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
             s -= m_safe
             p = np.exp(s, out=s)
             l = l * correction + p.sum(axis=-1, keepdims=True)
-            acc *= correction
+            acc *= self.accumulator_rescale(correction)
             acc += weighted_values(p, v[:, :, :, k0:k1])
             m = m_new
         return acc / np.where(l == 0, 1, l)
@@ -107,6 +107,10 @@ class NumpyTiledLoaded(NumpyNaiveLoaded):
         keeps its zeros, so a key block with no visible key changes nothing."""
         m_safe = np.where(np.isfinite(m_new), m_new, 0).astype(self.dtype)
         return m_safe, np.exp(np.where(np.isfinite(m), m - m_safe, -np.inf))
+
+    def accumulator_rescale(self, correction: np.ndarray) -> np.ndarray:
+        """The factor the accumulator is rescaled by: the row sum's own ``correction`` (a mutant's hook)."""
+        return correction
 
     def _group_view(self, mask: np.ndarray) -> np.ndarray:
         """Reshape a (B|1, H|1, q, k) mask to broadcast against (B, kv, group, q, k)."""

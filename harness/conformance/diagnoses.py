@@ -54,7 +54,7 @@ from mha_harness.contract.scores_fit import scores_mismatch
 def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, split_tokens: bool | str = False,
                        heads_feature_major: bool = False, softmax_axis: int = -1,
                        mask_after_softmax: bool = False, kv_tiled: bool = False,
-                       unrescaled_block: int = 0, cap_after_mask: bool = False,
+                       unrescaled_block: int = 0, unrescaled: str = "both", cap_after_mask: bool = False,
                        cached_kv_swapped: bool = False, masked_fill: float | None = None) -> np.ndarray:
     """The layer with one of the known mistakes, in float64, with the call's biases and masks: ``split_tokens``, the
     lesson's wrong head split (each projection (B, T, h * d_head) reshaped to (B, h, T, d_head): a head holds a
@@ -70,7 +70,9 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     as torch ``.repeat`` or ``np.tile`` give) instead of each repeated for its group of consecutive query heads (h
     // group); ``unrescaled_block``, an online softmax over key blocks of that many keys that never rescales its
     accumulator and row sum when the running maximum grows (each key weighted exp(s - m) with the running maximum
-    m after its own block, :func:`unrescaled_block_weights`); ``cap_after_mask``, the declared soft cap c
+    m after its own block, :func:`unrescaled_block_weights`), or, with ``unrescaled="accumulator"``, only its
+    accumulator (the row sum rescaled, so the stale numerators are divided by the true row sum), or with
+    ``"row_sum"`` only its row sum (the true numerators over the stale sum); ``cap_after_mask``, the declared soft cap c
     (:func:`~mha_harness.contract.reference.logit_softcap`) taken after the masks, ``c * tanh((s + mask) / c)``
     with a masked score at -c (tanh(-inf) = -1: the masked keys keep a weight); ``cached_kv_swapped``, a KV-cache
     step that reads its cached positions' keys from the value cache and their values from the key cache (the
@@ -111,12 +113,18 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
         scores = soft_capped(raw) + bias
         if not mask_after_softmax:
             scores = np.where(allowed, scores, -np.inf if masked_fill is None else masked_fill)
-    if unrescaled_block:
-        weights = unrescaled_block_weights(scores, unrescaled_block)
-    else:
-        top = scores.max(axis=softmax_axis, keepdims=True)
+    if unrescaled not in ("both", "accumulator", "row_sum"):
+        raise ValueError(f"unrescaled: got {unrescaled!r}; accepted: both, accumulator, row_sum")
+    top = scores.max(axis=softmax_axis, keepdims=True)
+    with np.errstate(invalid="ignore"):
         weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
-    weights /= np.maximum(weights.sum(axis=softmax_axis, keepdims=True), np.finfo(np.float64).tiny)  # empty: zeros
+    normaliser = weights  # the row sum's terms, in the same units as the numerators
+    if unrescaled_block:
+        stale = unrescaled_block_weights(scores, unrescaled_block)
+        weights, normaliser = {"both": (stale, stale), "accumulator": (stale, weights),
+                               "row_sum": (weights, stale)}[unrescaled]
+    weights = weights / np.maximum(normaliser.sum(axis=softmax_axis, keepdims=True),
+                                   np.finfo(np.float64).tiny)  # empty: zeros
     if mask_after_softmax:
         weights = np.where(allowed, weights, 0.0)
     out = weights @ np.where(np.isfinite(v), v, 0.0)
@@ -142,6 +150,15 @@ def unrescaled_block_weights(scores: np.ndarray, block: int) -> np.ndarray:
 
 #: the key block sizes an online softmax's missing rescale is looked for at (powers of two of tiled CPU and GPU kernels)
 UNRESCALED_BLOCKS = (16, 32, 64, 128, 256)
+
+#: what an online softmax may leave unrescaled (wrong_layer_output's ``unrescaled``), in words, and the fix: both, or
+#: one of the two (an outside user's JAX kernel rescaled its row sum but not its accumulator and was named nowhere)
+UNRESCALED_PARTS = (("both", "its accumulator and row sum",
+                     "multiply both by exp(m_old - m_new) before adding a block"),
+                    ("accumulator", "its accumulator (the row sum is rescaled)",
+                     "multiply the accumulator by exp(m_old - m_new) before adding a block, as the row sum is"),
+                    ("row_sum", "its row sum (the accumulator is rescaled)",
+                     "multiply the row sum by exp(m_old - m_new) before adding a block, as the accumulator is"))
 
 
 def _truth(params: AttentionParams, inputs: AttentionInputs, weights: bool = False) -> Callable[[], np.ndarray]:
@@ -366,10 +383,11 @@ def layer_mistake(got: np.ndarray, params: AttentionParams, inputs: AttentionInp
                        lambda: wrong_layer_output(params, inputs, softmax_axis=-2)))
     candidates += [(label, functools.partial(lambda call: reference_attention(params, call).output, call))
                    for label, call in wrong_input_calls(inputs)]
-    candidates += [(f"an online softmax over {b}-key blocks that never rescales its accumulator and row sum when the "
-                    "running maximum grows (multiply both by exp(m_old - m_new) before adding a block)",
-                    functools.partial(lambda b: wrong_layer_output(params, inputs, unrescaled_block=b), b))
-                   for b in UNRESCALED_BLOCKS if b < inputs.tk]
+    candidates += [(f"an online softmax over {b}-key blocks that never rescales {what} when the running maximum "
+                    f"grows ({fix})",
+                    functools.partial(lambda b, mode: wrong_layer_output(params, inputs, unrescaled_block=b,
+                                                                         unrescaled=mode), b, mode))
+                   for b in UNRESCALED_BLOCKS if b < inputs.tk for mode, what, fix in UNRESCALED_PARTS]
     swapped = with_kv_weights_swapped(params)
     if swapped is not None:
         candidates.append(("W_k and W_v loaded into each other's projections (W_k into the value projection, W_v "

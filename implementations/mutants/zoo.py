@@ -818,6 +818,15 @@ class TiledNoRescale(_TiledLoaded):
         return m_safe, np.ones_like(m_safe)
 
 
+class TiledAccumulatorNotRescaled(_TiledLoaded):
+    """Rescales the row sum but not the accumulator when the running maximum grows (an outside user's JAX kernel):
+    each 16-key block's values stay weighted in the units of the maximum seen when it was added, over a right row
+    sum."""
+
+    def accumulator_rescale(self, correction):
+        return np.ones_like(correction)
+
+
 class TiledMaskedBlockNaN(_TiledLoaded):
     """Shifts and rescales by the running maximum unguarded (a stranger's kernel): in a 16-key block with no visible
     key, while the row has seen none, -inf - -inf is NaN, and the NaN stays in the row whatever keys follow."""
@@ -1062,6 +1071,9 @@ MUTANTS = (
            gradients=True, sliding_window=True),
     Mutant("mutant-tiled-no-rescale", "a tiled kernel (16-key blocks) never rescales its accumulator and row sum "
            "when the running maximum grows", TiledNoRescale, "never rescales its accumulator"),
+    Mutant("mutant-tiled-accumulator-not-rescaled", "a tiled kernel (16-key blocks) rescales its row sum but not its "
+           "accumulator when the running maximum grows", TiledAccumulatorNotRescaled,
+           "never rescales its accumulator (the row sum is rescaled)"),
     Mutant("mutant-tiled-masked-block-nan", "a tiled kernel (16-key blocks) shifts and rescales by an unguarded "
            "running maximum: a block with no visible key makes -inf - -inf = NaN (a stranger's kernel)",
            TiledMaskedBlockNaN, "a key block with no visible key corrupts"),
