@@ -3,12 +3,13 @@
 #
 #   benchmarks/regenerate_results.sh [--results DIR] [--steps a,b,...] [--machine NAME] [--dry-run]
 #
-#   --results DIR   where to write (default: a new temporary folder, printed at the start). Only
-#                   `--results results` writes into the repository's results/: a normal run never touches it.
+#   --results DIR   where to write (default: a new temporary folder, printed at the start); a relative DIR is read
+#                   from the folder the script is run in. Only `--results results` from the harness's root writes
+#                   into the repository's results/: a normal run never touches it.
 #   --steps LIST    a subset, in the order below (default: all)
 #   --machine NAME  the asv machine name (default: this host's name, `hostname`; the committed results name theirs:
 #                   cpu-2core-avx2-box for this 2-core host, cpu-2core-box for an earlier one)
-#   --dry-run       print the commands, run nothing
+#   --dry-run       print the commands, run nothing, create nothing (not DIR)
 #
 # Steps (the README's "What you get" table; minutes are estimates for a quiet 2-core box, each step's real
 # wall time is printed and logged to DIR/regenerate.log; measured 2026-12-01 where a figure is given):
@@ -24,20 +25,31 @@
 #   search       mha-harness search --mutants --seed 0 --time-budget 60               ~5 min  DIR/search/
 # The asv step's lengths are MHA_ASV_SEQ_LENS and MHA_ASV_DECODE_KV_LENS when set in the environment (default
 # 256,1024 and 1024,16384); the cross benchmarks (bench_cross.py, not in the default set: ASV_BENCH=Cross) take
-# MHA_ASV_CROSS_KV_LENS and MHA_ASV_CROSS_QUERY_LENS from the environment (default 77,1024,4096 and 128,4096); ASV_BENCH=all records every asv benchmark, ASV_BENCH=REGEX those asv's -b REGEX matches
-# (e.g. ASV_BENCH=TimeForward.time_forward); ASV_SAMPLING=repeats replaces asv's one-call smoke mode (--quick, the
+# MHA_ASV_CROSS_KV_LENS and MHA_ASV_CROSS_QUERY_LENS from the environment (default 77,1024,4096 and 128,4096);
+# ASV_BENCH=all records every asv benchmark, ASV_BENCH=REGEX those asv's -b REGEX matches: a re.search on each
+# parameter combination's "file.Class.method(param, ...)", so one benchmark exactly is
+# ASV_BENCH='^bench_time\.TimeForward\.time_forward\(' (a '$' never matches; names: docs/benchmarks.md, "asv
+# dashboards"); ASV_SAMPLING=repeats replaces asv's one-call smoke mode (--quick, the
 # default) by asv's own calibrated samples, one setup per benchmark (the time figures then carry asv's spread);
 # ASV_EXTRA_ARGS is added to asv run's arguments (ASV_EXTRA_ARGS=
 # --show-stderr prints why a row is n/a); MHA_ASV_BACKENDS, MHA_ASV_BACKEND_SPECS and ASV_PYTHONPATH pass
-# through to asv, so
-#   ASV_PYTHONPATH=$PWD MHA_ASV_BACKEND_SPECS=my_attention:MyAttention benchmarks/regenerate_results.sh \
+# through to asv, so, from the plugin's folder (its module in $PWD; /path/to/mha-harness: the harness's clone)
+#   ASV_PYTHONPATH=$PWD MHA_ASV_BACKEND_SPECS=my_attention:MyAttention /path/to/mha-harness/benchmarks/regenerate_results.sh \
 #       --steps asv --results "$(mktemp -d)"
 # benchmarks a plugin into its own asv results and dashboard, leaving the committed results/asv/ alone.
+# ASV_REPO=FOLDER (a git repository, the plugin's, with nothing uncommitted outside DIR) files the asv results under
+# its HEAD commit instead of the harness's: DIR/asv.conf.json gets "repo" FOLDER and "branches" its branch
+# (ASV_BRANCH=NAME for a detached HEAD), so recording each plugin commit into one DIR graphs them and
+# `python -m asv compare --config DIR/asv.conf.json --machine NAME HEAD~1 HEAD` compares them; the harness's commit
+# goes to DIR/asv/harness-commits.tsv (benchmarks/asv_record.sh --help). Record the same backends and lengths into
+# one DIR every time: each asv run rewrites DIR/asv/benchmarks.json with its own parameters, and the graphs draw only
+# those.
 # Run it on a quiet machine: the timings describe the load they ran under (bench.json records the roofs).
 # A failed step is reported and the next one runs; the exit code is 1 when any step failed.
 # Not covered: results/asv_dashboard_time_forward.png (a headless-Chromium screenshot of the served dashboard)
 # and the GPU results (benchmarks/gpu_session.sh).
 set -uo pipefail
+caller=$(pwd)  # --results DIR and ASV_REPO are read from the caller's folder (a plugin's, say)
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
@@ -71,11 +83,37 @@ asv_sampling() {
 if [ -z "$(asv_sampling)" ]; then
     echo "regenerate_results.sh: ASV_SAMPLING: got '${ASV_SAMPLING}'; accepted: quick, repeats" >&2; exit 2
 fi
+# a dry run creates nothing: not DIR, not the temporary folder it names
 if [ -z "$results" ]; then
-    results=$(mktemp -d "${TMPDIR:-/tmp}/mha-results.XXXXXX")
+    if [ "$dry" = 1 ]; then
+        results=$(mktemp -u -d "${TMPDIR:-/tmp}/mha-results.XXXXXX")
+    else
+        results=$(mktemp -d "${TMPDIR:-/tmp}/mha-results.XXXXXX")
+    fi
 fi
-mkdir -p "$results" || exit 2
-results=$(cd "$results" && pwd)
+case "$results" in /*) ;; *) results="$caller/$results" ;; esac
+if [ -d "$results" ]; then
+    results=$(cd "$results" && pwd)
+elif [ "$dry" = 1 ]; then
+    results=$(realpath -m -s "$results")
+else
+    mkdir -p "$results" || exit 2
+    results=$(cd "$results" && pwd)
+fi
+# ASV_REPO (the asv step): the results are filed under that git repository's HEAD, a plugin's commit, on its branch;
+# checked before any step runs (asv_record.sh --check-repo: a git repository, nothing uncommitted outside DIR)
+repo_top="" repo_branch=""
+if [ -n "${ASV_REPO:-}" ] && [[ ",$steps," == *",asv,"* ]]; then
+    case "$ASV_REPO" in /*) ;; *) ASV_REPO="$caller/$ASV_REPO" ;; esac
+    if [ "$results" = "$root/results" ]; then
+        echo "regenerate_results.sh: ASV_REPO files results under another repository's commits; accepted with a" \
+             "--results folder of its own, not the harness's results/" >&2
+        exit 2
+    fi
+    repo_line=$(ASV_REPO="$ASV_REPO" bash "$root/benchmarks/asv_record.sh" --check-repo "$results") || exit 2
+    IFS=$'\t' read -r repo_top repo_branch _ <<<"$repo_line"
+    export ASV_REPO="$repo_top"
+fi
 log="$results/regenerate.log"
 [ "$dry" = 1 ] && log=/dev/null
 echo "regenerate_results.sh: writing under $results (steps: $steps)" | tee -a "$log"
@@ -87,14 +125,30 @@ fi
 asv_config="$root/asv.conf.json"
 if [ "$results" != "$root/results" ]; then
     asv_config="$results/asv.conf.json"
-    [ "$dry" = 1 ] || python - "$root" "$results" "$asv_config" <<'EOF'
-import json, pathlib, sys
-root, results, out = sys.argv[1:]
+    # with ASV_REPO: "repo" is that repository and "branches" its branch (with those an earlier config in DIR for the
+    # same repository named: asv draws only the commits of the branches its config names). A DIR whose results are
+    # filed under another repository's commits (the harness's, or another plugin's) is refused, dry run or not.
+    python - "$root" "$results" "$asv_config" "$repo_top" "$repo_branch" "$dry" <<'EOF' || exit 2
+import json, os, pathlib, sys
+from asv.util import load_json
+root, results, out, repo, branch, dry = sys.argv[1:]
 text = (pathlib.Path(root) / "asv.conf.json").read_text()
 text = text.replace('"results/asv"', json.dumps(f"{results}/asv")).replace('"results/html"', json.dumps(f"{results}/html"))
 text = text.replace('"benchmark_dir": "benchmarks"', f'"benchmark_dir": {json.dumps(f"{root}/benchmarks")}')
-text = text.replace('"repo": "."', f'"repo": {json.dumps(root)}')
-pathlib.Path(out).write_text(text)
+text = text.replace('"repo": "."', f'"repo": {json.dumps(repo or root)}')
+branches = [branch]
+if os.path.exists(out):
+    earlier = load_json(out, js_comments=True)
+    if os.path.realpath(earlier.get("repo", "")) != os.path.realpath(repo or root):
+        had = earlier.get("repo", "")
+        sys.exit(f"regenerate_results.sh: {results} holds asv results filed under the commits of {had}, not of "
+                 f"{repo or root}; accepted: " + ("ASV_REPO unset" if os.path.realpath(had) == os.path.realpath(root)
+                 else f"ASV_REPO={had}") + ", or another --results folder (one repository's commits per folder)")
+    branches = [b for b in earlier.get("branches", []) if b != branch] + branches
+if repo:
+    text = text.replace('"branches": ["main"]', f'"branches": {json.dumps(branches)}')
+if dry != "1":
+    pathlib.Path(out).write_text(text)
 EOF
 fi
 
@@ -102,7 +156,7 @@ fi
 asv_benchmarks() {
     case "${ASV_BENCH:-}" in
         all) ;;
-        "") echo " -b TimeForward.time_forward -b Decode.time_decode -b PeakMemory -b ThreadSettings" ;;
+        "") echo " -b TimeForward.time_forward -b Decode.time_decode -b bench_memory.PeakMemory -b ThreadSettings" ;;
         *) echo " -b ${ASV_BENCH}" ;;
     esac
 }
@@ -132,7 +186,8 @@ command_of() {
         asv) echo "MHA_ASV_SEQ_LENS='${MHA_ASV_SEQ_LENS:-256,1024}'" \
                   "MHA_ASV_DECODE_KV_LENS='${MHA_ASV_DECODE_KV_LENS:-1024,16384}'" \
                   "ASV_ARGS='$(asv_sampling)$(asv_benchmarks)${ASV_EXTRA_ARGS:+ $ASV_EXTRA_ARGS}'" \
-                  "ASV_CONFIG='$asv_config' ASV_HTML_DIR='$results/html' benchmarks/asv_record.sh '$machine'" ;;
+                  "${repo_top:+ASV_REPO='$repo_top' }${ASV_BRANCH:+ASV_BRANCH='$ASV_BRANCH' }ASV_CONFIG='$asv_config'" \
+                  "ASV_HTML_DIR='$results/html' benchmarks/asv_record.sh '$machine'" ;;
         search) echo "mha-harness search --mutants --seed 0 --time-budget 60 --results '$results'" ;;
     esac
 }

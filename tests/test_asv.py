@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -255,3 +256,179 @@ def test_the_readmes_plugin_route_into_asv_leaves_the_committed_results_alone(tm
     # asv keeps no load with its figures: the run prints it before and after (an outside user's asv figures beside
     # another session's runs were up to 35x bench's, with nothing to say so)
     assert "load average" in out.stdout and "before asv run" in out.stdout and "after asv run" in out.stdout
+
+
+def _script(name, *args, env=None, cwd=ROOT, timeout=60):
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / name), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_asv_record_prints_its_usage_for_help_and_refuses_any_other_option_before_touching_the_machine_file(
+        tmp_path):
+    """`asv_record.sh --help` took '--help' for a machine name and wrote {"machine": "--help"} into
+    ~/.asv-machine.json."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for flag in ("--help", "-h"):
+        out = _script("asv_record.sh", flag, env={"HOME": str(home)})
+        assert out.returncode == 0, out.stderr
+        assert "benchmarks/asv_record.sh [MACHINE_NAME]" in out.stdout and "ASV_REPO=FOLDER" in out.stdout
+    for bad in ("--machine", "-x", "--dry-run"):
+        out = _script("asv_record.sh", bad, env={"HOME": str(home)})
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert f"unknown option '{bad}'; accepted: benchmarks/asv_record.sh [MACHINE_NAME]" in out.stderr, out.stderr
+    out = _script("asv_record.sh", "box", "other", env={"HOME": str(home)})
+    assert out.returncode == 2 and "got 2 arguments" in out.stderr, out.stderr
+    assert not (home / ".asv-machine.json").exists()
+
+
+def test_a_dry_run_of_the_regenerate_script_creates_nothing(tmp_path):
+    """`regenerate_results.sh --dry-run --results DIR` created DIR (and, with no --results, a temporary folder)."""
+    target = tmp_path / "new" / "results"
+    out = _script("regenerate_results.sh", "--dry-run", "--results", str(target))
+    assert out.returncode == 0, out.stderr
+    assert f"writing under {target}" in out.stdout and "== asv:" in out.stdout
+    assert not (tmp_path / "new").exists()
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    out = _script("regenerate_results.sh", "--dry-run", "--steps", "asv", env={"TMPDIR": str(temp)})
+    assert out.returncode == 0 and f"writing under {temp}/mha-results." in out.stdout, out.stdout + out.stderr
+    assert list(temp.iterdir()) == []
+    # a relative --results is the caller's folder's, not the harness's
+    out = _script("regenerate_results.sh", "--dry-run", "--steps", "asv", "--results", "out", cwd=tmp_path)
+    assert f"writing under {tmp_path}/out " in out.stdout, out.stdout
+    assert not (tmp_path / "out").exists()
+
+
+PLUGIN_VERSION = '''
+from mha_harness.implementations.numpy_naive import NumpyNaive, NumpyNaiveLoaded
+
+REPEATS = {repeats}
+
+
+class MyLoaded(NumpyNaiveLoaded):
+    def compute(self, inputs, *, need_weights=False):
+        for _ in range(REPEATS):
+            out = super().compute(inputs, need_weights=need_weights)
+        return out
+
+
+class MyAttention(NumpyNaive):
+    name = "my-asv-attention"
+    loaded_class = MyLoaded
+'''
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.invalid", "GIT_CONFIG_GLOBAL": "/dev/null"}
+
+
+def _git(repo, *args):
+    out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                         env={**os.environ, **GIT_ENV})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def _plugin_repo(path, repeats=1):
+    path.mkdir()
+    _git(path, "init", "-q", "-b", "main")
+    (path / "my_asv_attn.py").write_text(PLUGIN_VERSION.format(repeats=repeats))
+    _git(path, "add", "my_asv_attn.py")
+    _git(path, "commit", "-q", "-m", "v1")
+    return path
+
+
+def test_asv_repo_refuses_a_folder_that_is_not_a_clean_git_repository_naming_the_variable(tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    results = tmp_path / "results"
+    out = _script("regenerate_results.sh", "--steps", "asv", "--results", str(results), "--dry-run",
+                  env={"ASV_REPO": str(plain)})
+    assert out.returncode == 2 and "== asv" not in out.stdout
+    assert f"ASV_REPO: got '{plain}', which is not a git repository; accepted: the folder of a git" in out.stderr
+    repo = _plugin_repo(tmp_path / "plugin")
+    (repo / "my_asv_attn.py").write_text(PLUGIN_VERSION.format(repeats=2))
+    out = _script("regenerate_results.sh", "--steps", "asv", "--results", str(results), "--dry-run",
+                  env={"ASV_REPO": "plugin"}, cwd=tmp_path)  # relative: the caller's folder's
+    assert out.returncode == 2 and "has uncommitted changes" in out.stderr and "M my_asv_attn.py" in out.stderr
+    _git(repo, "checkout", "-q", "my_asv_attn.py")
+    (repo / "helper.py").write_text("")
+    out = _script("regenerate_results.sh", "--steps", "asv", "--results", str(results), "--dry-run",
+                  env={"ASV_REPO": str(repo)})
+    assert out.returncode == 2 and "?? helper.py" in out.stderr, out.stderr
+    (repo / "helper.py").unlink()
+    # __pycache__ (importing the plugin writes it) and the results folder inside the repository do not count
+    (repo / "__pycache__").mkdir()
+    (repo / "__pycache__" / "my_asv_attn.cpython-312.pyc").write_bytes(b"")
+    (repo / "asv-results").mkdir()
+    (repo / "asv-results" / "regenerate.log").write_text("")
+    out = _script("regenerate_results.sh", "--steps", "asv", "--results", "asv-results", "--dry-run",
+                  env={"ASV_REPO": "."}, cwd=repo)
+    assert out.returncode == 0, out.stderr
+    assert f"ASV_REPO='{repo}' ASV_CONFIG='{repo}/asv-results/asv.conf.json'" in out.stdout, out.stdout
+    shutil.rmtree(repo / "asv-results")  # for another results folder, it is an untracked file like any other
+    _git(repo, "checkout", "-q", "--detach")
+    out = _script("regenerate_results.sh", "--steps", "asv", "--results", str(results), "--dry-run",
+                  env={"ASV_REPO": str(repo)})
+    assert out.returncode == 2 and "detached HEAD" in out.stderr and "set ASV_BRANCH" in out.stderr
+    assert "containing it: main)" in out.stderr, out.stderr
+    out = _script("regenerate_results.sh", "--steps", "asv", "--results", str(results), "--dry-run",
+                  env={"ASV_REPO": str(repo), "ASV_BRANCH": "main"})
+    assert out.returncode == 0 and "ASV_BRANCH='main'" in out.stdout, out.stderr
+    out = _script("regenerate_results.sh", "--steps", "asv", "--results", str(ROOT / "results"), "--dry-run",
+                  env={"ASV_REPO": str(repo), "ASV_BRANCH": "main"})
+    assert out.returncode == 2 and "not the harness's results/" in out.stderr, out.stderr
+    # asv_record.sh alone: ASV_REPO needs a config of its own, whose repo is that repository
+    out = _script("asv_record.sh", "box", env={"ASV_REPO": str(repo), "ASV_BRANCH": "main",
+                                                "HOME": str(tmp_path)})
+    assert out.returncode == 2 and "ASV_REPO needs ASV_CONFIG" in out.stderr, out.stderr
+    out = _script("asv_record.sh", "box", env={"ASV_REPO": str(repo), "ASV_BRANCH": "main", "HOME": str(tmp_path),
+                                                "ASV_CONFIG": str(ROOT / "asv.conf.json")})
+    assert out.returncode == 2 and f"accepted: \"repo\" '{repo}'" in out.stderr, out.stderr
+    assert not results.exists() and not (tmp_path / ".asv-machine.json").exists()
+
+
+def test_asv_repo_files_each_plugin_commit_under_its_own_hash_so_asv_compares_them(tmp_path):
+    """An outside user's two versions of their plugin, recorded at one harness commit, went into one results file
+    (the harness's hash): the second overwrote the first, and `asv compare` had no second revision. With ASV_REPO,
+    each plugin commit is a results file of its own, drawn on the plugin's branch, and compared by its revisions;
+    the harness's commit goes to harness-commits.tsv."""
+    repo = _plugin_repo(tmp_path / "plugin")
+    home = tmp_path / "home"
+    home.mkdir()
+    results = tmp_path / "results"
+    env = {"HOME": str(home), "ASV_REPO": str(repo), "ASV_PYTHONPATH": str(repo),
+           "MHA_ASV_BACKEND_SPECS": "my_asv_attn:MyAttention", "MHA_ASV_SEQ_LENS": "64", "MHA_ASV_THREADS": "1",
+           "ASV_BENCH": r"^bench_time\.TimeForward\.time_forward\("}
+    commits = []
+    for repeats in (1, 2):
+        if repeats == 2:
+            (repo / "my_asv_attn.py").write_text(PLUGIN_VERSION.format(repeats=2))
+            _git(repo, "commit", "-q", "-am", "v2")
+        commits.append(_git(repo, "rev-parse", "HEAD"))
+        out = _script("regenerate_results.sh", "--steps", "asv", "--results", str(results), "--machine", "plugin-box",
+                      env=env, cwd=repo, timeout=900)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert f"filing results under {repo}'s commit {commits[-1]} (branch main)" in out.stdout, out.stdout
+    from asv.util import load_json
+    config = load_json(str(results / "asv.conf.json"), js_comments=True)  # the project's, with its comments
+    assert config["repo"] == str(repo) and config["branches"] == ["main"]
+    files = sorted(p.name[:8] for p in (results / "asv" / "plugin-box").glob("*.json") if p.name != "machine.json")
+    assert files == sorted(c[:8] for c in commits)
+    harness = _git(ROOT, "rev-parse", "HEAD")
+    rows = (results / "asv" / "harness-commits.tsv").read_text().splitlines()
+    assert rows[0].split("\t") == ["date_utc", "machine", "plugin_repo", "branch", "plugin_commit", "harness_commit"]
+    assert [r.split("\t")[4] for r in rows[1:]] == commits
+    assert all(r.split("\t")[5].startswith(harness) for r in rows[1:])
+    graphs = list((results / "html" / "graphs" / "branch-main").rglob("bench_time.TimeForward.time_forward.json"))
+    assert len(graphs) == 1 and [point[0] for point in json.loads(graphs[0].read_text())] == [0, 1]  # revisions
+    out = subprocess.run([sys.executable, "-m", "asv", "compare", "--config", str(results / "asv.conf.json"),
+                          "--machine", "plugin-box", "HEAD~1", "HEAD"], cwd=repo, capture_output=True, text=True,
+                         env={**os.environ, "HOME": str(home)})
+    assert out.returncode == 0, out.stderr
+    assert f"Before [{commits[0][:8]}]" in out.stdout and f"After [{commits[1][:8]}]" in out.stdout, out.stdout
+    assert "time_forward('my-asv-attention', 64, False)" in out.stdout
+    # one repository's commits per results folder: the same folder without ASV_REPO is refused, creating nothing
+    out = _script("regenerate_results.sh", "--steps", "asv", "--results", str(results), "--dry-run",
+                  env={"ASV_REPO": ""})
+    assert out.returncode == 2 and f"filed under the commits of {repo}, not of {ROOT}" in out.stderr, out.stderr
