@@ -112,8 +112,14 @@ def causal_variants(backend) -> list[dict]:
     return out
 
 
+#: the queries and keys of the causal output case's ``long_square`` variant: past a 256-query chunk (and the 16- to
+#: 128-row blocks of tiled kernels), under the zoo's max_seq_len of 512
+CAUSAL_LONG = 300
+
+
 def causal_output_variants(backend) -> list[dict]:
-    """:func:`causal_variants`, and for a KV-cache step (``inputs='kv_cache'``) ``one_new_token`` (1, 65), the
+    """:func:`causal_variants`, ``long_square`` (CAUSAL_LONG queries and keys, the first declared alignment: query
+    chunks or row blocks past the first), and for a KV-cache step (``inputs='kv_cache'``) ``one_new_token`` (1, 65), the
     commonest decode step: one new token against 64 cached positions (it sees every key, so it has no future key
     for the leak cases to change, but its output must still be the reference's); and for a layer that declares
     rotary embeddings or a q/k norm, the same layer with them (:func:`declared_layer_features`) at ``square`` (once:
@@ -122,6 +128,13 @@ def causal_output_variants(backend) -> list[dict]:
     fast path that skips the rotary or the norm) passed every other case."""
     plain = causal_variants(backend)
     out = list(plain)
+    # a square call of more than 256 queries: a layer that processes its queries in chunks (256 in an outside user's
+    # xformers-style layer) and builds each chunk's causal mask from chunk-relative indices is right on every call of
+    # up to one chunk; the grid's long rows are unmasked, and only the slow T = 8192 case reached it before
+    limit = backend.capabilities.max_seq_len
+    if backend.capabilities.causal_alignments and (not limit or limit >= CAUSAL_LONG):
+        out.append({"dtype": primary_dtype(backend), "alignment": backend.capabilities.causal_alignments[0],
+                    "variant": "long_square", "seq": CAUSAL_LONG, "tk": CAUSAL_LONG})
     if backend.capabilities.inputs == "kv_cache":
         out += [{"dtype": primary_dtype(backend), "alignment": a, "variant": "one_new_token", "seq": 1,
                  "tk": KEYS_ACROSS_BLOCKS} for a in backend.capabilities.causal_alignments]

@@ -25,6 +25,7 @@ from mha_harness.contract.mistakes import (
     WRITTEN_ONE_SLOT_LATE,
     alignment_mistake,
     causal_mask_mistakes,
+    chunk_relative_words,
     explains,
     explains_as_a_scale,
     frozen_parameters_hint,
@@ -147,7 +148,8 @@ def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
              "inverted": "the causal mask inverted (query i sees only the keys after i: the mask's polarity "
                          "flipped)",
              "offset_negated": OFFSET_NEGATED}
-    return [(call, words[name]) for name, call in causal_mask_mistakes(inputs).items()]
+    return [(call, words[name] if name in words else chunk_relative_words(int(name.rpartition("_")[2])))
+            for name, call in causal_mask_mistakes(inputs).items()]
 
 
 def _where_to_look(shape: Shape) -> str:

@@ -24,9 +24,11 @@ from mha_harness.contract.mistakes import (
     KV_HEADS_TILED,
     LOADED_UNTRANSPOSED,
     OFFSET_NEGATED,
+    QUERY_CHUNKS,
     WRITTEN_ONE_SLOT_LATE,
     alignment_mistake,
     causal_mask_mistakes,
+    chunk_relative_words,
     diagnosis_margin,
     explains,
     folded_into_attn_mask,
@@ -312,6 +314,8 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
         hints.append(f"; the output matches {WRITTEN_ONE_SLOT_LATE}")
     if matches(mistake.get("other_alignment")):
         hints.append(f"; the output matches {alignment_mistake(alignment, inputs.form)}")
+    hints += [f"; the output matches {chunk_relative_words(chunk)}" for chunk in QUERY_CHUNKS
+              if matches(mistake.get(f"chunk_relative_{chunk}"))]
     return _together(hints)
 
 

@@ -234,7 +234,22 @@ def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
     calls["inverted"] = causal_as(~np.tri(tq, tk, k=offset, dtype=bool))
     if offset:
         calls["offset_negated"] = causal_as(np.tri(tq, tk, k=-offset, dtype=bool))
+    for chunk in QUERY_CHUNKS:  # only calls longer than a chunk differ from the right mask
+        if chunk < tq:
+            relative = np.arange(tq) % chunk
+            calls[f"chunk_relative_{chunk}"] = causal_as(np.arange(tk)[None, :] <= relative[:, None] + offset)
     return calls
+
+
+#: the query chunk sizes a causal mask built from chunk-relative query indices is looked for at
+QUERY_CHUNKS = (16, 32, 64, 128, 256, 512)
+
+
+def chunk_relative_words(chunk: int) -> str:
+    """A causal mask built per chunk of ``chunk`` queries from the chunk-relative query index, in words."""
+    return (f"a causal mask built per chunk of {chunk} queries from the chunk-relative query index (arange(0, end - "
+            f"start) where arange(start, end) belongs): query i sees the keys up to i mod {chunk}, so every chunk "
+            "after the first loses the keys before it")
 
 
 #: a bottom-right causal mask built with its diagonal offset's sign flipped, in words

@@ -155,6 +155,24 @@ class CausalOneFutureToken(NumpyNaiveLoaded):
         return _one_future_token_masks(inputs)
 
 
+#: the query chunk of :class:`CausalFromChunkRelativeQueries`
+QUERY_CHUNK = 256
+
+
+class CausalFromChunkRelativeQueries(NumpyNaiveLoaded):
+    """Processes its queries in chunks of QUERY_CHUNK (an xformers-style memory-efficient layer: an outside user's)
+    and builds each chunk's causal mask from the chunk-relative query index (arange(0, end - start)) instead of the
+    absolute one: right on every call of up to 256 queries; past it, query i sees the keys up to i mod 256."""
+
+    def masks(self, inputs):
+        allowed, additive = full_mask(inputs.replace(causal=None))
+        if inputs.causal:
+            offset = causal_offset(inputs.causal, inputs.tq, inputs.tk)
+            relative = np.arange(inputs.tq) % QUERY_CHUNK
+            allowed = _with_mask(allowed, np.arange(inputs.tk)[None, :] <= relative[:, None] + offset)
+        return allowed, additive
+
+
 class CausalExcludesDiagonal(NumpyNaiveLoaded):
     def masks(self, inputs):
         allowed, additive = full_mask(inputs.replace(causal=None))
@@ -999,6 +1017,9 @@ MUTANTS = (
            "causal leak"),
     Mutant("mutant-causal-excludes-diagonal", "causal mask hides the diagonal (query i cannot see key i)",
            CausalExcludesDiagonal, "diagonal"),
+    Mutant("mutant-causal-chunk-relative-queries", "processes queries in chunks of 256 and builds each chunk's causal "
+           "mask from chunk-relative query indices (query i >= 256 sees keys 0..i mod 256)",
+           CausalFromChunkRelativeQueries, "chunk-relative query index"),
     Mutant("mutant-causal-always-top-left", "bottom-right causal treated as top-left when Tq != Tk",
            CausalAlwaysTopLeft, "top-left alignment"),
     Mutant("mutant-causal-offset-negated", "builds the bottom-right causal mask with its diagonal offset negated "
