@@ -22,9 +22,11 @@ from mha_harness.contract.mistakes import (
     ATTENDS_BEFORE_WRITING,
     KV_HEADS_TILED,
     OFFSET_NEGATED,
+    QUERY_CHUNKS,
     WRITTEN_ONE_SLOT_LATE,
     alignment_mistake,
     causal_mask_mistakes,
+    chunk_relative,
     chunk_relative_words,
     explains,
     explains_as_a_scale,
@@ -147,9 +149,9 @@ def _causal_mask_mistakes(inputs, what: str) -> list[tuple]:
                             + (f" ({ATTENDS_BEFORE_WRITING})" if inputs.form == "kv_cache" else ""),
              "inverted": "the causal mask inverted (query i sees only the keys after i: the mask's polarity "
                          "flipped)",
-             "offset_negated": OFFSET_NEGATED}
-    return [(call, words[name] if name in words else chunk_relative_words(int(name.rpartition("_")[2])))
-            for name, call in causal_mask_mistakes(inputs).items()]
+             "offset_negated": OFFSET_NEGATED,
+             **{chunk_relative(chunk): chunk_relative_words(chunk) for chunk in QUERY_CHUNKS}}
+    return [(call, words[name]) for name, call in causal_mask_mistakes(inputs).items()]
 
 
 def _where_to_look(shape: Shape) -> str:

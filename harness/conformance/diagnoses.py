@@ -28,6 +28,7 @@ from mha_harness.contract.mistakes import (
     WRITTEN_ONE_SLOT_LATE,
     alignment_mistake,
     causal_mask_mistakes,
+    chunk_relative,
     chunk_relative_words,
     diagnosis_margin,
     explains,
@@ -118,8 +119,7 @@ def wrong_layer_output(params: AttentionParams, inputs: AttentionInputs, *, spli
     if unrescaled not in ("both", "accumulator", "row_sum"):
         raise ValueError(f"unrescaled: got {unrescaled!r}; accepted: both, accumulator, row_sum")
     top = scores.max(axis=softmax_axis, keepdims=True)
-    with np.errstate(invalid="ignore"):
-        weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
     normaliser = weights  # the row sum's terms, in the same units as the numerators
     if unrescaled_block:
         stale = unrescaled_block_weights(scores, unrescaled_block)
@@ -315,7 +315,7 @@ def causal_hint(got: np.ndarray, params: AttentionParams, inputs: AttentionInput
     if matches(mistake.get("other_alignment")):
         hints.append(f"; the output matches {alignment_mistake(alignment, inputs.form)}")
     hints += [f"; the output matches {chunk_relative_words(chunk)}" for chunk in QUERY_CHUNKS
-              if matches(mistake.get(f"chunk_relative_{chunk}"))]
+              if matches(mistake.get(chunk_relative(chunk)))]
     return _together(hints)
 
 

@@ -237,12 +237,17 @@ def causal_mask_mistakes(inputs: AttentionInputs) -> dict[str, AttentionInputs]:
     for chunk in QUERY_CHUNKS:  # only calls longer than a chunk differ from the right mask
         if chunk < tq:
             relative = np.arange(tq) % chunk
-            calls[f"chunk_relative_{chunk}"] = causal_as(np.arange(tk)[None, :] <= relative[:, None] + offset)
+            calls[chunk_relative(chunk)] = causal_as(np.arange(tk)[None, :] <= relative[:, None] + offset)
     return calls
 
 
 #: the query chunk sizes a causal mask built from chunk-relative query indices is looked for at
 QUERY_CHUNKS = (16, 32, 64, 128, 256, 512)
+
+
+def chunk_relative(chunk: int) -> str:
+    """The name :func:`causal_mask_mistakes` gives the call of a causal mask built per chunk of ``chunk`` queries."""
+    return f"chunk_relative_{chunk}"
 
 
 def chunk_relative_words(chunk: int) -> str:
